@@ -1,0 +1,318 @@
+"""The block-hash rule shared by the server and every watcher.
+
+A *block* is ``block_size`` consecutive tokens of a request. Only full blocks are hashed. Block
+``i``'s hash chains its parent's hash (block ``i - 1``; the *root hash* for block 0), its token ids
+and its *extra keys*::
+
+    root        = H(seed)
+    hash[i]     = H((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_keys[i]))
+
+``extra_keys[i]`` is ``None`` when block ``i`` has none, else a tuple of tagged tuples in the order
+LoRA, multimodal, cache salt (vLLM's order):
+
+* ``("lora", lora_name, lora_path)`` on every block of a LoRA request;
+* ``("mm", identifier)`` for every multimodal input whose placeholder overlaps the block;
+* ``("cache_salt", salt)`` on block 0 only.
+
+``H`` is one of (:data:`HASH_ALGORITHMS`):
+
+* ``sha256_cbor`` (default): SHA-256 of canonical CBOR (RFC 8949 section 4.2.1), reproducible in
+  any language. With the default seed the hashes equal those of a vLLM engine using
+  ``--prefix-caching-hash-algo sha256_cbor`` (checked against vectors measured from vLLM 0.33), so
+  one KV-aware router can index kvservice and vLLM engines together.
+* ``sha256``: SHA-256 of the pickled tuple (vLLM's ``sha256``; Python-only).
+* ``xxhash``: 64-bit XXH3 of canonical CBOR (fast, not collision resistant across tenants).
+
+The seed comes from configuration only; unlike vLLM we never read ``PYTHONHASHSEED``. Python's
+salted builtin ``hash()`` is never used, so the same tokens give the same hashes in every process.
+
+Events publish a hash as an unsigned 64-bit int by default (:func:`block_hash_to_int`: the digest's
+last 8 bytes, big-endian, as vLLM does) or as the raw digest bytes.
+
+This module imports neither torch nor gRPC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+import cbor2
+import xxhash
+
+__all__ = [
+    "BlockHash",
+    "BlockHasher",
+    "DEFAULT_HASH_ALGORITHM",
+    "DEFAULT_HASH_SEED",
+    "HASH_ALGORITHMS",
+    "HashAlgorithm",
+    "LoRA",
+    "MultiModalFeature",
+    "block_event_extra_keys",
+    "block_hash_to_int",
+    "get_hash_fn",
+    "resolve_block_hashes",
+]
+
+BlockHash = bytes
+"""A block hash: the raw digest (32 bytes for sha256*, 8 bytes for xxhash). A hash resolved for a
+group whose block size is ``k`` times the hash block size is ``k`` digests concatenated."""
+
+HashAlgorithm = Literal["sha256_cbor", "sha256", "xxhash"]
+HASH_ALGORITHMS: tuple[str, ...] = ("sha256_cbor", "sha256", "xxhash")
+DEFAULT_HASH_ALGORITHM: HashAlgorithm = "sha256_cbor"
+DEFAULT_HASH_SEED = "vllm-none-hash"
+"""vLLM's root seed for ``sha256_cbor``: ``root = sha256(canonical_cbor("vllm-none-hash"))``."""
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def _sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _xxhash_cbor(obj: Any) -> bytes:
+    return xxhash.xxh3_64_digest(cbor2.dumps(obj, canonical=True))
+
+
+_HASH_FNS: dict[str, Callable[[Any], bytes]] = {
+    "sha256_cbor": _sha256_cbor,
+    "sha256": _sha256_pickle,
+    "xxhash": _xxhash_cbor,
+}
+
+
+def get_hash_fn(algorithm: str) -> Callable[[Any], bytes]:
+    """Return the function mapping a Python value (tuple, bytes, int, str, None) to its digest.
+
+    Raises:
+        ValueError: ``algorithm`` is not one of :data:`HASH_ALGORITHMS` (the message names it).
+    """
+    try:
+        return _HASH_FNS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"hash_algorithm must be one of {', '.join(HASH_ALGORITHMS)}; got {algorithm!r}"
+        ) from None
+
+
+def block_hash_to_int(block_hash: bytes) -> int:
+    """The event form of a hash: its last 8 bytes read as a big-endian unsigned 64-bit int."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRA:
+    """A LoRA adapter a request runs with.
+
+    Attributes:
+        lora_id: the adapter's integer id (published on events as ``lora_id``; not hashed).
+        lora_name: the adapter's name (hashed, and published as ``lora_name``).
+        lora_path: where the adapter was loaded from (hashed; may be None).
+    """
+
+    lora_id: int
+    lora_name: str
+    lora_path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """A multimodal input's placeholder in the prompt.
+
+    Attributes:
+        identifier: the input's content hash (any string that identifies the content).
+        offset: index of its first placeholder token, in tokens.
+        length: number of placeholder tokens.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+
+class BlockHasher:
+    """Computes chained block hashes for one (block_size, algorithm, seed).
+
+    Args:
+        block_size: tokens per hashed block (>= 1).
+        algorithm: one of :data:`HASH_ALGORITHMS`.
+        seed: the root seed; ``root_hash = H(seed)``.
+
+    Raises:
+        ValueError: unknown ``algorithm`` or ``block_size < 1``.
+    """
+
+    __slots__ = ("block_size", "algorithm", "seed", "hash_fn", "root_hash")
+
+    def __init__(
+        self,
+        block_size: int,
+        algorithm: str = DEFAULT_HASH_ALGORITHM,
+        seed: str = DEFAULT_HASH_SEED,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1; got {block_size}")
+        self.block_size = block_size
+        self.algorithm = algorithm
+        self.seed = seed
+        self.hash_fn = get_hash_fn(algorithm)
+        self.root_hash: bytes = self.hash_fn(seed)
+
+    def hash_block(
+        self, parent_block_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None
+    ) -> bytes:
+        """Hash one full block; ``parent_block_hash`` None means block 0 (chains the root hash)."""
+        parent = self.root_hash if parent_block_hash is None else parent_block_hash
+        return self.hash_fn((parent, tuple(token_ids), extra_keys))
+
+    def extend(
+        self,
+        block_hashes: list[bytes],
+        token_ids: Sequence[int],
+        *,
+        lora: LoRA | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
+    ) -> int:
+        """Append the hashes of the full blocks of ``token_ids`` not yet in ``block_hashes``.
+
+        ``block_hashes`` holds the hashes of the first ``len(block_hashes)`` blocks of
+        ``token_ids`` (all the request's tokens so far, prompt then outputs) and is extended in
+        place, so hashes grow incrementally as tokens are appended.
+
+        Returns:
+            The number of hashes appended (blocks).
+        """
+        block_size = self.block_size
+        start = len(block_hashes)
+        end = len(token_ids) // block_size
+        if end <= start:
+            return 0
+        hash_fn = self.hash_fn
+        parent = block_hashes[-1] if start else self.root_hash
+        lora_key = ("lora", lora.lora_name, lora.lora_path) if lora is not None else None
+        simple = lora_key is None and not mm_features and (cache_salt is None or start > 0)
+        for i in range(start, end):
+            lo = i * block_size
+            block_tokens = tuple(token_ids[lo : lo + block_size])
+            if simple:
+                extra_keys = None
+            else:
+                extra_keys = _block_extra_keys(i, lo, block_size, lora_key, cache_salt, mm_features)
+            parent = hash_fn((parent, block_tokens, extra_keys))
+            block_hashes.append(parent)
+        return end - start
+
+    def hash_prompt(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: LoRA | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
+    ) -> list[bytes]:
+        """Hashes of every full block of ``token_ids`` (``len(token_ids) // block_size`` of them)."""
+        block_hashes: list[bytes] = []
+        self.extend(block_hashes, token_ids, lora=lora, cache_salt=cache_salt, mm_features=mm_features)
+        return block_hashes
+
+
+def _block_extra_keys(
+    block_idx: int,
+    start_token: int,
+    block_size: int,
+    lora_key: tuple | None,
+    cache_salt: str | None,
+    mm_features: Sequence[MultiModalFeature],
+) -> tuple | None:
+    keys: list[tuple] = []
+    if lora_key is not None:
+        keys.append(lora_key)
+    end_token = start_token + block_size
+    for feature in mm_features:
+        if feature.offset < end_token and feature.offset + feature.length > start_token:
+            keys.append(("mm", feature.identifier))
+    if cache_salt is not None and block_idx == 0:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def block_event_extra_keys(
+    block_idx: int,
+    block_size: int,
+    *,
+    lora: LoRA | None,
+    cache_salt: str | None,
+    mm_features: Sequence[MultiModalFeature] = (),
+) -> list | None:
+    """The ``extra_keys`` entry vLLM publishes for block ``block_idx`` (untagged), or None.
+
+    Bare LoRA name, ``[identifier, offset]`` per overlapping multimodal input, bare salt on block 0.
+    """
+    keys: list = []
+    if lora is not None:
+        keys.append(lora.lora_name)
+    start_token = block_idx * block_size
+    end_token = start_token + block_size
+    for feature in mm_features:
+        if feature.offset < end_token and feature.offset + feature.length > start_token:
+            keys.append([feature.identifier, feature.offset])
+    if cache_salt is not None and block_idx == 0:
+        keys.append(cache_salt)
+    return keys or None
+
+
+class _MergedBlockHashes(Sequence[bytes]):
+    """A lazy view of hashes at ``scale`` times the hash block size (``scale`` digests joined)."""
+
+    __slots__ = ("_hashes", "_scale")
+
+    def __init__(self, hashes: Sequence[bytes], scale: int) -> None:
+        self._hashes = hashes
+        self._scale = scale
+
+    def __len__(self) -> int:
+        return len(self._hashes) // self._scale
+
+    @overload
+    def __getitem__(self, idx: int) -> bytes: ...
+    @overload
+    def __getitem__(self, idx: slice) -> list[bytes]: ...
+    def __getitem__(self, idx: int | slice) -> bytes | list[bytes]:
+        if isinstance(idx, slice):
+            return [self[i] for i in range(*idx.indices(len(self)))]
+        n = len(self)
+        if idx < 0:
+            idx += n
+        if not 0 <= idx < n:
+            raise IndexError(idx)
+        scale = self._scale
+        return b"".join(self._hashes[idx * scale : (idx + 1) * scale])
+
+
+def resolve_block_hashes(
+    block_hashes: Sequence[bytes], hash_block_size: int, block_size: int
+) -> Sequence[bytes]:
+    """View hashes computed at ``hash_block_size`` tokens as hashes of ``block_size``-token blocks.
+
+    A group whose block size is ``k * hash_block_size`` sees block ``j``'s hash as the
+    concatenation of hashes ``j*k .. j*k+k-1`` (as vLLM's ``BlockHashListWithBlockSize`` does). The
+    view is lazy and follows ``block_hashes`` as it grows.
+
+    Raises:
+        ValueError: ``block_size`` is not a positive multiple of ``hash_block_size``.
+    """
+    if block_size == hash_block_size:
+        return block_hashes
+    if hash_block_size < 1 or block_size < hash_block_size or block_size % hash_block_size:
+        raise ValueError(
+            f"block_size {block_size} must be a multiple of the hash block size {hash_block_size}"
+        )
+    return _MergedBlockHashes(block_hashes, block_size // hash_block_size)

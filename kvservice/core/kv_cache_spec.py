@@ -1,0 +1,422 @@
+"""KV cache specs, their kinds, KV cache groups and named model presets.
+
+A *KV cache spec* describes one attention layer's KV cache page: its block size (tokens per block)
+and the bytes one block of that layer occupies (``page_size_bytes``). Layers with the same spec form
+a *KV cache group*; all groups of a model share one block pool (block ids are global), and each
+group has its own single-type manager (see ``single_type_managers.py``).
+
+The class hierarchy mirrors vLLM's ``vllm/v1/kv_cache_interface.py``; dtypes are names (strings),
+since the core does not import torch (``kvservice.memory`` maps them to torch dtypes).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AttentionSpec",
+    "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
+    "DTYPE_SIZE_BYTES",
+    "EncoderOnlyAttentionSpec",
+    "FullAttentionSpec",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheSpec",
+    "KVCacheSpecKind",
+    "MLAAttentionSpec",
+    "MambaSpec",
+    "ModelPreset",
+    "PRESETS",
+    "SinkFullAttentionSpec",
+    "SlidingWindowMLASpec",
+    "SlidingWindowSpec",
+    "UniformTypeKVCacheSpecs",
+    "dtype_size_bytes",
+    "get_kv_cache_spec_kind",
+    "get_kv_cache_spec_sliding_window",
+    "get_preset",
+]
+
+DTYPE_SIZE_BYTES: Mapping[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+"""Bytes per element of each KV dtype name (torch's names)."""
+
+
+def dtype_size_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype``.
+
+    Raises:
+        ValueError: unknown dtype name (lists the known ones).
+    """
+    try:
+        return DTYPE_SIZE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_SIZE_BYTES)}; got {dtype!r}") from None
+
+
+class KVCacheSpecKind(str, enum.Enum):
+    """The kind of a KV cache group, as published on events and in group metadata."""
+
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
+    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Base spec: one layer's KV page.
+
+    Attributes:
+        block_size: tokens per block.
+    """
+
+    block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block of one layer occupies."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    """An attention layer's K and V pages.
+
+    Attributes:
+        num_kv_heads: KV heads per layer.
+        head_size: elements per head.
+        dtype: element dtype name (see :data:`DTYPE_SIZE_BYTES`).
+    """
+
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "bfloat16"
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``2 (K and V) * block_size * num_kv_heads * head_size * dtype bytes``."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full (causal) attention: every token attends to every earlier token."""
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek): one latent vector per token, no separate K and V.
+
+    ``num_kv_heads`` is 1 and ``head_size`` is the latent width (kv_lora_rank + rope dim).
+    """
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``block_size * num_kv_heads * head_size * dtype bytes`` (no factor 2)."""
+        return self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention with ``sink_len`` learned sink tokens in front of the prompt (tokens)."""
+
+    sink_len: int = 0
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention: a token attends to the previous ``sliding_window`` tokens."""
+
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 token; got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """Sliding-window attention over MLA latents."""
+
+    @property
+    def page_size_bytes(self) -> int:
+        """As :class:`MLAAttentionSpec`."""
+        return self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Chunked local attention (Llama 4): tokens attend within their ``attention_chunk_size``
+    -token chunk only."""
+
+    attention_chunk_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be >= 1 token; got {self.attention_chunk_size}")
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Decoder cross-attention over encoder outputs (encoder-decoder models)."""
+
+
+@dataclass(frozen=True)
+class EncoderOnlyAttentionSpec(AttentionSpec):
+    """Bidirectional encoder-only attention (no KV reuse across steps)."""
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A Mamba (state-space) layer's state: one block holds the whole recurrent state.
+
+    Attributes:
+        shapes: the state tensors' shapes (e.g. conv state, SSM state).
+        dtypes: one dtype name per state tensor.
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Sum over state tensors of ``prod(shape) * dtype bytes``."""
+        return sum(math.prod(s) * dtype_size_bytes(d) for s, d in zip(self.shapes, self.dtypes, strict=True))
+
+
+@dataclass(frozen=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """Several layers' specs of one attention type packed into one group (vLLM's wrapper).
+
+    Attributes:
+        kv_cache_specs: layer name -> that layer's spec; all share ``block_size``.
+    """
+
+    kv_cache_specs: Mapping[str, KVCacheSpec] = field(default_factory=dict)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Sum of the inner specs' page sizes."""
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+
+
+# Subclasses come before their bases, so the first match is the most specific kind.
+_KIND_BY_CLASS: tuple[tuple[type[KVCacheSpec], KVCacheSpecKind], ...] = (
+    (SlidingWindowMLASpec, KVCacheSpecKind.SLIDING_WINDOW_MLA),
+    (SlidingWindowSpec, KVCacheSpecKind.SLIDING_WINDOW),
+    (MLAAttentionSpec, KVCacheSpecKind.MLA_ATTENTION),
+    (SinkFullAttentionSpec, KVCacheSpecKind.SINK_FULL_ATTENTION),
+    (FullAttentionSpec, KVCacheSpecKind.FULL_ATTENTION),
+    (ChunkedLocalAttentionSpec, KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION),
+    (MambaSpec, KVCacheSpecKind.MAMBA),
+    (EncoderOnlyAttentionSpec, KVCacheSpecKind.ENCODER_ONLY_ATTENTION),
+    (CrossAttentionSpec, KVCacheSpecKind.CROSS_ATTENTION),
+)
+
+
+def get_kv_cache_spec_kind(spec: KVCacheSpec) -> KVCacheSpecKind:
+    """The kind of ``spec``.
+
+    Subclasses are checked before their bases (a ``SlidingWindowMLASpec`` is
+    ``sliding_window_mla``, not ``sliding_window``). A :class:`UniformTypeKVCacheSpecs` is
+    unwrapped: one inner kind gives that kind, mixed (or no) inner kinds give ``unknown``. Any
+    other class gives ``unknown``.
+    """
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {get_kv_cache_spec_kind(inner) for inner in spec.kv_cache_specs.values()}
+        return kinds.pop() if len(kinds) == 1 else KVCacheSpecKind.UNKNOWN
+    for cls, kind in _KIND_BY_CLASS:
+        if isinstance(spec, cls):
+            return kind
+    return KVCacheSpecKind.UNKNOWN
+
+
+def get_kv_cache_spec_sliding_window(spec: KVCacheSpec) -> int | None:
+    """The sliding window in tokens for windowed specs, else None.
+
+    Windowed specs are :class:`SlidingWindowSpec` and its subclasses. A
+    :class:`UniformTypeKVCacheSpecs` gives the window its inner specs share, or None when they
+    differ (or none is windowed).
+    """
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        windows = {get_kv_cache_spec_sliding_window(inner) for inner in spec.kv_cache_specs.values()}
+        return windows.pop() if len(windows) == 1 else None
+    if isinstance(spec, SlidingWindowSpec):
+        return spec.sliding_window
+    return None
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """A KV cache group: layers sharing one spec, and therefore one block table per request.
+
+    Attributes:
+        layer_names: the group's layers (``num_layers = len(layer_names)``).
+        kv_cache_spec: the spec every layer of the group has.
+    """
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+    @property
+    def num_layers(self) -> int:
+        """Layers in the group."""
+        return len(self.layer_names)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id occupies in this group: ``page_size_bytes * num_layers``."""
+        return self.kv_cache_spec.page_size_bytes * self.num_layers
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What a block pool holds: ``num_blocks`` block ids shared by all groups.
+
+    Attributes:
+        num_blocks: blocks in the pool, block 0 (the null block) included.
+        kv_cache_groups: the groups, indexed by ``group_idx``.
+    """
+
+    num_blocks: int
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block); got {self.num_blocks}")
+        if not self.kv_cache_groups:
+            raise ValueError("kv_cache_groups must hold at least one group")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id occupies across all groups (each group has its own tensors)."""
+        return sum(group.block_bytes for group in self.kv_cache_groups)
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A named real-model KV layout.
+
+    Attributes:
+        name: the preset's name (``--preset``).
+        description: the model it mimics.
+        max_model_len: the longest request, in tokens.
+        groups: per group, (kind of spec class, number of layers, extra spec kwargs).
+        num_kv_heads, head_size, dtype: shared by the attention layers.
+    """
+
+    name: str
+    description: str
+    max_model_len: int
+    groups: tuple[tuple[type[KVCacheSpec], int, Mapping[str, object]], ...]
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "bfloat16"
+    default_block_size: int = 16
+
+    def kv_cache_groups(self, block_size: int | None = None) -> tuple[KVCacheGroupSpec, ...]:
+        """The preset's groups at ``block_size`` tokens per block (default: the preset's)."""
+        block_size = block_size or self.default_block_size
+        groups = []
+        for group_idx, (spec_cls, num_layers, kwargs) in enumerate(self.groups):
+            if issubclass(spec_cls, MambaSpec):
+                spec: KVCacheSpec = spec_cls(block_size=block_size, **kwargs)  # type: ignore[arg-type]
+            else:
+                spec = spec_cls(  # type: ignore[call-arg]
+                    block_size=block_size,
+                    num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size,
+                    dtype=self.dtype,
+                    **kwargs,
+                )
+            names = tuple(f"group{group_idx}.layer{i}" for i in range(num_layers))
+            groups.append(KVCacheGroupSpec(names, spec))
+        return tuple(groups)
+
+    def kv_cache_config(self, num_blocks: int, block_size: int | None = None) -> KVCacheConfig:
+        """A :class:`KVCacheConfig` of ``num_blocks`` blocks for this preset."""
+        return KVCacheConfig(num_blocks, self.kv_cache_groups(block_size))
+
+
+PRESETS: Mapping[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset(
+            "llama-3-8b",
+            "Llama-3.1-8B: 32 full-attention layers, 8 KV heads x 128, bf16, 128k context",
+            131072,
+            ((FullAttentionSpec, 32, {}),),
+            num_kv_heads=8,
+            head_size=128,
+        ),
+        ModelPreset(
+            "qwen-2.5-0.5b",
+            "Qwen2.5-0.5B: 24 full-attention layers, 2 KV heads x 64, bf16, 32k context",
+            32768,
+            ((FullAttentionSpec, 24, {}),),
+            num_kv_heads=2,
+            head_size=64,
+        ),
+        ModelPreset(
+            "gemma-3-27b",
+            "Gemma-3-27B: 10 full-attention + 52 sliding-window (1024 tokens) layers, "
+            "16 KV heads x 128, bf16, 128k context",
+            131072,
+            ((FullAttentionSpec, 10, {}), (SlidingWindowSpec, 52, {"sliding_window": 1024})),
+            num_kv_heads=16,
+            head_size=128,
+        ),
+        ModelPreset(
+            "llama-4-scout",
+            "Llama-4-Scout: 12 full-attention + 36 chunked-local (8192 tokens) layers, "
+            "8 KV heads x 128, bf16, 128k context",
+            131072,
+            ((FullAttentionSpec, 12, {}), (ChunkedLocalAttentionSpec, 36, {"attention_chunk_size": 8192})),
+            num_kv_heads=8,
+            head_size=128,
+        ),
+        ModelPreset(
+            "deepseek-v3",
+            "DeepSeek-V3: 61 MLA layers, latent 512 + rope 64, bf16, 128k context, block size 64",
+            131072,
+            ((MLAAttentionSpec, 61, {}),),
+            num_kv_heads=1,
+            head_size=576,
+            default_block_size=64,
+        ),
+    )
+}
+"""Named presets for real model KV layouts (``--preset``)."""
+
+
+def get_preset(name: str) -> ModelPreset:
+    """The preset called ``name``.
+
+    Raises:
+        ValueError: unknown name (lists the known ones).
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {name!r}") from None

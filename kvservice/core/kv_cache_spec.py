@@ -131,6 +131,10 @@ class MLAAttentionSpec(FullAttentionSpec):
     ``num_kv_heads`` is 1 and ``head_size`` is the latent width (kv_lora_rank + rope dim).
     """
 
+    def __post_init__(self) -> None:
+        if self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads must be 1 for MLA; got {self.num_kv_heads}")
+
     @property
     def page_size_bytes(self) -> int:
         """``block_size * num_kv_heads * head_size * dtype bytes`` (no factor 2)."""
@@ -157,7 +161,12 @@ class SlidingWindowSpec(AttentionSpec):
 
 @dataclass(frozen=True)
 class SlidingWindowMLASpec(SlidingWindowSpec):
-    """Sliding-window attention over MLA latents."""
+    """Sliding-window attention over MLA latents (``num_kv_heads`` is 1)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads must be 1 for MLA; got {self.num_kv_heads}")
 
     @property
     def page_size_bytes(self) -> int:
@@ -286,7 +295,10 @@ class KVCacheGroupSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block id occupies in this group: ``page_size_bytes * num_layers``."""
+        """Bytes one block id occupies in this group: ``page_size_bytes * num_layers``, or, for a
+        :class:`UniformTypeKVCacheSpecs` (one inner spec per layer), its ``page_size_bytes``."""
+        if isinstance(self.kv_cache_spec, UniformTypeKVCacheSpecs):
+            return self.kv_cache_spec.page_size_bytes
         return self.kv_cache_spec.page_size_bytes * self.num_layers
 
 

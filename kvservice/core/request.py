@@ -1,0 +1,143 @@
+"""Per-request state the cache manager reads: tokens, block hashes, progress, and reporting options."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+
+from kvservice_client.hashing import BlockHasher, LoRA, MultiModalFeature
+
+__all__ = ["KVCacheReportMode", "Request"]
+
+
+class KVCacheReportMode(str, enum.Enum):
+    """How a request's prefix-cache reuse is reported on the event stream.
+
+    * ``incremental`` (default): only blocks that become newly cached are reported.
+    * ``full``: blocks the request reuses from the prefix cache are reported too, once per
+      admission, as BlockStored marked ``reused`` (DESIGN, invariant 5).
+    """
+
+    INCREMENTAL = "incremental"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: str | KVCacheReportMode) -> KVCacheReportMode:
+        """Parse a mode name.
+
+        Raises:
+            ValueError: ``value`` is not "incremental" or "full" (the message names the value).
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"kv_cache_report_mode must be 'incremental' or 'full'; got {value!r}"
+            ) from None
+
+
+class Request:
+    """A request as the cache manager sees it.
+
+    Block hashes are computed at the manager's hash block size as soon as the request is created
+    and extended as output tokens are appended (only full blocks are hashed).
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt, in tokens.
+        block_hasher: the manager's hasher (``KVCacheManager.block_hasher``); None = no hashes
+            (prefix caching off).
+        lora: the LoRA adapter, or None.
+        cache_salt: isolates this request's prefix cache (hashed into block 0), or None.
+        mm_features: multimodal placeholders in the prompt.
+        session_id: echoed on the BlockStored events this request triggers; never hashed, never
+            used for hits, eviction or scheduling.
+        kv_cache_report_mode: "incremental" (default) or "full".
+
+    Raises:
+        ValueError: unknown ``kv_cache_report_mode`` (the message names the value).
+
+    Attributes:
+        all_token_ids: prompt then appended outputs, in tokens.
+        block_hashes: hash of every full block of ``all_token_ids`` at the hash block size.
+        num_computed_tokens: tokens whose KV is computed (or scheduled); advanced by the caller
+            after each successful allocation, as vLLM's scheduler does.
+    """
+
+    __slots__ = (
+        "request_id",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "block_hashes",
+        "num_computed_tokens",
+        "lora",
+        "cache_salt",
+        "mm_features",
+        "session_id",
+        "kv_cache_report_mode",
+        "_block_hasher",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        *,
+        block_hasher: BlockHasher | None,
+        lora: LoRA | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
+        session_id: str | None = None,
+        kv_cache_report_mode: str | KVCacheReportMode = KVCacheReportMode.INCREMENTAL,
+    ) -> None:
+        self.kv_cache_report_mode = KVCacheReportMode.parse(kv_cache_report_mode)
+        self.request_id = request_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.lora = lora
+        self.cache_salt = cache_salt
+        self.mm_features = tuple(mm_features)
+        self.session_id = session_id
+        self.num_computed_tokens = 0
+        self._block_hasher = block_hasher
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens so far (prompt + outputs)."""
+        return len(self.all_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids."""
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def report_reuse(self) -> bool:
+        """Whether prefix-cache reuse is reported (full mode)."""
+        return self.kv_cache_report_mode is KVCacheReportMode.FULL
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append generated tokens and hash any block they complete."""
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self._block_hasher.extend(
+                self.block_hashes,
+                self.all_token_ids,
+                lora=self.lora,
+                cache_salt=self.cache_salt,
+                mm_features=self.mm_features,
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )

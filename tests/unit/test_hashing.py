@@ -1,0 +1,124 @@
+"""The block-hash rule: vLLM's vectors, determinism, extra keys, incremental growth, resolution."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvservice_client.hashing import (
+    DEFAULT_HASH_SEED,
+    BlockHasher,
+    LoRA,
+    MultiModalFeature,
+    block_hash_to_int,
+    resolve_block_hashes,
+)
+from tests.conftest import VECTORS_DIR
+
+VECTORS = json.loads((VECTORS_DIR / "vllm_sha256_cbor_block_hashes.json").read_text())
+
+
+def test_root_hash_is_vllm_none_hash():
+    hasher = BlockHasher(4)
+    assert hasher.seed == DEFAULT_HASH_SEED == VECTORS["none_hash_seed"]
+    assert hasher.root_hash.hex() == VECTORS["none_hash_hex"]
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda c: c["name"])
+def test_vllm_sha256_cbor_vectors(case):
+    hasher = BlockHasher(case["block_size"])
+    lora = LoRA(1, case["lora"]["name"], case["lora"]["path"]) if case["lora"] else None
+    hashes = hasher.hash_prompt(case["token_ids"], lora=lora, cache_salt=case["cache_salt"])
+    assert [h.hex() for h in hashes] == case["block_hashes_hex"]
+    assert [block_hash_to_int(h) for h in hashes] == case["block_hashes_int64"]
+
+
+def test_vector_extra_keys_match_rule():
+    # The per-block extra keys the vectors list are the tagged tuples the rule hashes.
+    case = next(c for c in VECTORS["cases"] if c["lora"])
+    hasher = BlockHasher(4)
+    lora = LoRA(7, "adapter-a", "/path/a")
+    manual = []
+    parent = None
+    for i, keys in enumerate(case["extra_keys_per_block"]):
+        parent = hasher.hash_block(parent, case["token_ids"][i * 4 : (i + 1) * 4], tuple(tuple(k) for k in keys))
+        manual.append(parent)
+    assert manual == hasher.hash_prompt(case["token_ids"], lora=lora)
+
+
+def test_hash_changes_with_lora_salt_seed_and_algorithm_not_with_lora_id():
+    tokens = list(range(1, 9))
+    base = BlockHasher(4).hash_prompt(tokens)
+    assert BlockHasher(4).hash_prompt(tokens, lora=LoRA(1, "a", "/p")) != base
+    assert BlockHasher(4).hash_prompt(tokens, lora=LoRA(1, "a", "/p")) == BlockHasher(4).hash_prompt(
+        tokens, lora=LoRA(2, "a", "/p")
+    )
+    salted = BlockHasher(4).hash_prompt(tokens, cache_salt="s")
+    assert salted[0] != base[0] and salted[1] != base[1]  # block 1 differs through its parent
+    assert BlockHasher(4, seed="other").hash_prompt(tokens) != base
+    assert BlockHasher(4, "sha256").hash_prompt(tokens) != base
+    xx = BlockHasher(4, "xxhash").hash_prompt(tokens)
+    assert [len(h) for h in xx] == [8, 8]
+
+
+def test_multimodal_feature_enters_overlapping_blocks_only():
+    tokens = list(range(12))
+    plain = BlockHasher(4).hash_prompt(tokens)
+    mm = BlockHasher(4).hash_prompt(tokens, mm_features=[MultiModalFeature("img0", offset=5, length=2)])
+    assert mm[0] == plain[0]
+    assert mm[1] != plain[1] and mm[2] != plain[2]
+
+
+def test_unknown_algorithm_and_bad_block_size():
+    with pytest.raises(ValueError, match="hash_algorithm must be one of sha256_cbor, sha256, xxhash; got 'md5'"):
+        BlockHasher(4, "md5")
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        BlockHasher(0)
+
+
+def test_incremental_extension_equals_one_shot():
+    hasher = BlockHasher(4)
+    tokens = list(range(1, 23))
+    hashes: list[bytes] = []
+    for n in range(0, len(tokens) + 1, 3):
+        hasher.extend(hashes, tokens[:n])
+    hasher.extend(hashes, tokens)
+    assert hashes == hasher.hash_prompt(tokens)
+    assert len(hashes) == 5
+
+
+@pytest.mark.parametrize("algorithm", ["sha256_cbor", "sha256", "xxhash"])
+def test_hashes_equal_across_processes(algorithm):
+    code = (
+        "from kvservice_client.hashing import BlockHasher, LoRA;"
+        f"print([h.hex() for h in BlockHasher(4, {algorithm!r}).hash_prompt(list(range(50)), "
+        "lora=LoRA(1, 'x', '/x'), cache_salt='s')])"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1
+    here = [h.hex() for h in BlockHasher(4, algorithm).hash_prompt(list(range(50)), lora=LoRA(1, "x", "/x"), cache_salt="s")]
+    assert outs.pop().strip() == str(here)
+
+
+def test_resolve_block_hashes_merges_multiples_and_rejects_other_ratios():
+    hashes = BlockHasher(4).hash_prompt(list(range(20)))  # 5 blocks of 4
+    assert resolve_block_hashes(hashes, 4, 4) is hashes
+    merged = resolve_block_hashes(hashes, 4, 8)
+    assert len(merged) == 2
+    assert merged[0] == hashes[0] + hashes[1] and merged[1] == hashes[2] + hashes[3]
+    assert merged[-1] == merged[1] and merged[0:2] == [merged[0], merged[1]]
+    hashes.extend(BlockHasher(4).hash_prompt(list(range(24)))[5:])  # the view follows growth
+    assert len(merged) == 3
+    with pytest.raises(IndexError):
+        merged[3]
+    for bad in (6, 2):
+        with pytest.raises(ValueError, match=f"block_size {bad} must be a multiple of the hash block size 4"):
+            resolve_block_hashes(hashes, 4, bad)

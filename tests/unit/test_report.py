@@ -1,0 +1,217 @@
+"""The replay report model and its renderings (kvservice.replay.report)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvservice.replay.report import (
+    REPORT_SCHEMA,
+    AgreementStats,
+    LatencySummary,
+    ModeReport,
+    ReplayReport,
+    latency_percentiles,
+    plot_agreement,
+    read_json,
+    render_table,
+    rolling_exact_match_pct,
+    write_json,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _mode(name: str, series: list[tuple[int, int, int]], **overrides: object) -> ModeReport:
+    fields: dict[str, object] = dict(
+        mode=name,
+        num_requests=len(series),
+        num_prompt_tokens=12_000,
+        num_hit_tokens=3_000,
+        num_prompt_blocks=750,
+        num_hit_blocks=180,
+        agreement=AgreementStats.from_series(series),
+        num_events=4_321,
+        num_batches=987,
+        num_preemptions=2,
+        rpc_latency=LatencySummary.from_samples([0.25, 0.5, 0.75, 1.0, 4.0]),
+        wall_time_s=3.5,
+        mirror_capacity_blocks=2_048,
+        pool_size_blocks=2_048,
+        series=series,
+    )
+    fields.update(overrides)
+    return ModeReport(**fields)  # type: ignore[arg-type]
+
+
+SERIES_INC = [(0, 0, 0), (1, 2, 2), (2, 3, 5), (3, 4, 4), (4, 1, 0)]
+SERIES_FULL = [(0, 0, 0), (1, 2, 2), (2, 5, 5), (3, 4, 4), (4, 0, 0)]
+
+
+def _report(**overrides: object) -> ReplayReport:
+    fields: dict[str, object] = dict(
+        trace_path="/tmp/traces/mooncake_conversation_sample.jsonl",
+        num_trace_lines=5,
+        preset="llama3-8b",
+        block_size=16,
+        num_blocks=2_048,
+        modes=[_mode("incremental", SERIES_INC), _mode("full", SERIES_FULL)],
+        late_watcher_agreement=AgreementStats.from_pairs([3, 3], [3, 4]),
+        ideal_hit_rate_tokens_pct=25.0,
+        metadata={"hash_algorithm": "sha256_cbor", "kvservice": "0.1.0", "seed": None},
+    )
+    fields.update(overrides)
+    return ReplayReport(**fields)  # type: ignore[arg-type]
+
+
+def test_agreement_stats_exact() -> None:
+    a = AgreementStats.from_series(SERIES_INC)
+    # |0-0| + |2-2| + |3-5| + |4-4| + |1-0| = 3 over 5 requests.
+    assert a == AgreementStats(
+        num_compared=5,
+        num_exact=3,
+        mean_abs_error_blocks=0.6,
+        mean_predicted_blocks=2.0,
+        mean_actual_blocks=2.2,
+    )
+    assert a.exact_match_pct == 60.0
+    empty = AgreementStats.from_pairs([], [])
+    assert (empty.num_compared, empty.exact_match_pct) == (0, None)
+    with pytest.raises(ValueError, match="2 predictions but 1 actual"):
+        AgreementStats.from_pairs([1, 2], [1])
+
+
+def test_latency_percentiles_and_summary() -> None:
+    assert latency_percentiles([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, 3.97), abs=1e-12)
+    assert latency_percentiles([5.0], (0, 50, 100)) == (5.0, 5.0, 5.0)
+    with pytest.raises(ValueError, match="no latency samples"):
+        latency_percentiles([])
+    with pytest.raises(ValueError, match="0..100"):
+        latency_percentiles([1.0], (101,))
+    summary = LatencySummary.from_samples([0.25, 0.5, 0.75, 1.0, 4.0])
+    assert summary.num_samples == 5
+    assert summary.p50_ms == 0.75 and summary.max_ms == 4.0
+    assert summary.p99_ms == pytest.approx(3.88)
+    assert LatencySummary.from_samples([]) == LatencySummary(0, None, None, None)
+
+
+def test_mode_hit_rates() -> None:
+    m = _mode("incremental", SERIES_INC)
+    assert (m.hit_rate_tokens_pct, m.hit_rate_blocks_pct) == (25.0, 24.0)
+    zero = _mode("full", [], num_prompt_tokens=0, num_prompt_blocks=0, num_hit_tokens=0)
+    assert (zero.hit_rate_tokens_pct, zero.hit_rate_blocks_pct) == (None, None)
+
+
+def test_report_validates_modes() -> None:
+    with pytest.raises(ValueError, match="one or two modes; got 0"):
+        _report(modes=[])
+    with pytest.raises(ValueError, match="one or two modes; got 3"):
+        _report(modes=[_mode(n, []) for n in ("a", "b", "c")])
+    with pytest.raises(ValueError, match="mode named twice"):
+        _report(modes=[_mode("full", []), _mode("full", [])])
+    report = _report()
+    assert report.mode("full").series == SERIES_FULL
+    with pytest.raises(KeyError):
+        report.mode("partial")
+
+
+def test_rolling_exact_match_exact_values() -> None:
+    x, rate = rolling_exact_match_pct(SERIES_INC, 2)
+    assert x.tolist() == [0, 1, 2, 3, 4]
+    # exact: 1 1 0 1 0 -> windows of 2 (the first over 1 request).
+    assert rate.tolist() == [100.0, 100.0, 50.0, 50.0, 50.0]
+    _, rate = rolling_exact_match_pct(SERIES_INC, 10)
+    assert np.allclose(rate, [100.0, 100.0, 200 / 3, 75.0, 60.0])
+    x, rate = rolling_exact_match_pct([], 5)
+    assert len(x) == len(rate) == 0
+    with pytest.raises(ValueError):
+        rolling_exact_match_pct(SERIES_INC, 0)
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    report = _report()
+    path = write_json(report, tmp_path / "out" / "report.json")
+    assert path == tmp_path / "out" / "report.json"
+    assert read_json(path) == report
+    data = json.loads(path.read_text())
+    assert data["schema"] == REPORT_SCHEMA
+    assert [m["mode"] for m in data["modes"]] == ["incremental", "full"]
+    inc = data["modes"][0]
+    assert inc["hit_rate_tokens_pct"] == 25.0 and inc["agreement"]["exact_match_pct"] == 60.0
+    assert inc["series"] == [[0, 0, 0], [1, 2, 2], [2, 3, 5], [3, 4, 4], [4, 1, 0]]
+    assert data["late_watcher_agreement"]["num_exact"] == 1
+    # The series is written on one line.
+    assert '"series": [[0,0,0],[1,2,2],[2,3,5],[3,4,4],[4,1,0]]' in path.read_text()
+    # One mode, no late watcher, empty series, no latency samples.
+    single = _report(
+        modes=[_mode("full", [], rpc_latency=LatencySummary.from_samples([]))],
+        late_watcher_agreement=None,
+        ideal_hit_rate_tokens_pct=None,
+        metadata={},
+    )
+    assert read_json(write_json(single, tmp_path / "single.json")) == single
+
+
+def test_read_json_rejects_unknown_schema(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"schema": "something/v9"}))
+    with pytest.raises(ValueError, match="unknown report schema"):
+        read_json(path)
+
+
+def test_render_table_both_modes_side_by_side() -> None:
+    text = render_table(_report())
+    lines = text.splitlines()
+    assert lines[0] == "kvservice replay: mooncake_conversation_sample.jsonl (5 lines)"
+    assert lines[1] == "preset llama3-8b, block_size 16 tokens, num_blocks 2,048"
+    header = next(line for line in lines if "metric" in line)
+    assert header.index("incremental") < header.index("full")
+
+    def row(label: str) -> list[str]:
+        line = next(line for line in lines if line.startswith(f"│ {label}"))
+        return [cell.strip() for cell in line.strip("│").split("│")][1:]
+
+    assert row("prefix hit rate (tokens)") == ["25.00 %", "25.00 %"]
+    assert row("prefix hit rate (blocks)") == ["24.00 %", "24.00 %"]
+    assert row("exact match") == ["60.00 % of 5", "100.00 % of 5"]
+    assert row("mean abs error (blocks)") == ["0.600", "0.000"]
+    assert row("mean depth predicted / actual") == ["2.00 / 2.20", "2.20 / 2.20"]
+    assert row("events / batches") == ["4,321 / 987", "4,321 / 987"]
+    assert row("RPC latency p50 / p99 (ms)") == ["0.750 / 3.880", "0.750 / 3.880"]
+    assert row("mirror capacity / pool size") == ["2,048 / 2,048", "2,048 / 2,048"]
+    assert "ideal prefix hit rate, infinite cache (tokens): 25.00 %" in text
+    assert (
+        "late watcher (joined by snapshot): exact match 50.00 % of 2, mean abs error 0.500 blocks"
+        in text
+    )
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_render_table_single_mode_and_markup_safe() -> None:
+    report = _report(
+        trace_path="/x/[bold]trace.jsonl",
+        modes=[_mode("full", SERIES_FULL)],
+        late_watcher_agreement=None,
+        ideal_hit_rate_tokens_pct=None,
+    )
+    text = render_table(report)
+    assert "[bold]trace.jsonl" in text
+    header = next(line for line in text.splitlines() if "metric" in line)
+    assert "full" in header and "incremental" not in header
+    assert "late watcher" not in text and "ideal" not in text
+
+
+def test_plot_agreement_writes_png(tmp_path: Path) -> None:
+    series = [(i, i % 5, i % 5 + (i % 7 == 0)) for i in range(200)]
+    report = _report(modes=[_mode("incremental", series), _mode("full", SERIES_FULL)])
+    path = plot_agreement(report, tmp_path / "plots" / "agreement.png", window=20)
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert path.stat().st_size > 10_000
+    # A mode without a series still plots (labelled "no data").
+    empty = _report(modes=[_mode("full", [])])
+    assert plot_agreement(empty, tmp_path / "empty.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError):
+        plot_agreement(report, tmp_path / "bad.png", window=0)

@@ -126,6 +126,21 @@ class Request:
             self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
+    def truncate_tokens(self, num_tokens: int) -> None:
+        """Drop tokens beyond the first ``num_tokens`` (and the hashes of blocks they completed).
+
+        Used to undo an append when the call that carried it changes nothing. Never cuts into the
+        prompt or into computed tokens.
+
+        Raises:
+            ValueError: ``num_tokens`` is below the prompt length or the computed tokens.
+        """
+        if num_tokens < max(self.num_prompt_tokens, self.num_computed_tokens):
+            raise ValueError(f"cannot truncate to {num_tokens} tokens: prompt or computed tokens would be lost")
+        del self.all_token_ids[num_tokens:]
+        if self._block_hasher is not None:
+            del self.block_hashes[num_tokens // self._block_hasher.block_size :]
+
     def _update_block_hashes(self) -> None:
         if self._block_hasher is not None:
             self._block_hasher.extend(

@@ -1,0 +1,347 @@
+"""The scheduler-facing engine: the cache manager plus the table of requests it serves.
+
+A remote scheduler cannot hand the manager its own ``Request`` objects, so the engine keeps them:
+``get_computed_blocks`` registers a request (waiting), its first successful ``allocate_slots``
+admits it (running), ``free`` forgets it. Every call validates all of its fields before it changes
+anything, so a call that raises leaves the cache, the request table and the event queue exactly as
+they were. The gRPC servicer is a thin shell over this class (unary calls and ``Step`` ops go
+through the same methods).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvservice.core.errors import InvalidArgumentError, RequestAlreadyExistsError, RequestNotFoundError, CapacityExceededError
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.request import KVCacheReportMode, Request
+from kvservice_client.events import KVCacheEvent
+from kvservice_client.hashing import LoRA, MultiModalFeature
+
+__all__ = ["AllocateResult", "ComputedBlocksResult", "EngineLimits", "KVCacheEngine", "Usage"]
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Bounds checked at the edge.
+
+    Attributes:
+        max_request_id_bytes: longest request id, in UTF-8 bytes.
+        max_num_requests: registered requests (waiting + running) at once.
+        max_string_bytes: longest session id, cache salt, LoRA name/path or multimodal identifier.
+    """
+
+    max_request_id_bytes: int = 256
+    max_num_requests: int = 65536
+    max_string_bytes: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocksResult:
+    """A prefix-cache lookup.
+
+    Attributes:
+        num_computed_tokens: the hit, in tokens.
+        block_ids: per group, the hit's block ids (0 = null placeholder).
+    """
+
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateResult:
+    """What one ``allocate_slots`` did.
+
+    Attributes:
+        allocated: False when the pool had too few free blocks (no block allocated, no token
+            appended, nothing cached or emitted).
+        new_block_ids: per group, block ids appended to the request's table.
+        num_new_computed_tokens: the prefix-cache hit used on admission, in tokens (else 0).
+        computed_block_ids: per group, the hit's block ids on admission (else empty lists).
+        num_scheduled_tokens: tokens scheduled this step.
+        num_computed_tokens: the request's computed tokens after this step.
+        num_tokens: the request's tokens (prompt + appended).
+    """
+
+    allocated: bool
+    new_block_ids: tuple[list[int], ...]
+    num_new_computed_tokens: int
+    computed_block_ids: tuple[list[int], ...]
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Pool usage and prefix-cache counters (units in the names: blocks, tokens, requests)."""
+
+    usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_cached_blocks: int
+    prefix_cache_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running_requests: int
+    num_waiting_requests: int
+
+
+def check_token_ids(field: str, token_ids: Sequence[int]) -> None:
+    """Raise InvalidArgumentError unless every id is in ``0 .. 2^31 - 1``."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+        bad = next(t for t in token_ids if t < 0 or t > MAX_TOKEN_ID)
+        raise InvalidArgumentError(field, f"token id {bad} outside 0..{MAX_TOKEN_ID}")
+
+
+def _check_string(field: str, value: str | None, max_bytes: int, *, allow_empty: bool = True) -> None:
+    if value is None:
+        return
+    if not allow_empty and not value:
+        raise InvalidArgumentError(field, "must not be empty")
+    if len(value.encode()) > max_bytes:
+        raise InvalidArgumentError(field, f"longer than {max_bytes} bytes")
+
+
+class KVCacheEngine:
+    """The manager and its request table.
+
+    Args:
+        manager: the cache manager (one pool, one or more groups).
+        limits: bounds checked at the edge.
+
+    Attributes:
+        requests: request id -> request (waiting or running).
+        running: ids of admitted requests (holding blocks).
+    """
+
+    def __init__(self, manager: KVCacheManager, limits: EngineLimits = EngineLimits()) -> None:
+        self.manager = manager
+        self.limits = limits
+        self.requests: dict[str, Request] = {}
+        self.running: set[str] = set()
+        self._no_blocks: tuple[list[int], ...] = tuple([] for _ in range(manager.num_groups))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request, in tokens."""
+        return self.manager.max_model_len
+
+    # -- scheduler calls --------------------------------------------------------------------
+
+    def get_computed_blocks(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        session_id: str | None = None,
+        kv_cache_report_mode: str | KVCacheReportMode = KVCacheReportMode.INCREMENTAL,
+        lora: LoRA | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
+    ) -> ComputedBlocksResult:
+        """Register the request on first sight (waiting) and look up its prefix-cache hit.
+
+        Repeating the call for a waiting request with the same prompt and options looks up again.
+
+        Raises:
+            InvalidArgumentError: a field out of range (request_id empty or too long; prompt empty,
+                longer than max_model_len or with an id outside 0..2^31-1; bad report mode, LoRA,
+                salt, session or multimodal placeholder).
+            RequestAlreadyExistsError: the id is running, or waiting with another prompt/options.
+            CapacityExceededError: max_num_requests requests are registered.
+        """
+        self._check_request_id(request_id)
+        n = len(prompt_token_ids)
+        if not 1 <= n <= self.max_model_len:
+            raise InvalidArgumentError("prompt_token_ids", f"length {n} outside 1..{self.max_model_len} (max_model_len)")
+        check_token_ids("prompt_token_ids", prompt_token_ids)
+        limit = self.limits.max_string_bytes
+        _check_string("session_id", session_id, limit)
+        _check_string("cache_salt", cache_salt, limit)
+        if lora is not None:
+            _check_string("lora.lora_name", lora.lora_name, limit, allow_empty=False)
+            _check_string("lora.lora_path", lora.lora_path, limit)
+            if lora.lora_id < 0:
+                raise InvalidArgumentError("lora.lora_id", f"{lora.lora_id} is negative")
+        for i, feature in enumerate(mm_features):
+            _check_string(f"mm_features[{i}].identifier", feature.identifier, limit, allow_empty=False)
+            if feature.length < 1 or feature.offset < 0 or feature.offset + feature.length > n:
+                raise InvalidArgumentError(
+                    f"mm_features[{i}]",
+                    f"placeholder [{feature.offset}, {feature.offset + feature.length}) must be non-empty and "
+                    f"within the prompt (0..{n})",
+                )
+        try:
+            mode = KVCacheReportMode.parse(kv_cache_report_mode)
+        except ValueError as e:
+            raise InvalidArgumentError("kv_cache_report_mode", str(e).split("; ", 1)[-1]) from None
+
+        request = self.requests.get(request_id)
+        if request is not None:
+            if request_id in self.running:
+                raise RequestAlreadyExistsError(f"request_id {request_id!r} is already running")
+            same = (
+                request.prompt_token_ids == list(prompt_token_ids)
+                and request.session_id == session_id
+                and request.kv_cache_report_mode is mode
+                and request.lora == lora
+                and request.cache_salt == cache_salt
+                and request.mm_features == tuple(mm_features)
+            )
+            if not same:
+                raise RequestAlreadyExistsError(
+                    f"request_id {request_id!r} is already registered with another prompt or options"
+                )
+        else:
+            if len(self.requests) >= self.limits.max_num_requests:
+                raise CapacityExceededError(
+                    f"max_num_requests: {self.limits.max_num_requests} requests are registered; free some first"
+                )
+            request = self.manager.new_request(
+                request_id,
+                prompt_token_ids,
+                session_id=session_id,
+                kv_cache_report_mode=mode,
+                lora=lora,
+                cache_salt=cache_salt,
+                mm_features=mm_features,
+            )
+            self.requests[request_id] = request
+        blocks, num_computed_tokens = self.manager.get_computed_blocks(request)
+        return ComputedBlocksResult(num_computed_tokens, blocks.get_block_ids())
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        *,
+        num_lookahead_tokens: int = 0,
+        new_token_ids: Sequence[int] = (),
+    ) -> AllocateResult:
+        """Append ``new_token_ids``, then allocate slots for up to ``num_new_tokens`` tokens.
+
+        On admission (the request's first successful call) the prefix-cache hit is looked up
+        again and used as it is now (it may have shrunk since GetComputedBlocks). The tokens
+        scheduled are ``min(num_new_tokens, tokens not yet computed)``; on success the request's
+        ``num_computed_tokens`` advances by them (the caller runs them this step).
+
+        Raises:
+            InvalidArgumentError: num_new_tokens outside 1..max_model_len, num_lookahead_tokens
+                above max_model_len, a new token id outside 0..2^31-1, the request would exceed
+                max_model_len, or it has no uncomputed token to schedule.
+            RequestNotFoundError: unknown request id.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            self._check_request_id(request_id)
+            raise RequestNotFoundError(request_id)
+        max_len = self.max_model_len
+        if not 1 <= num_new_tokens <= max_len:
+            raise InvalidArgumentError("num_new_tokens", f"{num_new_tokens} outside 1..{max_len} (max_model_len)")
+        if not 0 <= num_lookahead_tokens <= max_len:
+            raise InvalidArgumentError("num_lookahead_tokens", f"{num_lookahead_tokens} outside 0..{max_len}")
+        check_token_ids("new_token_ids", new_token_ids)
+        num_tokens_before = request.num_tokens
+        num_tokens = num_tokens_before + len(new_token_ids)
+        if num_tokens > max_len:
+            raise InvalidArgumentError(
+                "new_token_ids", f"request would hold {num_tokens} tokens, above max_model_len {max_len}"
+            )
+        admitted = request_id in self.running
+        if admitted and num_tokens == request.num_computed_tokens:
+            raise InvalidArgumentError(
+                "num_new_tokens",
+                f"all {num_tokens} tokens of {request_id!r} are computed; append new_token_ids first",
+            )
+        if new_token_ids:
+            request.append_output_token_ids(new_token_ids)
+        manager = self.manager
+        if admitted:
+            hit_tokens, hit_blocks = 0, None
+            computed_block_ids = self._no_blocks
+            num_scheduled = min(num_new_tokens, num_tokens - request.num_computed_tokens)
+        else:
+            hit_blocks, hit_tokens = manager.find_longest_cache_hit(request)
+            computed_block_ids = hit_blocks.get_block_ids()
+            num_scheduled = min(num_new_tokens, num_tokens - hit_tokens)
+        new_blocks = manager.allocate_slots(request, num_scheduled, hit_tokens, hit_blocks, num_lookahead_tokens)
+        if new_blocks is None:
+            request.truncate_tokens(num_tokens_before)
+            return AllocateResult(
+                False, self._no_blocks, 0, self._no_blocks, 0, request.num_computed_tokens, request.num_tokens
+            )
+        request.num_computed_tokens += hit_tokens + num_scheduled
+        self.running.add(request_id)
+        return AllocateResult(
+            True,
+            new_blocks.get_block_ids(),
+            hit_tokens,
+            computed_block_ids,
+            num_scheduled,
+            request.num_computed_tokens,
+            num_tokens,
+        )
+
+    def free(self, request_id: str) -> int:
+        """Free the request's blocks (tail first) and forget it.
+
+        Returns:
+            Blocks whose ref count dropped.
+
+        Raises:
+            RequestNotFoundError: unknown request id.
+            InvalidArgumentError: malformed request id.
+        """
+        self._check_request_id(request_id)
+        if self.requests.pop(request_id, None) is None:
+            raise RequestNotFoundError(request_id)
+        self.running.discard(request_id)
+        return self.manager.free(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache if no block is held (one AllBlocksCleared); else False."""
+        return self.manager.reset_prefix_cache()
+
+    def get_usage(self) -> Usage:
+        """Current usage and counters."""
+        pool = self.manager.block_pool
+        stats = self.manager.prefix_cache_stats
+        return Usage(
+            usage=pool.get_usage(),
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_total_blocks=pool.num_blocks - 1,
+            num_cached_blocks=pool.get_num_cached_blocks(),
+            prefix_cache_requests=stats.requests,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_running_requests=len(self.running),
+            num_waiting_requests=len(self.requests) - len(self.running),
+        )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The manager's annotated events since the last take."""
+        return self.manager.take_events()
+
+    def check_invariants(self) -> None:
+        """The manager's invariants, plus: only running requests hold blocks.
+
+        Raises:
+            AssertionError: naming the broken invariant.
+        """
+        self.manager.check_invariants()
+        for manager in self.manager.coordinator.managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                assert request_id in self.running or not any(not b.is_null for b in blocks), (
+                    f"{request_id} holds blocks but is not running"
+                )
+
+    def _check_request_id(self, request_id: str) -> None:
+        if not request_id:
+            raise InvalidArgumentError("request_id", "must not be empty")
+        if len(request_id.encode()) > self.limits.max_request_id_bytes:
+            raise InvalidArgumentError("request_id", f"longer than {self.limits.max_request_id_bytes} bytes")

@@ -1,0 +1,351 @@
+"""Server lifecycle: configuration, start (the one public start function), graceful stop.
+
+Configuration comes from, in increasing precedence: defaults, a TOML file, ``KVSERVICE_*``
+environment variables, and explicit arguments (the CLI's flags). :func:`start_server` builds the
+cache manager, the KV tensors, the event log and the servicer, registers health and reflection,
+binds (port 0 picks a free port) and returns a :class:`RunningServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1 import health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvservice.core.engine import EngineLimits, KVCacheEngine
+from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig
+from kvservice.core.kv_cache_spec import KVCacheConfig, get_preset
+from kvservice.memory import (
+    KVCacheTensors,
+    allocate_kv_cache_tensors,
+    cuda_memory_budget,
+    num_blocks_from_budget,
+    resolve_device,
+)
+from kvservice.server.event_log import EventLog, EventLogConfig
+from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
+from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunningServer", "ServerConfig", "load_config", "parse_bytes", "run_server", "start_server"]
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``kvservice serve`` can be told.
+
+    Attributes:
+        host: address to bind ("127.0.0.1"; "0.0.0.0" or "[::]" for all interfaces).
+        port: port to bind; 0 picks a free one (the bound address is printed).
+        preset: model KV layout (see ``kvservice.core.kv_cache_spec.PRESETS``).
+        block_size: tokens per block (default: the preset's).
+        num_blocks: blocks in the pool, null block included (default: from the memory budget).
+        kv_cache_memory: KV tensor budget in bytes (default 1 GiB on CPU/meta).
+        gpu_memory_utilization: fraction of free CUDA memory for KV tensors (default 0.9 on CUDA).
+        device: "auto" (CUDA when available), "cpu", "cuda", "cuda:N" or "meta" (shapes only).
+        max_model_len: longest request in tokens (default: the preset's).
+        hash_algorithm, hash_seed: the block-hash rule.
+        block_hash_format: "int64" (vLLM's published form) or "digest".
+        data_parallel_rank: copied onto every event batch.
+        event_max_batches, event_max_bytes: event log retention (batches, msgpack bytes).
+        max_subscriber_lag: batches a stream subscriber may fall behind before it is ended.
+        max_consumers: named TakeEvents consumers.
+        max_num_requests: registered requests at once.
+        max_step_ops: ops per Step.
+        max_message_bytes: largest gRPC message accepted or sent, in bytes.
+        grace_seconds: how long a graceful stop waits for calls in flight.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    preset: str = "llama-3-8b"
+    block_size: int | None = None
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    device: str = "auto"
+    max_model_len: int | None = None
+    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
+    hash_seed: str = DEFAULT_HASH_SEED
+    block_hash_format: str = "int64"
+    data_parallel_rank: int | None = None
+    event_max_batches: int = 100_000
+    event_max_bytes: int = 256 * 1024 * 1024
+    max_subscriber_lag: int = 10_000
+    max_consumers: int = 1024
+    max_num_requests: int = 65536
+    max_step_ops: int = 4096
+    max_message_bytes: int = 64 * 1024 * 1024
+    grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)  # raises naming the known presets
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"hash_algorithm must be one of {', '.join(HASH_ALGORITHMS)}; got {self.hash_algorithm!r}")
+        if self.block_hash_format not in ("int64", "digest"):
+            raise ValueError(f"block_hash_format must be 'int64' or 'digest'; got {self.block_hash_format!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535; got {self.port}")
+        for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_bytes(value: str | int) -> int:
+    """Parse a byte count: an int, or a number with a unit ("512MiB", "1.5GB", "1g").
+
+    Raises:
+        ValueError: not a byte count.
+    """
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte count: {value!r} (e.g. 1073741824, 512MiB, 1GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _coerce(name: str, value: Any) -> Any:
+    target = {f.name: f.type for f in fields(ServerConfig)}[name]
+    if value is None or value == "":
+        return None if "None" in str(target) else value
+    if name in ("kv_cache_memory", "event_max_bytes", "max_message_bytes"):
+        return parse_bytes(value)
+    if "int" in str(target):
+        return int(value)
+    if "float" in str(target):
+        return float(value)
+    return str(value)
+
+
+def load_config(
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ServerConfig:
+    """Build a :class:`ServerConfig` from a TOML file, ``KVSERVICE_*`` variables and overrides.
+
+    Overrides whose value is None are ignored (flags not given). Precedence: overrides >
+    environment > file > defaults.
+
+    Raises:
+        ValueError: an unknown key (file, environment or override) or a bad value, naming it.
+    """
+    names = {f.name for f in fields(ServerConfig)}
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        with open(config_file, "rb") as f:
+            data = tomllib.load(f)
+        data = data.get("kvservice", data)
+        for key, value in data.items():
+            key = key.replace("-", "_")
+            if key not in names:
+                raise ValueError(f"{config_file}: unknown key {key!r}")
+            values[key] = _coerce(key, value)
+    environ = os.environ if environ is None else environ
+    for env_key, value in environ.items():
+        if env_key.startswith("KVSERVICE_"):
+            key = env_key[len("KVSERVICE_"):].lower()
+            if key in names:
+                values[key] = _coerce(key, value)
+    for key, value in overrides.items():
+        if key not in names:
+            raise ValueError(f"unknown setting {key!r}")
+        if value is not None:
+            values[key] = _coerce(key, value)
+    return ServerConfig(**values)
+
+
+@dataclass
+class RunningServer:
+    """A started server.
+
+    Attributes:
+        address: "host:port" it listens on (the real port when 0 was asked).
+        port: the bound port.
+        server: the grpc.aio server.
+        engine, event_log, servicer: its parts (tests and the replay's invariant checks use them).
+        tensors: the KV tensors.
+        config: the effective configuration (num_blocks resolved).
+    """
+
+    address: str
+    port: int
+    server: grpc.aio.Server
+    engine: KVCacheEngine
+    event_log: EventLog
+    servicer: KVCacheServicer
+    tensors: KVCacheTensors
+    config: ServerConfig
+    health: Any = field(repr=False, default=None)
+    _stopped: bool = field(default=False, repr=False)
+
+    def describe(self) -> str:
+        """Two lines: where it listens and what it holds."""
+        meta = self.servicer.metadata
+        groups = ", ".join(
+            f"group {g.group_idx}: {health_kind(g.kind)} block_size {g.block_size}"
+            + (f" window {g.sliding_window}" if g.HasField("sliding_window") else "")
+            for g in meta.groups
+        )
+        return (
+            f"kvservice listening on {self.address} (epoch {self.event_log.epoch})\n"
+            f"preset {self.config.preset}: {self.config.num_blocks} blocks ({groups}); "
+            f"hash {meta.hash_algorithm} seed {meta.hash_seed!r}; {self.tensors.describe()}"
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop gracefully: mark NOT_SERVING, end open streams with UNAVAILABLE naming their last
+        seq, then let calls in flight finish for ``grace`` seconds."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        self.event_log.close()
+        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+
+
+def health_kind(kind: int) -> str:
+    """A KVCacheSpecKind enum value as its lower-case name."""
+    from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+
+    return pb.KVCacheSpecKind.Name(kind).removeprefix("KV_CACHE_SPEC_KIND_").lower()
+
+
+def _resolve_num_blocks(config: ServerConfig, kv_cache_config_groups: Any, device: Any) -> int:
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        budget = cuda_memory_budget(device, config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
+    else:
+        if config.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization needs a CUDA device; give kv_cache_memory or num_blocks")
+        budget = DEFAULT_CPU_KV_CACHE_MEMORY
+    return num_blocks_from_budget(kv_cache_config_groups, budget)
+
+
+async def start_server(config: ServerConfig | None = None, **overrides: Any) -> RunningServer:
+    """Build and start a server; the one public start function (the replay starts its embedded
+    server through it).
+
+    Args:
+        config: the configuration (default: :class:`ServerConfig` defaults).
+        **overrides: fields replacing the config's.
+
+    Returns:
+        The running server; ``await running.stop()`` to stop it.
+
+    Raises:
+        ValueError: a bad setting (naming it).
+        kvservice.memory.KVCacheAllocationError: the KV tensors do not fit (bytes asked and
+            available in the message).
+        RuntimeError: the address cannot be bound.
+    """
+    config = dataclasses.replace(config or ServerConfig(), **overrides)
+    preset = get_preset(config.preset)
+    device = resolve_device(config.device)
+    groups = preset.kv_cache_groups(config.block_size)
+    num_blocks = _resolve_num_blocks(config, groups, device)
+    config = dataclasses.replace(config, num_blocks=num_blocks)
+    kv_cache_config = KVCacheConfig(num_blocks, groups)
+    tensors = allocate_kv_cache_tensors(kv_cache_config, device)
+    medium = "GPU" if device.type == "cuda" else "CPU"
+    manager = KVCacheManager(
+        kv_cache_config,
+        config.max_model_len or preset.max_model_len,
+        prefix_caching=PrefixCachingConfig(config.hash_algorithm, config.hash_seed),
+        kv_events=KVEventsConfig(block_hash_format=config.block_hash_format, medium=medium),  # type: ignore[arg-type]
+    )
+    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=config.max_num_requests))
+    meta = manager.get_kv_cache_group_metadata()
+    event_log = EventLog(
+        manager.num_groups,
+        [g.kind for g in meta.groups],
+        [g.sliding_window for g in meta.groups],
+        EventLogConfig(
+            max_batches=config.event_max_batches,
+            max_bytes=config.event_max_bytes,
+            max_subscriber_lag=config.max_subscriber_lag,
+            max_consumers=config.max_consumers,
+        ),
+        data_parallel_rank=config.data_parallel_rank,
+    )
+    metadata = build_metadata_response(
+        engine,
+        epoch=event_log.epoch,
+        device=str(device),
+        dtypes=[tensors.dtype(g) and str(tensors.dtype(g)).removeprefix("torch.") for g in range(manager.num_groups)],
+        preset=config.preset,
+        data_parallel_rank=config.data_parallel_rank,
+    )
+    servicer = KVCacheServicer(engine, event_log, metadata, max_step_ops=config.max_step_ops)
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((servicer.generic_handler(),))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
+    host = config.host
+    bind = f"[{host}]:{config.port}" if ":" in host and not host.startswith("[") else f"{host}:{config.port}"
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise RuntimeError(f"cannot bind {bind}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = bind.rsplit(":", 1)[0] + f":{port}"
+    config = dataclasses.replace(config, port=port)
+    return RunningServer(address, port, server, engine, event_log, servicer, tensors, config, health)
+
+
+async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
+    """Start a server, print where it listens and what it holds, and serve until SIGTERM/SIGINT;
+    then stop gracefully (open streams end with UNAVAILABLE naming their last seq)."""
+    running = await start_server(config)
+    print(running.describe(), flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready(running)
+    await stop.wait()
+    print("kvservice: stopping (graceful)", flush=True)
+    await running.stop()

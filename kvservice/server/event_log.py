@@ -1,0 +1,514 @@
+"""The sequenced, bounded KV event log and its fan-out to subscribers and named consumers.
+
+Each mutating call's events become one batch with the next sequence number (gap-free from 1 within
+an epoch; the epoch is a random instance id that changes on restart). A batch is encoded once per
+payload format (and group filter) and the same bytes go to every subscriber. The log keeps:
+
+* a bounded window of recent batches (``max_batches`` and ``max_bytes``, of msgpack size), from
+  which ``StreamEvents(start_seq)`` replays and ``TakeEvents`` consumers read;
+* a mirror of the cached set built only from the batches (hash -> block info per group), from which
+  a snapshot is cut: AllBlocksCleared, then BlockStored for every cached block, parents first, with
+  the watermark seq, so a subscriber that starts from a snapshot and then follows live batches from
+  watermark + 1 misses nothing and sees nothing twice.
+
+Subscribers are cursors into the window, not queues. A subscriber more than
+``max_subscriber_lag`` batches behind the head (or whose next batch left the window) is ended with
+RESOURCE_EXHAUSTED naming its last delivered seq; never a silent gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvservice.core.errors import (
+    CapacityExceededError,
+    EpochMismatchError,
+    InvalidArgumentError,
+    SeqOutOfRangeError,
+    ShuttingDownError,
+)
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.convert import batch_to_proto
+from kvservice_client.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    encode_event_batch,
+)
+
+__all__ = ["EventLog", "EventLogConfig", "LogEntry", "Subscriber"]
+
+_FORMATS = (pb.PAYLOAD_FORMAT_UNSPECIFIED, pb.PAYLOAD_FORMAT_PROTOBUF, pb.PAYLOAD_FORMAT_MSGPACK)
+
+
+@dataclass(frozen=True)
+class EventLogConfig:
+    """Bounds of the event log.
+
+    Attributes:
+        max_batches: batches retained for replay (>= 1).
+        max_bytes: msgpack bytes retained for replay (>= 1); the newest batch is always kept.
+        max_subscriber_lag: batches a stream subscriber may fall behind the head before it is
+            ended with RESOURCE_EXHAUSTED.
+        max_consumers: named TakeEvents consumers tracked at once.
+        max_take_batches: most batches one TakeEvents returns.
+    """
+
+    max_batches: int = 100_000
+    max_bytes: int = 256 * 1024 * 1024
+    max_subscriber_lag: int = 10_000
+    max_consumers: int = 1024
+    max_take_batches: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("max_batches", "max_bytes", "max_subscriber_lag", "max_consumers", "max_take_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+
+
+class LogEntry:
+    """One batch of the log: its seq, time, events and encodings (made once, on first use)."""
+
+    __slots__ = ("seq", "ts", "events", "msgpack", "_encoded", "_epoch", "_rank")
+
+    def __init__(self, seq: int, ts: float, events: list[KVCacheEvent], epoch: str, rank: int | None) -> None:
+        self.seq = seq
+        self.ts = ts
+        self.events = events
+        self._epoch = epoch
+        self._rank = rank
+        self.msgpack = encode_event_batch(KVEventBatch(ts, events, rank))
+        self._encoded: dict[tuple[int, tuple[int, ...] | None], bytes] = {}
+
+    def encoded(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> bytes:
+        """The serialized ``EventBatch`` for a payload format and group filter (cached)."""
+        key = (payload_format, group_idxs)
+        data = self._encoded.get(key)
+        if data is None:
+            data = self.to_proto(payload_format, group_idxs).SerializeToString()
+            self._encoded[key] = data
+        return data
+
+    def to_proto(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> pb.EventBatch:
+        """The ``EventBatch`` message for a payload format and group filter."""
+        events = _filter_events(self.events, group_idxs)
+        if payload_format == pb.PAYLOAD_FORMAT_MSGPACK and group_idxs is None:
+            msg = pb.EventBatch(seq=self.seq, epoch=self._epoch, ts=self.ts, msgpack=self.msgpack)
+            if self._rank is not None:
+                msg.data_parallel_rank = self._rank
+            return msg
+        return batch_to_proto(
+            KVEventBatch(self.ts, events, self._rank), seq=self.seq, epoch=self._epoch, payload_format=payload_format
+        )
+
+
+def _filter_events(events: list[KVCacheEvent], group_idxs: tuple[int, ...] | None) -> list[KVCacheEvent]:
+    if group_idxs is None:
+        return events
+    return [e for e in events if type(e) is AllBlocksCleared or e.group_idx in group_idxs]  # type: ignore[union-attr]
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """A stream subscriber's cursor.
+
+    Attributes:
+        next_seq: the next seq to deliver.
+        payload_format, group_idxs: what it asked for.
+        ended: resolved with the error that ends the subscription (lag, shutdown).
+    """
+
+    next_seq: int
+    payload_format: int
+    group_idxs: tuple[int, ...] | None
+    ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def last_seq(self) -> int:
+        """The last seq delivered (0 when none)."""
+        return self.next_seq - 1
+
+
+class _BlockInfo:
+    __slots__ = ("parent", "token_ids", "block_size", "lora_id", "lora_name", "extra_keys", "medium")
+
+    def __init__(self, parent, token_ids, block_size, lora_id, lora_name, extra_keys, medium) -> None:  # type: ignore[no-untyped-def]
+        self.parent = parent
+        self.token_ids = token_ids
+        self.block_size = block_size
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+        self.extra_keys = extra_keys
+        self.medium = medium
+
+
+class EventLog:
+    """Sequenced batches, retention, the cached-set mirror, subscribers and consumers.
+
+    Args:
+        num_groups: KV cache groups (for filters and the mirror).
+        group_kinds: per group, the kind string put on snapshot events.
+        group_windows: per group, the sliding window put on snapshot events.
+        config: bounds.
+        data_parallel_rank: copied onto every batch.
+        epoch: this instance's epoch (default: a fresh random id).
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        group_kinds: Sequence[str | None],
+        group_windows: Sequence[int | None],
+        config: EventLogConfig = EventLogConfig(),
+        *,
+        data_parallel_rank: int | None = None,
+        epoch: str | None = None,
+    ) -> None:
+        self.num_groups = num_groups
+        self.group_kinds = tuple(group_kinds)
+        self.group_windows = tuple(group_windows)
+        self.config = config
+        self.data_parallel_rank = data_parallel_rank
+        self.epoch = epoch or uuid.uuid4().hex
+        self.head_seq = 0
+        self._entries: list[LogEntry] = []
+        self._start = 0  # index of the oldest retained entry in _entries
+        self._bytes = 0
+        self._mirror: list[dict[object, _BlockInfo]] = [{} for _ in range(num_groups)]
+        self._subscribers: set[Subscriber] = set()
+        self._consumers: dict[str, int] = {}
+        self._waiter: asyncio.Future | None = None
+        self._closed = False
+        self.num_events = 0
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def append(self, events: list[KVCacheEvent], ts: float | None = None) -> LogEntry | None:
+        """Append one call's events as the next batch; no batch for no events.
+
+        Applies the events to the mirror, trims retention, ends subscribers that fell too far
+        behind and wakes the rest.
+        """
+        if not events:
+            return None
+        self.head_seq += 1
+        entry = LogEntry(self.head_seq, time.time() if ts is None else ts, events, self.epoch, self.data_parallel_rank)
+        self._entries.append(entry)
+        self._bytes += len(entry.msgpack)
+        self.num_events += len(events)
+        self._apply_to_mirror(events)
+        self._trim()
+        self._check_subscribers()
+        if self._waiter is not None:
+            self._waiter.set_result(None)
+            self._waiter = None
+        return entry
+
+    def _trim(self) -> None:
+        cfg = self.config
+        entries = self._entries
+        while len(entries) - self._start > 1 and (
+            len(entries) - self._start > cfg.max_batches or self._bytes > cfg.max_bytes
+        ):
+            self._bytes -= len(entries[self._start].msgpack)
+            entries[self._start] = None  # type: ignore[call-overload]
+            self._start += 1
+        if self._start > 1024 and self._start * 2 > len(entries):
+            del entries[: self._start]
+            self._start = 0
+
+    def _check_subscribers(self) -> None:
+        oldest = self.oldest_seq
+        max_lag = self.config.max_subscriber_lag
+        for sub in self._subscribers:
+            if sub.ended.done():
+                continue
+            lag = self.head_seq - sub.last_seq
+            if lag > max_lag or sub.next_seq < oldest:
+                sub.ended.set_exception(
+                    CapacityExceededError(
+                        f"subscriber fell {lag} batches behind (max_subscriber_lag {max_lag}); last seq delivered "
+                        f"{sub.last_seq} of epoch {self.epoch}: resume from seq {sub.next_seq} or a snapshot"
+                    )
+                )
+
+    def _apply_to_mirror(self, events: list[KVCacheEvent]) -> None:
+        mirror = self._mirror
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                if event.reused:  # type: ignore[union-attr]
+                    continue
+                group = mirror[event.group_idx]  # type: ignore[union-attr]
+                hashes = event.block_hashes  # type: ignore[union-attr]
+                bs = event.block_size  # type: ignore[union-attr]
+                tokens = event.token_ids  # type: ignore[union-attr]
+                extra = event.extra_keys  # type: ignore[union-attr]
+                parent = event.parent_block_hash  # type: ignore[union-attr]
+                for i, h in enumerate(hashes):
+                    group[h] = _BlockInfo(
+                        parent,
+                        array("i", tokens[i * bs : (i + 1) * bs]),
+                        bs,
+                        event.lora_id,  # type: ignore[union-attr]
+                        event.lora_name,  # type: ignore[union-attr]
+                        extra[i] if extra is not None else None,
+                        event.medium,  # type: ignore[union-attr]
+                    )
+                    parent = h
+            elif kind is BlockRemoved:
+                group = mirror[event.group_idx]  # type: ignore[union-attr]
+                for h in event.block_hashes:  # type: ignore[union-attr]
+                    group.pop(h, None)
+            elif kind is AllBlocksCleared:
+                for group in mirror:
+                    group.clear()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def oldest_seq(self) -> int:
+        """The oldest retained seq (head + 1 when the log is empty)."""
+        if self._start < len(self._entries):
+            return self._entries[self._start].seq
+        return self.head_seq + 1
+
+    def entries_from(self, seq: int, max_entries: int | None = None) -> list[LogEntry]:
+        """Retained entries with seq >= ``seq`` (at most ``max_entries``)."""
+        oldest = self.oldest_seq
+        if seq > self.head_seq:
+            return []
+        assert seq >= oldest, f"seq {seq} below the oldest retained {oldest}"
+        lo = self._start + (seq - oldest)
+        hi = len(self._entries) if max_entries is None else min(len(self._entries), lo + max_entries)
+        return self._entries[lo:hi]
+
+    def cached_hashes(self) -> list[set]:
+        """Per group, the hashes the mirror holds (what a watcher applying every batch holds)."""
+        return [set(group) for group in self._mirror]
+
+    def snapshot_events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVCacheEvent]:
+        """AllBlocksCleared, then BlockStored for every cached block, parents before children.
+
+        Consecutive blocks of one chain are merged into one BlockStored (hashes chain within it).
+        """
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for g, group in enumerate(self._mirror):
+            if group_idxs is not None and g not in group_idxs:
+                continue
+            emitted: set = set()
+            current: BlockStored | None = None
+            for h in group:
+                if h in emitted:
+                    continue
+                chain = [h]
+                parent = group[h].parent
+                while parent is not None and parent in group and parent not in emitted:
+                    chain.append(parent)
+                    parent = group[parent].parent
+                for block_hash in reversed(chain):
+                    info = group[block_hash]
+                    emitted.add(block_hash)
+                    if (
+                        current is not None
+                        and info.parent == current.block_hashes[-1]
+                        and info.block_size == current.block_size
+                        and info.lora_id == current.lora_id
+                        and info.lora_name == current.lora_name
+                        and info.medium == current.medium
+                        and (info.extra_keys is None) == (current.extra_keys is None)
+                    ):
+                        current.block_hashes.append(block_hash)
+                        current.token_ids.extend(info.token_ids)
+                        if current.extra_keys is not None:
+                            current.extra_keys.append(info.extra_keys)
+                        continue
+                    current = BlockStored(
+                        block_hashes=[block_hash],
+                        parent_block_hash=info.parent,
+                        token_ids=list(info.token_ids),
+                        block_size=info.block_size,
+                        lora_id=info.lora_id,
+                        medium=info.medium,
+                        lora_name=info.lora_name,
+                        extra_keys=[info.extra_keys] if info.extra_keys is not None else None,
+                        group_idx=g,
+                        kv_cache_spec_kind=self.group_kinds[g],
+                        kv_cache_spec_sliding_window=self.group_windows[g],
+                    )
+                    events.append(current)
+        return events
+
+    def snapshot_batch(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> pb.EventBatch:
+        """The snapshot as an ``EventBatch`` with ``seq`` = the watermark (the head)."""
+        batch = KVEventBatch(time.time(), self.snapshot_events(group_idxs), self.data_parallel_rank)
+        return batch_to_proto(batch, seq=self.head_seq, epoch=self.epoch, snapshot=True, payload_format=payload_format)
+
+    # -- validation -------------------------------------------------------------------------
+
+    def check_filter(self, group_idxs: Sequence[int]) -> tuple[int, ...] | None:
+        """Validate a group filter; None means all groups.
+
+        Raises:
+            InvalidArgumentError: an index outside 0..num_groups-1 (field ``group_idxs``).
+        """
+        if not group_idxs:
+            return None
+        for g in group_idxs:
+            if not 0 <= g < self.num_groups:
+                raise InvalidArgumentError("group_idxs", f"{g} outside 0..{self.num_groups - 1}")
+        return tuple(sorted(set(group_idxs)))
+
+    @staticmethod
+    def check_format(payload_format: int) -> int:
+        """Validate a payload format.
+
+        Raises:
+            InvalidArgumentError: unknown value (field ``payload_format``).
+        """
+        if payload_format not in _FORMATS:
+            raise InvalidArgumentError("payload_format", f"unknown value {payload_format}")
+        return pb.PAYLOAD_FORMAT_MSGPACK if payload_format == pb.PAYLOAD_FORMAT_MSGPACK else pb.PAYLOAD_FORMAT_PROTOBUF
+
+    def check_start_seq(self, start_seq: int, epoch: str) -> None:
+        """Validate a resume position.
+
+        Raises:
+            EpochMismatchError: ``epoch`` is set and is not this log's epoch.
+            InvalidArgumentError: ``start_seq`` < 1 or > head + 1.
+            SeqOutOfRangeError: ``start_seq`` below the oldest retained batch.
+        """
+        if epoch and epoch != self.epoch:
+            raise EpochMismatchError(
+                f"epoch {epoch!r} is not this server's epoch {self.epoch!r} (the server restarted): "
+                "resync from a snapshot"
+            )
+        if start_seq < 1:
+            raise InvalidArgumentError("start_seq", f"{start_seq} must be >= 1")
+        if start_seq > self.head_seq + 1:
+            raise InvalidArgumentError("start_seq", f"{start_seq} is beyond the head seq {self.head_seq} + 1")
+        oldest = self.oldest_seq
+        if start_seq < oldest:
+            raise SeqOutOfRangeError(
+                f"start_seq {start_seq} is below the oldest retained batch, seq {oldest} of epoch {self.epoch}: "
+                "resync from a snapshot",
+                oldest,
+            )
+
+    # -- stream subscribers -----------------------------------------------------------------
+
+    def subscribe(self, next_seq: int, payload_format: int, group_idxs: tuple[int, ...] | None) -> Subscriber:
+        """Register a stream subscriber whose next batch is ``next_seq``.
+
+        Raises:
+            ShuttingDownError: the log is closed.
+        """
+        if self._closed:
+            raise ShuttingDownError("server shutting down")
+        sub = Subscriber(next_seq, payload_format, group_idxs)
+        self._subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        """Forget a subscriber."""
+        self._subscribers.discard(sub)
+        if not sub.ended.done():
+            sub.ended.cancel()
+
+    @property
+    def num_subscribers(self) -> int:
+        """Open stream subscriptions."""
+        return len(self._subscribers)
+
+    async def wait_for(self, sub: Subscriber) -> None:
+        """Return once a batch with seq >= ``sub.next_seq`` exists.
+
+        Raises:
+            CapacityExceededError: the subscriber fell too far behind.
+            ShuttingDownError: the log was closed.
+        """
+        while sub.next_seq > self.head_seq:
+            if sub.ended.done():
+                sub.ended.result()
+            if self._waiter is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+            await asyncio.wait({self._waiter, sub.ended}, return_when=asyncio.FIRST_COMPLETED)
+        if sub.ended.done():
+            sub.ended.result()
+
+    def close(self) -> None:
+        """End every subscriber with ShuttingDownError naming its last seq."""
+        self._closed = True
+        for sub in self._subscribers:
+            if not sub.ended.done():
+                sub.ended.set_exception(
+                    ShuttingDownError(
+                        f"server shutting down; last seq delivered {sub.last_seq} of epoch {self.epoch}"
+                    )
+                )
+
+    # -- named consumers --------------------------------------------------------------------
+
+    def take(
+        self,
+        consumer: str,
+        *,
+        max_batches: int,
+        snapshot: bool,
+        start_seq: int,
+        epoch: str,
+        payload_format: int,
+        group_idxs: tuple[int, ...] | None,
+    ) -> tuple[list[pb.EventBatch], int]:
+        """Pull the batches after a named consumer's cursor and advance it.
+
+        A new consumer starts at the live head (or at a snapshot, or at ``start_seq``).
+
+        Returns:
+            (batches, the consumer's next seq).
+
+        Raises:
+            InvalidArgumentError: empty or over-long consumer name, bad start_seq.
+            EpochMismatchError: start_seq from another epoch.
+            SeqOutOfRangeError: the cursor (or start_seq) is below the retained log; take with
+                ``snapshot`` to restart.
+            CapacityExceededError: ``max_consumers`` consumers exist already.
+        """
+        if not consumer:
+            raise InvalidArgumentError("consumer", "must not be empty")
+        if len(consumer.encode()) > 256:
+            raise InvalidArgumentError("consumer", "longer than 256 bytes")
+        limit = self.config.max_take_batches
+        if max_batches == 0 or max_batches > limit:
+            max_batches = limit
+        if start_seq:
+            self.check_start_seq(start_seq, epoch)
+        if consumer not in self._consumers and len(self._consumers) >= self.config.max_consumers:
+            raise CapacityExceededError(f"max_consumers: {self.config.max_consumers} consumers exist already")
+        batches: list[pb.EventBatch] = []
+        if snapshot:
+            batches.append(self.snapshot_batch(payload_format, group_idxs))
+            cursor = self.head_seq + 1
+        elif start_seq:
+            cursor = start_seq
+        else:
+            cursor = self._consumers.get(consumer, self.head_seq + 1)
+            if cursor < self.oldest_seq:
+                raise SeqOutOfRangeError(
+                    f"consumer {consumer!r} is at seq {cursor}, below the oldest retained batch, seq "
+                    f"{self.oldest_seq}: take with snapshot=true",
+                    self.oldest_seq,
+                )
+        entries = self.entries_from(cursor, max_batches)
+        for entry in entries:
+            batches.append(entry.to_proto(payload_format, group_idxs))
+        cursor += len(entries)
+        self._consumers[consumer] = cursor
+        return batches, cursor

@@ -1,0 +1,377 @@
+"""The kvservice.v1 servicer: proto in, engine call, proto out; one table maps errors to statuses.
+
+Handlers run on one asyncio loop and never await between reading and changing the cache, so two
+schedulers can never be handed the same block. Every mutating call's events become one batch of
+the event log (a ``Step`` is one call: one batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kvservice.core.engine import AllocateResult, ComputedBlocksResult, KVCacheEngine, Usage
+from kvservice.core.errors import (
+    CapacityExceededError,
+    EpochMismatchError,
+    InvalidArgumentError,
+    KVServiceDomainError,
+    RequestAlreadyExistsError,
+    RequestNotFoundError,
+    SeqOutOfRangeError,
+    ShuttingDownError,
+)
+from kvservice.core.request import KVCacheReportMode
+from kvservice.server.event_log import EventLog, Subscriber
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.convert import kv_cache_spec_kind_to_proto
+from kvservice_client.hashing import LoRA, MultiModalFeature
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVCacheServicer", "STATUS_BY_ERROR", "status_for", "SERVICE_NAME"]
+
+SERVICE_NAME = "kvservice.v1.KVCacheService"
+
+STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (RequestAlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (EpochMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (SeqOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),
+    (CapacityExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+)
+"""The one table from domain errors to gRPC status codes; anything else is INTERNAL."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for an exception (INTERNAL, logged, for anything unexpected)."""
+    for cls, code in STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return code, str(exc)
+    logger.error("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "internal error (see the server log)"
+
+
+_REPORT_MODES = {
+    pb.KV_CACHE_REPORT_MODE_UNSPECIFIED: KVCacheReportMode.INCREMENTAL,
+    pb.KV_CACHE_REPORT_MODE_INCREMENTAL: KVCacheReportMode.INCREMENTAL,
+    pb.KV_CACHE_REPORT_MODE_FULL: KVCacheReportMode.FULL,
+}
+
+
+def _groups(block_ids: tuple[list[int], ...]) -> list[pb.GroupBlockIds]:
+    return [pb.GroupBlockIds(block_ids=ids) for ids in block_ids]
+
+
+def _computed_blocks_response(result: ComputedBlocksResult) -> pb.GetComputedBlocksResponse:
+    return pb.GetComputedBlocksResponse(num_computed_tokens=result.num_computed_tokens, block_ids=_groups(result.block_ids))
+
+
+def _allocate_response(result: AllocateResult) -> pb.AllocateSlotsResponse:
+    return pb.AllocateSlotsResponse(
+        allocated=result.allocated,
+        new_block_ids=_groups(result.new_block_ids),
+        num_new_computed_tokens=result.num_new_computed_tokens,
+        num_scheduled_tokens=result.num_scheduled_tokens,
+        num_computed_tokens=result.num_computed_tokens,
+        num_tokens=result.num_tokens,
+        computed_block_ids=_groups(result.computed_block_ids),
+    )
+
+
+def _usage_response(usage: Usage) -> pb.GetUsageResponse:
+    return pb.GetUsageResponse(
+        usage=usage.usage,
+        num_free_blocks=usage.num_free_blocks,
+        num_total_blocks=usage.num_total_blocks,
+        prefix_cache_queries=usage.prefix_cache_queries,
+        prefix_cache_hits=usage.prefix_cache_hits,
+        num_running_requests=usage.num_running_requests,
+        num_waiting_requests=usage.num_waiting_requests,
+        num_cached_blocks=usage.num_cached_blocks,
+        prefix_cache_requests=usage.prefix_cache_requests,
+    )
+
+
+class KVCacheServicer:
+    """Implements ``kvservice.v1.KVCacheService`` over a :class:`KVCacheEngine` and an :class:`EventLog`.
+
+    Args:
+        engine: the manager and its request table.
+        event_log: where each mutating call's events go.
+        metadata: the ``GetKVCacheGroupMetadata`` answer (built once by the app).
+        max_step_ops: most ops one Step may carry.
+    """
+
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        event_log: EventLog,
+        metadata: pb.GetKVCacheGroupMetadataResponse,
+        *,
+        max_step_ops: int = 4096,
+    ) -> None:
+        self.engine = engine
+        self.event_log = event_log
+        self.metadata = metadata
+        self.max_step_ops = max_step_ops
+        self._ops: dict[str, Callable[[Any], Any]] = {
+            "get_computed_blocks": self._get_computed_blocks,
+            "allocate_slots": self._allocate_slots,
+            "free": self._free,
+            "reset_prefix_cache": self._reset_prefix_cache,
+            "get_usage": self._get_usage,
+        }
+
+    # -- ops shared by unary calls and Step --------------------------------------------------
+
+    def _get_computed_blocks(self, request: pb.GetComputedBlocksRequest) -> pb.GetComputedBlocksResponse:
+        mode = _REPORT_MODES.get(request.kv_cache_report_mode)
+        if mode is None:
+            raise InvalidArgumentError("kv_cache_report_mode", f"unknown value {request.kv_cache_report_mode}")
+        lora = None
+        if request.HasField("lora"):
+            lora = LoRA(request.lora.lora_id, request.lora.lora_name, request.lora.lora_path or None)
+        result = self.engine.get_computed_blocks(
+            request.request_id,
+            request.prompt_token_ids,
+            session_id=request.session_id if request.HasField("session_id") else None,
+            kv_cache_report_mode=mode,
+            lora=lora,
+            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features],
+        )
+        return _computed_blocks_response(result)
+
+    def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
+        result = self.engine.allocate_slots(
+            request.request_id,
+            request.num_new_tokens,
+            num_lookahead_tokens=request.num_lookahead_tokens,
+            new_token_ids=request.new_token_ids,
+        )
+        return _allocate_response(result)
+
+    def _free(self, request: pb.FreeRequest) -> pb.FreeResponse:
+        return pb.FreeResponse(num_freed_blocks=self.engine.free(request.request_id))
+
+    def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest) -> pb.ResetPrefixCacheResponse:
+        return pb.ResetPrefixCacheResponse(reset=self.engine.reset_prefix_cache())
+
+    def _get_usage(self, request: pb.GetUsageRequest) -> pb.GetUsageResponse:
+        return _usage_response(self.engine.get_usage())
+
+    def _publish(self) -> None:
+        self.event_log.append(self.engine.take_events())
+
+    async def _unary(self, op: Callable[[Any], Any], request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            response = op(request)
+        except Exception as exc:  # one table maps every error
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        self._publish()
+        return response
+
+    # -- RPCs ---------------------------------------------------------------------------------
+
+    async def GetComputedBlocks(self, request: pb.GetComputedBlocksRequest, context: grpc.aio.ServicerContext) -> pb.GetComputedBlocksResponse:
+        """Prefix-cache lookup; registers the request on first sight."""
+        return await self._unary(self._get_computed_blocks, request, context)
+
+    async def AllocateSlots(self, request: pb.AllocateSlotsRequest, context: grpc.aio.ServicerContext) -> pb.AllocateSlotsResponse:
+        """Allocate slots for this step's tokens."""
+        return await self._unary(self._allocate_slots, request, context)
+
+    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
+        """Free a request's blocks and forget it."""
+        return await self._unary(self._free, request, context)
+
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        """Drop the prefix cache if nothing is held."""
+        return await self._unary(self._reset_prefix_cache, request, context)
+
+    async def GetUsage(self, request: pb.GetUsageRequest, context: grpc.aio.ServicerContext) -> pb.GetUsageResponse:
+        """Usage and prefix-cache counters."""
+        return await self._unary(self._get_usage, request, context)
+
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        """Run the ops in order; a failed op answers its own OpStatus and the rest go on."""
+        if len(request.ops) > self.max_step_ops:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"ops: {len(request.ops)} ops, above max_step_ops {self.max_step_ops}"
+            )
+        results = []
+        ops = self._ops
+        for op in request.ops:
+            which = op.WhichOneof("op")
+            if which is None:
+                results.append(pb.StepOpResult(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set")))
+                continue
+            try:
+                response = ops[which](getattr(op, which))
+            except Exception as exc:
+                code, message = status_for(exc)
+                results.append(pb.StepOpResult(error=pb.OpStatus(code=code.value[0], message=message)))
+                continue
+            results.append(pb.StepOpResult(**{which: response}))
+        self._publish()
+        return pb.StepResponse(results=results)
+
+    async def StreamEvents(self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext) -> None:
+        """Stream batches from a seq, a snapshot or the live head (serialized once, shared)."""
+        log = self.event_log
+        try:
+            payload_format = log.check_format(request.payload_format)
+            group_idxs = log.check_filter(request.group_idxs)
+            start = request.start
+            snapshot = None
+            if start == pb.EVENT_START_SEQ:
+                log.check_start_seq(request.start_seq, request.epoch)
+                next_seq = request.start_seq
+            elif start == pb.EVENT_START_SNAPSHOT:
+                snapshot = log.snapshot_batch(payload_format, group_idxs).SerializeToString()
+                next_seq = log.head_seq + 1
+            elif start in (pb.EVENT_START_LIVE, pb.EVENT_START_UNSPECIFIED):
+                next_seq = log.head_seq + 1
+            else:
+                raise InvalidArgumentError("start", f"unknown value {start}")
+            sub = log.subscribe(next_seq, payload_format, group_idxs)
+        except Exception as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        try:
+            if snapshot is not None:
+                await self._write(context, sub, snapshot)
+            while True:
+                entries = log.entries_from(sub.next_seq) if sub.next_seq >= log.oldest_seq else None
+                if entries is None:
+                    sub.ended.done() or sub.ended.set_exception(
+                        CapacityExceededError(f"subscriber's next seq {sub.next_seq} left the log; last seq delivered {sub.last_seq}")
+                    )
+                    sub.ended.result()
+                if not entries:
+                    await log.wait_for(sub)
+                    continue
+                for entry in entries:
+                    await self._write(context, sub, entry.encoded(payload_format, group_idxs))
+                    sub.next_seq = entry.seq + 1
+        except KVServiceDomainError as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        finally:
+            log.unsubscribe(sub)
+
+    @staticmethod
+    async def _write(context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes) -> None:
+        """Write one message, unless the subscriber is ended first (then raise its error)."""
+        if sub.ended.done():
+            sub.ended.result()
+        write = asyncio.ensure_future(context.write(data))
+        await asyncio.wait({write, sub.ended}, return_when=asyncio.FIRST_COMPLETED)
+        if not write.done():
+            write.cancel()
+            sub.ended.result()
+        write.result()
+
+    async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
+        """Pull batches after a named consumer's cursor."""
+        log = self.event_log
+        try:
+            payload_format = log.check_format(request.payload_format)
+            group_idxs = log.check_filter(request.group_idxs)
+            batches, next_seq = log.take(
+                request.consumer,
+                max_batches=request.max_batches,
+                snapshot=request.snapshot,
+                start_seq=request.start_seq,
+                epoch=request.epoch,
+                payload_format=payload_format,
+                group_idxs=group_idxs,
+            )
+        except Exception as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        return pb.TakeEventsResponse(batches=batches, next_seq=next_seq, epoch=log.epoch)
+
+    async def GetKVCacheGroupMetadata(
+        self, request: pb.GetKVCacheGroupMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetKVCacheGroupMetadataResponse:
+        """Per-group layout, the hash rule, the epoch and the head seq."""
+        response = pb.GetKVCacheGroupMetadataResponse()
+        response.CopyFrom(self.metadata)
+        response.head_seq = self.event_log.head_seq
+        return response
+
+    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
+        """Echo the payload."""
+        return pb.PingResponse(payload=request.payload)
+
+    # -- registration ---------------------------------------------------------------------
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """Method handlers for the service; StreamEvents sends pre-serialized bytes as they are."""
+        unary = {
+            "GetComputedBlocks": (pb.GetComputedBlocksRequest, pb.GetComputedBlocksResponse),
+            "AllocateSlots": (pb.AllocateSlotsRequest, pb.AllocateSlotsResponse),
+            "Free": (pb.FreeRequest, pb.FreeResponse),
+            "ResetPrefixCache": (pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse),
+            "GetUsage": (pb.GetUsageRequest, pb.GetUsageResponse),
+            "Step": (pb.StepRequest, pb.StepResponse),
+            "TakeEvents": (pb.TakeEventsRequest, pb.TakeEventsResponse),
+            "GetKVCacheGroupMetadata": (pb.GetKVCacheGroupMetadataRequest, pb.GetKVCacheGroupMetadataResponse),
+            "Ping": (pb.PingRequest, pb.PingResponse),
+        }
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                getattr(self, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+            )
+            for name, (req, resp) in unary.items()
+        }
+        handlers["StreamEvents"] = grpc.unary_stream_rpc_method_handler(
+            self.StreamEvents, request_deserializer=pb.StreamEventsRequest.FromString, response_serializer=None
+        )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def build_metadata_response(
+    engine: KVCacheEngine, *, epoch: str, device: str, dtypes: list[str | None], preset: str,
+    data_parallel_rank: int | None,
+) -> pb.GetKVCacheGroupMetadataResponse:
+    """The ``GetKVCacheGroupMetadata`` answer for an engine (computed once at start)."""
+    meta = engine.manager.get_kv_cache_group_metadata()
+    response = pb.GetKVCacheGroupMetadataResponse(
+        hash_algorithm=meta.hash_algorithm or "",
+        hash_seed=meta.hash_seed or "",
+        hash_block_size=meta.hash_block_size,
+        epoch=epoch,
+        block_hash_format=pb.BLOCK_HASH_FORMAT_DIGEST if meta.block_hash_format == "digest" else pb.BLOCK_HASH_FORMAT_INT64,
+        medium=meta.medium,
+        max_model_len=engine.max_model_len,
+        preset=preset,
+    )
+    if data_parallel_rank is not None:
+        response.data_parallel_rank = data_parallel_rank
+    for g, dtype in zip(meta.groups, dtypes, strict=True):
+        group = response.groups.add(
+            group_idx=g.group_idx,
+            kind=kv_cache_spec_kind_to_proto(g.kind),
+            block_size=g.block_size,
+            num_blocks=g.num_blocks,
+            dtype=dtype or g.dtype or "",
+            bytes_per_block=g.block_bytes,
+            device=device,
+            num_layers=g.num_layers,
+            page_size_bytes=g.page_size_bytes,
+        )
+        if g.sliding_window is not None:
+            group.sliding_window = g.sliding_window
+        if g.attention_chunk_size is not None:
+            group.attention_chunk_size = g.attention_chunk_size
+    return response

@@ -48,10 +48,10 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
     ) -> int:
         """Free blocks all groups together would consume to hold ``num_tokens`` tokens."""
-        return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
-            for i, m in enumerate(self.managers)
-        )
+        total = 0
+        for i, m in enumerate(self.managers):
+            total += m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+        return total
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]) -> None:
         """Start each group's table with its part of the prefix-cache hit."""
@@ -60,7 +60,7 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """Grow every group's table to hold ``num_tokens`` tokens; the new blocks per group."""
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+        return tuple([m.allocate_new_blocks(request_id, num_tokens) for m in self.managers])
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache every group's full blocks among the first ``num_tokens`` tokens."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvservice.core.errors import InvalidArgumentError, RequestAlreadyExistsError, RequestNotFoundError, CapacityExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import KVCacheReportMode, Request
@@ -91,11 +93,22 @@ class Usage:
     num_waiting_requests: int
 
 
-def check_token_ids(field: str, token_ids: Sequence[int]) -> None:
-    """Raise InvalidArgumentError unless every id is in ``0 .. 2^31 - 1``."""
-    if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
-        bad = next(t for t in token_ids if t < 0 or t > MAX_TOKEN_ID)
-        raise InvalidArgumentError(field, f"token id {bad} outside 0..{MAX_TOKEN_ID}")
+def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
+    """The ids as a list, after checking every id is in ``0 .. 2^31 - 1``.
+
+    Raises:
+        InvalidArgumentError: an id out of range (the message names it and the field).
+    """
+    if len(token_ids) <= 8:
+        for t in token_ids:
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise InvalidArgumentError(field, f"token id {t} outside 0..{MAX_TOKEN_ID}")
+        return list(token_ids)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    bad = (ids < 0) | (ids > MAX_TOKEN_ID)
+    if bad.any():
+        raise InvalidArgumentError(field, f"token id {int(ids[bad][0])} outside 0..{MAX_TOKEN_ID}")
+    return ids.tolist()
 
 
 def _check_string(field: str, value: str | None, max_bytes: int, *, allow_empty: bool = True) -> None:
@@ -159,7 +172,7 @@ class KVCacheEngine:
         n = len(prompt_token_ids)
         if not 1 <= n <= self.max_model_len:
             raise InvalidArgumentError("prompt_token_ids", f"length {n} outside 1..{self.max_model_len} (max_model_len)")
-        check_token_ids("prompt_token_ids", prompt_token_ids)
+        prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
         limit = self.limits.max_string_bytes
         _check_string("session_id", session_id, limit)
         _check_string("cache_salt", cache_salt, limit)
@@ -186,7 +199,7 @@ class KVCacheEngine:
             if request_id in self.running:
                 raise RequestAlreadyExistsError(f"request_id {request_id!r} is already running")
             same = (
-                request.prompt_token_ids == list(prompt_token_ids)
+                request.prompt_token_ids == prompt_token_ids
                 and request.session_id == session_id
                 and request.kv_cache_report_mode is mode
                 and request.lora == lora
@@ -245,7 +258,7 @@ class KVCacheEngine:
             raise InvalidArgumentError("num_new_tokens", f"{num_new_tokens} outside 1..{max_len} (max_model_len)")
         if not 0 <= num_lookahead_tokens <= max_len:
             raise InvalidArgumentError("num_lookahead_tokens", f"{num_lookahead_tokens} outside 0..{max_len}")
-        check_token_ids("new_token_ids", new_token_ids)
+        new_token_ids = check_token_ids("new_token_ids", new_token_ids)
         num_tokens_before = request.num_tokens
         num_tokens = num_tokens_before + len(new_token_ids)
         if num_tokens > max_len:

@@ -216,6 +216,8 @@ class KVCacheManager:
         )
         self.prefix_cache_stats = PrefixCacheStats()
         self.metadata = self._build_metadata()
+        self._no_hit: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
+        """Read-only: the empty hit of a running request (never mutated)."""
         self._group_kind = tuple(g.kind for g in self.metadata.groups)
         self._group_window = tuple(g.sliding_window for g in self.metadata.groups)
 
@@ -285,7 +287,7 @@ class KVCacheManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1; got {num_new_tokens}")
-        hit = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_blocks().blocks
+        hit = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hit
         coordinator = self.coordinator
         request_id = request.request_id
         coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)

@@ -75,11 +75,12 @@ class SingleTypeKVCacheManager(ABC):
         Counts new blocks beyond the table and the hit blocks, plus hit blocks that are free
         (touching them takes them out of the free queue).
         """
-        num_required = _cdiv(num_tokens, self.block_size)
+        num_required = -(-num_tokens // self.block_size)
         num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
-        num_new = max(num_required - num_held, 0)
-        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return num_new + num_evictable
+        num_new = num_required - num_held if num_required > num_held else 0
+        if not new_computed_blocks:
+            return num_new
+        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
         """Start the request's table with its prefix-cache hit (already touched), all cached."""

@@ -230,10 +230,13 @@ class RunningServer:
         if self._stopped:
             return
         self._stopped = True
+        grace = self.config.grace_seconds if grace is None else grace
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         self.event_log.close()
-        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        # Let each open stream end with its UNAVAILABLE status before the server cancels calls.
+        await self.event_log.wait_drained(max(grace, 1.0))
+        await self.server.stop(grace)
 
 
 def health_kind(kind: int) -> str:

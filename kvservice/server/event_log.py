@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -128,7 +128,7 @@ class Subscriber:
     next_seq: int
     payload_format: int
     group_idxs: tuple[int, ...] | None
-    ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ended: asyncio.Future = field(default_factory=lambda: _new_ended_future())
 
     @property
     def last_seq(self) -> int:
@@ -136,17 +136,31 @@ class Subscriber:
         return self.next_seq - 1
 
 
-class _BlockInfo:
-    __slots__ = ("parent", "token_ids", "block_size", "lora_id", "lora_name", "extra_keys", "medium")
+def _new_ended_future() -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    # The error is raised to the subscriber's handler when it next looks; if the handler is gone
+    # (cancelled), nobody will, and that is fine.
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
 
-    def __init__(self, parent, token_ids, block_size, lora_id, lora_name, extra_keys, medium) -> None:  # type: ignore[no-untyped-def]
+
+class _CachedBlock:
+    """A cached hash in the mirror: the BlockStored that announced it and its position there."""
+
+    __slots__ = ("parent", "event", "index")
+
+    def __init__(self, parent: object, event: BlockStored, index: int) -> None:
         self.parent = parent
-        self.token_ids = token_ids
-        self.block_size = block_size
-        self.lora_id = lora_id
-        self.lora_name = lora_name
-        self.extra_keys = extra_keys
-        self.medium = medium
+        self.event = event
+        self.index = index
+
+    def token_ids(self) -> list[int]:
+        bs = self.event.block_size
+        return self.event.token_ids[self.index * bs : (self.index + 1) * bs]
+
+    def extra_keys(self) -> object:
+        extra = self.event.extra_keys
+        return extra[self.index] if extra is not None else None
 
 
 class EventLog:
@@ -181,10 +195,14 @@ class EventLog:
         self._entries: list[LogEntry] = []
         self._start = 0  # index of the oldest retained entry in _entries
         self._bytes = 0
-        self._mirror: list[dict[object, _BlockInfo]] = [{} for _ in range(num_groups)]
+        # (group_idx, hash) -> its block, least recently announced first. Within one BlockStored
+        # the first block counts as the most recent (hashes are applied last to first), as the
+        # server's free queue evicts a request's deepest block first; reuse reports refresh.
+        self._mirror: OrderedDict[tuple[int, object], _CachedBlock] = OrderedDict()
         self._subscribers: set[Subscriber] = set()
         self._consumers: dict[str, int] = {}
         self._waiter: asyncio.Future | None = None
+        self._drained: asyncio.Future | None = None
         self._closed = False
         self.num_events = 0
 
@@ -244,32 +262,24 @@ class EventLog:
         for event in events:
             kind = type(event)
             if kind is BlockStored:
-                if event.reused:  # type: ignore[union-attr]
-                    continue
-                group = mirror[event.group_idx]  # type: ignore[union-attr]
+                g = event.group_idx  # type: ignore[union-attr]
                 hashes = event.block_hashes  # type: ignore[union-attr]
-                bs = event.block_size  # type: ignore[union-attr]
-                tokens = event.token_ids  # type: ignore[union-attr]
-                extra = event.extra_keys  # type: ignore[union-attr]
-                parent = event.parent_block_hash  # type: ignore[union-attr]
-                for i, h in enumerate(hashes):
-                    group[h] = _BlockInfo(
-                        parent,
-                        array("i", tokens[i * bs : (i + 1) * bs]),
-                        bs,
-                        event.lora_id,  # type: ignore[union-attr]
-                        event.lora_name,  # type: ignore[union-attr]
-                        extra[i] if extra is not None else None,
-                        event.medium,  # type: ignore[union-attr]
-                    )
-                    parent = h
+                if event.reused:  # type: ignore[union-attr]
+                    for h in reversed(hashes):
+                        if (g, h) in mirror:
+                            mirror.move_to_end((g, h))
+                    continue
+                for i in range(len(hashes) - 1, -1, -1):
+                    parent = hashes[i - 1] if i else event.parent_block_hash  # type: ignore[union-attr]
+                    key = (g, hashes[i])
+                    mirror[key] = _CachedBlock(parent, event, i)  # type: ignore[arg-type]
+                    mirror.move_to_end(key)
             elif kind is BlockRemoved:
-                group = mirror[event.group_idx]  # type: ignore[union-attr]
+                g = event.group_idx  # type: ignore[union-attr]
                 for h in event.block_hashes:  # type: ignore[union-attr]
-                    group.pop(h, None)
+                    mirror.pop((g, h), None)
             elif kind is AllBlocksCleared:
-                for group in mirror:
-                    group.clear()
+                mirror.clear()
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -292,59 +302,92 @@ class EventLog:
 
     def cached_hashes(self) -> list[set]:
         """Per group, the hashes the mirror holds (what a watcher applying every batch holds)."""
-        return [set(group) for group in self._mirror]
+        groups: list[set] = [set() for _ in range(self.num_groups)]
+        for g, h in self._mirror:
+            groups[g].add(h)
+        return groups
 
     def snapshot_events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVCacheEvent]:
-        """AllBlocksCleared, then BlockStored for every cached block, parents before children.
+        """AllBlocksCleared; BlockStored for every cached block, parents before children; then the
+        same blocks re-announced in the server's recency order (``reused``).
 
-        Consecutive blocks of one chain are merged into one BlockStored (hashes chain within it).
+        The first part gives the cached set (a consumer building a tree meets every parent before
+        its children). The second part, like a reuse report, changes no presence; a consumer that
+        bounds its index by recency of announcement (an LRU) ends up ordered as one that watched
+        from the start would be. Consecutive blocks of one chain share one BlockStored.
         """
+        mirror = self._mirror
+        keys = [k for k in mirror if group_idxs is None or k[0] in group_idxs]
         events: list[KVCacheEvent] = [AllBlocksCleared()]
-        for g, group in enumerate(self._mirror):
-            if group_idxs is not None and g not in group_idxs:
+        # Part 1: parents first. Walk each block's ancestors up to an emitted (or absent) one.
+        emitted: set = set()
+        runs: list[list[tuple[int, object]]] = []
+        for key in keys:
+            if key in emitted:
                 continue
-            emitted: set = set()
-            current: BlockStored | None = None
-            for h in group:
-                if h in emitted:
-                    continue
-                chain = [h]
-                parent = group[h].parent
-                while parent is not None and parent in group and parent not in emitted:
-                    chain.append(parent)
-                    parent = group[parent].parent
-                for block_hash in reversed(chain):
-                    info = group[block_hash]
-                    emitted.add(block_hash)
-                    if (
-                        current is not None
-                        and info.parent == current.block_hashes[-1]
-                        and info.block_size == current.block_size
-                        and info.lora_id == current.lora_id
-                        and info.lora_name == current.lora_name
-                        and info.medium == current.medium
-                        and (info.extra_keys is None) == (current.extra_keys is None)
-                    ):
-                        current.block_hashes.append(block_hash)
-                        current.token_ids.extend(info.token_ids)
-                        if current.extra_keys is not None:
-                            current.extra_keys.append(info.extra_keys)
-                        continue
-                    current = BlockStored(
-                        block_hashes=[block_hash],
-                        parent_block_hash=info.parent,
-                        token_ids=list(info.token_ids),
-                        block_size=info.block_size,
-                        lora_id=info.lora_id,
-                        medium=info.medium,
-                        lora_name=info.lora_name,
-                        extra_keys=[info.extra_keys] if info.extra_keys is not None else None,
-                        group_idx=g,
-                        kv_cache_spec_kind=self.group_kinds[g],
-                        kv_cache_spec_sliding_window=self.group_windows[g],
-                    )
-                    events.append(current)
+            chain = [key]
+            parent = mirror[key].parent
+            while parent is not None and (key[0], parent) in mirror and (key[0], parent) not in emitted:
+                chain.append((key[0], parent))
+                parent = mirror[(key[0], parent)].parent
+            chain.reverse()
+            emitted.update(chain)
+            if runs and self._continues(runs[-1][-1], chain[0]):
+                runs[-1].extend(chain)
+            else:
+                runs.append(chain)
+        events.extend(self._stored(run, reused=False) for run in runs)
+        # Part 2: recency order, least recent first; a run is a chain listed child first.
+        runs = []
+        for key in keys:
+            if runs and self._continues(key, runs[-1][-1]):
+                runs[-1].append(key)
+            else:
+                runs.append([key])
+        events.extend(self._stored(run[::-1], reused=True) for run in runs)
         return events
+
+    def _continues(self, prev: tuple[int, object], key: tuple[int, object]) -> bool:
+        """Whether ``key``'s block directly extends ``prev``'s in one BlockStored."""
+        if prev[0] != key[0]:
+            return False
+        block, before = self._mirror[key], self._mirror[prev].event
+        origin = block.event
+        return (
+            block.parent == prev[1]
+            and origin.block_size == before.block_size
+            and origin.lora_id == before.lora_id
+            and origin.lora_name == before.lora_name
+            and origin.medium == before.medium
+            and (origin.extra_keys is None) == (before.extra_keys is None)
+        )
+
+    def _stored(self, run: list[tuple[int, object]], *, reused: bool) -> BlockStored:
+        """One BlockStored for a parent-first run of blocks of one group."""
+        g = run[0][0]
+        first = self._mirror[run[0]]
+        origin = first.event
+        token_ids: list[int] = []
+        extra_keys: list | None = [] if origin.extra_keys is not None else None
+        for key in run:
+            block = self._mirror[key]
+            token_ids.extend(block.token_ids())
+            if extra_keys is not None:
+                extra_keys.append(block.extra_keys())
+        return BlockStored(
+            block_hashes=[h for _, h in run],
+            parent_block_hash=first.parent,
+            token_ids=token_ids,
+            block_size=origin.block_size,
+            lora_id=origin.lora_id,
+            medium=origin.medium,
+            lora_name=origin.lora_name,
+            extra_keys=extra_keys,
+            group_idx=g,
+            kv_cache_spec_kind=self.group_kinds[g],
+            kv_cache_spec_sliding_window=self.group_windows[g],
+            reused=reused,
+        )
 
     def snapshot_batch(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> pb.EventBatch:
         """The snapshot as an ``EventBatch`` with ``seq`` = the watermark (the head)."""
@@ -421,6 +464,20 @@ class EventLog:
         self._subscribers.discard(sub)
         if not sub.ended.done():
             sub.ended.cancel()
+        if self._closed and not self._subscribers and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """After :meth:`close`, wait until every subscriber has gone (their streams ended with
+        their status), at most ``timeout`` seconds; True when all went."""
+        if not self._subscribers:
+            return True
+        self._drained = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._drained), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     @property
     def num_subscribers(self) -> int:

@@ -222,7 +222,7 @@ class KVCacheServicer:
                 continue
             results.append(pb.StepOpResult(**{which: response}))
         self._publish()
-        return pb.StepResponse(results=results)
+        return pb.StepResponse(results=results, head_seq=self.event_log.head_seq, epoch=self.event_log.epoch)
 
     async def StreamEvents(self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream batches from a seq, a snapshot or the live head (serialized once, shared)."""

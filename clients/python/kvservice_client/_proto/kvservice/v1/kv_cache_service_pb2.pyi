@@ -740,6 +740,14 @@ class StepResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
+    HEAD_SEQ_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    head_seq: _builtins.int
+    """Seq of the newest batch in the event log after this call (this call's batch when it
+    produced events), so a client can wait until its watcher has applied its effects.
+    """
+    epoch: _builtins.str
+    """The server epoch head_seq belongs to."""
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepOpResult]:
         """One result per op, in order."""
@@ -748,10 +756,12 @@ class StepResponse(_message.Message):
         self,
         *,
         results: _abc.Iterable[Global___StepOpResult] | None = ...,
+        head_seq: _builtins.int = ...,
+        epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "head_seq", b"head_seq", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

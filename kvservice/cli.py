@@ -1,0 +1,141 @@
+"""The ``kvservice`` command: ``serve``, ``watch``, ``replay``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+import click
+
+from kvservice.core.kv_cache_spec import PRESETS
+from kvservice_client.hashing import HASH_ALGORITHMS
+
+__all__ = ["main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--log-level", default="WARNING", show_default=True, help="Python logging level.")
+def main(log_level: str) -> None:
+    """kvservice: a KV-cache control service (vLLM-style prefix caching over gRPC)."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own INFO lines (GOAWAY...) are noise here
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _server_options(func: Any) -> Any:
+    options = [
+        click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="TOML file of settings (keys as the flags, with _)."),
+        click.option("--host", help="Address to bind [127.0.0.1]."),
+        click.option("--port", type=int, help="Port to bind; 0 picks a free one [50051]."),
+        click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Model KV layout [llama-3-8b]."),
+        click.option("--block-size", type=int, help="Tokens per block [the preset's]."),
+        click.option("--num-blocks", type=int, help="Blocks in the pool [from the memory budget]."),
+        click.option("--kv-cache-memory", help="KV tensor budget in bytes, e.g. 512MiB [1GiB on CPU]."),
+        click.option("--gpu-memory-utilization", type=float, help="Fraction of free CUDA memory for KV [0.9 on CUDA]."),
+        click.option("--device", help="auto | cpu | cuda[:N] | meta (shapes only) [auto]."),
+        click.option("--max-model-len", type=int, help="Longest request in tokens [the preset's]."),
+        click.option("--hash-algorithm", type=click.Choice(HASH_ALGORITHMS), help="Block-hash rule [sha256_cbor]."),
+        click.option("--hash-seed", help="Root seed of the block hashes [vllm-none-hash]."),
+        click.option("--block-hash-format", type=click.Choice(["int64", "digest"]), help="Hashes on events [int64]."),
+        click.option("--data-parallel-rank", type=int, help="Rank copied onto every event batch."),
+        click.option("--event-max-batches", type=int, help="Event batches retained for replay [100000]."),
+        click.option("--event-max-bytes", help="Event bytes retained for replay [256MiB]."),
+        click.option("--max-subscriber-lag", type=int, help="Batches a subscriber may fall behind [10000]."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@main.command()
+@_server_options
+def serve(config_file: str | None, **flags: Any) -> None:
+    """Run the service until SIGTERM/SIGINT (flags > KVSERVICE_* env > --config file > defaults)."""
+    from kvservice.server.app import load_config, run_server
+
+    try:
+        config = load_config(config_file, **flags)
+        asyncio.run(run_server(config))
+    except (ValueError, MemoryError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.argument("target", default="127.0.0.1:50051")
+@click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
+@click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
+@click.option("--group", "group_idxs", type=int, multiple=True, help="Only this group's events (repeatable).")
+@click.option("--token", envvar="KVSERVICE_TOKEN", help="Bearer token.")
+def watch(target: str, snapshot: bool, from_seq: int | None, group_idxs: tuple[int, ...], token: str | None) -> None:
+    """Print the live KV event stream of TARGET (host:port), one line per event."""
+    from kvservice.watch import watch_events
+
+    try:
+        asyncio.run(watch_events(target, snapshot=snapshot, start_seq=from_seq, group_idxs=group_idxs, token=token))
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="Trace file [the embedded Mooncake sample].")
+@click.option("--format", "trace_format", type=click.Choice(["auto", "mooncake", "azure", "tokens"]), default="auto", show_default=True, help="Trace format.")
+@click.option("--limit", type=int, help="Replay only the first N requests.")
+@click.option("--target", help="An existing server HOST:PORT (its prefix cache is reset before each mode).")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama-3-8b", show_default=True, help="Embedded server's model KV layout.")
+@click.option("--block-size", type=int, help="Embedded server's block size in tokens [the preset's].")
+@click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
+@click.option("--device", default="meta", show_default=True, help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N].")
+@click.option("--report-mode", type=click.Choice(["incremental", "full", "both"]), default="both", show_default=True, help="kv_cache_report_mode to replay (both: two fresh servers, same trace).")
+@click.option("--watchers", type=int, default=1, show_default=True, help="Watchers per mode (each mirrors and predicts).")
+@click.option("--late-watcher/--no-late-watcher", default=True, show_default=True, help="Add a watcher that joins halfway through from a snapshot.")
+@click.option("--mirror-capacity", type=int, help="Watcher mirror size in blocks (0: unbounded) [half the pool].")
+@click.option("--max-num-seqs", type=int, default=32, show_default=True, help="Most running requests.")
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True, help="Token budget per step.")
+@click.option("--step-ms", type=float, default=20.0, show_default=True, help="Simulated milliseconds per step.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvservice-replay", show_default=True, help="Where report.json and agreement.png go.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Draw progress bars.")
+def replay(**options: Any) -> None:
+    """Replay a serving trace through the service and report hits and watcher agreement."""
+    from pathlib import Path
+
+    from kvservice.replay.report import plot_agreement, render_table, write_json
+    from kvservice.replay.runner import ReplayConfig, run_replay
+    from kvservice.replay.scheduler import SchedulerConfig
+
+    modes = ("incremental", "full") if options["report_mode"] == "both" else (options["report_mode"],)
+    config = ReplayConfig(
+        trace=options["trace"],
+        trace_format=options["trace_format"],
+        limit=options["limit"],
+        target=options["target"],
+        preset=options["preset"],
+        block_size=options["block_size"],
+        num_blocks=options["num_blocks"],
+        device=options["device"],
+        report_modes=modes,
+        watchers=options["watchers"],
+        late_watcher=options["late_watcher"],
+        mirror_capacity=options["mirror_capacity"],
+        scheduler=SchedulerConfig(
+            max_num_seqs=options["max_num_seqs"],
+            max_num_batched_tokens=options["max_num_batched_tokens"],
+            step_ms=options["step_ms"],
+        ),
+        show_progress=options["progress"],
+    )
+    try:
+        report = asyncio.run(run_replay(config))
+    except (ValueError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    out = Path(options["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = write_json(report, out / "report.json")
+    png_path = plot_agreement(report, out / "agreement.png")
+    click.echo(render_table(report))
+    click.echo(f"wrote {json_path} and {png_path}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,419 @@
+"""``kvservice replay``: a trace through the service, watchers' mirrors beside it, and a report.
+
+For each report mode (``incremental``, ``full``, or both: two fresh servers, same trace) it
+starts an embedded server through ``kvservice.server.app.start_server`` (or uses ``--target``),
+runs the :class:`~kvservice.replay.scheduler.ReplayScheduler` over the trace, and runs one or more
+watchers: each subscribes to ``StreamEvents`` (snapshot first), keeps a
+:class:`~kvservice_client.watcher.PrefixIndex` bounded by an LRU on last announcement (as a
+memory-bounded KV-aware router does), and, before every admission, predicts the request's hit by
+hashing the prompt itself with the published rule. A *late watcher* can join halfway through from
+a snapshot. The report compares predictions with the hits the server used.
+
+Why incremental mode decays: a hot prefix (a system prompt, a long conversation's history) is
+announced once, when it is first cached. The server keeps it (every hit refreshes its place in the
+free queue) but a bounded mirror, which only sees announcements, lets it age out behind newer
+blocks, and then predicts a miss where the server hits. In full mode every admission that reuses a
+prefix re-announces it (``reused`` BlockStored), so the mirror's recency follows the server's and
+hot prefixes stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvservice.replay.report import AgreementStats, LatencySummary, ModeReport, ReplayReport
+from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig, SchedulerStats
+from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits, read_trace
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.client import AsyncKVCacheClient
+from kvservice_client.watcher import EventWatcher, HitPredictor, PrefixIndex
+
+__all__ = [
+    "DEFAULT_NUM_BLOCKS", "MirrorWatcher", "ModeResult", "ModeRun", "ReplayConfig", "load_requests", "replay_mode",
+    "run_mode", "run_replay",
+]
+
+DEFAULT_NUM_BLOCKS = 32768
+"""Default pool: 32k blocks of 16 tokens (512k tokens); the embedded trace needs ~680k distinct
+blocks, so the pool evicts and the report modes differ."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """What to replay and how.
+
+    Attributes:
+        trace: trace file (None = the embedded Mooncake conversation sample).
+        trace_format: "auto", "mooncake", "azure" or "tokens".
+        limit: replay only the first N requests.
+        target: an existing server "host:port" (its prefix cache is reset before each mode);
+            None = start an embedded server per mode.
+        preset, block_size, num_blocks, device, hash_algorithm: the embedded server's settings
+            (device "meta": real tensor shapes, no memory, as no model runs in a replay).
+        report_modes: the modes to run, in order.
+        watchers: watchers per mode (each predicts; watcher 0 is reported).
+        late_watcher: add a watcher that joins from a snapshot halfway through.
+        mirror_capacity: mirror size in blocks; None = half the pool; 0 = unbounded.
+        scheduler: scheduler limits.
+        show_progress: draw a progress bar.
+    """
+
+    trace: str | None = None
+    trace_format: str = "auto"
+    limit: int | None = None
+    target: str | None = None
+    preset: str = "llama-3-8b"
+    block_size: int | None = None
+    num_blocks: int = DEFAULT_NUM_BLOCKS
+    device: str = "meta"
+    hash_algorithm: str = "sha256_cbor"
+    report_modes: tuple[str, ...] = ("incremental", "full")
+    watchers: int = 1
+    late_watcher: bool = False
+    mirror_capacity: int | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
+    show_progress: bool = True
+
+
+class MirrorWatcher:
+    """A watcher task: applies the event stream to a bounded :class:`PrefixIndex` and predicts hits.
+
+    Args:
+        client: the service.
+        metadata: its ``GetKVCacheGroupMetadata``.
+        capacity_blocks: the index's capacity (None = unbounded).
+    """
+
+    def __init__(self, client: AsyncKVCacheClient, metadata: pb.GetKVCacheGroupMetadataResponse,
+                 capacity_blocks: int | None) -> None:
+        self.index = PrefixIndex(capacity_blocks)
+        self.predictor = HitPredictor(metadata, self.index)
+        self.watcher = EventWatcher(client, max_pending_batches=256)
+        self.applied_seq = -1
+        self.epoch: str | None = None
+        self.num_batches = 0
+        self.num_events = 0
+        self._progress = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start following the stream; returns once the initial snapshot is applied."""
+        self._task = asyncio.create_task(self._run())
+        await self.wait_applied(0)
+
+    async def _run(self) -> None:
+        async for watched in self.watcher:
+            self.index.apply_batch(watched.batch)
+            self.applied_seq = watched.seq
+            self.epoch = watched.epoch
+            self.num_batches += 1
+            self.num_events += len(watched.batch.events)
+            self._progress.set()
+
+    async def wait_applied(self, seq: int) -> None:
+        """Return once every batch up to ``seq`` is applied.
+
+        Raises:
+            the watcher task's error, if it failed.
+        """
+        while self.applied_seq < seq:
+            self._progress.clear()
+            assert self._task is not None
+            done, _ = await asyncio.wait({self._task, asyncio.ensure_future(self._progress.wait())},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if self._task in done:
+                self._task.result()
+                raise RuntimeError("the event stream ended")
+
+    async def close(self) -> None:
+        """Stop following."""
+        await self.watcher.close()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+@dataclass
+class ModeRun:
+    """One mode's results, before they are summarised.
+
+    Attributes:
+        mode: the report mode.
+        stats: the scheduler's stats.
+        watchers: the watchers (watcher 0 first).
+        late: the late watcher, if any.
+        late_join_admission: admissions made before the late watcher joined.
+        pool_blocks: blocks in the server's pool.
+        block_size: the service's block size (group 0).
+        usage: the server's usage at the end.
+        server_cached: the server's cached hashes per group at the end (embedded servers only).
+    """
+
+    mode: str
+    stats: SchedulerStats
+    watchers: list[MirrorWatcher]
+    late: MirrorWatcher | None
+    late_join_admission: int
+    pool_blocks: int
+    block_size: int
+    usage: pb.GetUsageResponse
+    server_cached: list[set] | None = None
+    mirror_capacity: int = 0
+
+
+async def run_mode(
+    mode: str,
+    requests: Sequence[TraceRequest],
+    config: ReplayConfig,
+    address: str,
+    *,
+    progress: object | None = None,
+) -> ModeRun:
+    """Replay ``requests`` in one report mode against the server at ``address``."""
+    async with AsyncKVCacheClient(address, timeout=120.0) as client:
+        metadata = await client.get_kv_cache_group_metadata()
+        pool_blocks = metadata.groups[0].num_blocks - 1
+        capacity = config.mirror_capacity
+        if capacity is None:
+            capacity = max(pool_blocks // 2, 1)
+        capacity_blocks = capacity or None
+        watchers = [MirrorWatcher(client, metadata, capacity_blocks) for _ in range(config.watchers)]
+        for w in watchers:
+            await w.start()
+        late: MirrorWatcher | None = None
+        late_join_admission = -1
+        hasher = watchers[0].predictor
+        scheduler_config = dataclasses.replace(config.scheduler, kv_cache_report_mode=mode)
+        num_requests = len(requests)
+
+        async def predict(r: ReplayRequest, head_seq: int) -> list[int | None]:
+            """Every watcher's prediction (the late one last; None before it joins)."""
+            active = watchers + ([late] if late is not None else [])
+            for w in active:
+                await w.wait_applied(head_seq)
+            hashes = hasher.hash_prompt(r.token_ids)  # once, for every watcher
+            predictions: list[int | None] = [
+                w.predictor.predict_hit_tokens_from_hashes(hashes, len(r.token_ids)) for w in active
+            ]
+            if config.late_watcher and late is None:
+                predictions.append(None)
+            return predictions
+
+        async def on_step(stats: SchedulerStats, head_seq: int) -> None:
+            nonlocal late, late_join_admission
+            if progress is not None:
+                progress.update(stats.num_finished - progress.n)  # type: ignore[attr-defined]
+            if config.late_watcher and late is None and stats.num_finished >= num_requests // 2:
+                late = MirrorWatcher(client, metadata, capacity_blocks)
+                await late.start()
+                late_join_admission = len(stats.admissions)
+
+        scheduler = ReplayScheduler(client, requests, scheduler_config, predictor=predict, on_step=on_step)
+        stats = await scheduler.run()
+        usage = await client.get_usage()
+        for w in watchers + ([late] if late is not None else []):
+            await w.wait_applied(scheduler.head_seq)
+        run = ModeRun(mode, stats, watchers, late, late_join_admission, pool_blocks, metadata.groups[0].block_size,
+                      usage, mirror_capacity=capacity)
+        for w in watchers + ([late] if late is not None else []):
+            await w.close()
+        return run
+
+
+def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
+    """The :class:`ModeReport` of a run (agreement of watcher 0)."""
+    bs = run.block_size
+    admissions = run.stats.admissions
+    w0 = run.watchers[0]
+    predicted = [a.predictions[0] // bs for a in admissions]
+    actual = [a.actual_hit_tokens // bs for a in admissions]
+    return ModeReport(
+        mode=run.mode,
+        num_requests=run.stats.num_finished,
+        num_prompt_tokens=sum(a.num_tokens for a in admissions),
+        num_hit_tokens=sum(a.actual_hit_tokens for a in admissions),
+        num_prompt_blocks=sum(a.num_tokens // bs for a in admissions),
+        num_hit_blocks=sum(a.actual_hit_tokens // bs for a in admissions),
+        agreement=AgreementStats.from_pairs(predicted, actual),
+        num_events=w0.num_events,
+        num_batches=w0.num_batches,
+        num_preemptions=run.stats.num_preemptions,
+        rpc_latency=LatencySummary.from_samples(run.stats.rpc_latency_ms),
+        wall_time_s=wall_time_s,
+        mirror_capacity_blocks=run.mirror_capacity,
+        pool_size_blocks=run.pool_blocks,
+        series=[(i, p, a) for i, (p, a) in enumerate(zip(predicted, actual))],
+    )
+
+
+def late_agreements(run: ModeRun) -> tuple[AgreementStats, AgreementStats] | None:
+    """(late watcher, watcher 0) agreement over the admissions after the late watcher joined."""
+    if run.late is None:
+        return None
+    bs = run.block_size
+    after = run.stats.admissions[run.late_join_admission :]
+    actual = [a.actual_hit_tokens // bs for a in after]
+    late = [a.predictions[-1] // bs for a in after]
+    first = [a.predictions[0] // bs for a in after]
+    return AgreementStats.from_pairs(late, actual), AgreementStats.from_pairs(first, actual)
+
+
+@dataclass
+class ModeResult:
+    """What one mode's replay returns (picklable: it may come back from a worker process).
+
+    Attributes:
+        report: the mode's figures.
+        late: (late watcher, watcher 0) agreement after the late watcher joined, if one ran.
+        server_hit_rate: the server's own prefix-cache counters (hits / queries, lookups included
+            that did not lead to an admission).
+        preset, block_size, num_blocks: the server's layout.
+    """
+
+    report: ModeReport
+    late: tuple[AgreementStats, AgreementStats] | None
+    server_hit_rate: float | None
+    preset: str
+    block_size: int
+    num_blocks: int
+
+
+def load_requests(config: ReplayConfig) -> list[TraceRequest]:
+    """The trace's requests (``config.limit`` of them)."""
+    trace_path = config.trace or str(DEFAULT_TRACE)
+    return list(read_trace(trace_path, format=config.trace_format, limit=config.limit))  # type: ignore[arg-type]
+
+
+async def replay_mode(
+    mode: str,
+    config: ReplayConfig,
+    *,
+    requests: Sequence[TraceRequest] | None = None,
+    position: int = 0,
+    runs: list[ModeRun] | None = None,
+) -> ModeResult:
+    """Replay the trace in one report mode on a fresh embedded server (or ``config.target``).
+
+    Args:
+        mode: "incremental" or "full".
+        config: what to replay.
+        requests: the trace (default: loaded from ``config``).
+        position: the progress bar's line.
+        runs: when given, the raw :class:`ModeRun` is appended (tests inspect it).
+
+    Raises:
+        RuntimeError: ``config.target`` holds blocks (its cache cannot be reset), or a request
+            cannot fit the pool.
+    """
+    from kvservice.server.app import start_server
+
+    if requests is None:
+        requests = load_requests(config)
+    started = time.perf_counter()
+    server = None
+    if config.target is None:
+        server = await start_server(
+            port=0, preset=config.preset, block_size=config.block_size, num_blocks=config.num_blocks,
+            device=config.device, hash_algorithm=config.hash_algorithm, grace_seconds=1.0,
+        )
+        address = server.address
+    else:
+        address = config.target
+        async with AsyncKVCacheClient(address) as client:
+            if not (await client.reset_prefix_cache()).reset:
+                raise RuntimeError(f"{address} holds blocks; replay needs a server whose cache it can reset")
+    progress = None
+    if config.show_progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(requests), desc=f"replay {mode:<11}", unit="req", position=position,
+                        dynamic_ncols=True, leave=True)
+    try:
+        run = await run_mode(mode, requests, config, address, progress=progress)
+        if server is not None:
+            server.engine.check_invariants()
+            run.server_cached = server.event_log.cached_hashes()
+    finally:
+        if progress is not None:
+            progress.close()
+        if server is not None:
+            await server.stop(0)
+    if runs is not None:
+        runs.append(run)
+    usage = run.usage
+    return ModeResult(
+        report=summarise(run, time.perf_counter() - started),
+        late=late_agreements(run),
+        server_hit_rate=usage.prefix_cache_hits / usage.prefix_cache_queries if usage.prefix_cache_queries else None,
+        preset=server.config.preset if server is not None else "(target)",
+        block_size=run.block_size,
+        num_blocks=run.pool_blocks + 1,
+    )
+
+
+def _replay_mode_in_process(mode: str, config: ReplayConfig, position: int) -> ModeResult:
+    """Worker-process entry point: one mode, its own event loop and embedded server."""
+    return asyncio.run(replay_mode(mode, config, position=position))
+
+
+async def run_replay(config: ReplayConfig, *, runs: list[ModeRun] | None = None, parallel: bool = True) -> ReplayReport:
+    """Run every mode of ``config`` and build the report.
+
+    With several modes on embedded servers, each mode runs in its own worker process (the modes
+    are independent: two fresh servers, same trace), so the replay uses two cores.
+
+    Args:
+        config: what to replay.
+        runs: when given, each mode runs in this process and its raw :class:`ModeRun` is appended.
+        parallel: allow worker processes.
+    """
+    requests = load_requests(config)
+    modes = list(config.report_modes)
+    if parallel and runs is None and config.target is None and len(modes) > 1 and (os.cpu_count() or 1) > 1:
+        loop = asyncio.get_running_loop()
+        with ProcessPoolExecutor(len(modes), mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = await asyncio.gather(
+                *(loop.run_in_executor(pool, _replay_mode_in_process, mode, config, i) for i, mode in enumerate(modes))
+            )
+    else:
+        results = [
+            await replay_mode(mode, config, requests=requests, position=i, runs=runs) for i, mode in enumerate(modes)
+        ]
+    metadata: dict[str, str | int | float | bool | None] = {}
+    late_pair = None
+    for mode, result in zip(modes, results):
+        if result.late is not None:
+            late_pair = result.late
+            metadata[f"late_watcher_exact_pct_{mode}"] = result.late[0].exact_match_pct
+            metadata[f"first_watcher_exact_pct_since_late_join_{mode}"] = result.late[1].exact_match_pct
+        metadata[f"server_prefix_cache_hit_rate_{mode}"] = result.server_hit_rate
+    first = results[0]
+    ideal = ideal_prefix_hits(requests, first.block_size) if requests else []
+    ideal_pct = 100.0 * sum(ideal) / max(sum(len(r.prompt_token_ids) for r in requests), 1)
+    metadata.update({
+        "hash_algorithm": config.hash_algorithm,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "step_ms": config.scheduler.step_ms,
+        "watchers": config.watchers,
+        "device": config.device,
+    })
+    return ReplayReport(
+        trace_path=config.trace or str(DEFAULT_TRACE),
+        num_trace_lines=len(requests),
+        preset=first.preset,
+        block_size=first.block_size,
+        num_blocks=first.num_blocks,
+        modes=[r.report for r in results],
+        late_watcher_agreement=late_pair[0] if late_pair else None,
+        ideal_hit_rate_tokens_pct=ideal_pct,
+        metadata=metadata,
+    )

@@ -1,0 +1,353 @@
+"""A continuous-batching scheduler client that replays a trace through the service.
+
+It behaves like vLLM's scheduler in simulated time, talking to the service only through ``Step``
+RPCs (one per scheduler step in the common case):
+
+* time: a simulated clock advances ``step_ms`` per step; a request joins the waiting queue once
+  the clock passes its arrival; an idle scheduler jumps to the next arrival. Wall time is as fast
+  as the service answers (time compression).
+* each step: one ``Step`` RPC carries the frees of requests that finished last step and, for
+  running requests oldest first, a prefill chunk (chunked prefill) or one decode token (the token
+  sampled last step is appended with ``new_token_ids``), within the token budget
+  ``max_num_batched_tokens``. Then, if no request was preempted, waiting requests are admitted
+  (``GetComputedBlocks`` + ``AllocateSlots``) while fewer than ``max_num_seqs`` run and budget is
+  left. Each admission is its own ``Step`` round trip: the hit of a request depends on blocks the
+  ops before it cached or evicted, so a watcher can predict it exactly only once it has applied
+  their batch (admissions are few next to decode steps: about one extra round trip per request).
+* preemption: when a running request's allocation fails, the newest running request is preempted
+  (freed on the server, its tokens so far, outputs included, become its prompt, and it goes to the
+  front of the waiting queue to be recomputed later), and the allocation is retried, as vLLM does
+  (``Scheduler.schedule``, recompute preemption). An admission that fails stops admissions for the
+  step; the request stays waiting.
+* a request finishes when it has generated ``output_length`` tokens (the first one is sampled by
+  the step that completes its prefill); it is freed at the start of the next step.
+
+Before each admission an optional *predictor* is asked for the hit it expects (a watcher's mirror);
+it is given ``head_seq``, the newest batch the service published (``StepResponse.head_seq``), and
+waits until its watcher has applied it, so predictions and hits describe the same cache state.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvservice.replay.traces import TraceRequest, output_token_ids
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.client import AsyncKVCacheClient, KVServiceError
+
+__all__ = ["Admission", "ReplayRequest", "ReplayScheduler", "SchedulerConfig", "SchedulerStats"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler limits (vLLM's names).
+
+    Attributes:
+        max_num_seqs: most running requests.
+        max_num_batched_tokens: token budget per step.
+        step_ms: simulated milliseconds per step.
+        kv_cache_report_mode: "incremental" or "full", sent with every request.
+        send_session_id: send the trace's (derived) session id.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    step_ms: float = 20.0
+    kv_cache_report_mode: str = "incremental"
+    send_session_id: bool = True
+
+
+class ReplayRequest:
+    """A trace request as the scheduler tracks it."""
+
+    __slots__ = (
+        "trace", "index", "request_id", "token_ids", "num_computed_tokens", "num_generated",
+        "pending_token", "outputs", "num_preemptions", "admitted",
+    )
+
+    def __init__(self, trace: TraceRequest, index: int) -> None:
+        self.trace = trace
+        self.index = index
+        self.request_id = trace.request_id
+        self.token_ids: array = array("i", trace.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_generated = 0
+        self.pending_token: int | None = None
+        self.outputs = output_token_ids(trace.request_id, max(trace.output_length, 1))
+        self.num_preemptions = 0
+        self.admitted = False
+
+    @property
+    def finished(self) -> bool:
+        """Generated every output token."""
+        return self.num_generated >= max(self.trace.output_length, 1)
+
+    def sample(self) -> None:
+        """The step that computed every token produced the next output token."""
+        self.pending_token = self.outputs[self.num_generated]
+        self.num_generated += 1
+
+    def preempt(self) -> None:
+        """Forget the computed state: the tokens so far (pending one included) are recomputed."""
+        if self.pending_token is not None:
+            self.token_ids.append(self.pending_token)
+            self.pending_token = None
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.admitted = False
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """One admission of a request (a preempted request is admitted again later).
+
+    Attributes:
+        index: the request's position in the trace (0-based).
+        request_id: its id.
+        num_tokens: tokens it was admitted with (prompt, plus outputs after a preemption).
+        predicted_hit_tokens: the first predictor's expected hit in tokens (None without one).
+        actual_hit_tokens: the hit the server used.
+        readmission: True after a preemption.
+        predictions: every predictor's expected hit (tokens; None for one not asked).
+    """
+
+    index: int
+    request_id: str
+    num_tokens: int
+    predicted_hit_tokens: int | None
+    actual_hit_tokens: int
+    readmission: bool
+    predictions: tuple[int | None, ...] = ()
+
+
+@dataclass
+class SchedulerStats:
+    """What a replay did.
+
+    Attributes:
+        admissions: every admission, in order.
+        num_steps: scheduler steps.
+        num_rpcs: Step RPCs (steps plus preemption retries).
+        num_preemptions: preemptions.
+        rpc_latency_ms: each Step RPC's round trip, in milliseconds.
+        num_finished: requests that finished.
+        wall_time_s: wall-clock time of the replay.
+        sim_time_ms: simulated time at the end.
+    """
+
+    admissions: list[Admission] = field(default_factory=list)
+    num_steps: int = 0
+    num_rpcs: int = 0
+    num_preemptions: int = 0
+    rpc_latency_ms: list[float] = field(default_factory=list)
+    num_finished: int = 0
+    wall_time_s: float = 0.0
+    sim_time_ms: float = 0.0
+
+
+Predictor = Callable[[ReplayRequest, int], Awaitable[Sequence[int | None]]]
+"""Given a request about to be admitted and the newest published seq, the hit each watcher expects
+(tokens; the first one is the main watcher's)."""
+
+
+class ReplayScheduler:
+    """Replays trace requests through a service with continuous batching.
+
+    Args:
+        client: the service.
+        requests: the trace, in arrival order.
+        config: scheduler limits and the report mode.
+        predictor: asked before each admission (see module docstring), optional.
+        on_step: called after each step with (stats, head_seq); a progress bar hooks here.
+    """
+
+    def __init__(
+        self,
+        client: AsyncKVCacheClient,
+        requests: Iterable[TraceRequest],
+        config: SchedulerConfig = SchedulerConfig(),
+        *,
+        predictor: Predictor | None = None,
+        on_step: Callable[[SchedulerStats, int], Awaitable[None] | None] | None = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.predictor = predictor
+        self.on_step = on_step
+        self.pending = deque(ReplayRequest(t, i) for i, t in enumerate(requests))
+        self.waiting: deque[ReplayRequest] = deque()
+        self.running: list[ReplayRequest] = []
+        self.to_free: list[ReplayRequest] = []
+        self.stats = SchedulerStats()
+        self.head_seq = 0
+        self.clock_ms = 0.0
+        self._last_scheduled = 0
+        self._mode = (
+            pb.KV_CACHE_REPORT_MODE_FULL if config.kv_cache_report_mode == "full" else pb.KV_CACHE_REPORT_MODE_INCREMENTAL
+        )
+
+    @property
+    def num_requests(self) -> int:
+        """Requests not yet finished or still to arrive."""
+        return len(self.pending) + len(self.waiting) + len(self.running)
+
+    async def run(self) -> SchedulerStats:
+        """Replay every request to completion.
+
+        Raises:
+            KVServiceError: a call failed (the service answered an error status).
+            RuntimeError: a request cannot be admitted even with an empty pool.
+        """
+        start = time.perf_counter()
+        while self.pending or self.waiting or self.running or self.to_free:
+            if not self.running and not self.waiting and not self.to_free:
+                self.clock_ms = max(self.clock_ms, self.pending[0].trace.arrival_ms)
+            while self.pending and self.pending[0].trace.arrival_ms <= self.clock_ms:
+                self.waiting.append(self.pending.popleft())
+            await self._step()
+            self.clock_ms += self.config.step_ms
+            self.stats.num_steps += 1
+            if self.on_step is not None:
+                result = self.on_step(self.stats, self.head_seq)
+                if result is not None:
+                    await result
+        self.stats.wall_time_s = time.perf_counter() - start
+        self.stats.sim_time_ms = self.clock_ms
+        return self.stats
+
+    async def _call(self, ops: list[pb.StepOp]) -> list[pb.StepOpResult]:
+        t0 = time.perf_counter()
+        response = await self.client.step(pb.StepRequest(ops=ops))
+        self.stats.rpc_latency_ms.append((time.perf_counter() - t0) * 1e3)
+        self.stats.num_rpcs += 1
+        self.head_seq = response.head_seq
+        for result in response.results:
+            if result.WhichOneof("result") == "error":
+                raise KVServiceError.from_op_status(result.error)
+        return list(response.results)
+
+    def _running_op(self, r: ReplayRequest, budget: int) -> tuple[pb.StepOp, int]:
+        if r.num_computed_tokens < len(r.token_ids):
+            n = min(budget, len(r.token_ids) - r.num_computed_tokens)
+            return pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=r.request_id, num_new_tokens=n)), n
+        assert r.pending_token is not None
+        op = pb.StepOp(
+            allocate_slots=pb.AllocateSlotsRequest(request_id=r.request_id, num_new_tokens=1, new_token_ids=[r.pending_token])
+        )
+        return op, 1
+
+    def _apply_allocation(self, r: ReplayRequest, response: pb.AllocateSlotsResponse) -> None:
+        if r.pending_token is not None and response.num_tokens == len(r.token_ids) + 1:
+            r.token_ids.append(r.pending_token)
+            r.pending_token = None
+        r.num_computed_tokens = response.num_computed_tokens
+        if r.num_computed_tokens == len(r.token_ids):
+            r.sample()
+            if r.finished:
+                self.running.remove(r)
+                self.to_free.append(r)
+                self.stats.num_finished += 1
+
+    async def _step(self) -> None:
+        cfg = self.config
+        ops: list[pb.StepOp] = [pb.StepOp(free=pb.FreeRequest(request_id=r.request_id)) for r in self.to_free]
+        num_frees = len(ops)
+        self.to_free = []
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ReplayRequest] = []
+        for r in self.running:
+            if budget <= 0:
+                break
+            op, n = self._running_op(r, budget)
+            ops.append(op)
+            scheduled.append(r)
+            budget -= n
+        failed: list[ReplayRequest] = []
+        if ops:
+            results = await self._call(ops)
+            for r, result in zip(scheduled, results[num_frees:], strict=True):
+                if result.allocate_slots.allocated:
+                    self._apply_allocation(r, result.allocate_slots)
+                else:
+                    failed.append(r)
+        num_preemptions = self.stats.num_preemptions
+        for r in failed:
+            await self._preempt_until_allocated(r)
+        if self.stats.num_preemptions != num_preemptions:
+            return  # as vLLM: no admission in a step that preempted
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            if not await self._admit(r, budget):
+                if not self.running and not self.to_free:
+                    raise RuntimeError(
+                        f"request {r.request_id} ({len(r.token_ids)} tokens) does not fit in the empty pool"
+                    )
+                break  # it stays waiting (registered on the server)
+            self.waiting.popleft()
+            budget -= self._last_scheduled
+
+    async def _admit(self, r: ReplayRequest, budget: int) -> bool:
+        """Look up and allocate one waiting request in its own round trip, after the predictor
+        has seen every batch so far, so the prediction and the server's hit describe one state."""
+        predictions = tuple(await self.predictor(r, self.head_seq)) if self.predictor is not None else ()
+        results = await self._call(
+            [
+                pb.StepOp(get_computed_blocks=self._lookup_request(r)),
+                pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=r.request_id, num_new_tokens=budget)),
+            ]
+        )
+        response = results[1].allocate_slots
+        if not response.allocated:
+            return False
+        self.stats.admissions.append(
+            Admission(r.index, r.request_id, len(r.token_ids), predictions[0] if predictions else None,
+                      response.num_new_computed_tokens, r.num_preemptions > 0, predictions)
+        )
+        r.admitted = True
+        self.running.append(r)
+        self._last_scheduled = response.num_scheduled_tokens
+        self._apply_allocation(r, response)
+        return True
+
+    def _lookup_request(self, r: ReplayRequest) -> pb.GetComputedBlocksRequest:
+        request = pb.GetComputedBlocksRequest(
+            request_id=r.request_id, prompt_token_ids=r.token_ids, kv_cache_report_mode=self._mode
+        )
+        if self.config.send_session_id and r.trace.session_id is not None:
+            request.session_id = r.trace.session_id
+        return request
+
+    async def _preempt_until_allocated(self, r: ReplayRequest) -> None:
+        """vLLM's recompute preemption: free the newest running request until ``r`` fits (or ``r``
+        itself is the newest and is preempted)."""
+        while r in self.running:
+            victim = self.running[-1]
+            self.running.pop()
+            ops = [pb.StepOp(free=pb.FreeRequest(request_id=victim.request_id))]
+            victim.preempt()
+            self.waiting.appendleft(victim)
+            self.stats.num_preemptions += 1
+            if victim is r:
+                await self._call(ops)
+                return
+            op, _ = self._running_op(r, self.config.max_num_batched_tokens)
+            ops.append(op)
+            results = await self._call(ops)
+            response = results[1].allocate_slots
+            if response.allocated:
+                self._apply_allocation(r, response)
+                return
+
+
+def agreement_pairs(admissions: Sequence[Admission], block_size: int) -> tuple[list[int], list[int]]:
+    """(predicted blocks, actual blocks) for admissions that have a prediction."""
+    predicted, actual = [], []
+    for a in admissions:
+        if a.predicted_hit_tokens is not None:
+            predicted.append(a.predicted_hit_tokens // block_size)
+            actual.append(a.actual_hit_tokens // block_size)
+    return predicted, actual

@@ -112,10 +112,12 @@ class MirrorWatcher:
     async def _run(self) -> None:
         async for watched in self.watcher:
             self.index.apply_batch(watched.batch)
-            self.applied_seq = watched.seq
-            self.epoch = watched.epoch
             self.num_batches += 1
             self.num_events += len(watched.batch.events)
+            if watched.snapshot_more:
+                continue  # the mirror matches the server only once the snapshot is whole
+            self.applied_seq = watched.seq
+            self.epoch = watched.epoch
             self._progress.set()
 
     async def wait_applied(self, seq: int) -> None:

@@ -73,6 +73,7 @@ class ServerConfig:
         event_max_batches, event_max_bytes: event log retention (batches, msgpack bytes).
         max_subscriber_lag: batches a stream subscriber may fall behind before it is ended.
         max_consumers: named TakeEvents consumers.
+        snapshot_part_tokens: token ids per snapshot message, about (big snapshots go in parts).
         max_num_requests: registered requests at once.
         max_step_ops: ops per Step.
         max_message_bytes: largest gRPC message accepted or sent, in bytes.
@@ -96,6 +97,7 @@ class ServerConfig:
     event_max_bytes: int = 256 * 1024 * 1024
     max_subscriber_lag: int = 10_000
     max_consumers: int = 1024
+    snapshot_part_tokens: int = 262_144
     max_num_requests: int = 65536
     max_step_ops: int = 4096
     max_message_bytes: int = 64 * 1024 * 1024
@@ -303,6 +305,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
             max_bytes=config.event_max_bytes,
             max_subscriber_lag=config.max_subscriber_lag,
             max_consumers=config.max_consumers,
+            snapshot_part_tokens=config.snapshot_part_tokens,
         ),
         data_parallel_rank=config.data_parallel_rank,
     )

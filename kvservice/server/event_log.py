@@ -22,7 +22,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvservice.core.errors import (
@@ -59,6 +59,7 @@ class EventLogConfig:
             ended with RESOURCE_EXHAUSTED.
         max_consumers: named TakeEvents consumers tracked at once.
         max_take_batches: most batches one TakeEvents returns.
+        snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts).
     """
 
     max_batches: int = 100_000
@@ -66,9 +67,11 @@ class EventLogConfig:
     max_subscriber_lag: int = 10_000
     max_consumers: int = 1024
     max_take_batches: int = 1000
+    snapshot_part_tokens: int = 262_144
 
     def __post_init__(self) -> None:
-        for name in ("max_batches", "max_bytes", "max_subscriber_lag", "max_consumers", "max_take_batches"):
+        for name in ("max_batches", "max_bytes", "max_subscriber_lag", "max_consumers", "max_take_batches",
+                     "snapshot_part_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
 
@@ -122,26 +125,33 @@ class Subscriber:
     Attributes:
         next_seq: the next seq to deliver.
         payload_format, group_idxs: what it asked for.
-        ended: resolved with the error that ends the subscription (lag, shutdown).
+        ended: resolved when the subscription must end (it fell behind, or shutdown), with a
+            function that builds the error from the last seq delivered by then.
     """
 
     next_seq: int
     payload_format: int
     group_idxs: tuple[int, ...] | None
-    ended: asyncio.Future = field(default_factory=lambda: _new_ended_future())
+    ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
     def last_seq(self) -> int:
         """The last seq delivered (0 when none)."""
         return self.next_seq - 1
 
+    def end(self, make_error: Callable[[int], Exception]) -> None:
+        """Mark the subscription ended; ``make_error(last_seq)`` is raised to its handler."""
+        if not self.ended.done():
+            self.ended.set_result(make_error)
 
-def _new_ended_future() -> asyncio.Future:
-    future = asyncio.get_running_loop().create_future()
-    # The error is raised to the subscriber's handler when it next looks; if the handler is gone
-    # (cancelled), nobody will, and that is fine.
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
+    def raise_if_ended(self) -> None:
+        """Raise the ending error, naming the last seq delivered, if the subscription was ended.
+
+        Raises:
+            CapacityExceededError | ShuttingDownError: the subscription was ended.
+        """
+        if self.ended.done() and not self.ended.cancelled():
+            raise self.ended.result()(self.last_seq)
 
 
 class _CachedBlock:
@@ -246,16 +256,19 @@ class EventLog:
         oldest = self.oldest_seq
         max_lag = self.config.max_subscriber_lag
         for sub in self._subscribers:
-            if sub.ended.done():
-                continue
-            lag = self.head_seq - sub.last_seq
-            if lag > max_lag or sub.next_seq < oldest:
-                sub.ended.set_exception(
-                    CapacityExceededError(
-                        f"subscriber fell {lag} batches behind (max_subscriber_lag {max_lag}); last seq delivered "
-                        f"{sub.last_seq} of epoch {self.epoch}: resume from seq {sub.next_seq} or a snapshot"
-                    )
-                )
+            if not sub.ended.done() and (self.head_seq - sub.last_seq > max_lag or sub.next_seq < oldest):
+                sub.end(self._fell_behind)
+
+    def _fell_behind(self, last_seq: int) -> CapacityExceededError:
+        return CapacityExceededError(
+            f"subscriber fell behind the head (seq {self.head_seq}) by more than the limit "
+            f"(max_subscriber_lag {self.config.max_subscriber_lag}); last seq delivered {last_seq} of epoch "
+            f"{self.epoch}: resume from "
+            f"seq {last_seq + 1} if still retained (oldest {self.oldest_seq}), else from a snapshot"
+        )
+
+    def _shutting_down(self, last_seq: int) -> ShuttingDownError:
+        return ShuttingDownError(f"server shutting down; last seq delivered {last_seq} of epoch {self.epoch}")
 
     def _apply_to_mirror(self, events: list[KVCacheEvent]) -> None:
         mirror = self._mirror
@@ -389,10 +402,33 @@ class EventLog:
             reused=reused,
         )
 
-    def snapshot_batch(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> pb.EventBatch:
-        """The snapshot as an ``EventBatch`` with ``seq`` = the watermark (the head)."""
-        batch = KVEventBatch(time.time(), self.snapshot_events(group_idxs), self.data_parallel_rank)
-        return batch_to_proto(batch, seq=self.head_seq, epoch=self.epoch, snapshot=True, payload_format=payload_format)
+    def snapshot_batches(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> list[pb.EventBatch]:
+        """The snapshot as ``EventBatch`` messages with ``seq`` = the watermark (the head).
+
+        A large snapshot is cut into parts of about ``snapshot_part_tokens`` tokens of events each
+        (every part but the last has ``snapshot_more``), so no message nears gRPC's size limits;
+        events are never split.
+        """
+        ts = time.time()
+        parts: list[list[KVCacheEvent]] = [[]]
+        num_tokens = 0
+        limit = self.config.snapshot_part_tokens
+        for event in self.snapshot_events(group_idxs):
+            size = len(event.token_ids) if type(event) is BlockStored else 0  # type: ignore[union-attr]
+            if parts[-1] and num_tokens + size > limit:
+                parts.append([])
+                num_tokens = 0
+            parts[-1].append(event)
+            num_tokens += size
+        messages = []
+        for i, events in enumerate(parts):
+            msg = batch_to_proto(
+                KVEventBatch(ts, events, self.data_parallel_rank), seq=self.head_seq, epoch=self.epoch,
+                snapshot=True, payload_format=payload_format,
+            )
+            msg.snapshot_more = i < len(parts) - 1
+            messages.append(msg)
+        return messages
 
     # -- validation -------------------------------------------------------------------------
 
@@ -492,24 +528,17 @@ class EventLog:
             ShuttingDownError: the log was closed.
         """
         while sub.next_seq > self.head_seq:
-            if sub.ended.done():
-                sub.ended.result()
+            sub.raise_if_ended()
             if self._waiter is None:
                 self._waiter = asyncio.get_running_loop().create_future()
             await asyncio.wait({self._waiter, sub.ended}, return_when=asyncio.FIRST_COMPLETED)
-        if sub.ended.done():
-            sub.ended.result()
+        sub.raise_if_ended()
 
     def close(self) -> None:
         """End every subscriber with ShuttingDownError naming its last seq."""
         self._closed = True
         for sub in self._subscribers:
-            if not sub.ended.done():
-                sub.ended.set_exception(
-                    ShuttingDownError(
-                        f"server shutting down; last seq delivered {sub.last_seq} of epoch {self.epoch}"
-                    )
-                )
+            sub.end(self._shutting_down)
 
     # -- named consumers --------------------------------------------------------------------
 
@@ -551,7 +580,7 @@ class EventLog:
             raise CapacityExceededError(f"max_consumers: {self.config.max_consumers} consumers exist already")
         batches: list[pb.EventBatch] = []
         if snapshot:
-            batches.append(self.snapshot_batch(payload_format, group_idxs))
+            batches.extend(self.snapshot_batches(payload_format, group_idxs))
             cursor = self.head_seq + 1
         elif start_seq:
             cursor = start_seq

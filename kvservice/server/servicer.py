@@ -107,6 +107,8 @@ class KVCacheServicer:
         event_log: where each mutating call's events go.
         metadata: the ``GetKVCacheGroupMetadata`` answer (built once by the app).
         max_step_ops: most ops one Step may carry.
+        stalled_write_timeout_s: how long a write to an ended subscriber may stay blocked before
+            the stream is dropped (see :meth:`_write`).
     """
 
     def __init__(
@@ -116,7 +118,9 @@ class KVCacheServicer:
         metadata: pb.GetKVCacheGroupMetadataResponse,
         *,
         max_step_ops: int = 4096,
+        stalled_write_timeout_s: float = 30.0,
     ) -> None:
+        self.stalled_write_timeout_s = stalled_write_timeout_s
         self.engine = engine
         self.event_log = event_log
         self.metadata = metadata
@@ -236,7 +240,7 @@ class KVCacheServicer:
                 log.check_start_seq(request.start_seq, request.epoch)
                 next_seq = request.start_seq
             elif start == pb.EVENT_START_SNAPSHOT:
-                snapshot = log.snapshot_batch(payload_format, group_idxs).SerializeToString()
+                snapshot = [m.SerializeToString() for m in log.snapshot_batches(payload_format, group_idxs)]
                 next_seq = log.head_seq + 1
             elif start in (pb.EVENT_START_LIVE, pb.EVENT_START_UNSPECIFIED):
                 next_seq = log.head_seq + 1
@@ -247,38 +251,47 @@ class KVCacheServicer:
             code, message = status_for(exc)
             await context.abort(code, message)
         try:
-            if snapshot is not None:
-                await self._write(context, sub, snapshot)
+            for part in snapshot or ():
+                if not await self._write(context, sub, part):
+                    return
             while True:
-                entries = log.entries_from(sub.next_seq) if sub.next_seq >= log.oldest_seq else None
-                if entries is None:
-                    sub.ended.done() or sub.ended.set_exception(
-                        CapacityExceededError(f"subscriber's next seq {sub.next_seq} left the log; last seq delivered {sub.last_seq}")
-                    )
-                    sub.ended.result()
+                sub.raise_if_ended()
+                entries = log.entries_from(sub.next_seq)
                 if not entries:
                     await log.wait_for(sub)
                     continue
                 for entry in entries:
-                    await self._write(context, sub, entry.encoded(payload_format, group_idxs))
+                    if not await self._write(context, sub, entry.encoded(payload_format, group_idxs)):
+                        return  # abandoned: see _write
                     sub.next_seq = entry.seq + 1
+                    sub.raise_if_ended()
         except KVServiceDomainError as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
         finally:
             log.unsubscribe(sub)
 
-    @staticmethod
-    async def _write(context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes) -> None:
-        """Write one message, unless the subscriber is ended first (then raise its error)."""
-        if sub.ended.done():
-            sub.ended.result()
+    async def _write(self, context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes) -> bool:
+        """Write one message; False when the stream had to be abandoned.
+
+        A message handed to gRPC cannot be taken back, and no status can follow while it is in
+        flight. So when the subscription is ended during a write (it fell behind, or shutdown),
+        the write is left to finish (a reading client finishes it), then the caller ends the
+        stream with the status naming that message's seq as the last one delivered. A client
+        that stops reading altogether holds the write past ``stalled_write_timeout_s``: then the
+        call is dropped without a status (the client sees the connection's error, never a gap).
+        """
+        sub.raise_if_ended()
         write = asyncio.ensure_future(context.write(data))
         await asyncio.wait({write, sub.ended}, return_when=asyncio.FIRST_COMPLETED)
         if not write.done():
-            write.cancel()
-            sub.ended.result()
+            done, _ = await asyncio.wait({write}, timeout=self.stalled_write_timeout_s)
+            if not done:
+                write.cancel()
+                logger.warning("dropped a stream whose client stopped reading (next seq %d)", sub.next_seq)
+                return False
         write.result()
+        return True
 
     async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
         """Pull batches after a named consumer's cursor."""

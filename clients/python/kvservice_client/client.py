@@ -409,6 +409,19 @@ class StepBuilder:
 
 
 # ---------------------------------------------------------------------------------------------
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest message a client channel accepts by default (the server's default send limit); gRPC's
+own default (4 MiB) is below one TakeEvents answer of many batches."""
+
+
+def _channel_options(options: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    """``options`` plus the default receive limit, unless they set one."""
+    out = list(options or ())
+    if not any(name == "grpc.max_receive_message_length" for name, _ in out):
+        out.append(("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES))
+    return out
+
+
 # Call options and error translation (used only by the clients' _rpc).
 
 
@@ -487,7 +500,8 @@ class KVCacheClient(_ClientBase):
         metadata: metadata sent on every call, before the call's own.
         timeout: the default deadline of unary calls, in seconds or as a ``timedelta`` (None: no
             deadline). ``stream_events`` gets a deadline only when the call passes one.
-        options: channel options, when ``target`` is an address.
+        options: channel options, when ``target`` is an address (the receive limit defaults to
+            :data:`DEFAULT_MAX_MESSAGE_BYTES`).
 
     Every method raises :class:`KVServiceError` when the call fails; its ``code`` is the gRPC status
     (INVALID_ARGUMENT naming the field, NOT_FOUND, ALREADY_EXISTS, UNAUTHENTICATED,
@@ -504,7 +518,7 @@ class KVCacheClient(_ClientBase):
         options: Sequence[tuple[str, Any]] | None = None,
     ) -> None:
         if isinstance(target, str):
-            channel = grpc.insecure_channel(target, options=options)
+            channel = grpc.insecure_channel(target, options=_channel_options(options))
             self._owns_channel = True
         else:
             if options is not None:
@@ -826,7 +840,7 @@ class AsyncKVCacheClient(_ClientBase):
         options: Sequence[tuple[str, Any]] | None = None,
     ) -> None:
         if isinstance(target, str):
-            channel = grpc.aio.insecure_channel(target, options=options)
+            channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
             self._owns_channel = True
         else:
             if options is not None:

@@ -180,12 +180,15 @@ class WatchedBatch:
         snapshot: True for a snapshot batch (AllBlocksCleared, then BlockStored for every cached
             block, parents first).
         batch: the events.
+        snapshot_more: the snapshot continues in the next batch (same seq): a consumer's state is
+            the server's as of ``seq`` only once a snapshot part without it has been applied.
     """
 
     seq: int
     epoch: str
     snapshot: bool
     batch: ev.KVEventBatch
+    snapshot_more: bool = False
 
 
 @dataclass
@@ -320,6 +323,7 @@ class EventWatcher:
         self._stats = WatcherStats()
         # The cursor: where the reading task is (resume point); None/True = take a snapshot.
         self._need_snapshot = start_seq is None
+        self._snapshot_part_of: tuple[int, str] | None = None  # (seq, epoch) of a snapshot in progress
         self._cursor_seq: int | None = None if start_seq is None else start_seq - 1
         self._cursor_epoch: str | None = epoch or None
         # What the caller has been given.
@@ -475,6 +479,7 @@ class EventWatcher:
         assert self._queue is not None
         queue = self._queue
         asked_snapshot = self._need_snapshot
+        self._snapshot_part_of = None
         request = self._next_request()
         num_delivered = 0
         stream = self._client.stream_events(request, metadata=self._metadata)
@@ -484,8 +489,11 @@ class EventWatcher:
                     reason = self._check(msg, expect_snapshot=asked_snapshot and num_delivered == 0)
                     if reason is not None:
                         return num_delivered, _Resync(reason, self._gap_error(reason, msg))
-                    watched = WatchedBatch(msg.seq, msg.epoch, msg.snapshot, proto_to_batch(msg))
-                    self._need_snapshot = False
+                    watched = WatchedBatch(msg.seq, msg.epoch, msg.snapshot, proto_to_batch(msg), msg.snapshot_more)
+                    # A snapshot in parts is a resume point only once complete: until then a
+                    # broken call asks for a new snapshot.
+                    self._snapshot_part_of = (msg.seq, msg.epoch) if msg.snapshot_more else None
+                    self._need_snapshot = msg.snapshot_more
                     self._cursor_seq = msg.seq
                     self._cursor_epoch = msg.epoch
                     await queue.put(watched)
@@ -513,6 +521,11 @@ class EventWatcher:
 
     def _check(self, msg: pb.EventBatch, *, expect_snapshot: bool) -> ResyncReason | None:
         """Why ``msg`` cannot be applied after the cursor, or None when it can."""
+        if self._snapshot_part_of is not None:
+            # The next part of a snapshot must follow, with the same seq and epoch.
+            if msg.snapshot and (msg.seq, msg.epoch) == self._snapshot_part_of:
+                return None
+            return ResyncReason.SEQ_GAP
         if msg.snapshot:
             return None  # self-contained: starts with AllBlocksCleared
         if expect_snapshot:

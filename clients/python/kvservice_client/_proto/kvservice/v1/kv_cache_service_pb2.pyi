@@ -1136,6 +1136,7 @@ class EventBatch(_message.Message):
     DATA_PARALLEL_RANK_FIELD_NUMBER: _builtins.int
     MSGPACK_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_MORE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Sequence number: gap-free from 1 within an epoch. A snapshot batch carries the watermark (the
     seq of the last batch it includes; 0 when none).
@@ -1150,6 +1151,10 @@ class EventBatch(_message.Message):
     """msgpack bytes of the KVEventBatch (PAYLOAD_FORMAT_MSGPACK)."""
     snapshot: _builtins.bool
     """True for a snapshot batch."""
+    snapshot_more: _builtins.bool
+    """True when this snapshot continues in the next message (same seq): a large snapshot is sent
+    in parts, the first starting with AllBlocksCleared. It is complete after the part without it.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVEvent]:
         """The events (PAYLOAD_FORMAT_PROTOBUF)."""
@@ -1164,10 +1169,11 @@ class EventBatch(_message.Message):
         data_parallel_rank: _builtins.int | None = ...,
         msgpack: _builtins.bytes = ...,
         snapshot: _builtins.bool = ...,
+        snapshot_more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "data_parallel_rank", b"data_parallel_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "events", b"events", "msgpack", b"msgpack", "seq", b"seq", "snapshot", b"snapshot", "ts", b"ts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "events", b"events", "msgpack", b"msgpack", "seq", b"seq", "snapshot", b"snapshot", "snapshot_more", b"snapshot_more", "ts", b"ts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__data_parallel_rank: _TypeAlias = _typing.Literal["data_parallel_rank"]  # noqa: Y015
     _WhichOneofArgType__data_parallel_rank: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank"]  # noqa: Y015

@@ -180,6 +180,9 @@ class ModeReport:
         pool_size_blocks: blocks in the server's pool.
         series: per request, (request index, predicted hit blocks, actual hit blocks), in replay
             order; may be empty.
+        late_watcher: the agreement of a watcher that joined halfway through from a snapshot,
+            over the admissions after it joined (None when none ran).
+        first_watcher_since_late_join: the first watcher's agreement over those same admissions.
     """
 
     mode: str
@@ -197,6 +200,8 @@ class ModeReport:
     mirror_capacity_blocks: int
     pool_size_blocks: int
     series: list[AgreementPoint] = field(default_factory=list)
+    late_watcher: AgreementStats | None = None
+    first_watcher_since_late_join: AgreementStats | None = None
 
     @property
     def hit_rate_tokens_pct(self) -> float | None:
@@ -220,8 +225,6 @@ class ReplayReport:
         block_size: the service's block size, in tokens.
         num_blocks: blocks in the server's pool.
         modes: one report per mode that ran, in run order (one or two, distinct modes).
-        late_watcher_agreement: the agreement of a watcher that joined mid-replay through a
-            snapshot, if one ran.
         ideal_hit_rate_tokens_pct: the infinite-cache prefix hit rate of the replayed requests at
             ``block_size`` (``traces.ideal_prefix_hits``), if computed.
         metadata: other run facts (versions, hash algorithm, start time ...), JSON scalars only.
@@ -236,7 +239,6 @@ class ReplayReport:
     block_size: int
     num_blocks: int
     modes: list[ModeReport]
-    late_watcher_agreement: AgreementStats | None = None
     ideal_hit_rate_tokens_pct: float | None = None
     metadata: dict[str, str | int | float | bool | None] = field(default_factory=dict)
 
@@ -268,7 +270,6 @@ class ReplayReport:
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "ideal_hit_rate_tokens_pct": self.ideal_hit_rate_tokens_pct,
-            "late_watcher_agreement": _agreement_to_dict(self.late_watcher_agreement),
             "metadata": dict(self.metadata),
             "modes": [_mode_to_dict(m) for m in self.modes],
         }
@@ -284,7 +285,6 @@ class ReplayReport:
         schema = data.get("schema")
         if schema != REPORT_SCHEMA:
             raise ValueError(f"unknown report schema {schema!r}; expected {REPORT_SCHEMA!r}")
-        late = data.get("late_watcher_agreement")
         return cls(
             trace_path=data["trace_path"],
             num_trace_lines=data["num_trace_lines"],
@@ -292,7 +292,6 @@ class ReplayReport:
             block_size=data["block_size"],
             num_blocks=data["num_blocks"],
             modes=[_mode_from_dict(m) for m in data["modes"]],
-            late_watcher_agreement=None if late is None else _agreement_from_dict(late),
             ideal_hit_rate_tokens_pct=data.get("ideal_hit_rate_tokens_pct"),
             metadata=dict(data.get("metadata", {})),
         )
@@ -341,6 +340,8 @@ def _mode_to_dict(m: ModeReport) -> dict[str, Any]:
     d["agreement"] = _agreement_to_dict(m.agreement)
     d["rpc_latency"] = {k: getattr(m.rpc_latency, k) for k in _LATENCY_FIELDS}
     d["series"] = [list(p) for p in m.series]
+    d["late_watcher"] = _agreement_to_dict(m.late_watcher)
+    d["first_watcher_since_late_join"] = _agreement_to_dict(m.first_watcher_since_late_join)
     return d
 
 
@@ -350,6 +351,10 @@ def _mode_from_dict(d: dict[str, Any]) -> ModeReport:
         agreement=_agreement_from_dict(d["agreement"]),
         rpc_latency=LatencySummary(**{k: d["rpc_latency"][k] for k in _LATENCY_FIELDS}),
         series=[(int(i), int(p), int(a)) for i, p, a in d.get("series", [])],
+        late_watcher=_agreement_from_dict(d["late_watcher"]) if d.get("late_watcher") else None,
+        first_watcher_since_late_join=(
+            _agreement_from_dict(d["first_watcher_since_late_join"]) if d.get("first_watcher_since_late_join") else None
+        ),
     )
 
 
@@ -416,14 +421,25 @@ def _fmt_agreement(a: AgreementStats) -> list[tuple[str, str]]:
     ]
 
 
-def _mode_rows(m: ModeReport) -> list[tuple[str, str]]:
+def _fmt_short_agreement(a: AgreementStats | None) -> str:
+    if a is None:
+        return "-"
+    return f"{_fmt_pct(a.exact_match_pct)} of {_fmt_int(a.num_compared)}, MAE {_fmt_float(a.mean_abs_error_blocks, 3)}"
+
+
+def _mode_rows(m: ModeReport, *, late: bool) -> list[tuple[str, str]]:
     lat = m.rpc_latency
+    late_rows = [
+        ("late watcher since it joined: exact, MAE", _fmt_short_agreement(m.late_watcher)),
+        ("first watcher, same requests: exact, MAE", _fmt_short_agreement(m.first_watcher_since_late_join)),
+    ] if late else []
     return [
         ("requests", _fmt_int(m.num_requests)),
         ("prompt tokens", _fmt_int(m.num_prompt_tokens)),
         ("prefix hit rate (tokens)", _fmt_pct(m.hit_rate_tokens_pct)),
         ("prefix hit rate (blocks)", _fmt_pct(m.hit_rate_blocks_pct)),
         *_fmt_agreement(m.agreement),
+        *late_rows,
         ("events / batches received", f"{_fmt_int(m.num_events)} / {_fmt_int(m.num_batches)}"),
         ("preemptions", _fmt_int(m.num_preemptions)),
         ("RPC calls timed", _fmt_int(lat.num_samples)),
@@ -463,7 +479,8 @@ def render_table(report: ReplayReport, *, width: int = 100) -> str:
     table.add_column("metric")
     for m in report.modes:
         table.add_column(m.mode, justify="right")
-    per_mode = [_mode_rows(m) for m in report.modes]
+    late = any(m.late_watcher is not None for m in report.modes)
+    per_mode = [_mode_rows(m, late=late) for m in report.modes]
     for i, (label, _) in enumerate(per_mode[0]):
         table.add_row(label, *(rows[i][1] for rows in per_mode))
     notes = []
@@ -471,13 +488,6 @@ def render_table(report: ReplayReport, *, width: int = 100) -> str:
         notes.append(
             "ideal prefix hit rate, infinite cache (tokens): "
             f"{_fmt_pct(report.ideal_hit_rate_tokens_pct)}"
-        )
-    if report.late_watcher_agreement is not None:
-        a = report.late_watcher_agreement
-        notes.append(
-            f"late watcher (joined by snapshot): exact match {_fmt_pct(a.exact_match_pct)} of "
-            f"{_fmt_int(a.num_compared)}, "
-            f"mean abs error {_fmt_float(a.mean_abs_error_blocks, 3)} blocks"
         )
     buffer = io.StringIO()
     console = Console(

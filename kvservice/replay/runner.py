@@ -213,7 +213,7 @@ async def run_mode(
             nonlocal late, late_join_admission
             if progress is not None:
                 progress.update(stats.num_finished - progress.n)  # type: ignore[attr-defined]
-            if config.late_watcher and late is None and stats.num_finished >= num_requests // 2:
+            if config.late_watcher and late is None and len(stats.admissions) >= num_requests // 2:
                 late = MirrorWatcher(client, metadata, capacity_blocks)
                 await late.start()
                 late_join_admission = len(stats.admissions)
@@ -351,9 +351,13 @@ async def replay_mode(
     if runs is not None:
         runs.append(run)
     usage = run.usage
+    report = summarise(run, time.perf_counter() - started)
+    late = late_agreements(run)
+    if late is not None:
+        report.late_watcher, report.first_watcher_since_late_join = late
     return ModeResult(
-        report=summarise(run, time.perf_counter() - started),
-        late=late_agreements(run),
+        report=report,
+        late=late,
         server_hit_rate=usage.prefix_cache_hits / usage.prefix_cache_queries if usage.prefix_cache_queries else None,
         preset=server.config.preset if server is not None else "(target)",
         block_size=run.block_size,
@@ -390,12 +394,7 @@ async def run_replay(config: ReplayConfig, *, runs: list[ModeRun] | None = None,
             await replay_mode(mode, config, requests=requests, position=i, runs=runs) for i, mode in enumerate(modes)
         ]
     metadata: dict[str, str | int | float | bool | None] = {}
-    late_pair = None
     for mode, result in zip(modes, results):
-        if result.late is not None:
-            late_pair = result.late
-            metadata[f"late_watcher_exact_pct_{mode}"] = result.late[0].exact_match_pct
-            metadata[f"first_watcher_exact_pct_since_late_join_{mode}"] = result.late[1].exact_match_pct
         metadata[f"server_prefix_cache_hit_rate_{mode}"] = result.server_hit_rate
     first = results[0]
     ideal = ideal_prefix_hits(requests, first.block_size) if requests else []
@@ -415,7 +414,6 @@ async def run_replay(config: ReplayConfig, *, runs: list[ModeRun] | None = None,
         block_size=first.block_size,
         num_blocks=first.num_blocks,
         modes=[r.report for r in results],
-        late_watcher_agreement=late_pair[0] if late_pair else None,
         ideal_hit_rate_tokens_pct=ideal_pct,
         metadata=metadata,
     )

@@ -58,8 +58,15 @@ def _report(**overrides: object) -> ReplayReport:
         preset="llama3-8b",
         block_size=16,
         num_blocks=2_048,
-        modes=[_mode("incremental", SERIES_INC), _mode("full", SERIES_FULL)],
-        late_watcher_agreement=AgreementStats.from_pairs([3, 3], [3, 4]),
+        modes=[
+            _mode("incremental", SERIES_INC),
+            _mode(
+                "full",
+                SERIES_FULL,
+                late_watcher=AgreementStats.from_pairs([3, 3], [3, 4]),
+                first_watcher_since_late_join=AgreementStats.from_pairs([3, 4], [3, 4]),
+            ),
+        ],
         ideal_hit_rate_tokens_pct=25.0,
         metadata={"hash_algorithm": "sha256_cbor", "kvservice": "0.1.0", "seed": None},
     )
@@ -142,13 +149,13 @@ def test_json_round_trip(tmp_path: Path) -> None:
     inc = data["modes"][0]
     assert inc["hit_rate_tokens_pct"] == 25.0 and inc["agreement"]["exact_match_pct"] == 60.0
     assert inc["series"] == [[0, 0, 0], [1, 2, 2], [2, 3, 5], [3, 4, 4], [4, 1, 0]]
-    assert data["late_watcher_agreement"]["num_exact"] == 1
+    assert data["modes"][1]["late_watcher"]["num_exact"] == 1
+    assert data["modes"][0]["late_watcher"] is None
     # The series is written on one line.
     assert '"series": [[0,0,0],[1,2,2],[2,3,5],[3,4,4],[4,1,0]]' in path.read_text()
     # One mode, no late watcher, empty series, no latency samples.
     single = _report(
         modes=[_mode("full", [], rpc_latency=LatencySummary.from_samples([]))],
-        late_watcher_agreement=None,
         ideal_hit_rate_tokens_pct=None,
         metadata={},
     )
@@ -183,10 +190,8 @@ def test_render_table_both_modes_side_by_side() -> None:
     assert row("RPC latency p50 / p99 (ms)") == ["0.750 / 3.880", "0.750 / 3.880"]
     assert row("mirror capacity / pool size") == ["2,048 / 2,048", "2,048 / 2,048"]
     assert "ideal prefix hit rate, infinite cache (tokens): 25.00 %" in text
-    assert (
-        "late watcher (joined by snapshot): exact match 50.00 % of 2, mean abs error 0.500 blocks"
-        in text
-    )
+    assert row("late watcher since it joined") == ["-", "50.00 % of 2, MAE 0.500"]
+    assert row("first watcher, same requests") == ["-", "100.00 % of 2, MAE 0.000"]
     assert all(line == line.rstrip() for line in lines)
 
 
@@ -194,7 +199,6 @@ def test_render_table_single_mode_and_markup_safe() -> None:
     report = _report(
         trace_path="/x/[bold]trace.jsonl",
         modes=[_mode("full", SERIES_FULL)],
-        late_watcher_agreement=None,
         ideal_hit_rate_tokens_pct=None,
     )
     text = render_table(report)

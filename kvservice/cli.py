@@ -71,11 +71,15 @@ def serve(config_file: str | None, **flags: Any) -> None:
 def watch(target: str, snapshot: bool, from_seq: int | None, group_idxs: tuple[int, ...], token: str | None) -> None:
     """Print the live KV event stream of TARGET (host:port), one line per event."""
     from kvservice.watch import watch_events
+    from kvservice_client.client import KVServiceError
 
     try:
         asyncio.run(watch_events(target, snapshot=snapshot, start_seq=from_seq, group_idxs=group_idxs, token=token))
     except KeyboardInterrupt:
         pass
+    except KVServiceError as e:
+        click.echo(f"# stream ended: {e.code.name}: {e.message}", err=True)
+        sys.exit(1)
 
 
 @main.command()

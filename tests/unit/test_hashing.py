@@ -122,3 +122,36 @@ def test_resolve_block_hashes_merges_multiples_and_rejects_other_ratios():
     for bad in (6, 2):
         with pytest.raises(ValueError, match=f"block_size {bad} must be a multiple of the hash block size 4"):
             resolve_block_hashes(hashes, 4, bad)
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvservice_client.hashing as hashing_module
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    algorithm=st.sampled_from(["sha256_cbor", "xxhash"]),
+    block_size=st.sampled_from([1, 4, 16, 23, 24, 300]),
+    tokens=st.lists(
+        st.one_of(st.integers(0, 30), st.integers(0, 300), st.integers(0, 70000), st.integers(0, 2**31 - 1)),
+        max_size=2000,
+    ),
+)
+def test_vectorized_cbor_hashing_equals_cbor2(algorithm, block_size, tokens):
+    # Prompts of >= _VECTORIZED_MIN_BLOCKS blocks take the one-pass numpy encoder; the rule is
+    # canonical CBOR as cbor2 writes it, so both paths must give the same bytes and hashes.
+    hasher = BlockHasher(block_size, algorithm)
+    fast = hasher.hash_prompt(tokens)
+    slow = []
+    parent = None
+    for i in range(len(tokens) // block_size):
+        parent = hasher.hash_block(parent, tokens[i * block_size : (i + 1) * block_size], None)
+        slow.append(parent)
+    assert fast == slow
+    encoded, offsets = hashing_module._encode_token_ids_cbor(tokens)
+    import cbor2
+
+    assert encoded == b"".join(cbor2.dumps(t, canonical=True) for t in tokens)
+    assert offsets.tolist()[-1] == len(encoded)

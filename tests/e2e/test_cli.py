@@ -1,0 +1,88 @@
+"""``kvservice serve`` and ``kvservice watch`` as a user runs them: real processes, real signals."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from kvservice_client.client import KVCacheClient
+
+TIMEOUT_S = 60
+
+
+class Lines:
+    """A process's output lines, read by a thread so the test can wait on the next one."""
+
+    def __init__(self, stream) -> None:
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, text: str) -> str:
+        while True:
+            line = self._queue.get(timeout=TIMEOUT_S)
+            if line is None:
+                raise AssertionError(f"output ended before {text!r}; saw {self.seen}")
+            self.seen.append(line)
+            if text in line:
+                return line
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvservice.cli", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )
+
+
+@pytest.mark.slow
+def test_serve_with_defaults_then_watch_shows_events_and_sigterm_ends_both():
+    serve = _spawn("serve", "--port", "0")  # every other setting is the default
+    try:
+        serve_out = Lines(serve.stdout)
+        address = serve_out.wait_for("kvservice listening on").split()[3]
+        serve_out.wait_for("preset llama-3-8b")
+        watch = _spawn("watch", address, "--snapshot")
+        watch_out = Lines(watch.stdout)
+        watch_out.wait_for("seq=0* AllBlocksCleared")  # subscribed: everything after this is live
+        with KVCacheClient(address) as client:
+            assert client.get_computed_blocks("r1", list(range(40)), session_id="chat-1").num_computed_tokens == 0
+            assert client.allocate_slots("r1", 40).allocated
+            client.free("r1")
+            assert client.get_computed_blocks("r2", list(range(40)), session_id="chat-2",
+                                              kv_cache_report_mode="full").num_computed_tokens == 32
+            assert client.allocate_slots("r2", 40).num_new_computed_tokens == 32
+        first = watch_out.wait_for("seq=1 BlockStored")
+        assert "group=0 kind=full_attention window=- session=chat-1 parent=- blocks=2" in first
+        assert "tokens[0:32)" in first
+        reused = watch_out.wait_for("seq=2 BlockStored")
+        assert "session=chat-2" in reused and reused.endswith("tokens[0:32) reused")
+
+        serve.send_signal(signal.SIGTERM)
+        serve_out.wait_for("stopping (graceful)")
+        assert serve.wait(TIMEOUT_S) == 0
+        watch_out.wait_for("# stream ended: UNAVAILABLE: server shutting down; last seq delivered 2")
+        assert watch.wait(TIMEOUT_S) == 1
+    finally:
+        for proc in (serve, locals().get("watch")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+
+
+def test_serve_rejects_a_bad_setting_naming_it():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", "--num-blocks", "1"],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 1
+    assert "num_blocks must be >= 2" in result.stderr

@@ -455,7 +455,7 @@ def _mode_rows(m: ModeReport, *, late: bool) -> list[tuple[str, str]]:
     ]
 
 
-def render_table(report: ReplayReport, *, width: int = 100) -> str:
+def render_table(report: ReplayReport, *, width: int = 120) -> str:
     """The report as a plain-text terminal table (rich, no colour codes), modes side by side.
 
     Args:
@@ -484,6 +484,11 @@ def render_table(report: ReplayReport, *, width: int = 100) -> str:
     for i, (label, _) in enumerate(per_mode[0]):
         table.add_row(label, *(rows[i][1] for rows in per_mode))
     notes = []
+    skipped = {k: v for k, v in report.metadata.items() if k.startswith("requests_skipped") and v}
+    if skipped:
+        notes.append(
+            f"skipped {max(skipped.values()):,} trace requests whose prompt is max_model_len tokens or longer"
+        )
     if report.ideal_hit_rate_tokens_pct is not None:
         notes.append(
             "ideal prefix hit rate, infinite cache (tokens): "

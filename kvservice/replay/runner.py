@@ -26,8 +26,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from kvservice.replay.report import AgreementStats, LatencySummary, ModeReport, ReplayReport
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig, SchedulerStats
@@ -169,6 +168,7 @@ class ModeRun:
     usage: pb.GetUsageResponse
     server_cached: list[set] | None = None
     mirror_capacity: int = 0
+    max_model_len: int = 0
 
 
 async def run_mode(
@@ -218,13 +218,14 @@ async def run_mode(
                 await late.start()
                 late_join_admission = len(stats.admissions)
 
-        scheduler = ReplayScheduler(client, requests, scheduler_config, predictor=predict, on_step=on_step)
+        scheduler = ReplayScheduler(client, requests, scheduler_config, predictor=predict, on_step=on_step,
+                                    max_model_len=metadata.max_model_len)
         stats = await scheduler.run()
         usage = await client.get_usage()
         for w in watchers + ([late] if late is not None else []):
             await w.wait_applied(scheduler.head_seq)
         run = ModeRun(mode, stats, watchers, late, late_join_admission, pool_blocks, metadata.groups[0].block_size,
-                      usage, mirror_capacity=capacity)
+                      usage, mirror_capacity=capacity, max_model_len=metadata.max_model_len)
         for w in watchers + ([late] if late is not None else []):
             await w.close()
         return run
@@ -286,6 +287,9 @@ class ModeResult:
     preset: str
     block_size: int
     num_blocks: int
+    num_skipped: int = 0
+    num_length_capped: int = 0
+    max_model_len: int = 0
 
 
 def load_requests(config: ReplayConfig) -> list[TraceRequest]:
@@ -362,6 +366,9 @@ async def replay_mode(
         preset=server.config.preset if server is not None else "(target)",
         block_size=run.block_size,
         num_blocks=run.pool_blocks + 1,
+        num_skipped=run.stats.num_skipped,
+        num_length_capped=run.stats.num_length_capped,
+        max_model_len=run.max_model_len,
     )
 
 
@@ -395,10 +402,14 @@ async def run_replay(config: ReplayConfig, *, runs: list[ModeRun] | None = None,
         ]
     metadata: dict[str, str | int | float | bool | None] = {}
     for mode, result in zip(modes, results):
+        metadata[f"requests_skipped_longer_than_max_model_len_{mode}"] = result.num_skipped
+        metadata[f"requests_stopped_at_max_model_len_{mode}"] = result.num_length_capped
         metadata[f"server_prefix_cache_hit_rate_{mode}"] = result.server_hit_rate
     first = results[0]
-    ideal = ideal_prefix_hits(requests, first.block_size) if requests else []
-    ideal_pct = 100.0 * sum(ideal) / max(sum(len(r.prompt_token_ids) for r in requests), 1)
+    # The ideal covers the requests a server accepts (a prompt under max_model_len).
+    accepted = [r for r in requests if len(r.prompt_token_ids) < first.max_model_len]
+    ideal = ideal_prefix_hits(accepted, first.block_size) if accepted else []
+    ideal_pct = 100.0 * sum(ideal) / max(sum(len(r.prompt_token_ids) for r in accepted), 1)
     metadata.update({
         "hash_algorithm": config.hash_algorithm,
         "max_num_seqs": config.scheduler.max_num_seqs,

@@ -20,7 +20,9 @@ RPCs (one per scheduler step in the common case):
   (``Scheduler.schedule``, recompute preemption). An admission that fails stops admissions for the
   step; the request stays waiting.
 * a request finishes when it has generated ``output_length`` tokens (the first one is sampled by
-  the step that completes its prefill); it is freed at the start of the next step.
+  the step that completes its prefill), or when one more token would exceed ``max_model_len`` (as
+  vLLM stops at the length cap); it is freed at the start of the next step. A trace request whose
+  prompt alone is ``max_model_len`` tokens or longer is skipped (a server rejects it) and counted.
 
 Before each admission an optional *predictor* is asked for the hit it expects (a watcher's mirror);
 it is given ``head_seq``, the newest batch the service published (``StepResponse.head_seq``), and
@@ -135,6 +137,8 @@ class SchedulerStats:
         num_preemptions: preemptions.
         rpc_latency_ms: each Step RPC's round trip, in milliseconds.
         num_finished: requests that finished.
+        num_skipped: trace requests skipped: prompt of ``max_model_len`` tokens or more.
+        num_length_capped: requests that stopped at ``max_model_len`` before their output length.
         wall_time_s: wall-clock time of the replay.
         sim_time_ms: simulated time at the end.
     """
@@ -145,6 +149,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     rpc_latency_ms: list[float] = field(default_factory=list)
     num_finished: int = 0
+    num_skipped: int = 0
+    num_length_capped: int = 0
     wall_time_s: float = 0.0
     sim_time_ms: float = 0.0
 
@@ -163,6 +169,7 @@ class ReplayScheduler:
         config: scheduler limits and the report mode.
         predictor: asked before each admission (see module docstring), optional.
         on_step: called after each step with (stats, head_seq); a progress bar hooks here.
+        max_model_len: the server's longest request, in tokens (``GetKVCacheGroupMetadata``).
     """
 
     def __init__(
@@ -173,16 +180,23 @@ class ReplayScheduler:
         *,
         predictor: Predictor | None = None,
         on_step: Callable[[SchedulerStats, int], Awaitable[None] | None] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.client = client
         self.config = config
         self.predictor = predictor
         self.on_step = on_step
-        self.pending = deque(ReplayRequest(t, i) for i, t in enumerate(requests))
+        self.max_model_len = max_model_len
+        self.stats = SchedulerStats()
+        self.pending: deque[ReplayRequest] = deque()
+        for i, t in enumerate(requests):
+            if max_model_len is not None and len(t.prompt_token_ids) >= max_model_len:
+                self.stats.num_skipped += 1
+            else:
+                self.pending.append(ReplayRequest(t, i))
         self.waiting: deque[ReplayRequest] = deque()
         self.running: list[ReplayRequest] = []
         self.to_free: list[ReplayRequest] = []
-        self.stats = SchedulerStats()
         self.head_seq = 0
         self.clock_ms = 0.0
         self._last_scheduled = 0
@@ -247,7 +261,10 @@ class ReplayScheduler:
         r.num_computed_tokens = response.num_computed_tokens
         if r.num_computed_tokens == len(r.token_ids):
             r.sample()
-            if r.finished:
+            capped = self.max_model_len is not None and len(r.token_ids) + 1 > self.max_model_len
+            if capped and not r.finished:
+                self.stats.num_length_capped += 1
+            if r.finished or capped:
                 self.running.remove(r)
                 self.to_free.append(r)
                 self.stats.num_finished += 1

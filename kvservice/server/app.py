@@ -216,7 +216,7 @@ class RunningServer:
         """Two lines: where it listens and what it holds."""
         meta = self.servicer.metadata
         groups = ", ".join(
-            f"group {g.group_idx}: {health_kind(g.kind)} block_size {g.block_size}"
+            f"group {g.group_idx}: {_kind_name(g.kind)} block_size {g.block_size}"
             + (f" window {g.sliding_window}" if g.HasField("sliding_window") else "")
             for g in meta.groups
         )
@@ -241,7 +241,7 @@ class RunningServer:
         await self.server.stop(grace)
 
 
-def health_kind(kind: int) -> str:
+def _kind_name(kind: int) -> str:
     """A KVCacheSpecKind enum value as its lower-case name."""
     from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 

@@ -179,3 +179,24 @@ async def test_group_metadata_of_the_gemma_preset(start_kv_server, connect):
     assert meta.block_hash_format == pb.BLOCK_HASH_FORMAT_INT64
     assert (meta.medium, meta.max_model_len, meta.preset, meta.head_seq) == ("CPU", 64, "gemma-3-27b", 1)
     assert not meta.HasField("data_parallel_rank")
+
+
+@pytest.mark.parametrize("payload_format", ["protobuf", "msgpack"])
+async def test_digest_hash_format_publishes_full_digests(start_kv_server, connect, payload_format):
+    from kvservice_client.hashing import BlockHasher
+
+    running = await start_kv_server(block_hash_format="digest")
+    client = await connect(running)
+    meta = await client.get_kv_cache_group_metadata()
+    assert meta.block_hash_format == pb.BLOCK_HASH_FORMAT_DIGEST
+    reader = await StreamReader.open(client, running, payload_format=payload_format)
+    await client.get_computed_blocks("A", range(1, 13))
+    await client.allocate_slots("A", 12)
+    [batch] = await reader.batches(1)
+    digests = BlockHasher(4).hash_prompt(range(1, 13))
+    [event] = events_of(batch)
+    assert event.block_hashes == digests and all(len(h) == 32 for h in event.block_hashes)
+    assert event.parent_block_hash is None and event.token_ids == list(range(1, 13))
+    if payload_format == "protobuf":
+        proto_event = batch.events[0].block_stored
+        assert list(proto_event.block_hash_digests) == digests and not proto_event.block_hashes

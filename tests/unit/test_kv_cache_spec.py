@@ -79,7 +79,7 @@ def test_page_sizes_in_bytes():
     assert MambaSpec(16, shapes=((4, 128), (16, 64)), dtypes=("bfloat16", "float32")).page_size_bytes == 4 * 128 * 2 + 16 * 64 * 4
     assert FullAttentionSpec(16, 8, 128, "float8_e4m3fn").page_size_bytes == 32768
     with pytest.raises(ValueError, match="dtype must be one of"):
-        FullAttentionSpec(16, 8, 128, "float64").page_size_bytes
+        _ = FullAttentionSpec(16, 8, 128, "float64").page_size_bytes
 
 
 def test_bad_specs_and_configs():

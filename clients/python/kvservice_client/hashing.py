@@ -200,11 +200,13 @@ class BlockHasher:
         parent = block_hashes[-1] if start else self.root_hash
         lora_key = ("lora", lora.lora_name, lora.lora_path) if lora is not None else None
         simple = lora_key is None and not mm_features and (cache_salt is None or start > 0)
-        if simple and end - start >= _VECTORIZED_MIN_BLOCKS and self.algorithm in _CBOR_DIGESTS:
-            _extend_cbor_vectorized(
-                block_hashes, token_ids, start, end, block_size, parent, _CBOR_DIGESTS[self.algorithm]
-            )
-            return end - start
+        if simple and self.algorithm in _CBOR_DIGESTS:
+            extend_cbor = _extend_cbor_vectorized if end - start >= _VECTORIZED_MIN_BLOCKS else _extend_cbor_cached
+            try:
+                extend_cbor(block_hashes, token_ids, start, end, block_size, parent, _CBOR_DIGESTS[self.algorithm])
+                return end - start
+            except ValueError:  # an id outside 0..2^32-1: the generic encoder handles any int
+                del block_hashes[start:]
         for i in range(start, end):
             lo = i * block_size
             block_tokens = tuple(token_ids[lo : lo + block_size])
@@ -238,11 +240,17 @@ _CBOR_DIGESTS: dict[str, Callable[[bytes], bytes]] = {
     "sha256_cbor": _sha256_digest,
     "xxhash": xxhash.xxh3_64_digest,
 }
-_VECTORIZED_MIN_BLOCKS = 4
+_VECTORIZED_MIN_BLOCKS = 24  # below this the generic path is faster (numpy has a fixed cost)
 
 
 def _cbor_head(major: int, value: int) -> bytes:
-    """A canonical CBOR head (RFC 8949 section 3: the shortest argument encoding)."""
+    """A canonical CBOR head (RFC 8949 section 3: the shortest argument encoding).
+
+    Raises:
+        ValueError: ``value`` outside 0..2^64-1.
+    """
+    if value < 0:
+        raise ValueError(f"{value} is negative")
     if value < 24:
         return bytes([major << 5 | value])
     for code, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
@@ -302,6 +310,39 @@ def _extend_cbor_vectorized(
     bounds = offsets[::block_size].tolist()
     for j in range(end - start):
         parent = digest(join((prefix, parent, tail, encoded[bounds[j] : bounds[j + 1]], b"\xf6")))
+        block_hashes.append(parent)
+
+
+_TOKEN_CBOR_CACHE_SIZE = 1 << 17  # covers the vocabularies of today's tokenizers (cl100k, Llama 3)
+_token_cbor: list[bytes] = []
+
+
+def _token_cbor_table() -> list[bytes]:
+    """Canonical CBOR of every id below ``_TOKEN_CBOR_CACHE_SIZE`` (built on first use, ~5 MB)."""
+    if not _token_cbor:
+        _token_cbor.extend(_cbor_head(0, v) for v in range(_TOKEN_CBOR_CACHE_SIZE))
+    return _token_cbor
+
+
+def _extend_cbor_cached(
+    block_hashes: list[bytes],
+    token_ids: Sequence[int],
+    start: int,
+    end: int,
+    block_size: int,
+    parent: bytes,
+    digest: Callable[[bytes], bytes],
+) -> None:
+    """As :func:`_extend_cbor_vectorized`, for a few blocks: token encodings come from a table."""
+    table = _token_cbor_table()
+    limit = _TOKEN_CBOR_CACHE_SIZE
+    prefix = b"\x83" + _cbor_head(2, len(parent))
+    array_head = _cbor_head(4, block_size)
+    join = b"".join
+    for i in range(start, end):
+        lo = i * block_size
+        body = join([table[t] if 0 <= t < limit else _cbor_head(0, t) for t in token_ids[lo : lo + block_size]])
+        parent = digest(join((prefix, parent, array_head, body, b"\xf6")))
         block_hashes.append(parent)
 
 

@@ -74,6 +74,8 @@ class ServerConfig:
         max_subscriber_lag: batches a stream subscriber may fall behind before it is ended.
         max_consumers: named TakeEvents consumers.
         snapshot_part_tokens: token ids per snapshot message, about (big snapshots go in parts).
+        stalled_write_timeout_s: an ended subscriber whose client stopped reading is cut off
+            (without a status) after this many seconds.
         max_num_requests: registered requests at once.
         max_step_ops: ops per Step.
         max_message_bytes: largest gRPC message accepted or sent, in bytes.
@@ -98,6 +100,7 @@ class ServerConfig:
     max_subscriber_lag: int = 10_000
     max_consumers: int = 1024
     snapshot_part_tokens: int = 262_144
+    stalled_write_timeout_s: float = 30.0
     max_num_requests: int = 65536
     max_step_ops: int = 4096
     max_message_bytes: int = 64 * 1024 * 1024
@@ -306,6 +309,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
             max_subscriber_lag=config.max_subscriber_lag,
             max_consumers=config.max_consumers,
             snapshot_part_tokens=config.snapshot_part_tokens,
+            stalled_write_timeout_s=config.stalled_write_timeout_s,
         ),
         data_parallel_rank=config.data_parallel_rank,
     )

@@ -19,6 +19,7 @@ RESOURCE_EXHAUSTED naming its last delivered seq; never a silent gap.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -43,6 +44,8 @@ from kvservice_client.events import (
     encode_event_batch,
 )
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["EventLog", "EventLogConfig", "LogEntry", "Subscriber"]
 
 _FORMATS = (pb.PAYLOAD_FORMAT_UNSPECIFIED, pb.PAYLOAD_FORMAT_PROTOBUF, pb.PAYLOAD_FORMAT_MSGPACK)
@@ -60,6 +63,8 @@ class EventLogConfig:
         max_consumers: named TakeEvents consumers tracked at once.
         max_take_batches: most batches one TakeEvents returns.
         snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts).
+        stalled_write_timeout_s: once a subscriber is ended, how long its handler may stay blocked
+            in a write (the client stopped reading) before the call is cancelled without a status.
     """
 
     max_batches: int = 100_000
@@ -68,12 +73,15 @@ class EventLogConfig:
     max_consumers: int = 1024
     max_take_batches: int = 1000
     snapshot_part_tokens: int = 262_144
+    stalled_write_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_batches", "max_bytes", "max_subscriber_lag", "max_consumers", "max_take_batches",
                      "snapshot_part_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if not self.stalled_write_timeout_s > 0:
+            raise ValueError(f"stalled_write_timeout_s must be > 0 seconds; got {self.stalled_write_timeout_s}")
 
 
 class LogEntry:
@@ -132,6 +140,8 @@ class Subscriber:
     next_seq: int
     payload_format: int
     group_idxs: tuple[int, ...] | None
+    handler: asyncio.Task | None = None
+    stalled_write_timeout_s: float = 30.0
     ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
@@ -140,9 +150,21 @@ class Subscriber:
         return self.next_seq - 1
 
     def end(self, make_error: Callable[[int], Exception]) -> None:
-        """Mark the subscription ended; ``make_error(last_seq)`` is raised to its handler."""
-        if not self.ended.done():
-            self.ended.set_result(make_error)
+        """Mark the subscription ended; ``make_error(last_seq)`` is raised to its handler.
+
+        A handler that is not back within ``stalled_write_timeout_s`` (blocked in a write to a
+        client that stopped reading) is cancelled: the call ends without a status.
+        """
+        if self.ended.done():
+            return
+        self.ended.set_result(make_error)
+        if self.handler is not None:
+            asyncio.get_running_loop().call_later(self.stalled_write_timeout_s, self._abandon)
+
+    def _abandon(self) -> None:
+        if self.handler is not None and not self.handler.done():
+            logger.warning("cancelled a stream whose client stopped reading (next seq %d)", self.next_seq)
+            self.handler.cancel()
 
     def raise_if_ended(self) -> None:
         """Raise the ending error, naming the last seq delivered, if the subscription was ended.
@@ -483,15 +505,25 @@ class EventLog:
 
     # -- stream subscribers -----------------------------------------------------------------
 
-    def subscribe(self, next_seq: int, payload_format: int, group_idxs: tuple[int, ...] | None) -> Subscriber:
+    def subscribe(
+        self,
+        next_seq: int,
+        payload_format: int,
+        group_idxs: tuple[int, ...] | None,
+        *,
+        handler: asyncio.Task | None = None,
+    ) -> Subscriber:
         """Register a stream subscriber whose next batch is ``next_seq``.
+
+        Args:
+            handler: the task serving the stream (cancelled if it stays blocked once ended).
 
         Raises:
             ShuttingDownError: the log is closed.
         """
         if self._closed:
             raise ShuttingDownError("server shutting down")
-        sub = Subscriber(next_seq, payload_format, group_idxs)
+        sub = Subscriber(next_seq, payload_format, group_idxs, handler, self.config.stalled_write_timeout_s)
         self._subscribers.add(sub)
         return sub
 

@@ -107,8 +107,6 @@ class KVCacheServicer:
         event_log: where each mutating call's events go.
         metadata: the ``GetKVCacheGroupMetadata`` answer (built once by the app).
         max_step_ops: most ops one Step may carry.
-        stalled_write_timeout_s: how long a write to an ended subscriber may stay blocked before
-            the stream is dropped (see :meth:`_write`).
     """
 
     def __init__(
@@ -118,9 +116,7 @@ class KVCacheServicer:
         metadata: pb.GetKVCacheGroupMetadataResponse,
         *,
         max_step_ops: int = 4096,
-        stalled_write_timeout_s: float = 30.0,
     ) -> None:
-        self.stalled_write_timeout_s = stalled_write_timeout_s
         self.engine = engine
         self.event_log = event_log
         self.metadata = metadata
@@ -246,14 +242,13 @@ class KVCacheServicer:
                 next_seq = log.head_seq + 1
             else:
                 raise InvalidArgumentError("start", f"unknown value {start}")
-            sub = log.subscribe(next_seq, payload_format, group_idxs)
+            sub = log.subscribe(next_seq, payload_format, group_idxs, handler=asyncio.current_task())
         except Exception as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
         try:
             for part in snapshot or ():
-                if not await self._write(context, sub, part):
-                    return
+                await self._write(context, sub, part)
             while True:
                 sub.raise_if_ended()
                 entries = log.entries_from(sub.next_seq)
@@ -261,8 +256,7 @@ class KVCacheServicer:
                     await log.wait_for(sub)
                     continue
                 for entry in entries:
-                    if not await self._write(context, sub, entry.encoded(payload_format, group_idxs)):
-                        return  # abandoned: see _write
+                    await self._write(context, sub, entry.encoded(payload_format, group_idxs))
                     sub.next_seq = entry.seq + 1
                     sub.raise_if_ended()
         except KVServiceDomainError as exc:
@@ -271,27 +265,18 @@ class KVCacheServicer:
         finally:
             log.unsubscribe(sub)
 
-    async def _write(self, context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes) -> bool:
-        """Write one message; False when the stream had to be abandoned.
+    @staticmethod
+    async def _write(context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes) -> None:
+        """Write one message unless the subscription was ended (then raise its error).
 
-        A message handed to gRPC cannot be taken back, and no status can follow while it is in
-        flight. So when the subscription is ended during a write (it fell behind, or shutdown),
-        the write is left to finish (a reading client finishes it), then the caller ends the
-        stream with the status naming that message's seq as the last one delivered. A client
-        that stops reading altogether holds the write past ``stalled_write_timeout_s``: then the
-        call is dropped without a status (the client sees the connection's error, never a gap).
+        A message handed to gRPC cannot be taken back and no status can follow while it is in
+        flight, so an ended subscriber's pending write is left to finish (a reading client
+        finishes it) and the status then names that message's seq as the last delivered; a client
+        that stops reading altogether is cut off by the event log's watchdog (see
+        ``EventLogConfig.stalled_write_timeout_s``).
         """
         sub.raise_if_ended()
-        write = asyncio.ensure_future(context.write(data))
-        await asyncio.wait({write, sub.ended}, return_when=asyncio.FIRST_COMPLETED)
-        if not write.done():
-            done, _ = await asyncio.wait({write}, timeout=self.stalled_write_timeout_s)
-            if not done:
-                write.cancel()
-                logger.warning("dropped a stream whose client stopped reading (next seq %d)", sub.next_seq)
-                return False
-        write.result()
-        return True
+        await context.write(data)
 
     async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
         """Pull batches after a named consumer's cursor."""

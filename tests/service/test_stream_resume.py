@@ -207,3 +207,25 @@ async def test_stalled_subscriber_with_a_small_window_gets_a_status(start_kv_ser
     assert got and got == list(range(1, len(got) + 1))
     assert error is not None, f"no status after seqs {got}"
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_a_client_that_never_reads_is_cut_off_after_the_stall_timeout(start_kv_server, connect):
+    running = await start_kv_server(num_blocks=STALL_TOKENS // 4 + 2, max_model_len=STALL_TOKENS,
+                                    max_subscriber_lag=MAX_LAG, stalled_write_timeout_s=0.2)
+    scheduler = await connect(running)
+    stalled_client = await connect(running, options=[("grpc.http2.bdp_probe", 0)])
+    stalled = stalled_client.stream_events(start_seq=1)
+    first = await next_batch_after_publish(scheduler, stalled)
+    assert first.seq == 1
+    log = running.event_log
+    for i in range(1, MAX_STALL_BATCHES):
+        await publish(scheduler, i, STALL_TOKENS)
+        if any(sub.ended.done() for sub in log._subscribers):
+            break
+    # Never read again: the server ends the subscription, then cancels the blocked handler.
+    await wait_until(lambda: log.num_subscribers == 0)
+
+
+async def next_batch_after_publish(scheduler, stream):
+    await publish(scheduler, 0, STALL_TOKENS)
+    return await next_batch(stream)

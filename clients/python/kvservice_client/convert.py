@@ -308,17 +308,28 @@ def _checked_uint64(value: int, field: str) -> int:
 def _fill_hashes(out: pb.BlockStored | pb.BlockRemoved, hashes: Sequence[ev.ExternalBlockHash]) -> None:
     if not hashes:
         return
-    if isinstance(hashes[0], bytes):
-        for h in hashes:
-            if not isinstance(h, bytes):
-                raise ValueError(f"block_hashes mixes bytes digests and int hashes ({h!r})")
-        out.block_hash_digests.extend(hashes)  # type: ignore[arg-type]
-    else:
-        for h in hashes:
-            if isinstance(h, bytes):
-                raise ValueError(f"block_hashes mixes int hashes and bytes digests ({h!r})")
-            _checked_uint64(h, "block_hashes")
-        out.block_hashes.extend(hashes)  # type: ignore[arg-type]
+    # protobuf's repeated fields check every element's type and range in C; a failure leaves the
+    # message half-filled, which is fine since the caller discards it with the error.
+    try:
+        if isinstance(hashes[0], bytes):
+            out.block_hash_digests.extend(hashes)  # type: ignore[arg-type]
+        else:
+            if any(type(h) is bool for h in hashes):
+                raise TypeError("bool")
+            out.block_hashes.extend(hashes)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        bad = next((h for h in hashes if not _is_hash_like(h, hashes[0])), hashes[0])
+        if isinstance(hashes[0], bytes):
+            raise ValueError(f"block_hashes mixes bytes digests and int hashes ({bad!r})") from None
+        if isinstance(bad, bytes):
+            raise ValueError(f"block_hashes mixes int hashes and bytes digests ({bad!r})") from None
+        raise ValueError(f"block_hashes: {bad} is not an unsigned 64-bit int") from None
+
+
+def _is_hash_like(value: object, first: object) -> bool:
+    if isinstance(first, bytes):
+        return isinstance(value, bytes)
+    return type(value) is int and 0 <= value < 1 << 64  # type: ignore[operator]
 
 
 def _fill_extra_keys(

@@ -17,11 +17,20 @@ __all__ = ["main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--log-level", default="WARNING", show_default=True, help="Python logging level.")
+@click.option("--log-level", default="WARNING", show_default=True, help="Python logging level.",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False))
 def main(log_level: str) -> None:
     """kvservice: a KV-cache control service (vLLM-style prefix caching over gRPC)."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own INFO lines (GOAWAY...) are noise here
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _positive_finite(param: click.Parameter, value: float) -> float:
+    import math
+
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"must be a finite number > 0; got {value}", param=param)
+    return value
 
 
 def _server_options(func: Any) -> Any:
@@ -58,7 +67,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
     try:
         config = load_config(config_file, **flags)
         asyncio.run(run_server(config))
-    except (ValueError, MemoryError) as e:
+    except (ValueError, MemoryError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
 
 
@@ -66,19 +75,21 @@ def serve(config_file: str | None, **flags: Any) -> None:
 @click.argument("target", default="127.0.0.1:50051")
 @click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
 @click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
-@click.option("--group", "group_idxs", type=int, multiple=True, help="Only this group's events (repeatable).")
+@click.option("--group", "group_idxs", type=click.IntRange(min=0), multiple=True, help="Only this group's events (repeatable).")
 @click.option("--token", envvar="KVSERVICE_TOKEN", help="Bearer token.")
 def watch(target: str, snapshot: bool, from_seq: int | None, group_idxs: tuple[int, ...], token: str | None) -> None:
     """Print the live KV event stream of TARGET (host:port), one line per event."""
     from kvservice.watch import watch_events
     from kvservice_client.client import KVServiceError
 
+    if snapshot and from_seq is not None:
+        raise click.UsageError("--snapshot and --from-seq cannot be used together")
     try:
         asyncio.run(watch_events(target, snapshot=snapshot, start_seq=from_seq, group_idxs=group_idxs, token=token))
     except KeyboardInterrupt:
         pass
     except KVServiceError as e:
-        click.echo(f"# stream ended: {e.code.name}: {e.message}", err=True)
+        click.echo(f"# {e.message}", err=True)
         sys.exit(1)
 
 
@@ -92,12 +103,13 @@ def watch(target: str, snapshot: bool, from_seq: int | None, group_idxs: tuple[i
 @click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
 @click.option("--device", default="meta", show_default=True, help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N].")
 @click.option("--report-mode", type=click.Choice(["incremental", "full", "both"]), default="both", show_default=True, help="kv_cache_report_mode to replay (both: two fresh servers, same trace).")
-@click.option("--watchers", type=int, default=1, show_default=True, help="Watchers per mode (each mirrors and predicts).")
+@click.option("--watchers", type=click.IntRange(min=1), default=1, show_default=True, help="Watchers per mode (each mirrors and predicts).")
 @click.option("--late-watcher/--no-late-watcher", default=True, show_default=True, help="Add a watcher that joins halfway through from a snapshot.")
-@click.option("--mirror-capacity", type=int, help="Watcher mirror size in blocks (0: unbounded) [half the pool].")
-@click.option("--max-num-seqs", type=int, default=32, show_default=True, help="Most running requests.")
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True, help="Token budget per step.")
-@click.option("--step-ms", type=float, default=20.0, show_default=True, help="Simulated milliseconds per step.")
+@click.option("--mirror-capacity", type=click.IntRange(min=0), help="Watcher mirror size in blocks (0: unbounded) [half the pool].")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most running requests.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True, help="Token budget per step.")
+@click.option("--step-ms", type=float, default=20.0, show_default=True, help="Simulated milliseconds per step (> 0).",
+              callback=lambda ctx, param, v: _positive_finite(param, v))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvservice-replay", show_default=True, help="Where report.json and agreement.png go.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Draw progress bars.")
 def replay(**options: Any) -> None:
@@ -129,9 +141,14 @@ def replay(**options: Any) -> None:
         ),
         show_progress=options["progress"],
     )
+    from kvservice_client.client import KVServiceError
+
     try:
         report = asyncio.run(run_replay(config))
-    except (ValueError, RuntimeError) as e:
+    except KVServiceError as e:
+        where = options["target"] or "the embedded server"
+        raise click.ClickException(f"{where}: {e.code.name}: {e.message}") from None
+    except (ValueError, RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from None
     out = Path(options["out_dir"])
     out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TextIO
 
-from kvservice_client.client import AsyncKVCacheClient
+from kvservice_client.client import AsyncKVCacheClient, KVServiceError
 from kvservice_client.convert import proto_to_batch
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash, KVCacheEvent
 
@@ -90,7 +90,8 @@ async def watch_events(
         Batches printed (stops after ``max_batches`` when given).
 
     Raises:
-        kvservice_client.client.KVServiceError: the stream ended with an error status.
+        kvservice_client.client.KVServiceError: the target cannot be reached, or the stream ended
+            with an error status (the message says which, with the code).
     """
     import sys
 
@@ -98,18 +99,24 @@ async def watch_events(
     formatter = EventFormatter()
     num_batches = 0
     async with AsyncKVCacheClient(target, token=token) as client:
-        meta = await client.get_kv_cache_group_metadata()
+        try:
+            meta = await client.get_kv_cache_group_metadata()
+        except KVServiceError as e:
+            raise KVServiceError(e.code, f"cannot reach {target}: {e.code.name}: {e.message}") from e
         print(
             f"# {target}: epoch {meta.epoch}, head seq {meta.head_seq}, {len(meta.groups)} group(s), "
             f"hash {meta.hash_algorithm}",
             file=out,
             flush=True,
         )
-        async for msg in client.stream_events(snapshot=snapshot, start_seq=start_seq, group_idxs=group_idxs):
-            batch = proto_to_batch(msg)
-            for event in batch.events:
-                print(formatter.format(msg.seq, event, snapshot=msg.snapshot), file=out, flush=True)
-            num_batches += 1
-            if max_batches is not None and num_batches >= max_batches:
-                break
+        try:
+            async for msg in client.stream_events(snapshot=snapshot, start_seq=start_seq, group_idxs=group_idxs):
+                batch = proto_to_batch(msg)
+                for event in batch.events:
+                    print(formatter.format(msg.seq, event, snapshot=msg.snapshot), file=out, flush=True)
+                num_batches += 1
+                if max_batches is not None and num_batches >= max_batches:
+                    break
+        except KVServiceError as e:
+            raise KVServiceError(e.code, f"stream ended: {e.code.name}: {e.message}") from e
     return num_batches

@@ -71,6 +71,13 @@ class KVCacheCoordinator:
         """Free the request's blocks in every group (group order; tail first within a group)."""
         return sum(m.free(request_id) for m in self.managers)
 
+    def get_num_freeable_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> int:
+        """Blocks every group's skip rule would return to the free queue (nothing changes)."""
+        total = 0
+        for m in self.managers:
+            total += m.get_num_freeable_skipped_blocks(request_id, num_computed_tokens)
+        return total
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Apply every group's skip rule."""
         for m in self.managers:

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvservice.core.errors import InvalidArgumentError, RequestAlreadyExistsError, RequestNotFoundError, CapacityExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.kv_cache_spec import max_tokens_in_pool, min_blocks_for_request
 from kvservice.core.request import KVCacheReportMode, Request
 from kvservice_client.events import KVCacheEvent
 from kvservice_client.hashing import LoRA, MultiModalFeature
@@ -138,6 +139,7 @@ class KVCacheEngine:
         self.requests: dict[str, Request] = {}
         self.running: set[str] = set()
         self._no_blocks: tuple[list[int], ...] = tuple([] for _ in range(manager.num_groups))
+        self._max_tokens_in_pool = max_tokens_in_pool(manager.kv_cache_config)
 
     @property
     def max_model_len(self) -> int:
@@ -163,8 +165,8 @@ class KVCacheEngine:
 
         Raises:
             InvalidArgumentError: a field out of range (request_id empty or too long; prompt empty,
-                longer than max_model_len or with an id outside 0..2^31-1; bad report mode, LoRA,
-                salt, session or multimodal placeholder).
+                longer than max_model_len or than the pool can ever hold, or with an id outside
+                0..2^31-1; bad report mode, LoRA, salt, session or multimodal placeholder).
             RequestAlreadyExistsError: the id is running, or waiting with another prompt/options.
             CapacityExceededError: max_num_requests requests are registered.
         """
@@ -172,6 +174,12 @@ class KVCacheEngine:
         n = len(prompt_token_ids)
         if not 1 <= n <= self.max_model_len:
             raise InvalidArgumentError("prompt_token_ids", f"length {n} outside 1..{self.max_model_len} (max_model_len)")
+        if n > self._max_tokens_in_pool:
+            raise InvalidArgumentError(
+                "prompt_token_ids",
+                f"length {n} needs at least {min_blocks_for_request(self.manager.kv_cache_config, n)} blocks at once; "
+                f"the pool has {self.manager.kv_cache_config.num_blocks - 1} (at most {self._max_tokens_in_pool} tokens)",
+            )
         prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
         limit = self.limits.max_string_bytes
         _check_string("session_id", session_id, limit)

@@ -275,12 +275,13 @@ class KVCacheManager:
 
         Returns:
             The newly allocated blocks per group, or None when the pool has too few free blocks
-            (then nothing changed and nothing was emitted).
+            (then nothing changed and nothing was emitted: blocks of skipped positions count as
+            free, as in vLLM, but are released only when the allocation goes ahead).
 
         Raises:
             ValueError: ``num_new_tokens < 1``.
 
-        Blocks of positions a group no longer needs are freed first (skip rule); then the hit is
+        Blocks of positions a group no longer needs are freed (skip rule); then the hit is
         touched, new blocks are taken (evicting LRU cached blocks), and every full block up to
         ``num_computed_tokens + num_new_computed_tokens + num_new_tokens`` is cached. In full
         report mode a non-empty hit is reported (once: this is the admission).
@@ -290,12 +291,17 @@ class KVCacheManager:
         hit = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hit
         coordinator = self.coordinator
         request_id = request.request_id
-        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hit)
-        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
-            return None
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+        if num_blocks_to_allocate > num_free_blocks:
+            # Blocks of positions outside a window count as free (vLLM frees them first), but they
+            # are freed only once the allocation is sure to succeed: a refusal changes nothing.
+            freeable = coordinator.get_num_freeable_skipped_blocks(request_id, request.num_computed_tokens)
+            if num_blocks_to_allocate > num_free_blocks + freeable:
+                return None
+        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         if self.enable_caching:
             for group_blocks in hit:
                 self.block_pool.touch(group_blocks)

@@ -42,6 +42,8 @@ __all__ = [
     "get_kv_cache_spec_kind",
     "get_kv_cache_spec_sliding_window",
     "get_preset",
+    "max_tokens_in_pool",
+    "min_blocks_for_request",
 ]
 
 DTYPE_SIZE_BYTES: Mapping[str, int] = {
@@ -324,6 +326,48 @@ class KVCacheConfig:
     def block_bytes(self) -> int:
         """Bytes one block id occupies across all groups (each group has its own tensors)."""
         return sum(group.block_bytes for group in self.kv_cache_groups)
+
+
+def min_blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:
+    """The fewest blocks, over all groups, a request of ``num_tokens`` tokens holds at once.
+
+    Full attention (MLA, sink, cross, encoder-only) keeps every block; a sliding window keeps
+    about its window (plus the block being written), chunked local attention its chunk, Mamba its
+    latest state. A lower bound: a prefill chunk allocates a window group's blocks before older
+    ones are released.
+    """
+    total = 0
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        bs = spec.block_size
+        all_blocks = -(-num_tokens // bs)
+        kind = get_kv_cache_spec_kind(spec)
+        if kind in (KVCacheSpecKind.SLIDING_WINDOW, KVCacheSpecKind.SLIDING_WINDOW_MLA):
+            window = get_kv_cache_spec_sliding_window(spec) or num_tokens
+            total += min(all_blocks, -(-(window - 1) // bs) + 2)
+        elif kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
+            total += min(all_blocks, -(-spec.attention_chunk_size // bs) + 1)  # type: ignore[attr-defined]
+        elif kind is KVCacheSpecKind.MAMBA:
+            total += min(all_blocks, 2)
+        else:
+            total += all_blocks
+    return total
+
+
+def max_tokens_in_pool(config: KVCacheConfig) -> int:
+    """The longest request (tokens) whose :func:`min_blocks_for_request` fits the pool (null block
+    excluded); 0 when not even one token fits."""
+    usable = config.num_blocks - 1
+    lo, hi = 0, 1
+    while min_blocks_for_request(config, hi) <= usable and hi < 1 << 40:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if min_blocks_for_request(config, mid) <= usable:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,21 @@ class SingleTypeKVCacheManager(ABC):
         """Leading tokens this group no longer needs once ``num_computed_tokens`` are computed."""
         return 0
 
+    def get_num_freeable_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> int:
+        """Blocks :meth:`remove_skipped_blocks` would return to the free queue (held by this request
+        alone), without changing anything."""
+        num_skipped_blocks = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        blocks = self.req_to_blocks.get(request_id)
+        if num_skipped_blocks <= 0 or not blocks:
+            return 0
+        num_freeable = 0
+        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):
+            block = blocks[i]
+            if block.is_null:
+                break
+            num_freeable += block.ref_cnt == 1
+        return num_freeable
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks of skipped positions and put the null block in their place.
 

@@ -81,6 +81,16 @@ class ReplayConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     show_progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.watchers < 1:
+            raise ValueError(f"watchers must be >= 1; got {self.watchers}")
+        if not self.report_modes or any(m not in ("incremental", "full") for m in self.report_modes):
+            raise ValueError(f"report_modes must be 'incremental' and/or 'full'; got {self.report_modes!r}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"limit must be >= 0; got {self.limit}")
+        if self.mirror_capacity is not None and self.mirror_capacity < 0:
+            raise ValueError(f"mirror_capacity must be >= 0 (0: unbounded); got {self.mirror_capacity}")
+
 
 class MirrorWatcher:
     """A watcher task: applies the event stream to a bounded :class:`PrefixIndex` and predicts hits.
@@ -169,6 +179,7 @@ class ModeRun:
     server_cached: list[set] | None = None
     mirror_capacity: int = 0
     max_model_len: int = 0
+    preset: str = ""
 
 
 async def run_mode(
@@ -225,7 +236,8 @@ async def run_mode(
         for w in watchers + ([late] if late is not None else []):
             await w.wait_applied(scheduler.head_seq)
         run = ModeRun(mode, stats, watchers, late, late_join_admission, pool_blocks, metadata.groups[0].block_size,
-                      usage, mirror_capacity=capacity, max_model_len=metadata.max_model_len)
+                      usage, mirror_capacity=capacity, max_model_len=metadata.max_model_len,
+                      preset=metadata.preset)
         for w in watchers + ([late] if late is not None else []):
             await w.close()
         return run
@@ -363,7 +375,7 @@ async def replay_mode(
         report=report,
         late=late,
         server_hit_rate=usage.prefix_cache_hits / usage.prefix_cache_queries if usage.prefix_cache_queries else None,
-        preset=server.config.preset if server is not None else "(target)",
+        preset=run.preset or "(unknown)",
         block_size=run.block_size,
         num_blocks=run.pool_blocks + 1,
         num_skipped=run.stats.num_skipped,

@@ -31,6 +31,7 @@ waits until its watcher has applied it, so predictions and hits describe the sam
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
 from collections import deque
@@ -61,6 +62,16 @@ class SchedulerConfig:
     step_ms: float = 20.0
     kv_cache_report_mode: str = "incremental"
     send_session_id: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if not (math.isfinite(self.step_ms) and self.step_ms > 0):
+            raise ValueError(f"step_ms must be a finite number > 0; got {self.step_ms}")
+        if self.kv_cache_report_mode not in ("incremental", "full"):
+            raise ValueError(f"kv_cache_report_mode must be 'incremental' or 'full'; got {self.kv_cache_report_mode!r}")
 
 
 class ReplayRequest:

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvservice.core.engine import EngineLimits, KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig
-from kvservice.core.kv_cache_spec import KVCacheConfig, get_preset
+from kvservice.core.kv_cache_spec import KVCacheConfig, get_preset, max_tokens_in_pool
 from kvservice.memory import (
     KVCacheTensors,
     allocate_kv_cache_tensors,
@@ -114,10 +114,18 @@ class ServerConfig:
             raise ValueError(f"block_hash_format must be 'int64' or 'digest'; got {self.block_hash_format!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535; got {self.port}")
-        for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "event_max_batches",
+                     "event_max_bytes", "max_subscriber_lag", "max_consumers", "max_num_requests", "max_step_ops",
+                     "snapshot_part_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1; got {value}")
+        if not self.stalled_write_timeout_s > 0:
+            raise ValueError(f"stalled_write_timeout_s must be > 0 seconds; got {self.stalled_write_timeout_s}")
+        if not self.grace_seconds >= 0:
+            raise ValueError(f"grace_seconds must be >= 0 seconds; got {self.grace_seconds}")
+        if self.max_message_bytes < 4096:
+            raise ValueError(f"max_message_bytes must be >= 4096 bytes; got {self.max_message_bytes}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
 
@@ -141,16 +149,38 @@ def parse_bytes(value: str | int) -> int:
 
 
 def _coerce(name: str, value: Any) -> Any:
-    target = {f.name: f.type for f in fields(ServerConfig)}[name]
+    """``value`` (from TOML, the environment or a flag) as the type of setting ``name``.
+
+    Raises:
+        ValueError: it is not one (the message names the expected type).
+    """
+    target = str({f.name: f.type for f in fields(ServerConfig)}[name])
     if value is None or value == "":
-        return None if "None" in str(target) else value
+        if "None" in target:
+            return None
+        raise ValueError("must be set")
     if name in ("kv_cache_memory", "event_max_bytes", "max_message_bytes"):
         return parse_bytes(value)
-    if "int" in str(target):
-        return int(value)
-    if "float" in str(target):
-        return float(value)
+    if "int" in target:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"not an integer: {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"not an integer: {value!r}") from None
+    if "float" in target:
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"not a number: {value!r}") from None
     return str(value)
+
+
+def _coerced(name: str, value: Any, source: str) -> Any:
+    try:
+        return _coerce(name, value)
+    except ValueError as e:
+        raise ValueError(f"{source}: {name}: {e}") from None
 
 
 def load_config(
@@ -169,25 +199,28 @@ def load_config(
     names = {f.name for f in fields(ServerConfig)}
     values: dict[str, Any] = {}
     if config_file is not None:
-        with open(config_file, "rb") as f:
-            data = tomllib.load(f)
+        try:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{config_file}: not valid TOML: {e}") from None
         data = data.get("kvservice", data)
         for key, value in data.items():
             key = key.replace("-", "_")
             if key not in names:
                 raise ValueError(f"{config_file}: unknown key {key!r}")
-            values[key] = _coerce(key, value)
+            values[key] = _coerced(key, value, str(config_file))
     environ = os.environ if environ is None else environ
     for env_key, value in environ.items():
         if env_key.startswith("KVSERVICE_"):
             key = env_key[len("KVSERVICE_"):].lower()
             if key in names:
-                values[key] = _coerce(key, value)
+                values[key] = _coerced(key, value, env_key)
     for key, value in overrides.items():
         if key not in names:
             raise ValueError(f"unknown setting {key!r}")
         if value is not None:
-            values[key] = _coerce(key, value)
+            values[key] = _coerced(key, value, f"--{key.replace('_', '-')}")
     return ServerConfig(**values)
 
 
@@ -213,6 +246,7 @@ class RunningServer:
     tensors: KVCacheTensors
     config: ServerConfig
     health: Any = field(repr=False, default=None)
+    notes: list[str] = field(default_factory=list)
     _stopped: bool = field(default=False, repr=False)
 
     def describe(self) -> str:
@@ -225,8 +259,10 @@ class RunningServer:
         )
         return (
             f"kvservice listening on {self.address} (epoch {self.event_log.epoch})\n"
-            f"preset {self.config.preset}: {self.config.num_blocks} blocks ({groups}); "
-            f"hash {meta.hash_algorithm} seed {meta.hash_seed!r}; {self.tensors.describe()}"
+            f"preset {self.config.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
+            f"{self.config.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
+            f"{self.tensors.describe()}"
+            + "".join(f"\nnote: {note}" for note in self.notes)
         )
 
     async def stop(self, grace: float | None = None) -> None:
@@ -287,13 +323,28 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     device = resolve_device(config.device)
     groups = preset.kv_cache_groups(config.block_size)
     num_blocks = _resolve_num_blocks(config, groups, device)
-    config = dataclasses.replace(config, num_blocks=num_blocks)
     kv_cache_config = KVCacheConfig(num_blocks, groups)
+    # A request the pool cannot hold would be registered and then never allocated: a preset's
+    # max_model_len is lowered to what fits; an explicit one is kept (the engine refuses longer
+    # prompts at registration). Either way the start says so.
+    fits = max_tokens_in_pool(kv_cache_config)
+    max_model_len = config.max_model_len or preset.max_model_len
+    notes = []
+    if max_model_len > fits:
+        if config.max_model_len is None:
+            notes.append(f"max_model_len lowered from the preset's {max_model_len} to {fits} tokens, what the pool holds")
+            max_model_len = fits
+        else:
+            notes.append(
+                f"the pool holds one request of at most {fits} tokens, below max_model_len {max_model_len}: "
+                "longer prompts are refused"
+            )
+    config = dataclasses.replace(config, num_blocks=num_blocks, max_model_len=max_model_len)
     tensors = allocate_kv_cache_tensors(kv_cache_config, device)
     medium = "GPU" if device.type == "cuda" else "CPU"
     manager = KVCacheManager(
         kv_cache_config,
-        config.max_model_len or preset.max_model_len,
+        max_model_len,
         prefix_caching=PrefixCachingConfig(config.hash_algorithm, config.hash_seed),
         kv_events=KVEventsConfig(block_hash_format=config.block_hash_format, medium=medium),  # type: ignore[arg-type]
     )
@@ -310,6 +361,8 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
             max_consumers=config.max_consumers,
             snapshot_part_tokens=config.snapshot_part_tokens,
             stalled_write_timeout_s=config.stalled_write_timeout_s,
+            # An answer always fits what this server may send and what any gRPC client accepts.
+            max_take_bytes=min(4 * 1024 * 1024, config.max_message_bytes - 1024),
         ),
         data_parallel_rank=config.data_parallel_rank,
     )
@@ -321,7 +374,9 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         preset=config.preset,
         data_parallel_rank=config.data_parallel_rank,
     )
-    servicer = KVCacheServicer(engine, event_log, metadata, max_step_ops=config.max_step_ops)
+    servicer = KVCacheServicer(
+        engine, event_log, metadata, max_step_ops=config.max_step_ops, max_message_bytes=config.max_message_bytes
+    )
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -342,7 +397,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = bind.rsplit(":", 1)[0] + f":{port}"
     config = dataclasses.replace(config, port=port)
-    return RunningServer(address, port, server, engine, event_log, servicer, tensors, config, health)
+    return RunningServer(address, port, server, engine, event_log, servicer, tensors, config, health, notes=notes)
 
 
 async def run_server(config: ServerConfig, *, ready: Any = None) -> None:

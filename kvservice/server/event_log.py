@@ -65,6 +65,8 @@ class EventLogConfig:
         snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts).
         stalled_write_timeout_s: once a subscriber is ended, how long its handler may stay blocked
             in a write (the client stopped reading) before the call is cancelled without a status.
+        max_take_bytes: most bytes of batches one TakeEvents answer carries (default 4 MiB,
+            gRPC's default receive limit, so any client can take it).
     """
 
     max_batches: int = 100_000
@@ -74,10 +76,11 @@ class EventLogConfig:
     max_take_batches: int = 1000
     snapshot_part_tokens: int = 262_144
     stalled_write_timeout_s: float = 30.0
+    max_take_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("max_batches", "max_bytes", "max_subscriber_lag", "max_consumers", "max_take_batches",
-                     "snapshot_part_tokens"):
+                     "snapshot_part_tokens", "max_take_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if not self.stalled_write_timeout_s > 0:
@@ -587,7 +590,8 @@ class EventLog:
     ) -> tuple[list[pb.EventBatch], int]:
         """Pull the batches after a named consumer's cursor and advance it.
 
-        A new consumer starts at the live head (or at a snapshot, or at ``start_seq``).
+        A new consumer starts at the live head (or at a snapshot, or at ``start_seq``). An answer
+        carries at most ``max_take_bytes`` of batches (the rest come with the next take).
 
         Returns:
             (batches, the consumer's next seq).
@@ -597,7 +601,8 @@ class EventLog:
             EpochMismatchError: start_seq from another epoch.
             SeqOutOfRangeError: the cursor (or start_seq) is below the retained log; take with
                 ``snapshot`` to restart.
-            CapacityExceededError: ``max_consumers`` consumers exist already.
+            CapacityExceededError: ``max_consumers`` consumers exist already, or the next batch
+                (or the snapshot) alone is above ``max_take_bytes`` (the cursor does not move).
         """
         if not consumer:
             raise InvalidArgumentError("consumer", "must not be empty")
@@ -611,8 +616,16 @@ class EventLog:
         if consumer not in self._consumers and len(self._consumers) >= self.config.max_consumers:
             raise CapacityExceededError(f"max_consumers: {self.config.max_consumers} consumers exist already")
         batches: list[pb.EventBatch] = []
+        max_bytes = self.config.max_take_bytes
+        size = 0
         if snapshot:
             batches.extend(self.snapshot_batches(payload_format, group_idxs))
+            size = sum(b.ByteSize() + 8 for b in batches)
+            if size > max_bytes:
+                raise CapacityExceededError(
+                    f"snapshot is {size} bytes, above max_take_bytes {max_bytes} a TakeEvents answer carries: "
+                    "take it with StreamEvents (sent in parts)"
+                )
             cursor = self.head_seq + 1
         elif start_seq:
             cursor = start_seq
@@ -624,9 +637,33 @@ class EventLog:
                     f"{self.oldest_seq}: take with snapshot=true",
                     self.oldest_seq,
                 )
-        entries = self.entries_from(cursor, max_batches)
-        for entry in entries:
-            batches.append(entry.to_proto(payload_format, group_idxs))
-        cursor += len(entries)
+        num_taken = 0
+        for entry in self.entries_from(cursor, max_batches):
+            batch = entry.to_proto(payload_format, group_idxs)
+            batch_size = batch.ByteSize() + 8  # + the field's tag and length
+            if size + batch_size > max_bytes:
+                if num_taken == 0 and not snapshot:
+                    raise CapacityExceededError(
+                        f"batch seq {entry.seq} is {batch_size} bytes, above max_take_bytes {max_bytes} a "
+                        f"TakeEvents answer carries; consumer {consumer!r} stays at seq {cursor}: read it "
+                        "with StreamEvents"
+                    )
+                break
+            batches.append(batch)
+            size += batch_size
+            num_taken += 1
+        cursor += num_taken
         self._consumers[consumer] = cursor
         return batches, cursor
+
+    def consumer_cursor(self, consumer: str) -> int | None:
+        """A named consumer's next seq (None for an unknown name)."""
+        return self._consumers.get(consumer)
+
+    def restore_consumer(self, consumer: str, cursor: int | None, if_at: int) -> None:
+        """Put a consumer's cursor back (its answer never reached it), unless it moved since."""
+        if self._consumers.get(consumer) == if_at:
+            if cursor is None:
+                del self._consumers[consumer]
+            else:
+                self._consumers[consumer] = cursor

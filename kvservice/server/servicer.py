@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvservice.core.engine import AllocateResult, ComputedBlocksResult, KVCacheEngine, Usage
 from kvservice.core.errors import (
@@ -107,6 +108,8 @@ class KVCacheServicer:
         event_log: where each mutating call's events go.
         metadata: the ``GetKVCacheGroupMetadata`` answer (built once by the app).
         max_step_ops: most ops one Step may carry.
+        max_message_bytes: the largest message the server sends (a batch above it ends the stream
+            with RESOURCE_EXHAUSTED naming its seq).
     """
 
     def __init__(
@@ -116,7 +119,9 @@ class KVCacheServicer:
         metadata: pb.GetKVCacheGroupMetadataResponse,
         *,
         max_step_ops: int = 4096,
+        max_message_bytes: int = 64 * 1024 * 1024,
     ) -> None:
+        self.max_message_bytes = max_message_bytes
         self.engine = engine
         self.event_log = event_log
         self.metadata = metadata
@@ -239,6 +244,11 @@ class KVCacheServicer:
                 snapshot = [m.SerializeToString() for m in log.snapshot_batches(payload_format, group_idxs)]
                 next_seq = log.head_seq + 1
             elif start in (pb.EVENT_START_LIVE, pb.EVENT_START_UNSPECIFIED):
+                if request.epoch and request.epoch != log.epoch:
+                    raise EpochMismatchError(
+                        f"epoch {request.epoch!r} is not this server's epoch {log.epoch!r} (the server restarted): "
+                        "resync from a snapshot"
+                    )
                 next_seq = log.head_seq + 1
             else:
                 raise InvalidArgumentError("start", f"unknown value {start}")
@@ -248,7 +258,7 @@ class KVCacheServicer:
             await context.abort(code, message)
         try:
             for part in snapshot or ():
-                await self._write(context, sub, part)
+                await self._write(context, sub, part, next_seq - 1)
             while True:
                 sub.raise_if_ended()
                 entries = log.entries_from(sub.next_seq)
@@ -256,7 +266,7 @@ class KVCacheServicer:
                     await log.wait_for(sub)
                     continue
                 for entry in entries:
-                    await self._write(context, sub, entry.encoded(payload_format, group_idxs))
+                    await self._write(context, sub, entry.encoded(payload_format, group_idxs), entry.seq)
                     sub.next_seq = entry.seq + 1
                     sub.raise_if_ended()
         except KVServiceDomainError as exc:
@@ -265,8 +275,7 @@ class KVCacheServicer:
         finally:
             log.unsubscribe(sub)
 
-    @staticmethod
-    async def _write(context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes) -> None:
+    async def _write(self, context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes, seq: int) -> None:
         """Write one message unless the subscription was ended (then raise its error).
 
         A message handed to gRPC cannot be taken back and no status can follow while it is in
@@ -276,6 +285,11 @@ class KVCacheServicer:
         ``EventLogConfig.stalled_write_timeout_s``).
         """
         sub.raise_if_ended()
+        if len(data) > self.max_message_bytes:
+            raise CapacityExceededError(
+                f"batch seq {seq} is {len(data)} bytes, above max_message_bytes {self.max_message_bytes}; "
+                f"last seq delivered {sub.last_seq}: raise max_message_bytes to read it"
+            )
         await context.write(data)
 
     async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
@@ -284,6 +298,12 @@ class KVCacheServicer:
         try:
             payload_format = log.check_format(request.payload_format)
             group_idxs = log.check_filter(request.group_idxs)
+            if request.epoch and not request.start_seq and request.epoch != log.epoch:
+                raise EpochMismatchError(
+                    f"epoch {request.epoch!r} is not this server's epoch {log.epoch!r} (the server restarted): "
+                    "take with snapshot=true"
+                )
+            previous = log.consumer_cursor(request.consumer)
             batches, next_seq = log.take(
                 request.consumer,
                 max_batches=request.max_batches,
@@ -296,6 +316,10 @@ class KVCacheServicer:
         except Exception as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
+        # The cursor stays put if the answer never reaches the consumer (deadline, cancellation).
+        context.add_done_callback(
+            lambda ctx: ctx.cancelled() and log.restore_consumer(request.consumer, previous, next_seq)
+        )
         return pb.TakeEventsResponse(batches=batches, next_seq=next_seq, epoch=log.epoch)
 
     async def GetKVCacheGroupMetadata(
@@ -328,14 +352,30 @@ class KVCacheServicer:
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
-                getattr(self, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+                _parsed(getattr(self, name), req), request_deserializer=None, response_serializer=resp.SerializeToString
             )
             for name, (req, resp) in unary.items()
         }
         handlers["StreamEvents"] = grpc.unary_stream_rpc_method_handler(
-            self.StreamEvents, request_deserializer=pb.StreamEventsRequest.FromString, response_serializer=None
+            _parsed(self.StreamEvents, pb.StreamEventsRequest), request_deserializer=None, response_serializer=None
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type: Any) -> Callable[..., Any]:
+    """``method`` taking the request's raw bytes: a message that does not parse is answered
+    INVALID_ARGUMENT (gRPC's own deserializer failure would be UNKNOWN, naming Python classes)."""
+
+    async def handler(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = request_type.FromString(data)
+        except DecodeError as e:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {request_type.DESCRIPTOR.full_name} ({e})"
+            )
+        return await method(request, context)
+
+    return handler
 
 
 def build_metadata_response(

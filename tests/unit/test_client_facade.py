@@ -353,3 +353,15 @@ def test_importing_events_and_hashing_loads_no_grpc() -> None:
         "assert 'grpc' in sys.modules and v1.PingRequest\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_out_of_range_arguments_fail_before_the_call_naming_the_field() -> None:
+    from kvservice_client.client import KVCacheClient
+
+    with KVCacheClient("127.0.0.1:1") as client:  # never reached: the request cannot be built
+        with pytest.raises(ValueError, match=r"^num_new_tokens: Value out of range: -1"):
+            client.allocate_slots("w", -1)
+        with pytest.raises(ValueError, match=r"^num_lookahead_tokens: Value out of range"):
+            client.allocate_slots("w", 1, num_lookahead_tokens=2**40)
+        with pytest.raises(ValueError, match=r"^prompt_token_ids: Value out of range"):
+            client.get_computed_blocks("w", [1, 2**70])

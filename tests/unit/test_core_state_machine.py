@@ -69,9 +69,12 @@ class ManagerMachine(RuleBasedStateMachine):
         request = self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))]
         blocks, hit = self.manager.get_computed_blocks(request)
         num_new = min(chunk, request.num_tokens - hit)
+        before = self._state()
         if self.manager.allocate_slots(request, num_new, hit, blocks) is not None:
             request.num_computed_tokens = hit + num_new
             self.running[request.request_id] = self.waiting.pop(request.request_id)
+        else:
+            assert self._state() == before, "a refused allocation changed something"
         self._apply_events()
 
     @precondition(lambda self: self.running)
@@ -81,9 +84,18 @@ class ManagerMachine(RuleBasedStateMachine):
         if request.num_computed_tokens == request.num_tokens:
             request.append_output_token_ids(new_tokens)
         num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+        before = self._state()
         if self.manager.allocate_slots(request, num_new) is not None:
             request.num_computed_tokens += num_new
+        else:
+            assert self._state() == before, "a refused allocation changed something"
         self._apply_events()
+
+    def _state(self):
+        m = self.manager
+        tables = {rid: m.get_block_ids(rid) for rid in list(self.running) + list(self.waiting)}
+        free = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        return tables, free, len(m.block_pool.kv_event_queue)
 
     @precondition(lambda self: self.running or self.waiting)
     @rule(data=st.data())

@@ -181,6 +181,21 @@ def _mm_feature_proto(feature: pb.MultiModalFeature | HashingMultiModalFeature) 
     return pb.MultiModalFeature(identifier=feature.identifier, offset=feature.offset, length=feature.length)
 
 
+def _build(message_type: Any, **fields: Any) -> Any:
+    """``message_type(**fields)``, but a value protobuf refuses (out of range, wrong type) raises
+    ValueError naming the field, before any call is made."""
+    message = message_type()
+    for name, value in fields.items():
+        try:
+            if isinstance(value, (list, tuple)) or hasattr(value, "__iter__") and not isinstance(value, (str, bytes)):
+                getattr(message, name).extend(value)
+            else:
+                setattr(message, name, value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: {e}") from None
+    return message
+
+
 def _get_computed_blocks_request(
     request_id: str | pb.GetComputedBlocksRequest,
     prompt_token_ids: Iterable[int],
@@ -202,10 +217,11 @@ def _get_computed_blocks_request(
             mm_features=mm_features,
         )
         return request_id
-    request = pb.GetComputedBlocksRequest(
+    request = _build(
+        pb.GetComputedBlocksRequest,
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
-        kv_cache_report_mode=_report_mode_value(kv_cache_report_mode),  # type: ignore[arg-type]
+        kv_cache_report_mode=_report_mode_value(kv_cache_report_mode),
         mm_features=[_mm_feature_proto(f) for f in mm_features],
     )
     if session_id is not None:
@@ -234,7 +250,8 @@ def _allocate_slots_request(
         return request_id
     if num_new_tokens is None:
         raise TypeError("allocate_slots() needs num_new_tokens (tokens to compute this step)")
-    return pb.AllocateSlotsRequest(
+    return _build(
+        pb.AllocateSlotsRequest,
         request_id=request_id,
         num_new_tokens=num_new_tokens,
         num_lookahead_tokens=num_lookahead_tokens,

@@ -405,6 +405,13 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     then stop gracefully (open streams end with UNAVAILABLE naming their last seq)."""
     running = await start_server(config)
     print(running.describe(), flush=True)
+    profile_path = os.environ.get("KVSERVICE_PROFILE")  # a cProfile dump of the serving loop, for benchmarks
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -413,4 +420,7 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
         ready(running)
     await stop.wait()
     print("kvservice: stopping (graceful)", flush=True)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
     await running.stop()

@@ -1,0 +1,125 @@
+"""RPC: unary round trips against a no-op RPC (Ping) on the same server, and Step batches against
+the in-process engine rate.
+
+The server runs in its own process (``kvservice serve --device meta``), so client and server each
+have a core, as in a deployment; the baselines are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvservice.core.engine import KVCacheEngine
+from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig
+from kvservice.core.kv_cache_spec import get_preset
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.client import KVCacheClient
+
+try:
+    from server_proc import serve
+    from workloads import prompts
+except ImportError:
+    from scripts.bench.server_proc import serve
+    from scripts.bench.workloads import prompts
+
+NUM_BLOCKS = 8192
+
+
+def _mean_us(fn, n: int) -> float:
+    start = time.perf_counter()
+    for i in range(n):
+        fn(i)
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def unary(client: KVCacheClient, n: int, prompt_len: int = 256) -> dict[str, float]:
+    """Mean round trip (us) of Ping and of GetComputedBlocks / AllocateSlots / Free of one request."""
+    payload = b""
+    seq = prompts(n, prompt_len, 0.5, seed=2)
+    requests = [pb.GetComputedBlocksRequest(request_id=f"u{i}", prompt_token_ids=seq[i]) for i in range(n)]
+    allocs = [pb.AllocateSlotsRequest(request_id=f"u{i}", num_new_tokens=prompt_len) for i in range(n)]
+    frees = [pb.FreeRequest(request_id=f"u{i}") for i in range(n)]
+    stub = client.stub
+    for i in range(50):  # warm up the connection and the server's first-use tables
+        stub.Ping(pb.PingRequest(payload=payload))
+        stub.GetComputedBlocks(pb.GetComputedBlocksRequest(request_id=f"w{i}", prompt_token_ids=seq[i]))
+        stub.Free(pb.FreeRequest(request_id=f"w{i}"))
+    # Pings interleaved with the ops, so both see the same machine at the same moments.
+    ping = gcb = alloc = free = 0.0
+    ping_request = pb.PingRequest(payload=payload)
+    for i in range(n):
+        t0 = time.perf_counter()
+        stub.Ping(ping_request)
+        t1 = time.perf_counter()
+        stub.GetComputedBlocks(requests[i])
+        t2 = time.perf_counter()
+        stub.Ping(ping_request)
+        t3 = time.perf_counter()
+        stub.AllocateSlots(allocs[i])
+        t4 = time.perf_counter()
+        stub.Ping(ping_request)
+        t5 = time.perf_counter()
+        stub.Free(frees[i])
+        t6 = time.perf_counter()
+        ping += (t1 - t0) + (t3 - t2) + (t5 - t4)
+        gcb, alloc, free = gcb + t2 - t1, alloc + t4 - t3, free + t6 - t5
+    out = {"ping_us": ping / (3 * n) * 1e6}
+    out.update({"get_computed_blocks_us": gcb / n * 1e6, "allocate_slots_us": alloc / n * 1e6, "free_us": free / n * 1e6})
+    return out
+
+
+def in_process_rate(num_requests: int, prompt_len: int = 2048) -> float:
+    """Requests admitted per second by the engine itself (lookup + allocate + free), no gRPC."""
+    engine = KVCacheEngine(KVCacheManager(get_preset("llama-3-8b").kv_cache_config(NUM_BLOCKS), 131072,
+                                          kv_events=KVEventsConfig()))
+    seq = prompts(num_requests, prompt_len, 0.0, seed=3)
+    start = time.perf_counter()
+    for i, tokens in enumerate(seq):
+        engine.get_computed_blocks(f"p{i}", tokens)
+        engine.allocate_slots(f"p{i}", prompt_len)
+        engine.free(f"p{i}")
+        engine.take_events()
+    return num_requests / (time.perf_counter() - start)
+
+
+def step_rate(client: KVCacheClient, ops_per_step: int, num_requests: int, prompt_len: int = 2048) -> float:
+    """Requests admitted per second when each Step carries ``ops_per_step`` admissions (lookup +
+    allocate) and the frees of the previous step's requests."""
+    seq = prompts(num_requests, prompt_len, 0.0, seed=4)
+    steps = []
+    for lo in range(0, num_requests, ops_per_step):
+        ops = [pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
+               for j in range(lo - ops_per_step, lo) if j >= 0]
+        for j in range(lo, min(lo + ops_per_step, num_requests)):
+            rid = f"s{ops_per_step}-{j}"
+            ops.append(pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=rid, prompt_token_ids=seq[j])))
+            ops.append(pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=prompt_len)))
+        steps.append(pb.StepRequest(ops=ops))
+    start = time.perf_counter()
+    for step in steps:
+        response = client.step(step)
+        assert all(r.WhichOneof("result") != "error" for r in response.results), response
+    elapsed = time.perf_counter() - start
+    last = [pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
+            for j in range(num_requests - (num_requests % ops_per_step or ops_per_step), num_requests)]
+    client.step(pb.StepRequest(ops=last))
+    return num_requests / elapsed
+
+
+def run(quick: bool = False) -> dict[str, float]:
+    n_unary = 200 if quick else 2000
+    n_step = 128 if quick else 1024
+    out: dict[str, float] = {}
+    with serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS)) as address, KVCacheClient(address) as client:
+        out.update(unary(client, n_unary))
+        for k in (1, 16, 64, 256):
+            out[f"step_{k}_requests_per_s"] = step_rate(client, k, max(n_step, k) if k > 1 else n_step // 4)
+    out["in_process_requests_per_s"] = in_process_rate(n_step)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=1))

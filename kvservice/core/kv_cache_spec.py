@@ -134,13 +134,21 @@ class MLAAttentionSpec(FullAttentionSpec):
     """
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads != 1:
-            raise ValueError(f"num_kv_heads must be 1 for MLA; got {self.num_kv_heads}")
+        _check_mla(self)
 
     @property
     def page_size_bytes(self) -> int:
-        """``block_size * num_kv_heads * head_size * dtype bytes`` (no factor 2)."""
-        return self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
+        """``block_size * head_size * dtype bytes`` (one latent per token: no K/V factor 2)."""
+        return _mla_page_size_bytes(self)
+
+
+def _check_mla(spec: AttentionSpec) -> None:
+    if spec.num_kv_heads != 1:
+        raise ValueError(f"num_kv_heads must be 1 for MLA; got {spec.num_kv_heads}")
+
+
+def _mla_page_size_bytes(spec: AttentionSpec) -> int:
+    return spec.block_size * spec.num_kv_heads * spec.head_size * dtype_size_bytes(spec.dtype)
 
 
 @dataclass(frozen=True)
@@ -167,13 +175,12 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_kv_heads != 1:
-            raise ValueError(f"num_kv_heads must be 1 for MLA; got {self.num_kv_heads}")
+        _check_mla(self)
 
     @property
     def page_size_bytes(self) -> int:
         """As :class:`MLAAttentionSpec`."""
-        return self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
+        return _mla_page_size_bytes(self)
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,6 @@ class MirrorWatcher:
         self.predictor = HitPredictor(metadata, self.index)
         self.watcher = EventWatcher(client, max_pending_batches=256)
         self.applied_seq = -1
-        self.epoch: str | None = None
         self.num_batches = 0
         self.num_events = 0
         self._progress = asyncio.Event()
@@ -126,7 +125,6 @@ class MirrorWatcher:
             if watched.snapshot_more:
                 continue  # the mirror matches the server only once the snapshot is whole
             self.applied_seq = watched.seq
-            self.epoch = watched.epoch
             self._progress.set()
 
     async def wait_applied(self, seq: int) -> None:

@@ -79,7 +79,7 @@ class ReplayRequest:
 
     __slots__ = (
         "trace", "index", "request_id", "token_ids", "num_computed_tokens", "num_generated",
-        "pending_token", "outputs", "num_preemptions", "admitted",
+        "pending_token", "outputs", "num_preemptions",
     )
 
     def __init__(self, trace: TraceRequest, index: int) -> None:
@@ -92,7 +92,6 @@ class ReplayRequest:
         self.pending_token: int | None = None
         self.outputs = output_token_ids(trace.request_id, max(trace.output_length, 1))
         self.num_preemptions = 0
-        self.admitted = False
 
     @property
     def finished(self) -> bool:
@@ -111,7 +110,6 @@ class ReplayRequest:
             self.pending_token = None
         self.num_computed_tokens = 0
         self.num_preemptions += 1
-        self.admitted = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +333,6 @@ class ReplayScheduler:
             Admission(r.index, r.request_id, len(r.token_ids), predictions[0] if predictions else None,
                       response.num_new_computed_tokens, r.num_preemptions > 0, predictions)
         )
-        r.admitted = True
         self.running.append(r)
         self._last_scheduled = response.num_scheduled_tokens
         self._apply_allocation(r, response)
@@ -369,13 +366,3 @@ class ReplayScheduler:
             if response.allocated:
                 self._apply_allocation(r, response)
                 return
-
-
-def agreement_pairs(admissions: Sequence[Admission], block_size: int) -> tuple[list[int], list[int]]:
-    """(predicted blocks, actual blocks) for admissions that have a prediction."""
-    predicted, actual = [], []
-    for a in admissions:
-        if a.predicted_hit_tokens is not None:
-            predicted.append(a.predicted_hit_tokens // block_size)
-            actual.append(a.actual_hit_tokens // block_size)
-    return predicted, actual

@@ -25,13 +25,6 @@ except ImportError:
 NUM_BLOCKS = 8192
 
 
-def _mean_us(fn, n: int) -> float:
-    start = time.perf_counter()
-    for i in range(n):
-        fn(i)
-    return (time.perf_counter() - start) / n * 1e6
-
-
 def unary(client: KVCacheClient, n: int, prompt_len: int = 256) -> dict[str, float]:
     """Mean round trip (us) of Ping and of GetComputedBlocks / AllocateSlots / Free of one request."""
     payload = b""

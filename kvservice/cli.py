@@ -158,5 +158,19 @@ def replay(**options: Any) -> None:
     click.echo(f"wrote {json_path} and {png_path}")
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def bench(ctx: click.Context) -> None:
+    """Run the benchmark suite (scripts/bench/run.py of a source checkout; its flags pass through,
+    e.g. --quick, --only core,rpc, --json FILE)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "run.py"
+    if not script.exists():
+        raise click.ClickException(f"kvservice bench needs a source checkout ({script} is missing)")
+    sys.exit(subprocess.call([sys.executable, str(script), *ctx.args]))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -137,6 +137,17 @@ async def _latency(client: AsyncKVCacheClient, address: str, num_batches: int, r
     return latencies
 
 
+def delivery_rate(num_batches: int, prompt_len: int, num_blocks: int) -> float:
+    """Events per second to one watcher replaying ``num_batches`` batches (each 4 admissions of
+    ``prompt_len`` tokens) from a server of ``num_blocks`` blocks, once every batch is encoded."""
+    with serve("--device", "meta", "--num-blocks", str(num_blocks), "--event-max-batches", str(num_batches + 10)) as address:
+        with KVCacheClient(address) as client:
+            produce(client, num_batches, prompt_len=prompt_len)
+        asyncio.run(_drain(address, 1, num_batches, pb.PAYLOAD_FORMAT_PROTOBUF))  # encode each batch once
+        seconds, events = asyncio.run(_drain(address, 1, num_batches, pb.PAYLOAD_FORMAT_PROTOBUF))
+    return events / seconds
+
+
 def run(quick: bool = False) -> dict[str, float]:
     num_batches = 300 if quick else 3000
     out: dict[str, float] = {}

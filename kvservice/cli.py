@@ -52,6 +52,11 @@ def _server_options(func: Any) -> Any:
         click.option("--event-max-batches", type=int, help="Event batches retained for replay [100000]."),
         click.option("--event-max-bytes", help="Event bytes retained for replay [256MiB]."),
         click.option("--max-subscriber-lag", type=int, help="Batches a subscriber may fall behind [10000]."),
+        # -- auth options (issue 6) --
+        # -- limits and request lifetime options (issue 6) --
+        # -- ZMQ publisher options (issue 7) --
+        # -- NATS JetStream options (issue 7) --
+        # -- metrics options (issue 7) --
     ]
     for option in reversed(options):
         func = option(func)

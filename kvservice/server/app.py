@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,11 @@ class ServerConfig:
     max_step_ops: int = 4096
     max_message_bytes: int = 64 * 1024 * 1024
     grace_seconds: float = 5.0
+    # -- auth settings (issue 6) --
+    # -- limits and request lifetime settings (issue 6) --
+    # -- ZMQ publisher settings (issue 7) --
+    # -- NATS JetStream sink settings (issue 7) --
+    # -- metrics settings (issue 7) --
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # raises naming the known presets
@@ -247,6 +252,9 @@ class RunningServer:
     config: ServerConfig
     health: Any = field(repr=False, default=None)
     notes: list[str] = field(default_factory=list)
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list, repr=False)
+    """Async callables run (in reverse order) after the gRPC server stopped: publishers, reapers,
+    the metrics endpoint."""
     _stopped: bool = field(default=False, repr=False)
 
     def describe(self) -> str:
@@ -278,6 +286,11 @@ class RunningServer:
         # Let each open stream end with its UNAVAILABLE status before the server cancels calls.
         await self.event_log.wait_drained(max(grace, 1.0))
         await self.server.stop(grace)
+        for close in reversed(self.closers):
+            try:
+                await close()
+            except Exception:
+                logger.exception("closing %r failed", close)
 
 
 def _kind_name(kind: int) -> str:
@@ -377,19 +390,29 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     servicer = KVCacheServicer(
         engine, event_log, metadata, max_step_ops=config.max_step_ops, max_message_bytes=config.max_message_bytes
     )
+    closers: list[Callable[[], Awaitable[None]]] = []
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    # -- auth: interceptor and credentials (issue 6) --
+    # -- limits and request lifetime (issue 6) --
+    # -- metrics (issue 7) --
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
     host = config.host
     bind = f"[{host}]:{config.port}" if ":" in host and not host.startswith("[") else f"{host}:{config.port}"
-    port = server.add_insecure_port(bind)
+    server_credentials: grpc.ServerCredentials | None = None
+    # -- auth: server credentials (issue 6) --
+    if server_credentials is None:
+        port = server.add_insecure_port(bind)
+    else:
+        port = server.add_secure_port(bind, server_credentials)
     if port == 0:
         raise RuntimeError(f"cannot bind {bind}")
     await server.start()
@@ -397,7 +420,14 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = bind.rsplit(":", 1)[0] + f":{port}"
     config = dataclasses.replace(config, port=port)
-    return RunningServer(address, port, server, engine, event_log, servicer, tensors, config, health, notes=notes)
+    running = RunningServer(
+        address, port, server, engine, event_log, servicer, tensors, config, health, notes=notes,
+        closers=closers,
+    )
+    # -- background tasks started after bind: reapers (issue 6) --
+    # -- event publishers: ZMQ (issue 7) --
+    # -- event publishers: NATS JetStream (issue 7) --
+    return running
 
 
 async def run_server(config: ServerConfig, *, ready: Any = None) -> None:

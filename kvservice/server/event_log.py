@@ -240,8 +240,15 @@ class EventLog:
         self._drained: asyncio.Future | None = None
         self._closed = False
         self.num_events = 0
+        self._listeners: list[Callable[[LogEntry], None]] = []
 
     # -- writing ----------------------------------------------------------------------------
+
+    def add_listener(self, listener: Callable[[LogEntry], None]) -> None:
+        """Call ``listener(entry)`` after every appended batch, in seq order, on the loop that
+        appends (publishers and metrics hang here). It must not block; an exception it raises is
+        logged and the listener stays registered."""
+        self._listeners.append(listener)
 
     def append(self, events: list[KVCacheEvent], ts: float | None = None) -> LogEntry | None:
         """Append one call's events as the next batch; no batch for no events.
@@ -262,6 +269,11 @@ class EventLog:
         if self._waiter is not None:
             self._waiter.set_result(None)
             self._waiter = None
+        for listener in self._listeners:
+            try:
+                listener(entry)
+            except Exception:
+                logger.exception("event log listener %r failed on seq %d", listener, entry.seq)
         return entry
 
     def _trim(self) -> None:

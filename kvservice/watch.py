@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TextIO
 
+import grpc
+
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError
 from kvservice_client.convert import proto_to_batch
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash, KVCacheEvent
@@ -83,8 +85,19 @@ async def watch_events(
     token: str | None = None,
     out: TextIO | None = None,
     max_batches: int | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> int:
     """Stream ``target``'s events and print one line per event until the stream ends.
+
+    Args:
+        target: the server's ``host:port``.
+        snapshot: start with a snapshot of the cached set (else live, or from ``start_seq``).
+        start_seq: replay retained batches from this seq, then follow live.
+        group_idxs: only these groups' events (empty: all).
+        token: bearer token sent on every call.
+        out: where lines go (default stdout).
+        max_batches: stop after this many batches (None: until the stream ends).
+        credentials: channel credentials (TLS, mutual TLS) for a secure channel; None: plain text.
 
     Returns:
         Batches printed (stops after ``max_batches`` when given).
@@ -98,7 +111,7 @@ async def watch_events(
     out = out or sys.stdout
     formatter = EventFormatter()
     num_batches = 0
-    async with AsyncKVCacheClient(target, token=token) as client:
+    async with AsyncKVCacheClient(target, token=token, credentials=credentials) as client:
         try:
             meta = await client.get_kv_cache_group_metadata()
         except KVServiceError as e:

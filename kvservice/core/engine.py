@@ -6,11 +6,17 @@ admits it (running), ``free`` forgets it. Every call validates all of its fields
 anything, so a call that raises leaves the cache, the request table and the event queue exactly as
 they were. The gRPC servicer is a thin shell over this class (unary calls and ``Step`` ops go
 through the same methods).
+
+The engine also records when each request was last called (``get_computed_blocks`` or
+``allocate_slots`` that succeeded, unary or inside a ``Step``), so that requests whose scheduler
+vanished can be freed by :meth:`KVCacheEngine.free_idle_requests` (the server's reaper calls it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,19 +133,34 @@ class KVCacheEngine:
     Args:
         manager: the cache manager (one pool, one or more groups).
         limits: bounds checked at the edge.
+        clock: seconds of a monotonic clock; when a request was last called (default
+            ``time.monotonic``; tests inject their own).
 
     Attributes:
         requests: request id -> request (waiting or running).
         running: ids of admitted requests (holding blocks).
+        num_failed_allocations: ``allocate_slots`` calls answered ``allocated=False`` since start.
+        num_freed_requests: requests freed (forgotten by ``free``) since start.
     """
 
-    def __init__(self, manager: KVCacheManager, limits: EngineLimits = EngineLimits()) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        limits: EngineLimits = EngineLimits(),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.manager = manager
+        self.clock = clock
+        # request id -> clock() at its last successful call, least recently called first.
+        self._last_call: OrderedDict[str, float] = OrderedDict()
         self.limits = limits
         self.requests: dict[str, Request] = {}
         self.running: set[str] = set()
         self._no_blocks: tuple[list[int], ...] = tuple([] for _ in range(manager.num_groups))
         self._max_tokens_in_pool = max_tokens_in_pool(manager.kv_cache_config)
+        self.num_failed_allocations = 0
+        self.num_freed_requests = 0
 
     @property
     def max_model_len(self) -> int:
@@ -166,7 +187,8 @@ class KVCacheEngine:
         Raises:
             InvalidArgumentError: a field out of range (request_id empty or too long; prompt empty,
                 longer than max_model_len or than the pool can ever hold, or with an id outside
-                0..2^31-1; bad report mode, LoRA, salt, session or multimodal placeholder).
+                0..2^31-1; bad report mode, LoRA, salt, session or multimodal placeholder: empty,
+                outside the prompt, or not after the previous one's end).
             RequestAlreadyExistsError: the id is running, or waiting with another prompt/options.
             CapacityExceededError: max_num_requests requests are registered.
         """
@@ -189,6 +211,7 @@ class KVCacheEngine:
             _check_string("lora.lora_path", lora.lora_path, limit)
             if lora.lora_id < 0:
                 raise InvalidArgumentError("lora.lora_id", f"{lora.lora_id} is negative")
+        previous_end = 0  # placeholders come in prompt order and do not overlap (vLLM's hash keys assume it)
         for i, feature in enumerate(mm_features):
             _check_string(f"mm_features[{i}].identifier", feature.identifier, limit, allow_empty=False)
             if feature.length < 1 or feature.offset < 0 or feature.offset + feature.length > n:
@@ -197,6 +220,13 @@ class KVCacheEngine:
                     f"placeholder [{feature.offset}, {feature.offset + feature.length}) must be non-empty and "
                     f"within the prompt (0..{n})",
                 )
+            if feature.offset < previous_end:
+                raise InvalidArgumentError(
+                    f"mm_features[{i}]",
+                    f"placeholder [{feature.offset}, {feature.offset + feature.length}) starts before the end of "
+                    f"mm_features[{i - 1}] ({previous_end}): placeholders must be in prompt order and disjoint",
+                )
+            previous_end = feature.offset + feature.length
         try:
             mode = KVCacheReportMode.parse(kv_cache_report_mode)
         except ValueError as e:
@@ -233,6 +263,7 @@ class KVCacheEngine:
                 mm_features=mm_features,
             )
             self.requests[request_id] = request
+        self._touch(request_id)
         blocks, num_computed_tokens = self.manager.get_computed_blocks(request)
         return ComputedBlocksResult(num_computed_tokens, blocks.get_block_ids())
 
@@ -290,9 +321,11 @@ class KVCacheEngine:
             hit_blocks, hit_tokens = manager.find_longest_cache_hit(request)
             computed_block_ids = hit_blocks.get_block_ids()
             num_scheduled = min(num_new_tokens, num_tokens - hit_tokens)
+        self._touch(request_id)
         new_blocks = manager.allocate_slots(request, num_scheduled, hit_tokens, hit_blocks, num_lookahead_tokens)
         if new_blocks is None:
             request.truncate_tokens(num_tokens_before)
+            self.num_failed_allocations += 1
             return AllocateResult(
                 False, self._no_blocks, 0, self._no_blocks, 0, request.num_computed_tokens, request.num_tokens
             )
@@ -322,7 +355,44 @@ class KVCacheEngine:
         if self.requests.pop(request_id, None) is None:
             raise RequestNotFoundError(request_id)
         self.running.discard(request_id)
+        del self._last_call[request_id]
+        self.num_freed_requests += 1
         return self.manager.free(request_id)
+
+    def idle_request_ids(self, idle_timeout_s: float) -> list[str]:
+        """Requests not called for ``idle_timeout_s`` seconds or more, least recently called first.
+
+        A call counts when ``get_computed_blocks`` or ``allocate_slots`` succeeded for the request
+        (unary or inside a ``Step``; ``allocated=False`` counts, a call that raised does not).
+        """
+        now = self.clock()
+        idle = []
+        for request_id, last_call in self._last_call.items():
+            if now - last_call < idle_timeout_s:
+                break
+            idle.append(request_id)
+        return idle
+
+    def next_idle_deadline(self, idle_timeout_s: float) -> float | None:
+        """The clock time at which the least recently called request will have been idle for
+        ``idle_timeout_s`` seconds (None when no request is registered). No request can become idle
+        earlier: a call only moves its request's time later."""
+        for last_call in self._last_call.values():
+            return last_call + idle_timeout_s
+        return None
+
+    def free_idle_requests(self, idle_timeout_s: float) -> list[str]:
+        """Free every request not called for ``idle_timeout_s`` seconds or more, least recently
+        called first, each exactly as :meth:`free` would (same events, same free-queue order as
+        explicit frees in that order).
+
+        Returns:
+            The ids freed, in the order freed.
+        """
+        request_ids = self.idle_request_ids(idle_timeout_s)
+        for request_id in request_ids:
+            self.free(request_id)
+        return request_ids
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache if no block is held (one AllBlocksCleared); else False."""
@@ -349,17 +419,57 @@ class KVCacheEngine:
         return self.manager.take_events()
 
     def check_invariants(self) -> None:
-        """The manager's invariants, plus: only running requests hold blocks.
+        """The manager's invariants (pool consistency; every block's ref count equals the number of
+        (request, group) tables holding it), plus what only the request table can tell:
+
+        * every running request is registered, and only running requests hold blocks;
+        * a block is held in one group only;
+        * a held block that is cached sits, in every holder's table, at the position whose hash it
+          carries in that group (requests share a block only where their prefixes agree);
+        * a block held by two or more requests is a shared cached block (it carries a hash; its
+          ref count was matched to its holders above).
+
+        A held block loses its hash only through ``KVCacheManager.evict_blocks``, which no RPC
+        reaches; after such a direct call a shared block may fail the last check.
 
         Raises:
             AssertionError: naming the broken invariant.
         """
-        self.manager.check_invariants()
-        for manager in self.manager.coordinator.managers:
-            for request_id, blocks in manager.req_to_blocks.items():
-                assert request_id in self.running or not any(not b.is_null for b in blocks), (
-                    f"{request_id} holds blocks but is not running"
+        manager = self.manager
+        manager.check_invariants()
+        assert self.running <= self.requests.keys(), f"running but not registered: {sorted(self.running - self.requests.keys())}"
+        coordinator = manager.coordinator
+        holders: dict[int, list[str]] = {}
+        group_of_block: dict[int, int] = {}
+        for group_idx, group_manager in enumerate(coordinator.managers):
+            for request_id, blocks in group_manager.req_to_blocks.items():
+                if all(b.is_null for b in blocks):
+                    continue
+                assert request_id in self.running, f"{request_id} holds blocks but is not running"
+                block_hashes = coordinator.group_block_hashes(self.requests[request_id], group_idx)
+                for position, block in enumerate(blocks):
+                    if block.is_null:
+                        continue
+                    first_group = group_of_block.setdefault(block.block_id, group_idx)
+                    assert first_group == group_idx, f"block {block.block_id} held in groups {first_group} and {group_idx}"
+                    holders.setdefault(block.block_id, []).append(request_id)
+                    if block.block_hash is not None:
+                        assert block.group_idx == group_idx and position < len(block_hashes) and (
+                            block.block_hash == block_hashes[position]
+                        ), (
+                            f"block {block.block_id} (cached in group {block.group_idx}) sits at position {position} "
+                            f"of {request_id}'s group {group_idx} table, whose hash there differs"
+                        )
+        for block_id, request_ids in holders.items():
+            if len(request_ids) > 1:
+                assert manager.block_pool.blocks[block_id].block_hash is not None, (
+                    f"block {block_id} held by {sorted(request_ids)} at once but not cached"
                 )
+
+    def _touch(self, request_id: str) -> None:
+        """Record a call of ``request_id`` now (it becomes the most recently called)."""
+        self._last_call[request_id] = self.clock()
+        self._last_call.move_to_end(request_id)
 
     def _check_request_id(self, request_id: str) -> None:
         if not request_id:

@@ -199,10 +199,7 @@ class ReplayScheduler:
         self.stats = SchedulerStats()
         self.pending: deque[ReplayRequest] = deque()
         for i, t in enumerate(requests):
-            if max_model_len is not None and len(t.prompt_token_ids) >= max_model_len:
-                self.stats.num_skipped += 1
-            else:
-                self.pending.append(ReplayRequest(t, i))
+            self.add_request(t, i)
         self.waiting: deque[ReplayRequest] = deque()
         self.running: list[ReplayRequest] = []
         self.to_free: list[ReplayRequest] = []
@@ -226,21 +223,56 @@ class ReplayScheduler:
             RuntimeError: a request cannot be admitted even with an empty pool.
         """
         start = time.perf_counter()
-        while self.pending or self.waiting or self.running or self.to_free:
-            if not self.running and not self.waiting and not self.to_free:
+        while self.pending or self.has_work:
+            if not self.has_work:
                 self.clock_ms = max(self.clock_ms, self.pending[0].trace.arrival_ms)
-            while self.pending and self.pending[0].trace.arrival_ms <= self.clock_ms:
-                self.waiting.append(self.pending.popleft())
-            await self._step()
-            self.clock_ms += self.config.step_ms
-            self.stats.num_steps += 1
-            if self.on_step is not None:
-                result = self.on_step(self.stats, self.head_seq)
-                if result is not None:
-                    await result
+            await self.step()
         self.stats.wall_time_s = time.perf_counter() - start
         self.stats.sim_time_ms = self.clock_ms
         return self.stats
+
+    def add_request(self, trace: TraceRequest, index: int) -> bool:
+        """Queue a trace request; it joins the waiting queue at the first step whose clock has
+        passed its arrival. Requests must be added in arrival order (as :meth:`run` expects).
+
+        Args:
+            trace: the request.
+            index: its position in the trace (0-based; :attr:`Admission.index`).
+
+        Returns:
+            False when it is skipped: its prompt is ``max_model_len`` tokens or longer (counted in
+            ``stats.num_skipped``).
+        """
+        if self.max_model_len is not None and len(trace.prompt_token_ids) >= self.max_model_len:
+            self.stats.num_skipped += 1
+            return False
+        self.pending.append(ReplayRequest(trace, index))
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        """A step would do something: requests wait, run, or are to be freed (arrivals still
+        pending do not count)."""
+        return bool(self.waiting or self.running or self.to_free)
+
+    async def step(self) -> None:
+        """One scheduler step at ``clock_ms``: arrivals up to the clock join the waiting queue,
+        one step runs (see the module docstring), the clock advances ``step_ms`` and ``on_step``
+        is called. A driver of several schedulers in one simulated time (``replay.multi``) sets
+        ``clock_ms`` and calls this; :meth:`run` is this in a loop.
+
+        Raises:
+            KVServiceError, RuntimeError: as :meth:`run`.
+        """
+        while self.pending and self.pending[0].trace.arrival_ms <= self.clock_ms:
+            self.waiting.append(self.pending.popleft())
+        await self._step()
+        self.clock_ms += self.config.step_ms
+        self.stats.num_steps += 1
+        if self.on_step is not None:
+            result = self.on_step(self.stats, self.head_seq)
+            if result is not None:
+                await result
 
     async def _call(self, ops: list[pb.StepOp]) -> list[pb.StepOpResult]:
         t0 = time.perf_counter()

@@ -36,7 +36,10 @@ from kvservice.memory import (
     num_blocks_from_budget,
     resolve_device,
 )
+from kvservice.server.auth import build_auth, check_auth_settings
 from kvservice.server.event_log import EventLog, EventLogConfig
+from kvservice.server.nats_sink import check_nats_settings, start_nats_sink
+from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 
@@ -78,8 +81,49 @@ class ServerConfig:
             (without a status) after this many seconds.
         max_num_requests: registered requests at once.
         max_step_ops: ops per Step.
+        max_step_tokens: tokens per Step (prompt_token_ids + new_token_ids over all its ops);
+            bounds how long one Step holds the event loop.
+        request_idle_timeout_s: a request not called (GetComputedBlocks/AllocateSlots, unary or in
+            a Step) for this many seconds is freed as by Free (None: never, the default).
+        consumer_idle_timeout_s: a named TakeEvents consumer that has not taken for this many
+            seconds is dropped; a later take by its name starts like a new consumer's.
+        max_streams: open StreamEvents subscriptions at once.
         max_message_bytes: largest gRPC message accepted or sent, in bytes.
         grace_seconds: how long a graceful stop waits for calls in flight.
+        check_invariants: debug: check the cache's invariants after every mutating call and Step
+            (slow: it walks the whole pool); a failure is logged at ERROR and counted.
+        tls_cert_file, tls_key_file: the server's TLS certificate chain and private key (PEM files;
+            both or neither). Without them the port is plain text.
+        tls_client_ca_file: CA certificates (PEM) that client certificates must chain to: mutual
+            TLS (needs tls_cert_file).
+        auth_tokens_file: TOML file of bearer tokens with roles (scheduler, watcher); see
+            ``kvservice.server.auth``. Without it no token is asked for.
+        allow_insecure_bind: bind a non-loopback host with neither TLS nor tokens (refused
+            otherwise).
+        zmq_endpoint: publish every event batch on a ZMQ PUB socket in vLLM's framing, e.g.
+            "tcp://*:5557" (None: off, the default). Bound when it has a wildcard or is ipc://,
+            connected otherwise (vLLM's rule); ``RunningServer.zmq_publisher.endpoint`` is the
+            bound one (a wildcard port resolved).
+        zmq_replay_endpoint: ROUTER endpoint (bound) answering vLLM replay requests from the
+            retained event log (None: no replay; needs zmq_endpoint).
+        zmq_topic: topic frame of every ZMQ message ("", vLLM's default; None, as an empty flag or
+            variable gives, is "" too).
+        zmq_hwm: PUB send high-water mark, messages queued per subscriber before ZMQ drops (>= 1).
+        nats_url: publish every event batch to NATS JetStream, e.g. "nats://nats:4222" (several
+            comma-separated; None: off, the default). See ``kvservice.server.nats_sink``.
+        nats_subject_prefix: batches go to ``<prefix>.<instance>``; the stream captures ``<prefix>.>``.
+        nats_stream: the JetStream stream, created or updated to the retention below at start.
+        nats_instance: this server's subject token, ``[A-Za-z0-9_-]+`` (None: ``<hostname>-<port>``
+            with other characters as ``_``).
+        nats_max_age_s, nats_max_msgs, nats_max_bytes: stream retention in seconds, messages and
+            bytes (0 = no limit; defaults 1 hour, none, 1 GiB).
+        nats_duplicate_window_s: seconds the stream drops a re-published batch (same
+            ``Nats-Msg-Id``, ``<epoch>:<seq>``) in (> 0, <= nats_max_age_s when that is set).
+        nats_max_pending_batches: batches queued while NATS is slow or away before new ones are
+            dropped (logged at ERROR; watchers see the seq gap and resync) (>= 1).
+        metrics_port: serve Prometheus metrics over HTTP on this port (None: off, the default;
+            0 picks a free one; ``RunningServer.metrics_port`` is the bound one).
+        metrics_host: address the metrics endpoint binds ("127.0.0.1").
     """
 
     host: str = "127.0.0.1"
@@ -105,11 +149,36 @@ class ServerConfig:
     max_step_ops: int = 4096
     max_message_bytes: int = 64 * 1024 * 1024
     grace_seconds: float = 5.0
-    # -- auth settings (issue 6) --
-    # -- limits and request lifetime settings (issue 6) --
-    # -- ZMQ publisher settings (issue 7) --
-    # -- NATS JetStream sink settings (issue 7) --
-    # -- metrics settings (issue 7) --
+    check_invariants: bool = False
+    # -- auth settings --
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    auth_tokens_file: str | None = None
+    allow_insecure_bind: bool = False
+    # -- limits and request lifetime settings --
+    max_step_tokens: int = 1 << 20
+    request_idle_timeout_s: float | None = None
+    consumer_idle_timeout_s: float = 3600.0
+    max_streams: int = 1024
+    # -- ZMQ publisher settings --
+    zmq_endpoint: str | None = None
+    zmq_replay_endpoint: str | None = None
+    zmq_topic: str | None = ""
+    zmq_hwm: int = 100_000
+    # -- NATS JetStream sink settings --
+    nats_url: str | None = None
+    nats_subject_prefix: str = "kvservice.events"
+    nats_stream: str = "KVSERVICE_EVENTS"
+    nats_instance: str | None = None
+    nats_max_age_s: float = 3600.0
+    nats_max_msgs: int = 0
+    nats_max_bytes: int = 1 << 30
+    nats_duplicate_window_s: float = 120.0
+    nats_max_pending_batches: int = 10_000
+    # -- metrics settings --
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # raises naming the known presets
@@ -119,6 +188,8 @@ class ServerConfig:
             raise ValueError(f"block_hash_format must be 'int64' or 'digest'; got {self.block_hash_format!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535; got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535; got {self.metrics_port}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "event_max_batches",
                      "event_max_bytes", "max_subscriber_lag", "max_consumers", "max_num_requests", "max_step_ops",
                      "snapshot_part_tokens"):
@@ -133,6 +204,30 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be >= 4096 bytes; got {self.max_message_bytes}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        # issue 6: limits and request lifetime
+        for name in ("max_step_tokens", "max_streams"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.request_idle_timeout_s is not None and not 0 < self.request_idle_timeout_s < float("inf"):
+            raise ValueError(
+                f"request_idle_timeout_s must be a finite number > 0 seconds (or unset: off); got {self.request_idle_timeout_s}"
+            )
+        if not self.consumer_idle_timeout_s > 0:
+            raise ValueError(f"consumer_idle_timeout_s must be > 0 seconds; got {self.consumer_idle_timeout_s}")
+        # issue 7: ZMQ publisher
+        if self.zmq_replay_endpoint is not None and self.zmq_endpoint is None:
+            raise ValueError("zmq_replay_endpoint needs zmq_endpoint (replays answer what the PUB socket published)")
+        for name in ("zmq_endpoint", "zmq_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and "://" not in value:
+                raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://*:5557 or ipc:///path; got {value!r}")
+        if self.zmq_hwm < 1:
+            raise ValueError(f"zmq_hwm must be >= 1 messages; got {self.zmq_hwm}")
+        # issue 7: NATS JetStream sink
+        check_nats_settings(self)
+        check_auth_settings(  # issue 6: TLS files go together
+            tls_cert_file=self.tls_cert_file, tls_key_file=self.tls_key_file, tls_client_ca_file=self.tls_client_ca_file
+        )
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -164,8 +259,17 @@ def _coerce(name: str, value: Any) -> Any:
         if "None" in target:
             return None
         raise ValueError("must be set")
-    if name in ("kv_cache_memory", "event_max_bytes", "max_message_bytes"):
+    if name in ("kv_cache_memory", "event_max_bytes", "max_message_bytes", "nats_max_bytes"):
         return parse_bytes(value)
+    if target == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {value!r} (true/false, 1/0, yes/no, on/off)")
     if "int" in target:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError(f"not an integer: {value!r}")
@@ -255,7 +359,20 @@ class RunningServer:
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list, repr=False)
     """Async callables run (in reverse order) after the gRPC server stopped: publishers, reapers,
     the metrics endpoint."""
+    reaper: RequestReaper | None = field(default=None, repr=False)
+    """The request reaper (with ``request_idle_timeout_s``; None without)."""
+    zmq_publisher: Any = field(default=None, repr=False)
+    """The ZMQ event publisher (``kvservice.server.zmq_publisher.ZmqEventPublisher`` with
+    ``zmq_endpoint``; None without)."""
+    nats_sink: Any = field(default=None, repr=False)
+    """The NATS JetStream sink (``kvservice.server.nats_sink.NatsJetStreamSink`` with ``nats_url``;
+    None without)."""
     _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound port of the Prometheus endpoint (None when metrics are off)."""
+        return self.config.metrics_port
 
     def describe(self) -> str:
         """Two lines: where it listens and what it holds."""
@@ -374,6 +491,8 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
             max_consumers=config.max_consumers,
             snapshot_part_tokens=config.snapshot_part_tokens,
             stalled_write_timeout_s=config.stalled_write_timeout_s,
+            consumer_idle_timeout_s=config.consumer_idle_timeout_s,
+            max_streams=config.max_streams,
             # An answer always fits what this server may send and what any gRPC client accepts.
             max_take_bytes=min(4 * 1024 * 1024, config.max_message_bytes - 1024),
         ),
@@ -388,13 +507,32 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         data_parallel_rank=config.data_parallel_rank,
     )
     servicer = KVCacheServicer(
-        engine, event_log, metadata, max_step_ops=config.max_step_ops, max_message_bytes=config.max_message_bytes
+        engine, event_log, metadata, max_step_ops=config.max_step_ops, max_message_bytes=config.max_message_bytes,
+        check_invariants=config.check_invariants, max_step_tokens=config.max_step_tokens,
     )
     closers: list[Callable[[], Awaitable[None]]] = []
     interceptors: list[grpc.aio.ServerInterceptor] = []
-    # -- auth: interceptor and credentials (issue 6) --
-    # -- limits and request lifetime (issue 6) --
-    # -- metrics (issue 7) --
+    # -- auth: interceptor and credentials --
+    auth = build_auth(
+        host=config.host, tls_cert_file=config.tls_cert_file, tls_key_file=config.tls_key_file,
+        tls_client_ca_file=config.tls_client_ca_file, auth_tokens_file=config.auth_tokens_file,
+        allow_insecure_bind=config.allow_insecure_bind,
+    )
+    notes.extend(auth.notes)
+    if auth.interceptor is not None:
+        interceptors.append(auth.interceptor)
+    # -- metrics --
+    if config.metrics_port is not None:
+        from kvservice.server.metrics import ServerMetrics
+
+        metrics = ServerMetrics(engine, event_log)
+        # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
+        interceptors.insert(0, metrics.interceptor)
+        metrics_port = metrics.start_http_server(config.metrics_host, config.metrics_port)
+        closers.append(metrics.close)
+        config = dataclasses.replace(config, metrics_port=metrics_port)
+        metrics_host = f"[{config.metrics_host}]" if ":" in config.metrics_host else config.metrics_host
+        notes.append(f"Prometheus metrics on http://{metrics_host}:{metrics_port}/metrics")
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -408,14 +546,20 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     host = config.host
     bind = f"[{host}]:{config.port}" if ":" in host and not host.startswith("[") else f"{host}:{config.port}"
     server_credentials: grpc.ServerCredentials | None = None
-    # -- auth: server credentials (issue 6) --
-    if server_credentials is None:
-        port = server.add_insecure_port(bind)
-    else:
-        port = server.add_secure_port(bind, server_credentials)
-    if port == 0:
-        raise RuntimeError(f"cannot bind {bind}")
-    await server.start()
+    # -- auth: server credentials --
+    server_credentials = auth.credentials
+    try:
+        if server_credentials is None:
+            port = server.add_insecure_port(bind)
+        else:
+            port = server.add_secure_port(bind, server_credentials)
+        if port == 0:
+            raise RuntimeError(f"cannot bind {bind}")
+        await server.start()
+    except BaseException:
+        for close in reversed(closers):  # what started before the bind (the metrics endpoint)
+            await close()
+        raise
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = bind.rsplit(":", 1)[0] + f":{port}"
@@ -424,9 +568,36 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         address, port, server, engine, event_log, servicer, tensors, config, health, notes=notes,
         closers=closers,
     )
-    # -- background tasks started after bind: reapers (issue 6) --
-    # -- event publishers: ZMQ (issue 7) --
-    # -- event publishers: NATS JetStream (issue 7) --
+    # -- background tasks started after bind: reapers --
+    if config.request_idle_timeout_s is not None:
+        running.reaper = RequestReaper(engine, servicer.publish, config.request_idle_timeout_s)
+        running.reaper.start()
+        closers.append(running.reaper.stop)
+        notes.append(f"requests not called for {config.request_idle_timeout_s:g} s are freed (request_idle_timeout_s)")
+    # -- event publishers: ZMQ --
+    if config.zmq_endpoint is not None:
+        from kvservice.server.zmq_publisher import ZmqEventPublisher
+
+        try:
+            running.zmq_publisher = await ZmqEventPublisher.start(
+                event_log, endpoint=config.zmq_endpoint, replay_endpoint=config.zmq_replay_endpoint,
+                topic=config.zmq_topic or "", hwm=config.zmq_hwm,
+            )
+        except BaseException:
+            await running.stop(0)
+            raise
+        closers.append(running.zmq_publisher.close)
+        notes.append(running.zmq_publisher.describe())
+    # -- event publishers: NATS JetStream --
+    if config.nats_url is not None:
+        try:
+            running.nats_sink = await start_nats_sink(event_log, config)
+        except BaseException:
+            await running.stop(0)
+            raise
+        closers.append(running.nats_sink.close)
+        running.config = config = dataclasses.replace(config, nats_instance=running.nats_sink.config.instance)
+        notes.append(running.nats_sink.describe())
     return running
 
 

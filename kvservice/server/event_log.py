@@ -50,6 +50,9 @@ __all__ = ["EventLog", "EventLogConfig", "LogEntry", "Subscriber"]
 
 _FORMATS = (pb.PAYLOAD_FORMAT_UNSPECIFIED, pb.PAYLOAD_FORMAT_PROTOBUF, pb.PAYLOAD_FORMAT_MSGPACK)
 
+MAX_EPOCH_BYTES = 256
+"""Longest epoch a request may name, in UTF-8 bytes (an epoch is 32 hex digits)."""
+
 
 @dataclass(frozen=True)
 class EventLogConfig:
@@ -67,6 +70,11 @@ class EventLogConfig:
             in a write (the client stopped reading) before the call is cancelled without a status.
         max_take_bytes: most bytes of batches one TakeEvents answer carries (default 4 MiB,
             gRPC's default receive limit, so any client can take it).
+        consumer_idle_timeout_s: a named consumer that has not taken for this many seconds is
+            dropped (applied lazily, at the next take or cursor lookup): it no longer counts against
+            ``max_consumers``, and a later take by its name starts like a new consumer's.
+        max_streams: open StreamEvents subscriptions at once; one more is refused with
+            RESOURCE_EXHAUSTED naming the bound.
     """
 
     max_batches: int = 100_000
@@ -77,10 +85,14 @@ class EventLogConfig:
     snapshot_part_tokens: int = 262_144
     stalled_write_timeout_s: float = 30.0
     max_take_bytes: int = 4 * 1024 * 1024
+    consumer_idle_timeout_s: float = 3600.0
+    max_streams: int = 1024
 
     def __post_init__(self) -> None:
+        if not self.consumer_idle_timeout_s > 0:
+            raise ValueError(f"consumer_idle_timeout_s must be > 0 seconds; got {self.consumer_idle_timeout_s}")
         for name in ("max_batches", "max_bytes", "max_subscriber_lag", "max_consumers", "max_take_batches",
-                     "snapshot_part_tokens", "max_take_bytes"):
+                     "snapshot_part_tokens", "max_take_bytes", "max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if not self.stalled_write_timeout_s > 0:
@@ -208,6 +220,7 @@ class EventLog:
         config: bounds.
         data_parallel_rank: copied onto every batch.
         epoch: this instance's epoch (default: a fresh random id).
+        clock: seconds of a monotonic clock, for consumer expiry (default ``time.monotonic``).
     """
 
     def __init__(
@@ -219,7 +232,9 @@ class EventLog:
         *,
         data_parallel_rank: int | None = None,
         epoch: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.num_groups = num_groups
         self.group_kinds = tuple(group_kinds)
         self.group_windows = tuple(group_windows)
@@ -236,6 +251,8 @@ class EventLog:
         self._mirror: OrderedDict[tuple[int, object], _CachedBlock] = OrderedDict()
         self._subscribers: set[Subscriber] = set()
         self._consumers: dict[str, int] = {}
+        # consumer -> clock() at its last take, least recent first (for consumer_idle_timeout_s).
+        self._consumer_last_take: OrderedDict[str, float] = OrderedDict()
         self._waiter: asyncio.Future | None = None
         self._drained: asyncio.Future | None = None
         self._closed = False
@@ -493,14 +510,26 @@ class EventLog:
             raise InvalidArgumentError("payload_format", f"unknown value {payload_format}")
         return pb.PAYLOAD_FORMAT_MSGPACK if payload_format == pb.PAYLOAD_FORMAT_MSGPACK else pb.PAYLOAD_FORMAT_PROTOBUF
 
+    @staticmethod
+    def check_epoch_length(epoch: str) -> None:
+        """Validate the length of an epoch a request names (an error message quotes it, so an
+        over-long one would make a status too large for gRPC's metadata limits).
+
+        Raises:
+            InvalidArgumentError: longer than :data:`MAX_EPOCH_BYTES` (field ``epoch``).
+        """
+        if len(epoch.encode()) > MAX_EPOCH_BYTES:
+            raise InvalidArgumentError("epoch", f"longer than {MAX_EPOCH_BYTES} bytes")
+
     def check_start_seq(self, start_seq: int, epoch: str) -> None:
         """Validate a resume position.
 
         Raises:
             EpochMismatchError: ``epoch`` is set and is not this log's epoch.
-            InvalidArgumentError: ``start_seq`` < 1 or > head + 1.
+            InvalidArgumentError: ``epoch`` longer than MAX_EPOCH_BYTES, ``start_seq`` < 1 or > head + 1.
             SeqOutOfRangeError: ``start_seq`` below the oldest retained batch.
         """
+        self.check_epoch_length(epoch)
         if epoch and epoch != self.epoch:
             raise EpochMismatchError(
                 f"epoch {epoch!r} is not this server's epoch {self.epoch!r} (the server restarted): "
@@ -535,12 +564,26 @@ class EventLog:
 
         Raises:
             ShuttingDownError: the log is closed.
+            CapacityExceededError: ``max_streams`` subscriptions are open.
         """
-        if self._closed:
-            raise ShuttingDownError("server shutting down")
+        self.check_can_subscribe()
         sub = Subscriber(next_seq, payload_format, group_idxs, handler, self.config.stalled_write_timeout_s)
         self._subscribers.add(sub)
         return sub
+
+    def check_can_subscribe(self) -> None:
+        """Raise if a new subscription would be refused (checked before a snapshot is cut).
+
+        Raises:
+            ShuttingDownError: the log is closed.
+            CapacityExceededError: ``max_streams`` subscriptions are open (RESOURCE_EXHAUSTED).
+        """
+        if self._closed:
+            raise ShuttingDownError("server shutting down")
+        if len(self._subscribers) >= self.config.max_streams:
+            raise CapacityExceededError(
+                f"max_streams: {self.config.max_streams} streams are open already; close one or raise max_streams"
+            )
 
     def unsubscribe(self, sub: Subscriber) -> None:
         """Forget a subscriber."""
@@ -566,6 +609,27 @@ class EventLog:
     def num_subscribers(self) -> int:
         """Open stream subscriptions."""
         return len(self._subscribers)
+
+    def subscriber_lags(self) -> list[int]:
+        """Per open stream subscription, batches it is behind the head (head seq - last seq delivered)."""
+        head = self.head_seq
+        return [head - sub.last_seq for sub in self._subscribers]
+
+    @property
+    def num_consumers(self) -> int:
+        """Named TakeEvents consumers tracked (expired ones dropped first)."""
+        self._expire_consumers()
+        return len(self._consumers)
+
+    @property
+    def num_retained_batches(self) -> int:
+        """Batches held for replay."""
+        return len(self._entries) - self._start
+
+    @property
+    def retained_bytes(self) -> int:
+        """Msgpack bytes of the batches held for replay."""
+        return self._bytes
 
     async def wait_for(self, sub: Subscriber) -> None:
         """Return once a batch with seq >= ``sub.next_seq`` exists.
@@ -603,7 +667,9 @@ class EventLog:
         """Pull the batches after a named consumer's cursor and advance it.
 
         A new consumer starts at the live head (or at a snapshot, or at ``start_seq``). An answer
-        carries at most ``max_take_bytes`` of batches (the rest come with the next take).
+        carries at most ``max_take_bytes`` of batches (the rest come with the next take). Consumers
+        that have not taken for ``consumer_idle_timeout_s`` are dropped first, so a take by an
+        expired name starts like a new consumer's.
 
         Returns:
             (batches, the consumer's next seq).
@@ -625,6 +691,7 @@ class EventLog:
             max_batches = limit
         if start_seq:
             self.check_start_seq(start_seq, epoch)
+        self._expire_consumers()
         if consumer not in self._consumers and len(self._consumers) >= self.config.max_consumers:
             raise CapacityExceededError(f"max_consumers: {self.config.max_consumers} consumers exist already")
         batches: list[pb.EventBatch] = []
@@ -666,16 +733,33 @@ class EventLog:
             num_taken += 1
         cursor += num_taken
         self._consumers[consumer] = cursor
+        self._consumer_last_take[consumer] = self.clock()
+        self._consumer_last_take.move_to_end(consumer)
         return batches, cursor
 
     def consumer_cursor(self, consumer: str) -> int | None:
-        """A named consumer's next seq (None for an unknown name)."""
+        """A named consumer's next seq (None for an unknown or expired name)."""
+        self._expire_consumers()
         return self._consumers.get(consumer)
+
+    def _expire_consumers(self) -> None:
+        """Drop the consumers that have not taken for ``consumer_idle_timeout_s`` seconds or more."""
+        last_take = self._consumer_last_take
+        if not last_take:
+            return
+        expire_before = self.clock() - self.config.consumer_idle_timeout_s
+        while last_take:
+            consumer, taken = next(iter(last_take.items()))
+            if taken > expire_before:
+                break
+            del last_take[consumer]
+            del self._consumers[consumer]
 
     def restore_consumer(self, consumer: str, cursor: int | None, if_at: int) -> None:
         """Put a consumer's cursor back (its answer never reached it), unless it moved since."""
         if self._consumers.get(consumer) == if_at:
             if cursor is None:
                 del self._consumers[consumer]
+                self._consumer_last_take.pop(consumer, None)
             else:
                 self._consumers[consumer] = cursor

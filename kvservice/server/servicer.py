@@ -3,6 +3,14 @@
 Handlers run on one asyncio loop and never await between reading and changing the cache, so two
 schedulers can never be handed the same block. Every mutating call's events become one batch of
 the event log (a ``Step`` is one call: one batch).
+
+Deadlines: a call (unary, ``Step`` or ``TakeEvents``) whose deadline has passed when its handler
+is about to run changes nothing and is answered DEADLINE_EXCEEDED. Once an op starts it completes
+(no await between reading and changing the cache), so the honest limit is the other way round: a
+call that completed on the server but whose answer reaches the client after the client's deadline
+has been applied, although the client sees DEADLINE_EXCEEDED. A scheduler that gets
+DEADLINE_EXCEEDED must not assume nothing happened: look the request up again (GetComputedBlocks
+of a running request answers ALREADY_EXISTS) or free it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from kvservice.core.errors import (
 )
 from kvservice.core.request import KVCacheReportMode
 from kvservice.server.event_log import EventLog, Subscriber
+from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import kv_cache_spec_kind_to_proto
 from kvservice_client.hashing import LoRA, MultiModalFeature
@@ -37,6 +46,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["KVCacheServicer", "STATUS_BY_ERROR", "status_for", "SERVICE_NAME"]
 
 SERVICE_NAME = "kvservice.v1.KVCacheService"
+
+_DEADLINE_PASSED = "deadline: it had passed when the call was about to run; nothing was changed"
 
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -110,6 +121,17 @@ class KVCacheServicer:
         max_step_ops: most ops one Step may carry.
         max_message_bytes: the largest message the server sends (a batch above it ends the stream
             with RESOURCE_EXHAUSTED naming its seq).
+        check_invariants: debug: run ``engine.check_invariants()`` after every successful unary
+            call and every Step (after its events are published). A failure changes no answer: it
+            is logged at ERROR and recorded.
+        max_step_tokens: most tokens (prompt_token_ids + new_token_ids over all ops) one Step may
+            carry; bounds how long one Step holds the event loop.
+
+    Attributes:
+        num_deadline_exceeded: calls refused with DEADLINE_EXCEEDED before they ran.
+        num_invariant_checks: invariant checks run (with ``check_invariants``).
+        num_invariant_failures: checks that failed.
+        invariant_failures: the first 100 failures' messages.
     """
 
     def __init__(
@@ -120,8 +142,16 @@ class KVCacheServicer:
         *,
         max_step_ops: int = 4096,
         max_message_bytes: int = 64 * 1024 * 1024,
+        check_invariants: bool = False,
+        max_step_tokens: int = 1 << 20,
     ) -> None:
+        self.max_step_tokens = max_step_tokens
+        self.num_deadline_exceeded = 0
         self.max_message_bytes = max_message_bytes
+        self.check_invariants = check_invariants
+        self.num_invariant_checks = 0
+        self.num_invariant_failures = 0
+        self.invariant_failures: list[str] = []
         self.engine = engine
         self.event_log = event_log
         self.metadata = metadata
@@ -172,10 +202,38 @@ class KVCacheServicer:
     def _get_usage(self, request: pb.GetUsageRequest) -> pb.GetUsageResponse:
         return _usage_response(self.engine.get_usage())
 
+    def publish(self) -> None:
+        """Append the engine's pending events to the event log as one batch (none when there are
+        none), exactly as a mutating call does when it ends (the request reaper publishes here)."""
+        self._publish()
+
     def _publish(self) -> None:
         self.event_log.append(self.engine.take_events())
+        if self.check_invariants:
+            self._check_invariants()
+
+    def _check_invariants(self) -> None:
+        self.num_invariant_checks += 1
+        try:
+            self.engine.check_invariants()
+        except AssertionError as exc:
+            self.num_invariant_failures += 1
+            if len(self.invariant_failures) < 100:
+                self.invariant_failures.append(str(exc))
+            logger.error("invariant check %d failed (head seq %d): %s", self.num_invariant_checks,
+                         self.event_log.head_seq, exc, exc_info=exc)
+
+    def _deadline_passed(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the call's deadline has passed (then it must change nothing); counts it."""
+        remaining = context.time_remaining()
+        if remaining is None or remaining > 0:
+            return False
+        self.num_deadline_exceeded += 1
+        return True
 
     async def _unary(self, op: Callable[[Any], Any], request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self._deadline_passed(context):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
         try:
             response = op(request)
         except Exception as exc:  # one table maps every error
@@ -207,10 +265,26 @@ class KVCacheServicer:
         return await self._unary(self._get_usage, request, context)
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        """Run the ops in order; a failed op answers its own OpStatus and the rest go on."""
+        """Run the ops in order; a failed op answers its own OpStatus and the rest go on.
+
+        A Step above ``max_step_ops`` ops or ``max_step_tokens`` tokens is refused whole
+        (INVALID_ARGUMENT naming ``ops`` and the bound); one past its deadline is refused whole
+        (DEADLINE_EXCEEDED). Either way nothing runs.
+        """
+        if self._deadline_passed(context):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
         if len(request.ops) > self.max_step_ops:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"ops: {len(request.ops)} ops, above max_step_ops {self.max_step_ops}"
+            )
+        num_tokens = sum(
+            len(op.get_computed_blocks.prompt_token_ids) + len(op.allocate_slots.new_token_ids) for op in request.ops
+        )
+        if num_tokens > self.max_step_tokens:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ops: {num_tokens} tokens (prompt_token_ids + new_token_ids over all ops), above max_step_tokens "
+                f"{self.max_step_tokens}",
             )
         results = []
         ops = self._ops
@@ -235,6 +309,8 @@ class KVCacheServicer:
         try:
             payload_format = log.check_format(request.payload_format)
             group_idxs = log.check_filter(request.group_idxs)
+            log.check_epoch_length(request.epoch)
+            log.check_can_subscribe()  # max_streams: refused before a snapshot is cut
             start = request.start
             snapshot = None
             if start == pb.EVENT_START_SEQ:
@@ -295,10 +371,14 @@ class KVCacheServicer:
     async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
         """Pull batches after a named consumer's cursor."""
         log = self.event_log
+        if self._deadline_passed(context):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
         try:
             payload_format = log.check_format(request.payload_format)
             group_idxs = log.check_filter(request.group_idxs)
-            if request.epoch and not request.start_seq and request.epoch != log.epoch:
+            log.check_epoch_length(request.epoch)
+            # A take with snapshot=true restarts the consumer: the epoch it knew does not matter.
+            if request.epoch and not request.start_seq and not request.snapshot and request.epoch != log.epoch:
                 raise EpochMismatchError(
                     f"epoch {request.epoch!r} is not this server's epoch {log.epoch!r} (the server restarted): "
                     "take with snapshot=true"
@@ -364,15 +444,17 @@ class KVCacheServicer:
 
 def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type: Any) -> Callable[..., Any]:
     """``method`` taking the request's raw bytes: a message that does not parse is answered
-    INVALID_ARGUMENT (gRPC's own deserializer failure would be UNKNOWN, naming Python classes)."""
+    INVALID_ARGUMENT naming the string field that is not UTF-8, else ``request`` (gRPC's own
+    deserializer failure would be UNKNOWN, naming Python classes)."""
 
     async def handler(data: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             request = request_type.FromString(data)
         except DecodeError as e:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {request_type.DESCRIPTOR.full_name} ({e})"
-            )
+            name = request_type.DESCRIPTOR.full_name
+            field = invalid_utf8_field(request_type.DESCRIPTOR, data)
+            message = f"{field}: not valid UTF-8 (a string of {name})" if field else f"request: not a valid {name} ({e})"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         return await method(request, context)
 
     return handler

@@ -161,12 +161,20 @@ def pool_hashes(running: RunningServer) -> list[set[int]]:
 
 async def observed_state(running: RunningServer, client: AsyncKVCacheClient) -> dict[str, Any]:
     """Everything a failed call must leave unchanged: usage (through GetUsage), the cached set (the
-    log's mirror and the pool), the request table, block tables, the event log head, consumers and
-    subscribers."""
+    log's mirror and the pool), the request table, block tables, the event log (head, retained
+    batches, the snapshot it would cut), consumers' cursors and subscribers."""
+    return {"usage": await client.get_usage(), **server_state(running)}
+
+
+def server_state(running: RunningServer) -> dict[str, Any]:
+    """As :func:`observed_state`, read in-process (usage from the engine): for callers that cannot
+    make an RPC in between (the fuzz compares it around one raw call)."""
     engine = running.engine
     log = running.event_log
     return {
-        "usage": await client.get_usage(),
+        "engine_usage": engine.get_usage(),
+        "retained": [entry.seq for entry in log.entries_from(log.oldest_seq)],
+        "snapshot": log.snapshot_events(),
         "cached": log.cached_hashes(),
         "pool": pool_hashes(running),
         "requests": {rid: (r.num_tokens, r.num_computed_tokens) for rid, r in engine.requests.items()},

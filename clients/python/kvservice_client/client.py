@@ -15,6 +15,10 @@ Example::
         step = StepBuilder().allocate_slots("req-1", num_new_tokens=len(prompt)).get_usage()
         results = step_results(client.step(step))
 
+TLS: pass ``tls=True`` (the system's root certificates), ``root_certificates`` (a private CA),
+``private_key`` with ``certificate_chain`` (mutual TLS), or ready ``credentials``; the client then
+opens a secure channel. Without any of them the channel is plain text.
+
 Units: token counts in tokens, block ids as pool indices, timeouts in seconds.
 """
 
@@ -439,6 +443,41 @@ def _channel_options(options: Sequence[tuple[str, Any]] | None) -> list[tuple[st
     return out
 
 
+def _channel_credentials(
+    tls: bool,
+    root_certificates: bytes | None,
+    private_key: bytes | None,
+    certificate_chain: bytes | None,
+    credentials: grpc.ChannelCredentials | None,
+) -> grpc.ChannelCredentials | None:
+    """The credentials of the channel a client opens: None for plain text.
+
+    Raises:
+        TypeError: ``credentials`` together with ``tls`` or PEM bytes.
+        ValueError: ``private_key`` without ``certificate_chain``, or the reverse.
+    """
+    pem = {"root_certificates": root_certificates, "private_key": private_key, "certificate_chain": certificate_chain}
+    given = sorted(name for name, value in pem.items() if value is not None)
+    if credentials is not None:
+        if tls or given:
+            raise TypeError(f"pass either credentials or tls/PEM bytes, not both (got {', '.join(given) or 'tls'})")
+        return credentials
+    if (private_key is None) != (certificate_chain is None):
+        raise ValueError("private_key and certificate_chain go together (the client's key and certificate)")
+    if not (tls or given):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+
+
+def _check_no_channel_settings(options: Any, credentials: grpc.ChannelCredentials | None) -> None:
+    """Refuse channel settings when the caller passed a channel (they would be ignored)."""
+    if options is not None:
+        raise TypeError("options apply only when target is an address")
+    if credentials is not None:
+        raise TypeError("TLS settings (tls, root_certificates, private_key, certificate_chain, credentials) "
+                        "apply only when target is an address")
+
+
 # Call options and error translation (used only by the clients' _rpc).
 
 
@@ -511,14 +550,32 @@ class KVCacheClient(_ClientBase):
     """Blocking client of ``kvservice.v1.KVCacheService``.
 
     Args:
-        target: a ``host:port`` address (the client opens an insecure channel to it and closes it in
-            :meth:`close`), or a ``grpc.Channel`` (left open by :meth:`close`).
+        target: a ``host:port`` address (the client opens a channel to it, plain text unless a TLS
+            argument is given, and closes it in :meth:`close`), or a ``grpc.Channel`` (left open
+            by :meth:`close`).
         token: a bearer token, sent on every call as ``authorization: Bearer <token>``.
         metadata: metadata sent on every call, before the call's own.
         timeout: the default deadline of unary calls, in seconds or as a ``timedelta`` (None: no
             deadline). ``stream_events`` gets a deadline only when the call passes one.
         options: channel options, when ``target`` is an address (the receive limit defaults to
-            :data:`DEFAULT_MAX_MESSAGE_BYTES`).
+            :data:`DEFAULT_MAX_MESSAGE_BYTES`; ``grpc.ssl_target_name_override`` checks the
+            server's certificate against another name).
+        tls: open a TLS channel, verifying the server against the system's root certificates
+            (implied by the PEM arguments).
+        root_certificates: PEM CA certificates the server's certificate must chain to (bytes).
+        private_key: the client's PEM private key, for mutual TLS (bytes; with
+            ``certificate_chain``).
+        certificate_chain: the client's PEM certificate chain, for mutual TLS (bytes).
+        credentials: ready ``grpc.ChannelCredentials`` (e.g. ``grpc.composite_channel_credentials``),
+            instead of ``tls`` and the PEM arguments.
+
+    Raises:
+        TypeError: ``options`` or TLS arguments with a channel; ``credentials`` with ``tls`` or PEM
+            bytes.
+        ValueError: ``private_key`` without ``certificate_chain``, or the reverse.
+
+    A server that refuses the TLS handshake (wrong CA, no or unknown client certificate, a plain
+    text client on a TLS port) ends calls with UNAVAILABLE.
 
     Every method raises :class:`KVServiceError` when the call fails; its ``code`` is the gRPC status
     (INVALID_ARGUMENT naming the field, NOT_FOUND, ALREADY_EXISTS, UNAUTHENTICATED,
@@ -533,13 +590,21 @@ class KVCacheClient(_ClientBase):
         metadata: Metadata = None,
         timeout: Timeout = None,
         options: Sequence[tuple[str, Any]] | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        creds = _channel_credentials(tls, root_certificates, private_key, certificate_chain, credentials)
         if isinstance(target, str):
-            channel = grpc.insecure_channel(target, options=_channel_options(options))
+            if creds is None:
+                channel = grpc.insecure_channel(target, options=_channel_options(options))
+            else:
+                channel = grpc.secure_channel(target, creds, options=_channel_options(options))
             self._owns_channel = True
         else:
-            if options is not None:
-                raise TypeError("options apply only when target is an address")
+            _check_no_channel_settings(options, creds)
             channel = target
             self._owns_channel = False
         self._channel = channel
@@ -836,12 +901,20 @@ class AsyncKVCacheClient(_ClientBase):
     """``grpc.aio`` client of ``kvservice.v1.KVCacheService``; the async twin of :class:`KVCacheClient`.
 
     Args:
-        target: a ``host:port`` address (the client opens an insecure ``grpc.aio`` channel and
-            closes it in :meth:`close`), or a ``grpc.aio.Channel`` (left open by :meth:`close`).
+        target: a ``host:port`` address (the client opens a ``grpc.aio`` channel, plain text unless
+            a TLS argument is given, and closes it in :meth:`close`), or a ``grpc.aio.Channel``
+            (left open by :meth:`close`).
         token: a bearer token, sent on every call as ``authorization: Bearer <token>``.
         metadata: metadata sent on every call, before the call's own.
         timeout: the default deadline of unary calls, in seconds or as a ``timedelta``.
         options: channel options, when ``target`` is an address.
+        tls, root_certificates, private_key, certificate_chain, credentials: TLS and mutual TLS,
+            as for :class:`KVCacheClient`.
+
+    Raises:
+        TypeError: ``options`` or TLS arguments with a channel; ``credentials`` with ``tls`` or PEM
+            bytes.
+        ValueError: ``private_key`` without ``certificate_chain``, or the reverse.
 
     Methods are coroutines, except :meth:`stream_events`, which returns an async iterator. Every
     failure is raised as :class:`KVServiceError`.
@@ -855,13 +928,21 @@ class AsyncKVCacheClient(_ClientBase):
         metadata: Metadata = None,
         timeout: Timeout = None,
         options: Sequence[tuple[str, Any]] | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        creds = _channel_credentials(tls, root_certificates, private_key, certificate_chain, credentials)
         if isinstance(target, str):
-            channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
+            if creds is None:
+                channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
+            else:
+                channel = grpc.aio.secure_channel(target, creds, options=_channel_options(options))
             self._owns_channel = True
         else:
-            if options is not None:
-                raise TypeError("options apply only when target is an address")
+            _check_no_channel_settings(options, creds)
             channel = target
             self._owns_channel = False
         self._channel = channel

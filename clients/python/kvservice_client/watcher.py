@@ -37,9 +37,9 @@ import enum
 import logging
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import grpc
 import grpc.aio
@@ -271,7 +271,7 @@ class EventWatcher:
 
     Args:
         client: an :class:`AsyncKVCacheClient` (left open by :meth:`close`), or a ``host:port``
-            address (the watcher opens an insecure client and closes it).
+            address (the watcher opens a client with ``client_kwargs`` and closes it).
         start_seq: resume from this seq (>= 1) instead of from a snapshot; the caller has applied
             every batch before it.
         epoch: with ``start_seq``: the epoch it belongs to (None = the server's current one; the
@@ -283,10 +283,14 @@ class EventWatcher:
         max_pending_batches: batches read ahead of the caller (>= 1). A caller slower than the
             server fills it, then gRPC flow control, then the server's bound (RESOURCE_EXHAUSTED).
         metadata: extra metadata on every StreamEvents call.
+        client_kwargs: with an address: keyword arguments of the :class:`AsyncKVCacheClient` the
+            watcher opens (``token``, ``tls``, ``root_certificates``, ``private_key``,
+            ``certificate_chain``, ``credentials``, ``options`` ...); None: a plain-text client.
 
     Raises:
         ValueError: ``epoch`` without ``start_seq``, ``start_seq < 1``, ``max_pending_batches < 1``
             or an unknown payload format.
+        TypeError: ``client_kwargs`` with a client (configure that client instead).
     """
 
     def __init__(
@@ -300,6 +304,7 @@ class EventWatcher:
         retry: RetryPolicy = RetryPolicy(),
         max_pending_batches: int = 16,
         metadata: Metadata = None,
+        client_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if start_seq is None and epoch is not None:
             raise ValueError("epoch applies only with start_seq")
@@ -312,9 +317,11 @@ class EventWatcher:
             payload_format if payload_format is not None else pb.PAYLOAD_FORMAT_UNSPECIFIED
         )
         if isinstance(client, str):
-            self._client = AsyncKVCacheClient(client)
+            self._client = AsyncKVCacheClient(client, **(client_kwargs or {}))
             self._owns_client = True
         else:
+            if client_kwargs is not None:
+                raise TypeError("client_kwargs apply only when client is an address")
             self._client = client
             self._owns_client = False
         self._retry = retry
@@ -437,7 +444,16 @@ class EventWatcher:
         try:
             await self._follow()
         except asyncio.CancelledError:
-            raise
+            # grpc.aio raises CancelledError in the reader when the call is cancelled under it (the
+            # client's channel was closed); unless this task itself is being cancelled (close(),
+            # loop shutdown), hand that to the caller, whose iteration would otherwise wait forever.
+            # (Python 3.10 has no Task.cancelling(): there the task just ends.)
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)
+            if self._closed or cancelling is None or cancelling():
+                raise
+            await self._queue.put(_Failure(KVServiceError(
+                grpc.StatusCode.CANCELLED, "event stream: the call was cancelled under the watcher (channel closed)"
+            )))
         except BaseException as err:  # handed to the caller; the task itself ends cleanly
             await self._queue.put(_Failure(err))
 

@@ -1,0 +1,112 @@
+"""The request reaper: frees requests whose scheduler stopped calling (``request_idle_timeout_s``).
+
+A remote scheduler that crashes or loses its connection never frees its requests, and their blocks
+would stay held until the server stops. With ``request_idle_timeout_s`` set, a request not called
+(GetComputedBlocks or AllocateSlots that succeeded, unary or inside a Step) for that many seconds is
+freed by the engine's ``free``, exactly as a ``Free`` call would free it: same events, same
+free-queue order. The events of one pass are published as one batch. A later call for a reaped
+request gets NOT_FOUND.
+
+The reaper sleeps until the least recently called request's deadline (no request can become idle
+sooner: a call only moves its request's time later), so it wakes only when there may be work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from kvservice.core.engine import KVCacheEngine
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RequestReaper"]
+
+
+class RequestReaper:
+    """Frees requests idle for ``idle_timeout_s`` seconds, on the server's event loop.
+
+    Args:
+        engine: the request table (its ``clock`` must be the loop's clock, ``time.monotonic``, for
+            the sleeps to match; :meth:`reap` alone works with any clock).
+        publish: appends the engine's pending events to the event log as one batch (the
+            servicer's ``publish``).
+        idle_timeout_s: seconds without a call after which a request is freed (> 0, finite).
+
+    Attributes:
+        num_reaped_requests: requests freed by the reaper since start.
+        reaped_request_ids: the most recent reaped ids (up to 1024), oldest first.
+
+    Raises:
+        ValueError: ``idle_timeout_s`` is not a finite number > 0.
+    """
+
+    def __init__(self, engine: KVCacheEngine, publish: Callable[[], None], idle_timeout_s: float) -> None:
+        if not 0 < idle_timeout_s < float("inf"):
+            raise ValueError(f"request_idle_timeout_s must be a finite number > 0 seconds; got {idle_timeout_s}")
+        self.engine = engine
+        self.publish = publish
+        self.idle_timeout_s = idle_timeout_s
+        self.num_reaped_requests = 0
+        self.reaped_request_ids: deque[str] = deque(maxlen=1024)
+        self._reaped = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def reap(self) -> list[str]:
+        """Free the idle requests now (one pass), publish their events as one batch, log their ids.
+
+        Returns:
+            The ids freed, least recently called first (empty when none was idle).
+        """
+        request_ids = self.engine.free_idle_requests(self.idle_timeout_s)
+        if not request_ids:
+            return request_ids
+        self.publish()
+        self.num_reaped_requests += len(request_ids)
+        self.reaped_request_ids.extend(request_ids)
+        logger.info(
+            "freed %d request(s) idle for %g s or more (request_idle_timeout_s): %s",
+            len(request_ids), self.idle_timeout_s, ", ".join(request_ids),
+        )
+        # Wake every waiter of wait_reaped; those that need more wait again.
+        self._reaped.set()
+        self._reaped.clear()
+        return request_ids
+
+    async def wait_reaped(self, num_requests: int) -> None:
+        """Return once :attr:`num_reaped_requests` >= ``num_requests`` (no polling; wrap it in a
+        timeout to bound the wait)."""
+        while self.num_reaped_requests < num_requests:
+            await self._reaped.wait()
+
+    async def run(self) -> None:
+        """Reap forever: sleep until the next request may become idle, reap, repeat."""
+        engine = self.engine
+        while True:
+            deadline = engine.next_idle_deadline(self.idle_timeout_s)
+            delay = self.idle_timeout_s if deadline is None else deadline - engine.clock()
+            await asyncio.sleep(max(delay, 0.0))  # sleep(0) still yields to the calls
+            try:
+                self.reap()
+            except Exception:  # a bug here must not stop reaping; it is logged
+                logger.exception("request reaper pass failed")
+                await asyncio.sleep(self.idle_timeout_s)
+
+    def start(self) -> asyncio.Task:
+        """Start :meth:`run` as a task on the running loop."""
+        assert self._task is None, "reaper already started"
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="kvservice-request-reaper")
+        return self._task
+
+    async def stop(self) -> None:
+        """Cancel the task and wait for it to end."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass

@@ -1,0 +1,88 @@
+"""What is wrong with request bytes that do not parse: the string field that is not UTF-8.
+
+protobuf refuses a message whose string field holds bytes that are not valid UTF-8 without saying
+which field; a status must name it. :func:`invalid_utf8_field` walks the wire format along the
+message's descriptor and returns that field's path.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+__all__ = ["invalid_utf8_field"]
+
+_WIRE_VARINT, _WIRE_FIXED64, _WIRE_LENGTH_DELIMITED, _WIRE_FIXED32 = 0, 1, 2, 5
+
+
+class _Corrupt(Exception):
+    """The bytes are not a wire-format message (the walk stops: nothing to name)."""
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at ``pos``.
+
+    Raises:
+        _Corrupt: the varint runs past the end or over 10 bytes.
+    """
+    value = 0
+    for shift in range(0, 70, 7):
+        if pos >= len(data):
+            raise _Corrupt
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+    raise _Corrupt
+
+
+def _walk(descriptor: Descriptor, data: bytes, prefix: str) -> str | None:
+    counts: dict[int, int] = {}
+    pos = 0
+    while pos < len(data):
+        key, pos = _read_varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _WIRE_VARINT:
+            _, pos = _read_varint(data, pos)
+            continue
+        if wire_type in (_WIRE_FIXED64, _WIRE_FIXED32):
+            pos += 8 if wire_type == _WIRE_FIXED64 else 4
+            continue
+        if wire_type != _WIRE_LENGTH_DELIMITED:
+            raise _Corrupt  # groups are not used by kvservice.v1
+        size, pos = _read_varint(data, pos)
+        if pos + size > len(data):
+            raise _Corrupt
+        chunk = data[pos : pos + size]
+        pos += size
+        field = descriptor.fields_by_number.get(number)
+        if field is None or field.type not in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_MESSAGE):
+            continue
+        name = prefix + field.name
+        if field.is_repeated:
+            index = counts.get(number, 0)
+            counts[number] = index + 1
+            name += f"[{index}]"
+        if field.type == FieldDescriptor.TYPE_STRING:
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError:
+                return name
+        else:
+            found = _walk(field.message_type, chunk, name + ".")
+            if found is not None:
+                return found
+    return None
+
+
+def invalid_utf8_field(descriptor: Descriptor, data: bytes) -> str | None:
+    """The path of the first string field of ``data`` (a serialized ``descriptor`` message) whose
+    bytes are not valid UTF-8, e.g. ``request_id`` or ``ops[2].free.request_id`` (repeated fields
+    carry their index); None when there is none or the bytes are not a wire-format message.
+
+    Nesting is bounded by the descriptor (kvservice.v1 requests are not recursive).
+    """
+    try:
+        return _walk(descriptor, data, "")
+    except _Corrupt:
+        return None

@@ -1,0 +1,287 @@
+"""A vLLM-compatible ZMQ publisher of the event log, so routers built for vLLM's publisher subscribe unchanged.
+
+The wire is the one vLLM's ``ZmqEventPublisher`` (``vllm.distributed.kv_events``, 0.33) speaks:
+
+* **PUB socket** (``zmq_endpoint``): every event-log batch as one 3-frame message
+  ``(topic, seq, payload)``: ``topic`` the UTF-8 bytes of ``zmq_topic`` (subscribers filter on
+  it by prefix, as ZMQ does); ``seq`` the batch's seq as 8 bytes, big-endian, unsigned;
+  ``payload`` the batch in vLLM's msgpack layout (:attr:`LogEntry.msgpack
+  <kvservice.server.event_log.LogEntry>`: ``[ts, events, data_parallel_rank]``, events as maps
+  tagged by ``"type"``, kvservice's additions as optional fields a vLLM reader ignores). The
+  seq is the event log's: gap-free from 1 within a server epoch (vLLM's counts from 0 per
+  publisher); a restart starts again at 1.
+* **ROUTER socket** (``zmq_replay_endpoint``, optional, always bound): a client (a DEALER
+  socket) sends ``(b"", start_seq)``, ``start_seq`` as 8 bytes big-endian (so the ROUTER reads
+  ``(identity, b"", start_seq)``; a request of any other frame count is logged and ignored, as
+  vLLM does; any length of ``start_seq`` is read big-endian unsigned, as vLLM does). The answer
+  is, per retained batch with seq >= ``start_seq``, the frames ``(b"", topic, seq, payload)``,
+  byte-identical to the live message of that seq, then the end marker ``(b"", b"", END_SEQ,
+  b"")`` where ``END_SEQ`` is -1 as 8 signed big-endian bytes (``ff`` x 8). Batches come from
+  the event log's retention (``event_max_batches``, ``event_max_bytes``), not a second buffer.
+
+**A start below retention** gets what vLLM's replay buffer gives: every retained batch, i.e. from
+the oldest retained seq on, then the end marker; the first seq answered being above
+``start_seq`` is how the client learns what it missed (vLLM sends no error either). Such a client
+resyncs from a snapshot (``StreamEvents`` with a snapshot over gRPC). A start beyond the head gets
+the end marker alone.
+
+**Never blocking the loop.** The event log calls :meth:`ZmqEventPublisher.publish` on the server's
+loop after each batch; it sends without waiting (``DONTWAIT``): a PUB socket never blocks, it
+queues up to ``zmq_hwm`` messages per subscriber in ZMQ's I/O thread and past that drops that
+subscriber's messages, as vLLM's does (``hwm``). ZMQ does this silently: the publisher cannot
+see it; the subscriber sees the seq gap and asks the replay socket. A send that fails where the
+publisher can see it (the socket refused it) is counted in :attr:`ZmqEventPublisher.num_dropped`
+and logged (the first, then at every power of two). Replays are served by one task on the loop,
+yielding every :data:`REPLAY_YIELD_EVERY` batches; the replay socket's send high-water mark holds
+a whole replay plus its marker (2 x (``event_max_batches`` + 1) messages, vLLM's sizing), and
+a replay whose client cannot take more (or left) is abandoned, counted and logged.
+
+pyzmq is an optional dependency: ``pip install 'kvservice[zmq]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvservice.server.event_log import EventLog, LogEntry
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["END_SEQ", "REPLAY_YIELD_EVERY", "ZmqEventPublisher", "import_zmq", "is_bind_endpoint"]
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The seq frame of the replay's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
+
+REPLAY_YIELD_EVERY = 256
+"""Replayed batches sent between two yields to the loop (a long replay never stalls other calls)."""
+
+
+def import_zmq() -> Any:
+    """Import pyzmq (and ``zmq.asyncio``).
+
+    Raises:
+        RuntimeError: pyzmq is not installed (the message names ``pip install 'kvservice[zmq]'``).
+    """
+    try:
+        import zmq
+        import zmq.asyncio
+    except ImportError as e:
+        raise RuntimeError(
+            f"zmq_endpoint needs pyzmq, which is not installed ({e}): pip install 'kvservice[zmq]'"
+        ) from None
+    return zmq
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: bind an endpoint with a wildcard (``*`` or ``::``) or an ``ipc://`` /
+    ``inproc://`` one; connect to any other (e.g. ``tcp://indexer:5557``, a router's bound SUB)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """Publishes every event-log batch on a ZMQ PUB socket and answers replays on a ROUTER socket,
+    in vLLM's framing (see the module docstring). Build it with :meth:`start` on the server's loop.
+
+    Attributes:
+        endpoint: the PUB endpoint, as bound (a wildcard port resolved) or as connected.
+        bound: whether the PUB socket was bound (else connected).
+        replay_endpoint: the ROUTER endpoint as bound, or None when replay is off.
+        topic: the topic frame of every message, as bytes.
+        num_published: batches handed to the PUB socket.
+        num_dropped: batches the PUB socket refused (counted and logged; ZMQ's own per-subscriber
+            high-water-mark drops are invisible to a publisher, see the module docstring).
+        num_replays: replay requests answered (end marker sent).
+        num_replays_abandoned: replays given up because their client took no more or left.
+        num_bad_requests: replay requests not of 3 frames (ignored).
+    """
+
+    def __init__(self, event_log: EventLog, zmq: Any, ctx: Any, pub: Any, router: Any | None,
+                 endpoint: str, bound: bool, replay_endpoint: str | None, topic: str) -> None:
+        """Use :meth:`start`; this only assembles the parts."""
+        self._log = event_log
+        self._zmq = zmq
+        self._ctx = ctx
+        self._pub = pub
+        self._router = router
+        self.endpoint = endpoint
+        self.bound = bound
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode("utf-8")
+        self.num_published = 0
+        self.num_dropped = 0
+        self.num_replays = 0
+        self.num_replays_abandoned = 0
+        self.num_bad_requests = 0
+        self._closed = False
+        self._replay_task: asyncio.Task | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        event_log: EventLog,
+        *,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        hwm: int = 100_000,
+    ) -> ZmqEventPublisher:
+        """Open the sockets, register with ``event_log`` and start serving replays.
+
+        Args:
+            event_log: the log whose batches are published (its retention answers replays).
+            endpoint: PUB endpoint; bound or connected by :func:`is_bind_endpoint`.
+            replay_endpoint: ROUTER endpoint (always bound), or None for no replay.
+            topic: topic frame of every message (vLLM's default "").
+            hwm: PUB send high-water mark, in messages per subscriber (>= 1).
+
+        Raises:
+            RuntimeError: pyzmq is missing, or an endpoint cannot be bound/connected (the message
+                names the setting and the endpoint).
+        """
+        zmq = import_zmq()
+        ctx = zmq.Context()
+        pub = router = None
+        try:
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, hwm)
+            pub.setsockopt(zmq.LINGER, 0)
+            bound = is_bind_endpoint(endpoint)
+            endpoint = _open(zmq, pub, endpoint, "zmq_endpoint", bind=bound)
+            if replay_endpoint is not None:
+                router = zmq.asyncio.Socket(ctx, zmq.ROUTER)
+                # A whole replay plus its end marker fits (ZMQ sees reads only every HWM/2 messages).
+                router.setsockopt(zmq.SNDHWM, 2 * (event_log.config.max_batches + 1))
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished client raises, not drops
+                router.setsockopt(zmq.LINGER, 0)
+                replay_endpoint = _open(zmq, router, replay_endpoint, "zmq_replay_endpoint", bind=True)
+        except BaseException:
+            for sock in (pub, router):
+                if sock is not None:
+                    sock.close(linger=0)
+            ctx.term()
+            raise
+        publisher = cls(event_log, zmq, ctx, pub, router, endpoint, bound, replay_endpoint, topic)
+        event_log.add_listener(publisher.publish)
+        if router is not None:
+            publisher._replay_task = asyncio.get_running_loop().create_task(
+                publisher._serve_replays(), name="zmq-replay"
+            )
+        return publisher
+
+    def describe(self) -> str:
+        """One line: where events go and where replays are answered."""
+        mode = "bound" if self.bound else "connected"
+        replay = f", replay on {self.replay_endpoint}" if self.replay_endpoint else ", no replay"
+        return f"ZMQ KV events on {self.endpoint} ({mode}), topic {self.topic.decode()!r}{replay}"
+
+    # -- live --------------------------------------------------------------------------------
+
+    def publish(self, entry: LogEntry) -> None:
+        """Send one batch as ``(topic, seq, payload)`` without waiting (the event log's listener).
+
+        A refused send is counted in :attr:`num_dropped` and logged; it never raises."""
+        if self._closed:
+            return
+        try:
+            self._pub.send_multipart(
+                (self.topic, entry.seq.to_bytes(8, "big"), entry.msgpack), flags=self._zmq.DONTWAIT, copy=False
+            )
+        except self._zmq.ZMQError as e:
+            self.num_dropped += 1
+            if self.num_dropped & (self.num_dropped - 1) == 0:  # the first, then at powers of two
+                logger.warning(
+                    "ZMQ publisher dropped batch seq %d (%s); %d dropped so far (zmq_hwm %d messages per subscriber)",
+                    entry.seq, e, self.num_dropped, self._pub.getsockopt(self._zmq.SNDHWM),
+                )
+            return
+        self.num_published += 1
+
+    # -- replay ------------------------------------------------------------------------------
+
+    async def _serve_replays(self) -> None:
+        assert self._router is not None, "no replay socket"
+        while True:
+            frames = await self._router.recv_multipart()
+            try:
+                await self._replay(frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("ZMQ replay failed")
+
+    async def _replay(self, frames: list[bytes]) -> None:
+        """Answer one request ``(identity, b"", start_seq)``: retained batches from start_seq, then
+        the end marker."""
+        if len(frames) != 3:
+            self.num_bad_requests += 1
+            logger.warning("invalid ZMQ replay request of %d frames (expected identity, b'', 8-byte seq)", len(frames))
+            return
+        identity, _, start_bytes = frames
+        start_seq = int.from_bytes(start_bytes, "big")
+        log = self._log
+        oldest = log.oldest_seq
+        if max(start_seq, 1) < oldest and start_seq <= log.head_seq:  # seq 0 never exists (vLLM's first)
+            logger.info("ZMQ replay from seq %d starts at the oldest retained seq %d", start_seq, oldest)
+        entries = log.entries_from(max(start_seq, oldest))  # a copy: trimming the log leaves it whole
+        for i, entry in enumerate(entries):
+            if not self._send_reply(identity, (self.topic, entry.seq.to_bytes(8, "big"), entry.msgpack)):
+                return
+            if i % REPLAY_YIELD_EVERY == REPLAY_YIELD_EVERY - 1:
+                await asyncio.sleep(0)
+        if self._send_reply(identity, (b"", END_SEQ, b"")):
+            self.num_replays += 1
+
+    def _send_reply(self, identity: bytes, frames: tuple[bytes, bytes, bytes]) -> bool:
+        """Send one reply message; False (the replay abandoned, counted, logged) when the client
+        takes no more or left."""
+        zmq = self._zmq
+        assert self._router is not None, "no replay socket"
+        future = self._router.send_multipart((identity, b"", *frames), flags=zmq.DONTWAIT, copy=False)
+        error = future.exception()
+        if error is None:
+            return True
+        self.num_replays_abandoned += 1
+        if isinstance(error, zmq.Again):
+            logger.warning("ZMQ replay abandoned: the client reads too slowly (seq frame %s)", frames[1].hex())
+        elif isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
+            logger.info("ZMQ replay abandoned: the client left")
+        else:
+            raise error
+        return False
+
+    # -- stop --------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Stop publishing and replaying and close the sockets (pending messages are dropped,
+        as vLLM's shutdown does). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+
+def _open(zmq: Any, sock: Any, endpoint: str, setting: str, *, bind: bool) -> str:
+    """Bind or connect ``sock``; the endpoint as bound (wildcard port resolved) or as given.
+
+    Raises:
+        RuntimeError: ZMQ refused the endpoint (the message names ``setting``).
+    """
+    try:
+        if not bind:
+            sock.connect(endpoint)
+            return endpoint
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise RuntimeError(f"{setting}: cannot {'bind' if bind else 'connect'} {endpoint!r}: {e}") from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)

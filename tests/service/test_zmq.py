@@ -1,0 +1,372 @@
+"""The vLLM-compatible ZMQ publisher, seen by a subscriber written only against vLLM's framing.
+
+:class:`VllmSubscriber` knows nothing of kvservice's decoder: it reads what vLLM 0.33's
+``ZmqEventPublisher`` documents (PUB multipart ``(topic, seq as 8 bytes big-endian, msgpack
+payload)``; replay by sending ``(b"", start_seq as 8 bytes)`` from a DEALER to the ROUTER, answered
+with ``(b"", topic, seq, payload)`` per batch and the end marker ``(b"", b"", -1 as 8 signed
+bytes, b"")``), decodes payloads with plain msgpack into lists and maps, and reads them by vLLM's
+field names: a batch is ``[ts, events, data_parallel_rank]`` (the rank nil when unset); an
+event is a map tagged by ``"type"``: ``BlockStored`` (block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, lora_name, then optional extra_keys, group_idx,
+kv_cache_spec_kind, ...), ``BlockRemoved`` (block_hashes, medium, optional group_idx, ...),
+``AllBlocksCleared``. It keeps a set of (group_idx, hash), as a router's index does, and must end
+with the server's cached set (the event log's mirror).
+
+PUB/SUB joins late (ZMQ's slow joiner): a subscriber waits for its subscription to reach the
+publisher by making probe batches (a prefix-cache reset: one AllBlocksCleared) until one arrives,
+then fills everything before it from the replay socket, as a vLLM subscriber does after a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import msgspec
+import pytest
+
+from kvservice.server.app import ServerConfig, load_config, start_server
+from tests.service.conftest import SMALL_SERVER
+from tests.service.helpers import hashes, next_batch
+
+zmq = pytest.importorskip("zmq")
+zmq_asyncio = pytest.importorskip("zmq.asyncio")
+
+pytestmark = pytest.mark.timeout(30)
+
+VLLM_END_SEQ = b"\xff" * 8
+"""vLLM's end-of-replay seq frame: -1 as 8 signed big-endian bytes."""
+RECV_TIMEOUT_S = 5.0
+"""Deadline of one receive: a hang fails the test instead of blocking the suite."""
+PROBE_POLL_MS = 20
+"""How long a joining subscriber waits for each probe batch before making another."""
+
+
+class VllmSubscriber:
+    """A router's side of vLLM's ZMQ protocol: a SUB socket, a DEALER for replays, and the cached
+    set as a set of (group_idx, hash)."""
+
+    def __init__(self, ctx: zmq_asyncio.Context, endpoint: str, replay_endpoint: str | None,
+                 subscribe: bytes = b"", *, bind: bool = False) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, subscribe)
+        if bind:
+            self.sub.bind(endpoint)
+            self.endpoint = self.sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.sub.connect(endpoint)
+        self.dealer = None
+        if replay_endpoint is not None:
+            self.dealer = ctx.socket(zmq.DEALER)
+            self.dealer.connect(replay_endpoint)
+        self.cached: set[tuple[int | None, object]] = set()
+        self.last_seq: int | None = None
+        self.live: dict[int, list[bytes]] = {}  # seq -> the live message's frames
+
+    async def recv(self) -> list[bytes]:
+        """The next live message's frames."""
+        return await asyncio.wait_for(self.sub.recv_multipart(), RECV_TIMEOUT_S)
+
+    async def join(self, client) -> list[bytes]:
+        """Make probe batches until one arrives (the subscription is in place); its frames."""
+        for _ in range(int(RECV_TIMEOUT_S * 1000 / PROBE_POLL_MS)):
+            assert await client.reset_prefix_cache()
+            if await self.sub.poll(PROBE_POLL_MS):
+                return await self.recv()
+        raise TimeoutError("the subscription never reached the publisher")
+
+    async def replay(self, start_seq: int) -> list[list[bytes]]:
+        """Every message a replay from ``start_seq`` answers, the end marker included."""
+        assert self.dealer is not None
+        await self.dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        messages = []
+        while True:
+            frames = await asyncio.wait_for(self.dealer.recv_multipart(), RECV_TIMEOUT_S)
+            assert frames[0] == b"", "a ROUTER reply to a DEALER starts with the empty delimiter"
+            messages.append(frames[1:])
+            if frames[2] == VLLM_END_SEQ:
+                return messages
+
+    def apply(self, frames: list[bytes], *, topic: bytes = b"") -> None:
+        """Apply one message ``(topic, seq, payload)``; seqs must follow one another."""
+        assert len(frames) == 3, frames
+        msg_topic, seq_bytes, payload = frames
+        assert msg_topic == topic and len(seq_bytes) == 8
+        seq = int.from_bytes(seq_bytes, "big")
+        if self.last_seq is not None:
+            assert seq == self.last_seq + 1, f"gap: {self.last_seq} -> {seq}"
+        self.last_seq = seq
+        batch = msgspec.msgpack.decode(payload)
+        assert isinstance(batch, list) and len(batch) == 3 and isinstance(batch[0], float), batch
+        for event in batch[1]:
+            tag = event["type"]
+            group_idx = event.get("group_idx")
+            if tag == "BlockStored":
+                self.cached.update((group_idx, h) for h in event["block_hashes"])
+            elif tag == "BlockRemoved":
+                self.cached.difference_update((group_idx, h) for h in event["block_hashes"])
+            else:
+                assert tag == "AllBlocksCleared", tag
+                self.cached.clear()
+
+    async def follow_to(self, head_seq: int, *, topic: bytes = b"") -> None:
+        """Apply live messages until seq ``head_seq``, keeping their frames."""
+        while self.last_seq is None or self.last_seq < head_seq:
+            frames = await self.recv()
+            self.live[int.from_bytes(frames[1], "big")] = frames
+            self.apply(frames, topic=topic)
+
+    async def catch_up(self, client, head_seq_of, *, topic: bytes = b"") -> None:
+        """Join live, fill the start from a replay from seq 1, then follow live to the head."""
+        first = await self.join(client)
+        first_seq = int.from_bytes(first[1], "big")
+        for frames in (await self.replay(1))[:-1]:
+            if int.from_bytes(frames[1], "big") < first_seq:
+                self.apply(frames, topic=topic)
+        self.live[first_seq] = first
+        self.apply(first, topic=topic)
+        await self.follow_to(head_seq_of(), topic=topic)
+
+
+def cached_pairs(running) -> set[tuple[int, object]]:
+    """The server's cached set as (group_idx, hash) pairs (the event log's mirror)."""
+    return {(g, h) for g, group in enumerate(running.event_log.cached_hashes()) for h in group}
+
+
+async def workload(client, num_requests: int = 10) -> None:
+    """Requests sharing prefixes in threes, in full report mode: stores, reuse reports, evictions
+    (16 blocks of 4 tokens), then a reset (AllBlocksCleared) and a few more stores."""
+    for i in range(num_requests):
+        prompt = [1000 * (i % 3 + 1) + t for t in range(8)] + [50_000 + 10 * i + t for t in range(8)]
+        await client.get_computed_blocks(f"w{i}", prompt, session_id=f"s{i % 3}", kv_cache_report_mode="full")
+        assert (await client.allocate_slots(f"w{i}", len(prompt))).allocated
+        await client.free(f"w{i}")
+        if i == num_requests // 2:
+            assert await client.reset_prefix_cache()
+
+
+@pytest.fixture
+async def zctx():
+    ctx = zmq_asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def test_live_subscriber_mirrors_the_cached_set(start_kv_server, connect, zctx):
+    running = await start_kv_server(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*")
+    client = await connect(running)
+    endpoint, replay_endpoint = running.zmq_publisher.endpoint, running.zmq_publisher.replay_endpoint
+    assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":*")
+    assert running.notes[-1] == f"ZMQ KV events on {endpoint} (bound), topic '', replay on {replay_endpoint}"
+    subscriber = VllmSubscriber(zctx, endpoint, replay_endpoint)
+    await subscriber.catch_up(client, lambda: running.event_log.head_seq)
+
+    head = running.event_log.head_seq
+    prompt = list(range(1, 9))
+    await client.get_computed_blocks("r", prompt, session_id="chat-7")
+    assert (await client.allocate_slots("r", 8)).allocated
+    frames = await subscriber.recv()
+    assert frames[:2] == [b"", (head + 1).to_bytes(8, "big")]
+    ts, events, data_parallel_rank = msgspec.msgpack.decode(frames[2])
+    assert data_parallel_rank is None and isinstance(ts, float)
+    assert events == [{
+        "type": "BlockStored", "block_hashes": hashes(prompt), "parent_block_hash": None, "token_ids": prompt,
+        "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention", "session_id": "chat-7",
+    }]
+    subscriber.apply(frames)
+    await client.free("r")
+
+    await workload(client)
+    await subscriber.follow_to(running.event_log.head_seq)
+    assert subscriber.cached == cached_pairs(running)
+    assert len(subscriber.cached) > 0
+    removals = [
+        e for f in subscriber.live.values() for e in msgspec.msgpack.decode(f[2])[1] if e["type"] == "BlockRemoved"
+    ]
+    assert removals, "the workload evicts blocks"
+    assert running.zmq_publisher.num_published == running.event_log.head_seq
+    assert running.zmq_publisher.num_dropped == 0
+
+
+async def test_replay_is_byte_identical_to_live_and_ends_with_the_marker(start_kv_server, connect, zctx, tmp_path):
+    running = await start_kv_server(
+        zmq_endpoint=f"ipc://{tmp_path}/pub", zmq_replay_endpoint=f"ipc://{tmp_path}/replay", data_parallel_rank=3
+    )
+    client = await connect(running)
+    subscriber = VllmSubscriber(zctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
+    await subscriber.catch_up(client, lambda: running.event_log.head_seq)
+    await workload(client)
+    head = running.event_log.head_seq
+    await subscriber.follow_to(head)
+    first_live = min(subscriber.live)
+
+    everything = await subscriber.replay(1)
+    assert everything[-1] == [b"", VLLM_END_SEQ, b""]
+    assert [int.from_bytes(m[1], "big") for m in everything[:-1]] == list(range(1, head + 1))
+    for message in everything[:-1]:
+        seq = int.from_bytes(message[1], "big")
+        assert message[0] == b""
+        if seq >= first_live:
+            assert message == subscriber.live[seq]
+        assert msgspec.msgpack.decode(message[2])[2] == 3  # data_parallel_rank
+
+    middle = head // 2
+    assert await subscriber.replay(middle) == everything[middle - 1:]
+    assert await subscriber.replay(head + 1) == [[b"", VLLM_END_SEQ, b""]]  # beyond the head: the marker alone
+    assert running.zmq_publisher.num_replays == 4  # the catch-up's and these three
+
+
+async def test_a_start_below_retention_replays_from_the_oldest_retained(start_kv_server, connect, zctx):
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=3
+    )
+    client = await connect(running)
+    for _ in range(6):
+        assert await client.reset_prefix_cache()
+    assert (running.event_log.oldest_seq, running.event_log.head_seq) == (4, 6)
+    subscriber = VllmSubscriber(zctx, running.zmq_publisher.endpoint, running.zmq_publisher.replay_endpoint)
+    # As vLLM's replay buffer: what is retained from the start on, then the marker; the first seq
+    # (4, above the asked 1) tells the client what it missed.
+    for start in (0, 1, 3):
+        replayed = await subscriber.replay(start)
+        assert [m[1] for m in replayed] == [s.to_bytes(8, "big") for s in (4, 5, 6)] + [VLLM_END_SEQ]
+        assert replayed[:-1] == [[b"", e.seq.to_bytes(8, "big"), e.msgpack] for e in running.event_log.entries_from(4)]
+    assert [m[1] for m in await subscriber.replay(5)] == [(5).to_bytes(8, "big"), (6).to_bytes(8, "big"), VLLM_END_SEQ]
+
+
+async def test_a_replay_longer_than_one_slice_comes_whole(start_kv_server, connect, zctx):
+    """A replay yields to the loop between slices of batches; the answer stays whole and ordered,
+    with batches published meanwhile (the answer holds what was retained when it began)."""
+    from kvservice.server.zmq_publisher import REPLAY_YIELD_EVERY
+
+    running = await start_kv_server(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*")
+    client = await connect(running)
+    num_batches = 2 * REPLAY_YIELD_EVERY + 1
+    for _ in range(num_batches):
+        assert await client.reset_prefix_cache()
+    subscriber = VllmSubscriber(zctx, running.zmq_publisher.endpoint, running.zmq_publisher.replay_endpoint)
+    request = asyncio.ensure_future(subscriber.replay(1))
+    while not request.done():  # more batches while the replay is under way
+        assert await client.reset_prefix_cache()
+    replayed = await request
+    assert [int.from_bytes(m[1], "big") for m in replayed[:-1]] == list(range(1, len(replayed)))
+    assert num_batches <= len(replayed) - 1 <= running.event_log.head_seq and replayed[-1][1] == VLLM_END_SEQ
+
+
+async def test_topic_frames_and_prefix_filtering(start_kv_server, connect, zctx):
+    topic = b"kv@pod-a@qwen-2.5-0.5b"
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", zmq_topic=topic.decode()
+    )
+    client = await connect(running)
+    other = VllmSubscriber(zctx, running.zmq_publisher.endpoint, None, subscribe=b"kv@pod-b")
+    publisher = running.zmq_publisher
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint, b"kv@pod-a")
+    await subscriber.catch_up(client, lambda: running.event_log.head_seq, topic=topic)
+    await workload(client)
+    await subscriber.follow_to(running.event_log.head_seq, topic=topic)
+    assert subscriber.cached == cached_pairs(running)
+    assert all(m[0] == topic for m in (await subscriber.replay(1))[:-1])
+    # Nothing reached the non-matching subscription (a late message could only make this pass
+    # wrongly, never fail wrongly: the two connections are not ordered with each other).
+    assert await other.sub.poll(0) == 0
+
+
+async def test_publisher_connects_to_a_bound_subscriber(start_kv_server, connect, zctx):
+    """llm-d's topology: the router binds its SUB socket, each engine's PUB connects to it."""
+    router = VllmSubscriber(zctx, "tcp://127.0.0.1:*", None, bind=True)
+    running = await start_kv_server(zmq_endpoint=router.endpoint)
+    assert running.zmq_publisher.endpoint == router.endpoint and not running.zmq_publisher.bound
+    assert running.notes[-1] == f"ZMQ KV events on {router.endpoint} (connected), topic '', no replay"
+    client = await connect(running)
+    router.apply(await router.join(client))
+    await workload(client)
+    await router.follow_to(running.event_log.head_seq)
+    assert router.cached == cached_pairs(running)
+
+
+async def test_grpc_msgpack_payload_is_the_same_bytes(start_kv_server, connect, zctx):
+    running = await start_kv_server(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*")
+    client = await connect(running)
+    await workload(client)
+    head = running.event_log.head_seq
+    subscriber = VllmSubscriber(zctx, running.zmq_publisher.endpoint, running.zmq_publisher.replay_endpoint)
+    replayed = (await subscriber.replay(1))[:-1]
+    stream = client.stream_events(start_seq=1, payload_format="msgpack")
+    batches = [await next_batch(stream) for _ in range(head)]
+    assert [(b.seq, b.msgpack) for b in batches] == [(int.from_bytes(m[1], "big"), m[2]) for m in replayed]
+
+
+async def test_a_malformed_replay_request_is_ignored(start_kv_server, connect, zctx, caplog):
+    running = await start_kv_server(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*")
+    client = await connect(running)
+    assert await client.reset_prefix_cache()
+    subscriber = VllmSubscriber(zctx, running.zmq_publisher.endpoint, running.zmq_publisher.replay_endpoint)
+    with caplog.at_level(logging.WARNING, "kvservice.server.zmq_publisher"):
+        await subscriber.dealer.send_multipart([b"", b"\x00" * 8, b"extra"])  # 4 frames at the ROUTER: no answer
+        # The answer to the next (valid) request is the first one to come back on this connection.
+        assert [m[1] for m in await subscriber.replay(1)] == [(1).to_bytes(8, "big"), VLLM_END_SEQ]
+    assert running.zmq_publisher.num_bad_requests == 1
+    assert "invalid ZMQ replay request of 4 frames" in caplog.text
+
+
+async def test_a_refused_send_is_counted_and_logged(start_kv_server, connect, caplog):
+    running = await start_kv_server(zmq_endpoint="tcp://127.0.0.1:*", zmq_hwm=7)
+    client = await connect(running)
+    publisher = running.zmq_publisher
+    real_pub = publisher._pub
+
+    class RefusingSocket:
+        def send_multipart(self, *args, **kwargs):
+            raise zmq.Again()
+
+        def getsockopt(self, option):
+            return real_pub.getsockopt(option)
+
+    publisher._pub = RefusingSocket()
+    with caplog.at_level(logging.WARNING, "kvservice.server.zmq_publisher"):
+        for _ in range(3):
+            assert await client.reset_prefix_cache()
+    publisher._pub = real_pub
+    assert (publisher.num_dropped, publisher.num_published) == (3, 0)
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2  # the first drop, then at powers of two
+    assert logged[0].startswith("ZMQ publisher dropped batch seq 1 (")
+    assert logged[1].endswith("; 2 dropped so far (zmq_hwm 7 messages per subscriber)")
+
+
+async def test_close_stops_publishing(start_kv_server):
+    running = await start_kv_server(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*")
+    publisher = running.zmq_publisher
+    await running.stop(0)
+    assert publisher._closed and publisher._pub.closed and publisher._router.closed
+    assert publisher._replay_task.done()
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="zmq_replay_endpoint needs zmq_endpoint"):
+        ServerConfig(zmq_replay_endpoint="tcp://*:5558")
+    with pytest.raises(ValueError, match=r"zmq_hwm must be >= 1 messages; got 0"):
+        ServerConfig(zmq_endpoint="tcp://*:5557", zmq_hwm=0)
+    with pytest.raises(ValueError, match=r"zmq_endpoint must be a ZMQ endpoint such as tcp://\*:5557"):
+        ServerConfig(zmq_endpoint="localhost:5557")
+    config = load_config(environ={"KVSERVICE_ZMQ_ENDPOINT": "tcp://*:5557", "KVSERVICE_ZMQ_HWM": "10",
+                                  "KVSERVICE_ZMQ_TOPIC": "kv@a@b"}, zmq_replay_endpoint="tcp://*:5558")
+    assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic, config.zmq_hwm) == (
+        "tcp://*:5557", "tcp://*:5558", "kv@a@b", 10)
+    assert ServerConfig().zmq_topic == "" and ServerConfig().zmq_endpoint is None
+
+
+async def test_an_endpoint_in_use_fails_the_start(start_kv_server):
+    first = await start_kv_server(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*")
+    taken = first.zmq_publisher.replay_endpoint  # the replay socket is always bound
+    with pytest.raises(RuntimeError, match=rf"zmq_replay_endpoint: cannot bind '{taken}': Address already in use"):
+        await start_server(**{**SMALL_SERVER, "zmq_endpoint": "tcp://127.0.0.1:*", "zmq_replay_endpoint": taken})
+
+
+async def test_missing_pyzmq_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)
+    with pytest.raises(RuntimeError, match=r"pip install 'kvservice\[zmq\]'"):
+        await start_server(**{**SMALL_SERVER, "zmq_endpoint": "tcp://127.0.0.1:*"})

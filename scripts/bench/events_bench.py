@@ -32,9 +32,11 @@ except ImportError:
 HERE = Path(__file__).parent
 
 
-def produce(client: KVCacheClient, num_batches: int, requests_per_batch: int = 4, prompt_len: int = 256) -> None:
-    """Fill the event log: each Step admits and frees requests (one batch of stores and removals)."""
-    seq = prompts(num_batches * requests_per_batch, prompt_len, 0.0, seed=5)
+def produce(client: KVCacheClient, num_batches: int, requests_per_batch: int = 4, prompt_len: int = 256,
+            seed: int = 5) -> None:
+    """Fill the event log: each Step admits and frees requests (one batch of stores and removals).
+    Prompts are random tokens from ``seed``: another seed gives prompts sharing no block."""
+    seq = prompts(num_batches * requests_per_batch, prompt_len, 0.0, seed=seed)
     for b in range(num_batches):
         ops = []
         for j in range(b * requests_per_batch, (b + 1) * requests_per_batch):

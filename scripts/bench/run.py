@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import events_bench  # noqa: E402
+import fanout_bench  # noqa: E402
 import hashing_bench  # noqa: E402
 import memory_bench  # noqa: E402
 import rpc_bench  # noqa: E402
@@ -117,7 +118,7 @@ def bench_rpc(quick: bool) -> list[Row]:
 
 
 def bench_events(quick: bool) -> list[Row]:
-    rounds = [events_bench.run(quick) for _ in range(1 if quick else 3)]
+    rounds = [{**events_bench.run(quick), **fanout_bench.run(quick)} for _ in range(1 if quick else 3)]
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rounds)
@@ -136,6 +137,42 @@ def bench_events(quick: bool) -> list[Row]:
                         "bare gRPC stream", med(f"{fmt}_8w_bare_{unit}_per_s")))
     rows.append(Row("events", "mutation-to-watcher latency p50 (200 batches/s)", med("latency_p50_ms"), "ms"))
     rows.append(Row("events", "mutation-to-watcher latency p99 (200 batches/s)", med("latency_p99_ms"), "ms"))
+    return rows + fanout_rows(rounds)
+
+
+def fanout_rows(rounds: list[dict[str, float]]) -> list[Row]:
+    """Live fan-out rows from rounds of :func:`fanout_bench.run`: server CPU for production plus
+    delivery of the same live batches, 8 subscribers against 1 and ZMQ against gRPC; "delivery" rows
+    subtract the same round's 0-subscriber figure (production alone). Medians over rounds.
+
+        python -c "import sys; sys.path.insert(0, 'scripts/bench'); import run, fanout_bench; \\
+            print(run.render(run.fanout_rows([fanout_bench.run() for _ in range(3)])))"
+    """
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    def med_less_production(key: str) -> float:
+        """Median over rounds of a live figure less that round's 0-subscriber (production) figure."""
+        return statistics.median(r[key] - r["live_0s_server_cpu_s"] for r in rounds)
+
+    rows = []
+    rows.append(Row("events", "live, 0 subscribers: server CPU (production alone)", med("live_0s_server_cpu_s"), "s"))
+    delivery = {}
+    for t, label in (("grpc", "gRPC live"), ("zmq", "ZMQ live")):
+        rows.append(Row("events", f"{label}: server CPU for 8 subscribers", med(f"live_{t}_8s_server_cpu_s"), "s",
+                        "for 1 subscriber", med(f"live_{t}_1s_server_cpu_s")))
+        delivery[t] = {k: med_less_production(f"live_{t}_{k}s_server_cpu_s") for k in (1, 8)}
+        rows.append(Row("events", f"{label}: delivery CPU for 8 (less 0 subscribers)", delivery[t][8], "s",
+                        "for 1 subscriber", delivery[t][1]))
+    rows.append(Row("events", "ZMQ live: I/O-thread CPU for 8 subscribers", med("live_zmq_8s_zmq_io_cpu_s"), "s",
+                    "for 1 subscriber", med("live_zmq_1s_zmq_io_cpu_s")))
+    for k in (8, 1):
+        rows.append(Row("events", f"ZMQ vs gRPC live: server CPU, {k} subscriber{'s' if k > 1 else ''}",
+                        med(f"live_zmq_{k}s_server_cpu_s"), "s", f"gRPC live StreamEvents, {k}",
+                        med(f"live_grpc_{k}s_server_cpu_s")))
+        rows.append(Row("events", f"ZMQ vs gRPC live: delivery CPU, {k} (less 0 subs)", delivery["zmq"][k], "s",
+                        f"gRPC live, {k} (less 0 subscribers)", delivery["grpc"][k]))
     return rows
 
 

@@ -36,6 +36,16 @@ yielding every :data:`REPLAY_YIELD_EVERY` batches; the replay socket's send high
 a whole replay plus its marker (2 x (``event_max_batches`` + 1) messages, vLLM's sizing), and
 a replay whose client cannot take more (or left) is abandoned, counted and logged.
 
+**No authentication.** ZMQ carries no authentication and no encryption: anyone who reaches a
+bound port reads every batch (the prompts' token ids) and may send replay requests, whatever TLS
+and tokens the gRPC port has. So, as the gRPC bind does (``allow_insecure_bind`` in
+:func:`kvservice.server.auth.build_auth`), :func:`check_endpoint_exposure` refuses a socket that
+kvservice *binds* on a non-loopback address (``tcp://*``, ``tcp://0.0.0.0``, ``tcp://[::]``, a
+LAN address, an interface name) unless ``allow_insecure_bind`` is set, and then warns at start.
+``ipc://`` (guarded by file permissions) and ``inproc://`` binds, loopback binds
+(``tcp://127.0.0.1:*``, ``tcp://[::1]:5557``) and connects to a ``tcp://host:port`` the operator
+named (the receiving router binds it) are allowed.
+
 pyzmq is an optional dependency: ``pip install 'kvservice[zmq]'``.
 """
 
@@ -46,12 +56,22 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvservice.server.auth import is_loopback_host
+
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog, LogEntry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["END_SEQ", "REPLAY_YIELD_EVERY", "ZmqEventPublisher", "import_zmq", "is_bind_endpoint"]
+__all__ = [
+    "END_SEQ",
+    "REPLAY_YIELD_EVERY",
+    "ZmqEventPublisher",
+    "check_endpoint_exposure",
+    "import_zmq",
+    "is_bind_endpoint",
+    "is_loopback_endpoint",
+]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame of the replay's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
@@ -82,6 +102,59 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether binding ``endpoint`` reaches only this machine: ``ipc://`` and ``inproc://``, or
+    ``tcp://`` on a loopback host (``127.0.0.0/8``, ``[::1]``, ``localhost``; any port, ``*``
+    included). Wildcard hosts (``*``, ``0.0.0.0``, ``[::]``), other addresses, interface names
+    and other transports are not."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    return is_loopback_host(host)
+
+
+def check_endpoint_exposure(
+    zmq_endpoint: str | None, zmq_replay_endpoint: str | None, *, allow_insecure_bind: bool
+) -> list[str]:
+    """Apply the bind rule to the PUB endpoint (bound or connected by :func:`is_bind_endpoint`)
+    and the replay endpoint (always bound): a socket bound on a non-loopback address (see
+    :func:`is_loopback_endpoint`) needs ``allow_insecure_bind``.
+
+    Args:
+        zmq_endpoint: the PUB endpoint, or None (off).
+        zmq_replay_endpoint: the ROUTER endpoint, or None (no replay).
+        allow_insecure_bind: bind non-loopback addresses anyway.
+
+    Returns:
+        One warning note per socket bound on a non-loopback address (empty when there is none).
+
+    Raises:
+        ValueError: such a bind without ``allow_insecure_bind`` (the message names the setting,
+            the endpoint and ``allow_insecure_bind (--allow-insecure-bind)``).
+    """
+    notes = []
+    for setting, endpoint, bind in (
+        ("zmq_endpoint", zmq_endpoint, zmq_endpoint is not None and is_bind_endpoint(zmq_endpoint)),
+        ("zmq_replay_endpoint", zmq_replay_endpoint, True),
+    ):
+        if endpoint is None or not bind or is_loopback_endpoint(endpoint):
+            continue
+        if not allow_insecure_bind:
+            raise ValueError(
+                f"{setting} {endpoint!r} binds a non-loopback address and ZMQ has no authentication or encryption: "
+                "anyone who reaches the port reads the KV events (prompt token ids), whatever TLS or tokens the "
+                "gRPC port has; bind loopback (e.g. tcp://127.0.0.1:*) or ipc://, or set allow_insecure_bind "
+                "(--allow-insecure-bind) to bind anyway"
+            )
+        notes.append(
+            f"{setting} {endpoint} bound on a non-loopback address (allow_insecure_bind): ZMQ carries no "
+            "authentication or encryption; the KV events (token ids) are readable by anyone who reaches the port"
+        )
+    return notes
+
+
 class ZmqEventPublisher:
     """Publishes every event-log batch on a ZMQ PUB socket and answers replays on a ROUTER socket,
     in vLLM's framing (see the module docstring). Build it with :meth:`start` on the server's loop.
@@ -97,6 +170,8 @@ class ZmqEventPublisher:
         num_replays: replay requests answered (end marker sent).
         num_replays_abandoned: replays given up because their client took no more or left.
         num_bad_requests: replay requests not of 3 frames (ignored).
+        notes: warnings for the start lines, one per socket bound on a non-loopback address
+            (see :func:`check_endpoint_exposure`).
     """
 
     def __init__(self, event_log: EventLog, zmq: Any, ctx: Any, pub: Any, router: Any | None,
@@ -116,6 +191,7 @@ class ZmqEventPublisher:
         self.num_replays = 0
         self.num_replays_abandoned = 0
         self.num_bad_requests = 0
+        self.notes: list[str] = []
         self._closed = False
         self._replay_task: asyncio.Task | None = None
 
@@ -128,6 +204,7 @@ class ZmqEventPublisher:
         replay_endpoint: str | None = None,
         topic: str = "",
         hwm: int = 100_000,
+        allow_insecure_bind: bool = False,
     ) -> ZmqEventPublisher:
         """Open the sockets, register with ``event_log`` and start serving replays.
 
@@ -137,11 +214,16 @@ class ZmqEventPublisher:
             replay_endpoint: ROUTER endpoint (always bound), or None for no replay.
             topic: topic frame of every message (vLLM's default "").
             hwm: PUB send high-water mark, in messages per subscriber (>= 1).
+            allow_insecure_bind: bind a non-loopback address anyway (with a warning in
+                :attr:`notes`); refused otherwise.
 
         Raises:
+            ValueError: a non-loopback bind without ``allow_insecure_bind`` (see
+                :func:`check_endpoint_exposure`; raised before any socket is opened).
             RuntimeError: pyzmq is missing, or an endpoint cannot be bound/connected (the message
                 names the setting and the endpoint).
         """
+        notes = check_endpoint_exposure(endpoint, replay_endpoint, allow_insecure_bind=allow_insecure_bind)
         zmq = import_zmq()
         ctx = zmq.Context()
         pub = router = None
@@ -165,6 +247,7 @@ class ZmqEventPublisher:
             ctx.term()
             raise
         publisher = cls(event_log, zmq, ctx, pub, router, endpoint, bound, replay_endpoint, topic)
+        publisher.notes = notes
         event_log.add_listener(publisher.publish)
         if router is not None:
             publisher._replay_task = asyncio.get_running_loop().create_task(

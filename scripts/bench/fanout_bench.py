@@ -159,8 +159,10 @@ def run(quick: bool = False) -> dict[str, float]:
     num_batches = 100 if quick else 2000
     port = _free_port()
     out: dict[str, float] = {}
+    # A fixed port binds only with a wildcard host (vLLM's bind rule), and a wildcard bind is off
+    # loopback, which kvservice refuses without --allow-insecure-bind (ZMQ has no authentication).
     with serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS), "--zmq-endpoint", f"tcp://*:{port}",
-               with_pid=True) as (address, pid):
+               "--allow-insecure-bind", with_pid=True) as (address, pid):
         with KVCacheClient(address) as client:
             produce(client, NUM_BLOCKS // BLOCKS_PER_BATCH + 1, seed=1)  # fill the pool: every allocation evicts
         # Interleaved, so a noisy moment moves several figures, not one transport's.

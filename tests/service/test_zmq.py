@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 
 import msgspec
 import pytest
 
 from kvservice.server.app import ServerConfig, load_config, start_server
+from kvservice.server.zmq_publisher import ZmqEventPublisher, check_endpoint_exposure
 from tests.service.conftest import SMALL_SERVER
 from tests.service.helpers import hashes, next_batch
 
@@ -347,16 +349,112 @@ async def test_close_stops_publishing(start_kv_server):
 
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="zmq_replay_endpoint needs zmq_endpoint"):
-        ServerConfig(zmq_replay_endpoint="tcp://*:5558")
+        ServerConfig(zmq_replay_endpoint="tcp://*:5558", allow_insecure_bind=True)
     with pytest.raises(ValueError, match=r"zmq_hwm must be >= 1 messages; got 0"):
-        ServerConfig(zmq_endpoint="tcp://*:5557", zmq_hwm=0)
+        ServerConfig(zmq_endpoint="tcp://*:5557", zmq_hwm=0, allow_insecure_bind=True)
     with pytest.raises(ValueError, match=r"zmq_endpoint must be a ZMQ endpoint such as tcp://\*:5557"):
         ServerConfig(zmq_endpoint="localhost:5557")
     config = load_config(environ={"KVSERVICE_ZMQ_ENDPOINT": "tcp://*:5557", "KVSERVICE_ZMQ_HWM": "10",
-                                  "KVSERVICE_ZMQ_TOPIC": "kv@a@b"}, zmq_replay_endpoint="tcp://*:5558")
+                                  "KVSERVICE_ZMQ_TOPIC": "kv@a@b", "KVSERVICE_ALLOW_INSECURE_BIND": "1"},
+                         zmq_replay_endpoint="tcp://*:5558")
     assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic, config.zmq_hwm) == (
         "tcp://*:5557", "tcp://*:5558", "kv@a@b", 10)
     assert ServerConfig().zmq_topic == "" and ServerConfig().zmq_endpoint is None
+
+
+# -- exposure: ZMQ has no authentication, so a bind off loopback needs allow_insecure_bind ----------
+
+OPEN_BIND_REFUSED = (
+    r"{setting} '{endpoint}' binds a non-loopback address and ZMQ has no authentication or encryption: anyone "
+    r"who reaches the port reads the KV events \(prompt token ids\), whatever TLS or tokens the gRPC port has; "
+    r"bind loopback \(e\.g\. tcp://127\.0\.0\.1:\*\) or ipc://, or set allow_insecure_bind "
+    r"\(--allow-insecure-bind\) to bind anyway$"
+)
+
+
+def open_bind_note(setting: str, endpoint: str) -> str:
+    return (
+        f"{setting} {endpoint} bound on a non-loopback address (allow_insecure_bind): ZMQ carries no authentication "
+        "or encryption; the KV events (token ids) are readable by anyone who reaches the port"
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://[::]:5557", "tcp://*:*", "tcp://[::ffff:10.0.0.5]:5557"])
+def test_a_pub_bind_off_loopback_is_refused_without_the_flag(endpoint):
+    with pytest.raises(ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_endpoint", endpoint=re.escape(endpoint))):
+        ServerConfig(zmq_endpoint=endpoint)
+    assert ServerConfig(zmq_endpoint=endpoint, allow_insecure_bind=True).zmq_endpoint == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5558", "tcp://0.0.0.0:5558", "tcp://[::]:5558", "tcp://10.0.0.5:5558",
+                                      "tcp://eth0:5558", "tcp://indexer:5558"])
+def test_a_replay_bind_off_loopback_is_refused_without_the_flag(endpoint):
+    """The replay socket is always bound, so an address vLLM's rule would connect to is bound too."""
+    with pytest.raises(ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_replay_endpoint",
+                                                                  endpoint=re.escape(endpoint))):
+        ServerConfig(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint=endpoint)
+    assert check_endpoint_exposure("tcp://127.0.0.1:*", endpoint, allow_insecure_bind=True) == [
+        open_bind_note("zmq_replay_endpoint", endpoint)]
+
+
+@pytest.mark.parametrize("endpoint, replay_endpoint", [
+    ("tcp://127.0.0.1:*", "tcp://127.0.0.1:5558"),  # loopback binds (a wildcard port is no wildcard host)
+    ("tcp://[::1]:5557", "tcp://localhost:5558"),
+    ("ipc:///run/kvservice/events", "ipc:///run/kvservice/replay"),  # guarded by file permissions
+    ("inproc://events", None),
+    ("tcp://10.0.0.5:5557", None),  # connects (vLLM's rule): the router binds that port
+    ("tcp://indexer:5557", "tcp://127.0.0.2:5558"),
+    ("tcp://0.0.0.0:5557", None),  # no wildcard: connected, not bound
+])
+def test_loopback_ipc_and_connect_endpoints_need_no_flag(endpoint, replay_endpoint):
+    config = ServerConfig(zmq_endpoint=endpoint, zmq_replay_endpoint=replay_endpoint)
+    assert (config.zmq_endpoint, config.zmq_replay_endpoint) == (endpoint, replay_endpoint)
+    assert check_endpoint_exposure(endpoint, replay_endpoint, allow_insecure_bind=False) == []
+    assert check_endpoint_exposure(endpoint, replay_endpoint, allow_insecure_bind=True) == []
+
+
+async def test_an_open_bind_with_the_flag_starts_with_the_warning(start_kv_server, connect, zctx):
+    running = await start_kv_server(zmq_endpoint="tcp://*:*", zmq_replay_endpoint="tcp://*:*", allow_insecure_bind=True)
+    publisher = running.zmq_publisher
+    assert publisher.bound and publisher.endpoint.startswith("tcp://0.0.0.0:")
+    assert running.notes[-2:] == [open_bind_note("zmq_endpoint", "tcp://*:*"),
+                                  open_bind_note("zmq_replay_endpoint", "tcp://*:*")]
+    assert "note: " + open_bind_note("zmq_replay_endpoint", "tcp://*:*") in running.describe()
+    client = await connect(running)
+    assert await client.reset_prefix_cache()
+    port = publisher.replay_endpoint.rsplit(":", 1)[1]
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, f"tcp://127.0.0.1:{port}")
+    assert [m[1] for m in await subscriber.replay(1)] == [(1).to_bytes(8, "big"), VLLM_END_SEQ]
+
+
+async def test_ipc_and_connect_endpoints_start_without_a_warning(start_kv_server, tmp_path):
+    running = await start_kv_server(zmq_endpoint=f"ipc://{tmp_path}/pub", zmq_replay_endpoint=f"ipc://{tmp_path}/rep")
+    assert running.zmq_publisher.notes == [] and "non-loopback" not in running.describe()
+    # A connect to a non-loopback address (TEST-NET-1, never reached: ZMQ connects in the background).
+    running = await start_kv_server(zmq_endpoint="tcp://192.0.2.1:5557")
+    assert not running.zmq_publisher.bound and running.zmq_publisher.notes == []
+    assert running.notes[-1] == "ZMQ KV events on tcp://192.0.2.1:5557 (connected), topic '', no replay"
+
+
+async def test_the_publisher_refuses_an_open_bind_itself():
+    """Started without ServerConfig, the publisher applies the rule before opening a socket."""
+    with pytest.raises(ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_endpoint", endpoint=r"tcp://\*:\*")):
+        await ZmqEventPublisher.start(None, endpoint="tcp://*:*")  # type: ignore[arg-type]
+
+
+def test_serve_refuses_an_open_zmq_bind_before_allocating(monkeypatch):
+    from click.testing import CliRunner
+
+    from kvservice import cli
+    from kvservice.server import app
+
+    started = []
+    monkeypatch.setattr(app, "run_server", lambda *args, **kwargs: started.append(args))
+    result = CliRunner().invoke(cli.main, ["serve", "--zmq-endpoint", "tcp://*:5557"],
+                                env={"KVSERVICE_ALLOW_INSECURE_BIND": None})
+    assert result.exit_code == 1 and started == []
+    assert "zmq_endpoint 'tcp://*:5557' binds a non-loopback address" in result.output
+    assert "set allow_insecure_bind (--allow-insecure-bind) to bind anyway" in result.output
 
 
 async def test_an_endpoint_in_use_fails_the_start(start_kv_server):

@@ -65,7 +65,10 @@ from kvservice_client.jetstream import (
     HEADER_INSTANCE,
     HEADER_RESYNC,
     HEADER_SEQ,
+    NatsCredentialsRefusedError,
+    connect_nats,
     msg_id,
+    redact_url,
     subject_for,
 )
 
@@ -180,7 +183,7 @@ class NatsSinkConfig:
 
     def __post_init__(self) -> None:
         if not self.servers or not all(self.servers):
-            raise ValueError(f"nats_url must name at least one server; got {self.servers!r}")
+            raise ValueError(f"nats_url must name at least one server; got {redact_url(','.join(self.servers))!r}")
         check_name("nats_instance", self.instance)
         check_name("nats_stream", self.stream)
         check_subject_prefix(self.subject_prefix)
@@ -221,7 +224,7 @@ def check_nats_settings(config: ServerConfig) -> None:
         ValueError: one is out of its bounds (named).
     """
     if config.nats_url is not None and not _split_servers(config.nats_url):
-        raise ValueError(f"nats_url must name at least one server, e.g. nats://127.0.0.1:4222; got {config.nats_url!r}")
+        raise ValueError(f"nats_url must name at least one server, e.g. nats://127.0.0.1:4222; got {redact_url(config.nats_url)!r}")
     if config.nats_instance is not None:
         check_name("nats_instance", config.nats_instance)
     check_name("nats_stream", config.nats_stream)
@@ -308,7 +311,9 @@ class NatsJetStreamSink:
 
         Raises:
             RuntimeError: nats-py is missing, NATS cannot be reached within ``connect_timeout_s``,
-                or the stream cannot be created or updated (the message names the URL or stream).
+                the NATS server refused the credentials in the URL (at once, not after the
+                timeout), or the stream cannot be created or updated (the message names the URL,
+                its password or token redacted, or the stream).
         """
         nats = import_nats()
         sink = cls(event_log, config, nats)
@@ -331,7 +336,8 @@ class NatsJetStreamSink:
     def describe(self) -> str:
         """One line: where batches go."""
         c = self.config
-        return f"NATS JetStream KV events to stream {c.stream}, subject {c.subject} ({', '.join(c.servers)})"
+        servers = redact_url(",".join(c.servers))
+        return f"NATS JetStream KV events to stream {c.stream}, subject {c.subject} ({servers})"
 
     @property
     def num_pending(self) -> int:
@@ -472,29 +478,30 @@ class NatsJetStreamSink:
 
         async def on_disconnected() -> None:
             if not self._closed:
-                logger.warning("NATS sink: disconnected from %s; reconnecting", ", ".join(c.servers))
+                logger.warning("NATS sink: disconnected from %s; reconnecting", servers)
 
         async def on_reconnected() -> None:
-            logger.warning("NATS sink: reconnected to %s", self._nc.connected_url.netloc if self._nc else "?")
+            logger.warning("NATS sink: reconnected to %s", redact_url(self._nc.connected_url if self._nc else None))
 
+        servers = redact_url(",".join(c.servers))  # never log or print the password or token
         try:
-            self._nc = await asyncio.wait_for(
-                nats.connect(
-                    servers=list(c.servers),
-                    name=f"kvservice-{c.instance}",
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=c.reconnect_wait_s,
-                    connect_timeout=min(2.0, c.connect_timeout_s),
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnected,
-                    reconnected_cb=on_reconnected,
-                ),
-                c.connect_timeout_s,
+            self._nc = await connect_nats(
+                nats,
+                list(c.servers),
+                connect_timeout_s=c.connect_timeout_s,
+                error_cb=on_error,
+                name=f"kvservice-{c.instance}",
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=c.reconnect_wait_s,
+                connect_timeout=min(2.0, c.connect_timeout_s),
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
             )
+        except NatsCredentialsRefusedError as e:
+            raise RuntimeError(f"nats_url: {e}") from None
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as e:
             raise RuntimeError(
-                f"nats_url: cannot reach NATS at {', '.join(c.servers)} within {c.connect_timeout_s} s "
-                f"({_describe(e)})"
+                f"nats_url: cannot reach NATS at {servers} within {c.connect_timeout_s} s ({_describe(e)})"
             ) from None
         self._js = self._nc.jetstream(timeout=c.publish_timeout_s)
 

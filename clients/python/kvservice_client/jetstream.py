@@ -62,8 +62,12 @@ __all__ = [
     "InstanceMirror",
     "JetStreamWatcher",
     "MirrorState",
+    "NatsCredentialsRefusedError",
     "ResyncNeededError",
+    "connect_nats",
+    "is_authorization_error",
     "msg_id",
+    "redact_url",
     "subject_for",
 ]
 
@@ -92,6 +96,101 @@ def subject_for(subject_prefix: str, instance: str) -> str:
 def msg_id(epoch: str, seq: int) -> str:
     """The ``Nats-Msg-Id`` of a batch: ``{epoch}:{seq}`` (JetStream drops a re-publish of it)."""
     return f"{epoch}:{seq}"
+
+
+def redact_url(url: Any) -> str:
+    """A NATS URL, or several comma-separated, fit to print or log: the password or token in its
+    userinfo replaced by ``***`` (``nats://u:***@host:4222``; a token or a user alone,
+    ``nats://***@host:4222``). Every place kvservice prints or logs a NATS server address goes
+    through it.
+
+    Args:
+        url: a ``str``, or anything with ``geturl()`` (the ``urllib.parse.ParseResult`` that nats-py
+            hands out as ``connected_url`` and ``servers``); None gives ``"?"``.
+    """
+    if url is None:
+        return "?"
+    text = url.geturl() if hasattr(url, "geturl") else str(url)
+    return ", ".join(_redact_one(part.strip()) for part in text.split(","))
+
+
+def _redact_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, host = rest.rpartition("@")  # the last '@': a password may hold an unescaped one
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    hidden = f"{user}:***" if colon else "***"
+    return f"{scheme}{sep}{hidden}@{host}"
+
+
+def is_authorization_error(error: BaseException) -> bool:
+    """Whether a nats-py error says the server refused the credentials (``AuthorizationError``, or
+    the ``'Authorization Violation'`` / ``'Authentication ...'`` error nats-py raises while
+    connecting)."""
+    if type(error).__name__ in ("AuthorizationError", "InvalidUserCredentialsError"):
+        return True
+    text = str(error).lower()
+    return "authorization violation" in text or "authentication" in text
+
+
+class NatsCredentialsRefusedError(RuntimeError):
+    """The NATS server refused the credentials while connecting (the message names the redacted
+    URLs and nats-py's error).
+
+    Attributes:
+        servers: the redacted URLs.
+    """
+
+    def __init__(self, servers: str, error: BaseException) -> None:
+        detail = str(error) or type(error).__name__
+        super().__init__(
+            f"the NATS server at {servers} refused the credentials ({detail}); check the user and password "
+            "or token in the URL (or the credentials file)"
+        )
+        self.servers = servers
+
+
+async def connect_nats(
+    nats: Any, servers: list[str], *, connect_timeout_s: float, error_cb: Callable[[Exception], Any] | None = None,
+    **options: Any,
+) -> Any:
+    """``nats.connect(servers=servers, **options)``, bounded by ``connect_timeout_s`` seconds, and
+    failing at once when a server refuses the credentials (nats-py itself would retry them until
+    the timeout). ``error_cb`` (async) still sees every error.
+
+    Raises:
+        NatsCredentialsRefusedError: a server refused the credentials.
+        asyncio.TimeoutError: not connected within ``connect_timeout_s``.
+        nats.errors.Error, OSError: as ``nats.connect`` (e.g. ``NoServersError``).
+    """
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[BaseException] = loop.create_future()
+
+    async def on_error(e: Exception) -> None:
+        if is_authorization_error(e) and not refused.done():
+            refused.set_result(e)
+        if error_cb is not None:
+            await error_cb(e)
+
+    connecting = loop.create_task(nats.connect(servers=servers, error_cb=on_error, **options))
+    try:
+        done, _ = await asyncio.wait({connecting, refused}, timeout=connect_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        connecting.cancel()
+        raise
+    if connecting in done:
+        refused.cancel()  # later errors (a refusal on reconnect included) only reach error_cb
+        return connecting.result()
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    if refused in done:
+        raise NatsCredentialsRefusedError(redact_url(",".join(servers)), refused.result())
+    raise asyncio.TimeoutError()
 
 
 def _import_nats() -> Any:
@@ -193,8 +292,9 @@ class JetStreamWatcher:
     durable. Use it inside ``async with`` (which starts and closes it).
 
     Args:
-        servers: NATS URL(s) (the watcher connects and closes the connection), or a connected
-            ``nats.aio.client.Client`` (left open).
+        servers: NATS URL(s) (the watcher connects and closes the connection; credentials go in
+            the userinfo, ``nats://user:password@host:4222`` or ``nats://token@host:4222``, and are
+            redacted wherever logged), or a connected ``nats.aio.client.Client`` (left open).
         durable: the durable consumer's name; the same name resumes from its acked position.
         stream: the JetStream stream (the servers' ``nats_stream``).
         subject_prefix: the servers' ``nats_subject_prefix``.
@@ -202,8 +302,9 @@ class JetStreamWatcher:
             Only used when the durable is created.
         mirrors: mirrors to continue from (e.g. a previous watcher's :attr:`mirrors` in the same
             process), by instance; None = start empty.
-        snapshot_sources: per instance, its gRPC ``host:port`` or an open
-            :class:`~kvservice_client.client.AsyncKVCacheClient`: a gap is then repaired at once
+        snapshot_sources: per instance, its gRPC ``host:port`` (a plain client: no token, no TLS)
+            or an open :class:`~kvservice_client.client.AsyncKVCacheClient` (build it with the
+            token and TLS settings of a server that needs them): a gap is then repaired at once
             from a snapshot (:meth:`rebuild_from_snapshot`); without one the instance stays
             RESYNC_NEEDED until the caller rebuilds it.
         capacity_blocks: bound of each new mirror's :class:`PrefixIndex`, in blocks (None = none).
@@ -289,6 +390,7 @@ class JetStreamWatcher:
         Raises:
             RuntimeError: nats-py is missing, or the watcher is closed.
             asyncio.TimeoutError: NATS could not be reached within ``connect_timeout_s``.
+            NatsCredentialsRefusedError: the NATS server refused the credentials in the URL.
             nats.errors.Error: the stream does not exist (``nats.js.errors.NotFoundError``), or
                 another watcher is bound to the durable.
         """
@@ -305,9 +407,10 @@ class JetStreamWatcher:
                 logger.debug("JetStream watcher: %s: %s", type(e).__name__, e)
 
             # Reconnects forever once connected; the first connection is bounded.
-            self._nc = await asyncio.wait_for(
-                nats.connect(servers=self._servers, error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5),
-                self._connect_timeout_s,
+            assert self._servers is not None
+            self._nc = await connect_nats(
+                nats, self._servers, connect_timeout_s=self._connect_timeout_s, error_cb=on_error,
+                max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             )
         try:
             await self._subscribe(api)

@@ -64,7 +64,8 @@ def _server_options(func: Any) -> Any:
         click.option("--auth-tokens-file", type=click.Path(exists=True, dir_okay=False),
                      help="TOML file of bearer tokens with roles scheduler/watcher [no tokens]."),
         click.option("--allow-insecure-bind", is_flag=True, default=None,
-                     help="Bind a non-loopback host with neither TLS nor tokens (refused otherwise)."),
+                     help="Bind a non-loopback host with neither TLS nor tokens, or a ZMQ endpoint off loopback "
+                          "(no auth there at all; refused otherwise)."),
         # -- limits and request lifetime options --
         click.option("--max-num-requests", type=int, help="Registered requests at once [65536]."),
         click.option("--max-step-ops", type=int, help="Ops per Step [4096]."),
@@ -78,8 +79,8 @@ def _server_options(func: Any) -> Any:
         click.option("--request-idle-timeout-s", type=float,
                      help="Free a request not called for this long, seconds [off]."),
         # -- ZMQ publisher options --
-        click.option("--zmq-endpoint", help="Publish KV events vLLM-style on this ZMQ PUB endpoint, e.g. tcp://*:5557 (bound; tcp://host:port connects) [off]."),
-        click.option("--zmq-replay-endpoint", help="ZMQ ROUTER endpoint answering vLLM replay requests, e.g. tcp://*:5558 [off]."),
+        click.option("--zmq-endpoint", help="Publish KV events vLLM-style on this ZMQ PUB endpoint, e.g. tcp://*:5557 (bound; off loopback needs --allow-insecure-bind; tcp://host:port connects) [off]."),
+        click.option("--zmq-replay-endpoint", help="ZMQ ROUTER endpoint answering vLLM replay requests, always bound, e.g. tcp://*:5558 (off loopback needs --allow-insecure-bind) [off]."),
         click.option("--zmq-topic", help="Topic frame of every ZMQ message [\"\"]."),
         click.option("--zmq-hwm", type=int, help="ZMQ PUB high-water mark, messages per subscriber [100000]."),
         # -- NATS JetStream options --
@@ -119,7 +120,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
 @click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
 @click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
 @click.option("--group", "group_idxs", type=click.IntRange(min=0), multiple=True, help="Only this group's events (repeatable).")
-@click.option("--token", envvar="KVSERVICE_TOKEN", help="Bearer token.")
+@click.option("--token", envvar="KVSERVICE_TOKEN", show_envvar=True, help="Bearer token (prefer the environment variable: a flag shows in ps).")
 @click.option("--tls", "use_tls", is_flag=True, help="Connect with TLS (implied by --tls-ca/--tls-cert) [plain text].")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False),
               help="CA certificates (PEM) that the server's certificate must chain to [the system's].")
@@ -163,7 +164,7 @@ def watch(
 @main.command()
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="Trace file [the embedded Mooncake sample].")
 @click.option("--format", "trace_format", type=click.Choice(["auto", "mooncake", "azure", "tokens"]), default="auto", show_default=True, help="Trace format.")
-@click.option("--limit", type=int, help="Replay only the first N requests.")
+@click.option("--limit", type=click.IntRange(min=1), help="Replay only the first N requests (N >= 1).")
 @click.option("--target", help="An existing server HOST:PORT (its prefix cache is reset before each mode).")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama-3-8b", show_default=True, help="Embedded server's model KV layout.")
 @click.option("--block-size", type=int, help="Embedded server's block size in tokens [the preset's].")
@@ -180,7 +181,7 @@ def watch(
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvservice-replay", show_default=True, help="Where report.json and agreement.png go.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Draw progress bars.")
 # -- multi-instance routing option --
-@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True, help="N >= 2: route over N embedded servers of --num-blocks each by the mirrors' predicted hit, against round-robin; writes routing.json.")
+@click.option("--instances", type=click.IntRange(min=1, max=64), default=1, show_default=True, help="N >= 2: route over N embedded servers of --num-blocks each by the mirrors' predicted hit, against round-robin; writes routing.json.")
 @click.option("--rate-scale", type=float, help="With --instances: arrival-rate multiplier (arrival times divided by it) [N].")
 def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""

@@ -115,7 +115,8 @@ async def watch_events(
         try:
             meta = await client.get_kv_cache_group_metadata()
         except KVServiceError as e:
-            raise KVServiceError(e.code, f"cannot reach {target}: {e.code.name}: {e.message}") from e
+            what = "cannot reach" if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "refused by"
+            raise KVServiceError(e.code, f"{what} {target}: {e.code.name}: {e.message}") from e
         print(
             f"# {target}: epoch {meta.epoch}, head seq {meta.head_seq}, {len(meta.groups)} group(s), "
             f"hash {meta.hash_algorithm}",

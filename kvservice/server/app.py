@@ -36,11 +36,12 @@ from kvservice.memory import (
     num_blocks_from_budget,
     resolve_device,
 )
-from kvservice.server.auth import build_auth, check_auth_settings
+from kvservice.server.auth import build_auth, check_auth_settings, is_loopback_host
 from kvservice.server.event_log import EventLog, EventLogConfig
 from kvservice.server.nats_sink import check_nats_settings, start_nats_sink
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
+from kvservice.server.zmq_publisher import check_endpoint_exposure
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 
 if sys.version_info >= (3, 11):
@@ -99,18 +100,24 @@ class ServerConfig:
         auth_tokens_file: TOML file of bearer tokens with roles (scheduler, watcher); see
             ``kvservice.server.auth``. Without it no token is asked for.
         allow_insecure_bind: bind a non-loopback host with neither TLS nor tokens (refused
-            otherwise).
+            otherwise); also bind a ZMQ socket (zmq_endpoint, zmq_replay_endpoint) on a
+            non-loopback address, which has no authentication at all (refused otherwise).
         zmq_endpoint: publish every event batch on a ZMQ PUB socket in vLLM's framing, e.g.
             "tcp://*:5557" (None: off, the default). Bound when it has a wildcard or is ipc://,
             connected otherwise (vLLM's rule); ``RunningServer.zmq_publisher.endpoint`` is the
-            bound one (a wildcard port resolved).
+            bound one (a wildcard port resolved). A bind off loopback (``tcp://*``) needs
+            allow_insecure_bind: ZMQ has no authentication.
         zmq_replay_endpoint: ROUTER endpoint (bound) answering vLLM replay requests from the
-            retained event log (None: no replay; needs zmq_endpoint).
+            retained event log (None: no replay; needs zmq_endpoint). Off loopback it needs
+            allow_insecure_bind.
         zmq_topic: topic frame of every ZMQ message ("", vLLM's default; None, as an empty flag or
             variable gives, is "" too).
         zmq_hwm: PUB send high-water mark, messages queued per subscriber before ZMQ drops (>= 1).
         nats_url: publish every event batch to NATS JetStream, e.g. "nats://nats:4222" (several
-            comma-separated; None: off, the default). See ``kvservice.server.nats_sink``.
+            comma-separated; None: off, the default). Credentials go in the userinfo
+            (``nats://user:password@host:4222``, ``nats://token@host:4222``); every note, log line
+            and error shows them as ``***``. A refused credential fails the start at once. See
+            ``kvservice.server.nats_sink``.
         nats_subject_prefix: batches go to ``<prefix>.<instance>``; the stream captures ``<prefix>.>``.
         nats_stream: the JetStream stream, created or updated to the retention below at start.
         nats_instance: this server's subject token, ``[A-Za-z0-9_-]+`` (None: ``<hostname>-<port>``
@@ -167,7 +174,7 @@ class ServerConfig:
     zmq_topic: str | None = ""
     zmq_hwm: int = 100_000
     # -- NATS JetStream sink settings --
-    nats_url: str | None = None
+    nats_url: str | None = field(default=None, repr=False)  # may hold a password or token
     nats_subject_prefix: str = "kvservice.events"
     nats_stream: str = "KVSERVICE_EVENTS"
     nats_instance: str | None = None
@@ -223,6 +230,11 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://*:5557 or ipc:///path; got {value!r}")
         if self.zmq_hwm < 1:
             raise ValueError(f"zmq_hwm must be >= 1 messages; got {self.zmq_hwm}")
+        # ZMQ has no authentication: a non-loopback bind needs allow_insecure_bind (refused here,
+        # before anything is allocated; the start lines carry the warning).
+        check_endpoint_exposure(
+            self.zmq_endpoint, self.zmq_replay_endpoint, allow_insecure_bind=self.allow_insecure_bind
+        )
         # issue 7: NATS JetStream sink
         check_nats_settings(self)
         check_auth_settings(  # issue 6: TLS files go together
@@ -300,7 +312,8 @@ def load_config(
     """Build a :class:`ServerConfig` from a TOML file, ``KVSERVICE_*`` variables and overrides.
 
     Overrides whose value is None are ignored (flags not given). Precedence: overrides >
-    environment > file > defaults.
+    environment > file > defaults. A relative path in the file (``*_file`` settings) is relative
+    to the file's directory; in the environment and overrides, to the working directory.
 
     Raises:
         ValueError: an unknown key (file, environment or override) or a bad value, naming it.
@@ -318,7 +331,11 @@ def load_config(
             key = key.replace("-", "_")
             if key not in names:
                 raise ValueError(f"{config_file}: unknown key {key!r}")
-            values[key] = _coerced(key, value, str(config_file))
+            value = _coerced(key, value, str(config_file))
+            if key.endswith("_file") and isinstance(value, str) and not os.path.isabs(value):
+                # A path in a config file is relative to that file, not to where the server starts.
+                value = str(Path(config_file).resolve().parent / value)
+            values[key] = value
     environ = os.environ if environ is None else environ
     for env_key, value in environ.items():
         if env_key.startswith("KVSERVICE_"):
@@ -533,6 +550,8 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         config = dataclasses.replace(config, metrics_port=metrics_port)
         metrics_host = f"[{config.metrics_host}]" if ":" in config.metrics_host else config.metrics_host
         notes.append(f"Prometheus metrics on http://{metrics_host}:{metrics_port}/metrics")
+        if not is_loopback_host(config.metrics_host):
+            notes.append(f"metrics on non-loopback {config.metrics_host}: plain HTTP, no auth (usage and counters only)")
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -581,13 +600,14 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         try:
             running.zmq_publisher = await ZmqEventPublisher.start(
                 event_log, endpoint=config.zmq_endpoint, replay_endpoint=config.zmq_replay_endpoint,
-                topic=config.zmq_topic or "", hwm=config.zmq_hwm,
+                topic=config.zmq_topic or "", hwm=config.zmq_hwm, allow_insecure_bind=config.allow_insecure_bind,
             )
         except BaseException:
             await running.stop(0)
             raise
         closers.append(running.zmq_publisher.close)
         notes.append(running.zmq_publisher.describe())
+        notes.extend(running.zmq_publisher.notes)
     # -- event publishers: NATS JetStream --
     if config.nats_url is not None:
         try:

@@ -444,8 +444,9 @@ def build_auth(
 ) -> AuthSetup:
     """Read the TLS and token files and apply the bind rules.
 
-    Rules: with neither TLS nor tokens the server must bind a loopback address (see
-    :func:`is_loopback_host`) unless ``allow_insecure_bind``; tokens without TLS on a
+    Rules: unless clients are authenticated (bearer tokens, or client certificates with mutual
+    TLS; server-only TLS authenticates nobody) the server must bind a loopback address (see
+    :func:`is_loopback_host`) or be given ``allow_insecure_bind``; tokens without TLS on a
     non-loopback address are allowed, with a note that they travel in clear text.
 
     Args:
@@ -453,20 +454,23 @@ def build_auth(
         tls_cert_file, tls_key_file: the server's certificate chain and key (PEM), or None.
         tls_client_ca_file: CA (PEM) client certificates must chain to (mutual TLS), or None.
         auth_tokens_file: the TOML token file (see :meth:`TokenTable.from_file`), or None.
-        allow_insecure_bind: bind a non-loopback address with neither TLS nor tokens.
+        allow_insecure_bind: bind a non-loopback address without authenticating clients.
 
     Raises:
         ValueError: a bad or missing file (named), mismatched TLS settings, or a non-loopback
-            host without TLS, tokens or ``allow_insecure_bind`` (the message names the flag).
+            host without tokens, client certificates or ``allow_insecure_bind`` (the message names
+            the flag).
     """
     check_auth_settings(tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file)
     loopback = is_loopback_host(host)
-    tls = tls_cert_file is not None
-    if not (tls or auth_tokens_file is not None or loopback or allow_insecure_bind):
+    # Server-only TLS encrypts but authenticates no client: it does not count as auth here.
+    authenticates = auth_tokens_file is not None or tls_client_ca_file is not None
+    if not (authenticates or loopback or allow_insecure_bind):
         raise ValueError(
-            f"host {host!r} is not a loopback address and neither TLS (tls_cert_file, tls_key_file) nor bearer "
-            "tokens (auth_tokens_file) are set: anyone who reaches it could change the cache; set them, or set "
-            "allow_insecure_bind (--allow-insecure-bind) to bind anyway"
+            f"host {host!r} is not a loopback address and no client is authenticated (neither bearer tokens, "
+            "auth_tokens_file, nor client certificates, tls_client_ca_file; server-only TLS authenticates nobody): "
+            "anyone who reaches it could change the cache; set them, or set allow_insecure_bind "
+            "(--allow-insecure-bind) to bind anyway"
         )
     credentials = None
     if tls_cert_file is not None and tls_key_file is not None:
@@ -486,6 +490,11 @@ def build_auth(
         if credentials is not None:
             transport = "mutual TLS (client certificates required)" if tls_client_ca_file else "TLS"
         notes.append(f"auth: {transport}, {tokens.describe() if tokens else 'no tokens'}")
+        if tokens is None and not tls_client_ca_file and not loopback:
+            notes.append(
+                f"TLS without client certificates or tokens on non-loopback {host} (allow_insecure_bind): traffic is "
+                "encrypted but anyone who reaches it can change the cache"
+            )
         if tokens is not None and credentials is None and not loopback:
             notes.append(
                 f"bearer tokens travel in clear text: no TLS on non-loopback {host} (set tls_cert_file and tls_key_file)"

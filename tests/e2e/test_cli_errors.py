@@ -83,7 +83,7 @@ def test_bad_log_level_is_a_clean_error():
 @pytest.mark.parametrize(
     "args",
     [["--watchers", "0"], ["--watchers", "-1"], ["--max-num-seqs", "0"], ["--max-num-batched-tokens", "0"],
-     ["--step-ms", "nan"], ["--step-ms", "-1"]],
+     ["--step-ms", "nan"], ["--step-ms", "-1"], ["--limit", "0"], ["--instances", "65"]],
 )
 def test_replay_rejects_out_of_range_options_quickly(tmp_path, args):
     """Today: --watchers 0/-1 end in an IndexError traceback, --max-num-seqs 0 and

@@ -428,6 +428,19 @@ async def test_non_loopback_bind_without_auth_is_refused(start_kv_server, host):
         await start_kv_server(host=host)
 
 
+async def test_server_only_tls_authenticates_nobody_so_a_non_loopback_bind_needs_the_flag(start_kv_server, pki):
+    with pytest.raises(ValueError, match=r"server-only TLS authenticates nobody.*--allow-insecure-bind"):
+        await start_kv_server(host="0.0.0.0", **tls_settings(pki))
+    running = await start_kv_server(host="0.0.0.0", allow_insecure_bind=True, **tls_settings(pki))
+    assert running.notes[-2:] == [
+        "auth: TLS, no tokens",
+        "TLS without client certificates or tokens on non-loopback 0.0.0.0 (allow_insecure_bind): traffic is "
+        "encrypted but anyone who reaches it can change the cache",
+    ]
+    mutual = await start_kv_server(host="0.0.0.0", **tls_settings(pki, mutual=True))
+    assert mutual.notes[-1] == "auth: mutual TLS (client certificates required), no tokens"
+
+
 async def test_non_loopback_bind_notes(start_kv_server, tmp_path):
     insecure = await start_kv_server(host="0.0.0.0", allow_insecure_bind=True)
     assert insecure.notes[-1] == (

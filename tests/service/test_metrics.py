@@ -272,3 +272,10 @@ async def test_interceptor_records_the_final_status_code():
     ]
     assert [s for s, m, _ in recorded if m != "other"] == ["test.S"] * 6
     assert [s for s, m, _ in recorded if m == "other"] == [""]
+
+
+async def test_metrics_on_a_non_loopback_host_warn_at_start(start_kv_server):
+    running = await start_kv_server(metrics_port=0, metrics_host="0.0.0.0")
+    assert "metrics on non-loopback 0.0.0.0: plain HTTP, no auth (usage and counters only)" in running.notes
+    local = await start_kv_server(metrics_port=0)
+    assert not any(note.startswith("metrics on non-loopback") for note in local.notes)

@@ -365,3 +365,11 @@ def test_out_of_range_arguments_fail_before_the_call_naming_the_field() -> None:
             client.allocate_slots("w", 1, num_lookahead_tokens=2**40)
         with pytest.raises(ValueError, match=r"^prompt_token_ids: Value out of range"):
             client.get_computed_blocks("w", [1, 2**70])
+
+
+@pytest.mark.parametrize("token", ["", "é" * 20, "two words", "tab\there"])
+def test_a_token_that_cannot_be_sent_as_metadata_is_refused_at_construction(token):
+    from kvservice_client.client import KVCacheClient
+
+    with pytest.raises(ValueError, match="token: must be non-empty printable ASCII without spaces"):
+        KVCacheClient("127.0.0.1:1", token=token)

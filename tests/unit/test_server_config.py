@@ -106,3 +106,14 @@ def test_serve_refuses_an_open_bind_without_auth():
     result = CliRunner().invoke(main, args, env={"KVSERVICE_ALLOW_INSECURE_BIND": None})
     assert result.exit_code == 1
     assert "set allow_insecure_bind (--allow-insecure-bind) to bind anyway" in result.output
+
+
+def test_relative_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeypatch):
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    (conf_dir / "c.toml").write_text('auth_tokens_file = "tokens.toml"\ntls_cert_file = "/abs/server.pem"\n')
+    monkeypatch.chdir(tmp_path)
+    config = load_config(conf_dir / "c.toml", environ={"KVSERVICE_TLS_KEY_FILE": "rel.key"})
+    assert config.auth_tokens_file == str(conf_dir.resolve() / "tokens.toml")
+    assert config.tls_cert_file == "/abs/server.pem"
+    assert config.tls_key_file == "rel.key"  # the environment's paths stay relative to the working directory

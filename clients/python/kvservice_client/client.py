@@ -500,6 +500,9 @@ def _metadata_pairs(metadata: Metadata) -> tuple[tuple[str, str | bytes], ...]:
 def _base_metadata(token: str | None, metadata: Metadata) -> tuple[tuple[str, str | bytes], ...]:
     pairs = _metadata_pairs(metadata)
     if token is not None:
+        # gRPC metadata values are printable ASCII; anything else fails every call with INTERNAL.
+        if not token or not token.isascii() or not token.isprintable() or " " in token:
+            raise ValueError("token: must be non-empty printable ASCII without spaces")
         pairs = (("authorization", f"Bearer {token}"), *pairs)
     return pairs
 
@@ -553,7 +556,8 @@ class KVCacheClient(_ClientBase):
         target: a ``host:port`` address (the client opens a channel to it, plain text unless a TLS
             argument is given, and closes it in :meth:`close`), or a ``grpc.Channel`` (left open
             by :meth:`close`).
-        token: a bearer token, sent on every call as ``authorization: Bearer <token>``.
+        token: a bearer token, sent on every call as ``authorization: Bearer <token>`` (printable
+            ASCII without spaces, else ValueError).
         metadata: metadata sent on every call, before the call's own.
         timeout: the default deadline of unary calls, in seconds or as a ``timedelta`` (None: no
             deadline). ``stream_events`` gets a deadline only when the call passes one.
@@ -904,7 +908,8 @@ class AsyncKVCacheClient(_ClientBase):
         target: a ``host:port`` address (the client opens a ``grpc.aio`` channel, plain text unless
             a TLS argument is given, and closes it in :meth:`close`), or a ``grpc.aio.Channel``
             (left open by :meth:`close`).
-        token: a bearer token, sent on every call as ``authorization: Bearer <token>``.
+        token: a bearer token, sent on every call as ``authorization: Bearer <token>`` (printable
+            ASCII without spaces, else ValueError).
         metadata: metadata sent on every call, before the call's own.
         timeout: the default deadline of unary calls, in seconds or as a ``timedelta``.
         options: channel options, when ``target`` is an address.

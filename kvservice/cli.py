@@ -183,6 +183,7 @@ def watch(
 # -- multi-instance routing option --
 @click.option("--instances", type=click.IntRange(min=1, max=64), default=1, show_default=True, help="N >= 2: route over N embedded servers of --num-blocks each by the mirrors' predicted hit, against round-robin; writes routing.json.")
 @click.option("--rate-scale", type=float, help="With --instances: arrival-rate multiplier (arrival times divided by it) [N].")
+@click.option("--nats-url", help="With --instances: every server publishes to this NATS JetStream (a stream per policy run, deleted after) and the router's mirrors are fed over it, not over gRPC StreamEvents.")
 def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""
     from pathlib import Path
@@ -190,6 +191,8 @@ def replay(**options: Any) -> None:
     if options["instances"] >= 2:
         _replay_instances(options)
         return
+    if options["nats_url"] is not None:
+        raise click.UsageError("--nats-url feeds the router's mirrors of --instances N (N >= 2)")
 
     from kvservice.replay.report import plot_agreement, render_table, write_json
     from kvservice.replay.runner import ReplayConfig, run_replay
@@ -256,6 +259,7 @@ def _replay_instances(options: dict[str, Any]) -> None:
                                       max_num_batched_tokens=options["max_num_batched_tokens"],
                                       step_ms=options["step_ms"]),
             show_progress=options["progress"],
+            nats_url=options["nats_url"],
         )
         report = asyncio.run(run_multi_replay(config))
     except KVServiceError as e:

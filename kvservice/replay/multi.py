@@ -52,9 +52,11 @@ nothing about routing, and is reported apart.
 
 **Feeds.** A mirror is "a :class:`~kvservice_client.watcher.PrefixIndex` fed by some transport":
 :class:`MirrorFeed` is that seam (``index``, ``start``, ``wait_applied(seq)``, ``close``), built per
-instance by a :data:`FeedFactory`. :func:`grpc_stream_feed` is the gRPC ``StreamEvents`` feed; any
-transport that delivers the server's batches in seq order (a message bus carrying the event log's
-seq) plugs in the same way.
+instance by a :data:`FeedFactory`. :func:`grpc_stream_feed` is the gRPC ``StreamEvents`` feed (the
+default); with ``nats_url`` (``--nats-url``) every server publishes to NATS JetStream and
+:class:`~kvservice.replay.jetstream_feed.JetStreamFeeds` feeds the mirrors from one durable consumer
+(a stream per policy run). Both carry the event log's seq, so the freshness rule and the results
+are the same over either.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ from kvservice_client.client import AsyncKVCacheClient
 from kvservice_client.watcher import HitPredictor, PrefixIndex
 
 __all__ = [
-    "MULTI_REPORT_SCHEMA", "POLICIES", "FeedFactory", "Instance", "MirrorFeed", "MultiReplayConfig",
+    "GRPC_FEED_NAME", "MULTI_REPORT_SCHEMA", "POLICIES", "FeedFactory", "Instance", "MirrorFeed", "MultiReplayConfig",
     "MultiReport", "PolicyReport", "PolicyRun", "Router", "RoutingDecision", "grpc_stream_feed", "read_multi_json",
     "render_multi_table", "replay_policy", "run_multi_replay", "write_multi_json",
 ]
@@ -116,6 +118,8 @@ class MultiReplayConfig:
         scheduler: each instance's scheduler limits (its report mode is replaced by ``report_mode``).
         policies: the policies to run, in order (a subset of :data:`POLICIES`).
         show_progress: draw progress bars.
+        nats_url: NATS server URL(s): every server publishes to JetStream and the mirrors are fed
+            over it (:class:`~kvservice.replay.jetstream_feed.JetStreamFeeds`); None = the gRPC feed.
 
     Raises:
         ValueError: a field out of its bounds (named in the message).
@@ -136,6 +140,7 @@ class MultiReplayConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     policies: tuple[str, ...] = POLICIES
     show_progress: bool = True
+    nats_url: str | None = field(default=None, repr=False)  # may hold a password or token
 
     def __post_init__(self) -> None:
         if self.instances < 2:
@@ -154,6 +159,8 @@ class MultiReplayConfig:
             raise ValueError(f"limit must be >= 0; got {self.limit}")
         if self.mirror_capacity is not None and self.mirror_capacity < 0:
             raise ValueError(f"mirror_capacity must be >= 0 (0: unbounded); got {self.mirror_capacity}")
+        if self.nats_url is not None and not self.nats_url.strip():
+            raise ValueError("nats_url must name at least one NATS server (or be None); got an empty string")
 
     @property
     def arrival_rate_scale(self) -> float:
@@ -231,7 +238,10 @@ class Instance:
 
 
 FeedFactory = Callable[[Instance], MirrorFeed]
-"""Builds an (unstarted) mirror of one instance."""
+"""Builds an (unstarted) mirror of one instance (a run builds every instance's before starting any)."""
+
+GRPC_FEED_NAME = "grpc StreamEvents (snapshot first)"
+"""The gRPC feed's name in a report's ``metadata["feed"]``."""
 
 
 def grpc_stream_feed(instance: Instance) -> MirrorFeed:
@@ -406,7 +416,7 @@ async def replay_policy(
     config: MultiReplayConfig,
     *,
     requests: Sequence[TraceRequest] | None = None,
-    feed_factory: FeedFactory = grpc_stream_feed,
+    feed_factory: FeedFactory | None = None,
     position: int = 0,
     runs: list[PolicyRun] | None = None,
 ) -> PolicyReport:
@@ -416,7 +426,10 @@ async def replay_policy(
         policy: "routed" or "round-robin".
         config: what to replay.
         requests: the trace (default: loaded from ``config``).
-        feed_factory: builds each instance's mirror (default: :func:`grpc_stream_feed`).
+        feed_factory: builds each instance's mirror (default: a
+            :class:`~kvservice.replay.jetstream_feed.JetStreamFeeds` of this run with
+            ``config.nats_url``, else :func:`grpc_stream_feed`). With ``config.nats_url`` every
+            server publishes to a stream of this run, deleted at the end.
         position: the progress bar's line.
         runs: when given, the raw :class:`PolicyRun` is appended.
 
@@ -429,6 +442,13 @@ async def replay_policy(
 
     if requests is None:
         requests = load_scaled_requests(config)
+    nats_feeds = None
+    if config.nats_url is not None:
+        from kvservice.replay.jetstream_feed import JetStreamFeeds
+
+        nats_feeds = JetStreamFeeds(config.nats_url, policy)
+    if feed_factory is None:
+        feed_factory = nats_feeds if nats_feeds is not None else grpc_stream_feed
     started = time.perf_counter()
     scheduler_config = dataclasses.replace(config.scheduler, kv_cache_report_mode=config.report_mode)
     servers = []
@@ -439,6 +459,7 @@ async def replay_policy(
             server = await start_server(
                 port=0, preset=config.preset, block_size=config.block_size, num_blocks=config.num_blocks,
                 device=config.device, hash_algorithm=config.hash_algorithm, grace_seconds=1.0,
+                **(nats_feeds.server_settings(i) if nats_feeds is not None else {}),
             )
             servers.append(server)
             client = AsyncKVCacheClient(server.address, timeout=120.0)
@@ -447,12 +468,14 @@ async def replay_policy(
             capacity = config.mirror_capacity if config.mirror_capacity is not None else pool_blocks
             instances.append(Instance(i, server.address, client, metadata, capacity or None))
         router = Router(policy, instances)
-        for inst in instances:
+        for inst in instances:  # every feed is built before any starts (FeedFactory)
             inst.feed = feed_factory(inst)
             inst.predictor = HitPredictor(inst.metadata, inst.feed.index)
             inst.scheduler = ReplayScheduler(inst.client, (), scheduler_config,
                                              predictor=_admission_predictor(inst, router),
                                              max_model_len=inst.metadata.max_model_len)
+        for inst in instances:
+            assert inst.feed is not None
             await inst.feed.start()
         if config.show_progress:
             from tqdm.auto import tqdm
@@ -477,6 +500,8 @@ async def replay_policy(
             await inst.client.close()
         for server in servers:
             await server.stop(0)
+        if nats_feeds is not None:
+            await nats_feeds.delete_stream()
     run.wall_time_s = time.perf_counter() - started
     if runs is not None:
         runs.append(run)
@@ -545,19 +570,23 @@ def _replay_policy_in_process(policy: str, config: MultiReplayConfig, position: 
 
 
 async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] | None = None,
-                           parallel: bool = True, feed_factory: FeedFactory = grpc_stream_feed) -> MultiReport:
+                           parallel: bool = True, feed_factory: FeedFactory | None = None) -> MultiReport:
     """Run every policy of ``config`` and build the report.
 
     With two policies, each runs in its own worker process (two fresh sets of servers, same trace),
     unless ``runs`` is given (then in this process, and each raw :class:`PolicyRun` is appended),
-    ``parallel`` is False, ``feed_factory`` is not the default, or the machine has one core.
+    ``parallel`` is False, ``feed_factory`` is given, or the machine has one core. The mirrors are
+    fed by ``feed_factory`` (default: over JetStream with ``config.nats_url``, else over gRPC; see
+    :func:`replay_policy`); ``metadata["feed"]`` names the feed.
 
     Raises:
         as :func:`replay_policy`.
     """
     requests = load_scaled_requests(config)
     policies = list(config.policies)
-    in_workers = (parallel and runs is None and feed_factory is grpc_stream_feed and len(policies) > 1
+    if feed_factory is grpc_stream_feed and config.nats_url is None:
+        feed_factory = None  # the default: the workers build it
+    in_workers = (parallel and runs is None and feed_factory is None and len(policies) > 1
                   and (os.cpu_count() or 1) > 1)
     if in_workers:
         loop = asyncio.get_running_loop()
@@ -591,9 +620,20 @@ async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] |
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "step_ms": config.scheduler.step_ms,
             "device": config.device,
-            "feed": "grpc StreamEvents (snapshot first)" if feed_factory is grpc_stream_feed else repr(feed_factory),
+            "feed": _feed_name(config, feed_factory),
         },
     )
+
+
+def _feed_name(config: MultiReplayConfig, feed_factory: FeedFactory | None) -> str:
+    """The name of the feed a run used (``metadata["feed"]`` of its report)."""
+    if feed_factory is None and config.nats_url is not None:
+        from kvservice.replay.jetstream_feed import describe_jetstream_feed
+
+        return describe_jetstream_feed(config.nats_url)
+    if feed_factory is None or feed_factory is grpc_stream_feed:
+        return GRPC_FEED_NAME
+    return repr(feed_factory)
 
 
 # --------------------------------------------------------------------------------------------
@@ -881,6 +921,7 @@ def render_multi_table(report: MultiReport, *, width: int = 120) -> str:
             f"preset {report.preset}, block_size {report.block_size} tokens; per instance: {report.num_blocks_per_instance:,} "
             f"blocks, mirror {_fmt_capacity(report.policies[0].mirror_capacity_blocks)}; arrivals "
             f"{report.arrival_rate_scale:g}x the trace's rate"
+            + (f"\nmirrors fed by {report.metadata['feed']}" if report.metadata.get("feed") else "")
         ),
         title_justify="left",
     )

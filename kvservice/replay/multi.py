@@ -69,7 +69,6 @@ import math
 import multiprocessing
 import os
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -77,7 +76,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvservice.replay.report import AgreementStats, LatencySummary
+from kvservice.replay.report import (
+    _LATENCY_FIELDS,
+    AgreementStats,
+    LatencySummary,
+    _agreement_from_dict,
+    _agreement_to_dict,
+    _fmt_pct,
+    _pct,
+    write_json_with_compact_lists,
+)
 from kvservice.replay.runner import DEFAULT_NUM_BLOCKS, MirrorWatcher, ReplayConfig, load_requests
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig
 from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits
@@ -640,12 +648,6 @@ def _feed_name(config: MultiReplayConfig, feed_factory: FeedFactory | None) -> s
 # Report
 
 
-def _pct(numerator: float, denominator: float) -> float | None:
-    return 100.0 * numerator / denominator if denominator else None
-
-
-_AGREEMENT_FIELDS = ("num_compared", "num_exact", "mean_abs_error_blocks", "mean_predicted_blocks", "mean_actual_blocks")
-_LATENCY_FIELDS = ("num_samples", "p50_ms", "p99_ms", "max_ms")
 
 
 @dataclass(slots=True)
@@ -744,19 +746,11 @@ class PolicyReport:
         routing = d.get("routing_agreement")
         return cls(
             **{k: d[k] for k in cls._SCALARS},
-            routing_agreement=AgreementStats(**{k: routing[k] for k in _AGREEMENT_FIELDS}) if routing else None,
-            admission_agreement=AgreementStats(**{k: d["admission_agreement"][k] for k in _AGREEMENT_FIELDS}),
+            routing_agreement=_agreement_from_dict(routing) if routing else None,
+            admission_agreement=_agreement_from_dict(d["admission_agreement"]),
             rpc_latency=LatencySummary(**{k: d["rpc_latency"][k] for k in _LATENCY_FIELDS}),
             assignments=[(int(i), int(j)) for i, j in d.get("assignments", [])],
         )
-
-
-def _agreement_to_dict(a: AgreementStats | None) -> dict[str, Any] | None:
-    if a is None:
-        return None
-    d: dict[str, Any] = {k: getattr(a, k) for k in _AGREEMENT_FIELDS}
-    d["exact_match_pct"] = a.exact_match_pct
-    return d
 
 
 @dataclass(slots=True)
@@ -841,19 +835,8 @@ class MultiReport:
 def write_multi_json(report: MultiReport, path: str | Path) -> Path:
     """Writes ``report`` as JSON (indented; each assignment list on one line), creating parent
     folders. Returns the path written."""
-    path = Path(path)
     data = report.to_dict()
-    placeholders: dict[str, str] = {}
-    for p in data["policies"]:
-        token = f"@assignments-{uuid.uuid4().hex}@"
-        placeholders[json.dumps(token)] = json.dumps(p["assignments"], separators=(",", ":"))
-        p["assignments"] = token
-    text = json.dumps(data, indent=2, allow_nan=False)
-    for token, compact in placeholders.items():
-        text = text.replace(token, compact, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n", encoding="utf-8")
-    return path
+    return write_json_with_compact_lists(data, path, [(p, "assignments") for p in data["policies"]])
 
 
 def read_multi_json(path: str | Path) -> MultiReport:
@@ -864,10 +847,6 @@ def read_multi_json(path: str | Path) -> MultiReport:
         KeyError: a required field is missing.
     """
     return MultiReport.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
-
-def _fmt_pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f} %"
 
 
 def _fmt_capacity(blocks: int) -> str:

@@ -368,17 +368,23 @@ def write_json(report: ReplayReport, path: str | Path) -> Path:
     Returns:
         The path written.
     """
-    path = Path(path)
     data = report.to_dict()
     # Keep the long per-request series compact: one line each instead of five lines a point.
+    return write_json_with_compact_lists(data, path, [(mode, "series") for mode in data["modes"]])
+
+
+def write_json_with_compact_lists(data: dict[str, Any], path: str | Path, compact: list[tuple[dict, str]]) -> Path:
+    """Writes ``data`` as indented JSON, except that each ``container[key]`` named in ``compact``
+    (a long list) goes on one line; creates parent folders. Returns the path written."""
+    path = Path(path)
     placeholders: dict[str, str] = {}
-    for mode in data["modes"]:
-        token = f"@series-{uuid.uuid4().hex}@"
-        placeholders[json.dumps(token)] = json.dumps(mode["series"], separators=(",", ":"))
-        mode["series"] = token
+    for container, key in compact:
+        token = f"@{key}-{uuid.uuid4().hex}@"
+        placeholders[json.dumps(token)] = json.dumps(container[key], separators=(",", ":"))
+        container[key] = token
     text = json.dumps(data, indent=2, allow_nan=False)
-    for token, series in placeholders.items():
-        text = text.replace(token, series, 1)
+    for token, value in placeholders.items():
+        text = text.replace(token, value, 1)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n", encoding="utf-8")
     return path

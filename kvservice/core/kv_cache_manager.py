@@ -75,7 +75,7 @@ class PrefixCachingConfig:
     """Prefix caching: the block-hash rule (see :mod:`kvservice_client.hashing`).
 
     Attributes:
-        hash_algorithm: "sha256_cbor" (default), "sha256" or "xxhash".
+        hash_algorithm: "sha256_cbor" (default), "sha256", "xxhash" or "xxhash_cbor".
         hash_seed: the root seed.
     """
 

@@ -38,7 +38,8 @@ def run(num_tokens: int = 262_144, block_size: int = 16) -> list[dict]:
     for algorithm, encode, digest in (
         ("sha256_cbor", lambda o: cbor2.dumps(o, canonical=True), lambda b: hashlib.sha256(b).digest()),
         ("sha256", lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL), lambda b: hashlib.sha256(b).digest()),
-        ("xxhash", lambda o: cbor2.dumps(o, canonical=True), xxhash.xxh3_64_digest),
+        ("xxhash", lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL), xxhash.xxh3_128_digest),
+        ("xxhash_cbor", lambda o: cbor2.dumps(o, canonical=True), xxhash.xxh3_128_digest),
     ):
         hasher = BlockHasher(block_size, algorithm)
         hashes = hasher.hash_prompt(tokens)

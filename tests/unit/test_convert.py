@@ -44,7 +44,7 @@ def test_block_stored_with_every_field_maps_field_by_field() -> None:
         lora_id=3,
         medium="GPU",
         lora_name="adapter",
-        extra_keys=[["adapter", ["img-1", 0], "salt"], ["adapter"]],
+        extra_keys=[["adapter", ["img-1", 0], "salt"], ["adapter", ["img-1", -2]]],
         group_idx=1,
         kv_cache_spec_kind="sliding_window",
         kv_cache_spec_sliding_window=128,
@@ -68,7 +68,12 @@ def test_block_stored_with_every_field_maps_field_by_field() -> None:
                         pb.ExtraKey(cache_salt="salt"),
                     ]
                 ),
-                pb.BlockExtraKeys(keys=[pb.ExtraKey(lora_name="adapter")]),
+                pb.BlockExtraKeys(
+                    keys=[
+                        pb.ExtraKey(lora_name="adapter"),
+                        pb.ExtraKey(mm=pb.MultiModalKey(identifier="img-1", offset=-2)),
+                    ]
+                ),
             ],
             group_idx=1,
             kv_cache_spec_kind=pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW,
@@ -234,12 +239,12 @@ def test_kind_edges() -> None:
         (_stored(parent_block_hash=-5), "parent_block_hash: -5 is not an unsigned 64-bit int"),
         (_stored(locality="rack-1"), "locality has no kvservice.v1 field"),
         (_stored(ownership={"a": 1}), "ownership has no kvservice.v1 field"),
-        (_stored(lookahead_token_ids=[1]), "lookahead_token_ids has no kvservice.v1 field"),
+        (_stored(lookahead_token_ids=[[1]]), "lookahead_token_ids has no kvservice.v1 field"),
         (_stored(extra_keys=[]), "extra_keys: an empty list cannot be told from None"),
         (_stored(extra_keys=[[]]), r"extra_keys\[0\]: expected None or a non-empty list"),
         (_stored(extra_keys=[[3]]), r"extra_keys\[0\]\[0\]: expected a str"),
         (_stored(extra_keys=[None, [["img"]]]), r"extra_keys\[1\]\[0\]"),
-        (_stored(extra_keys=[[["img", -1]]]), r"extra_keys\[0\]\[0\]"),
+        (_stored(extra_keys=[[["img", 1 << 31]]]), r"extra_keys\[0\]\[0\]"),
         (_stored(extra_keys=[[["img", True]]]), r"extra_keys\[0\]\[0\]"),
         (ev.BlockRemoved(block_hashes=[1], medium=None, locality="x"), "BlockRemoved: locality"),
     ],
@@ -311,7 +316,7 @@ def test_batch_msgpack_payload_fills_msgpack_only(payload_format: convert.Payloa
 
 
 def test_msgpack_payload_carries_fields_the_proto_has_not() -> None:
-    batch = ev.KVEventBatch(ts=2.0, events=[_stored(locality="rack-1", lookahead_token_ids=[5])])
+    batch = ev.KVEventBatch(ts=2.0, events=[_stored(locality="rack-1", lookahead_token_ids=[[5]])])
     msg = convert.batch_to_proto(batch, seq=1, epoch="e", payload_format="msgpack")
     assert not msg.HasField("data_parallel_rank")
     assert convert.proto_to_batch(_wire(msg)) == batch
@@ -350,7 +355,7 @@ _digest = st.binary(max_size=33)
 _hash_lists = st.one_of(st.lists(_uint64, max_size=4), st.lists(_digest, min_size=1, max_size=4))
 _parents = st.one_of(st.none(), _uint64, _digest)
 _kinds = st.one_of(st.none(), st.sampled_from(sorted(convert.KV_CACHE_SPEC_KIND_TO_PROTO)))
-_keys = st.one_of(_names, st.tuples(_texts, _uint32).map(list))
+_keys = st.one_of(_names, st.tuples(_texts, _int32).map(list))
 _extra_keys = st.one_of(
     st.none(), st.lists(st.one_of(st.none(), st.lists(_keys, min_size=1, max_size=3)), min_size=1, max_size=4)
 )

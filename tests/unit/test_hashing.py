@@ -61,7 +61,8 @@ def test_hash_changes_with_lora_salt_seed_and_algorithm_not_with_lora_id():
     assert BlockHasher(4, seed="other").hash_prompt(tokens) != base
     assert BlockHasher(4, "sha256").hash_prompt(tokens) != base
     xx = BlockHasher(4, "xxhash").hash_prompt(tokens)
-    assert [len(h) for h in xx] == [8, 8]
+    assert [len(h) for h in xx] == [16, 16]
+    assert BlockHasher(4, "xxhash_cbor").hash_prompt(tokens) != xx
 
 
 def test_multimodal_feature_enters_overlapping_blocks_only():
@@ -73,7 +74,7 @@ def test_multimodal_feature_enters_overlapping_blocks_only():
 
 
 def test_unknown_algorithm_and_bad_block_size():
-    with pytest.raises(ValueError, match="hash_algorithm must be one of sha256_cbor, sha256, xxhash; got 'md5'"):
+    with pytest.raises(ValueError, match="hash_algorithm must be one of sha256_cbor, sha256, xxhash, xxhash_cbor; got 'md5'"):
         BlockHasher(4, "md5")
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         BlockHasher(0)
@@ -90,7 +91,7 @@ def test_incremental_extension_equals_one_shot():
     assert len(hashes) == 5
 
 
-@pytest.mark.parametrize("algorithm", ["sha256_cbor", "sha256", "xxhash"])
+@pytest.mark.parametrize("algorithm", ["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"])
 def test_hashes_equal_across_processes(algorithm):
     code = (
         "from kvservice_client.hashing import BlockHasher, LoRA;"
@@ -132,7 +133,7 @@ import kvservice_client.hashing as hashing_module
 
 @settings(max_examples=60, deadline=None)
 @given(
-    algorithm=st.sampled_from(["sha256_cbor", "xxhash"]),
+    algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
     block_size=st.sampled_from([1, 4, 16, 23, 24, 300]),
     tokens=st.lists(
         st.one_of(st.integers(0, 30), st.integers(0, 300), st.integers(0, 70000), st.integers(0, 2**31 - 1),

@@ -18,7 +18,8 @@ The mapping, field by field:
   ``kv_cache_spec_sliding_window``, ``data_parallel_rank``: None <-> the optional field unset.
 * ``extra_keys``: None <-> an empty ``repeated BlockExtraKeys``; per block, None <-> a
   ``BlockExtraKeys`` with no keys; a multimodal key ``[identifier, offset]`` (list or tuple; read
-  back as a list, as msgpack decodes it) <-> ``ExtraKey.mm``. vLLM publishes the LoRA name and the
+  back as a list, as msgpack decodes it; ``offset`` relative to the block's first token, negative
+  when the input began in an earlier block, as vLLM 0.33's) <-> ``ExtraKey.mm``. vLLM publishes the LoRA name and the
   cache salt as bare strings; the proto tags them. A block's *first* key is the LoRA name when it
   equals the event's ``lora_name`` (vLLM puts the LoRA name first on every block of a LoRA request
   and the salt last, on block 0 only), so it becomes ``ExtraKey.lora_name``; every other string
@@ -358,7 +359,7 @@ def _fill_extra_keys(
                 and isinstance(key[0], str)
                 and isinstance(key[1], int)
                 and not isinstance(key[1], bool)
-                and 0 <= key[1] < 1 << 32
+                and -(1 << 31) <= key[1] < 1 << 31
             ):
                 extra_key.mm.SetInParent()
                 extra_key.mm.identifier = key[0]
@@ -366,7 +367,7 @@ def _fill_extra_keys(
             else:
                 raise ValueError(
                     f"extra_keys[{block_idx}][{key_idx}]: expected a str (LoRA name or cache salt) or "
-                    f"[identifier: str, offset: uint32]; got {key!r}"
+                    f"[identifier: str, offset: int32]; got {key!r}"
                 )
 
 

@@ -68,7 +68,10 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
         group_idx: the KV cache group.
         kv_cache_spec_kind: the group's kind (a ``KVCacheSpecKind`` value), e.g. "sliding_window".
         kv_cache_spec_sliding_window: the group's window in tokens, for windowed kinds only.
-        locality, ownership, lookahead_token_ids: vLLM fields kvservice does not set.
+        locality, ownership: vLLM fields kvservice does not set.
+        lookahead_token_ids: per block, the tokens after it that its hash also covers (vLLM 0.33's
+            lookahead hashing for drafters; ``list[list[int]]``, one list per hash); kvservice does
+            not set it but decodes it.
         session_id: the session of the request that triggered this store (names the trigger, not
             an owner).
         reused: True on a full-mode reuse report (kvservice addition).
@@ -88,7 +91,7 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     locality: Any = None
     ownership: Any = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    lookahead_token_ids: list[list[int]] | None = None
     reused: bool = False
 
     def __hash__(self) -> int:

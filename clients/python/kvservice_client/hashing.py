@@ -11,8 +11,11 @@ and its *extra keys*::
 LoRA, multimodal, cache salt (vLLM's order):
 
 * ``("lora", lora_name, lora_path)`` on every block of a LoRA request;
-* ``("mm", identifier)`` for every multimodal input whose placeholder overlaps the block;
-* ``("cache_salt", salt)`` on block 0 only.
+* ``("mm", identifier, offset_in_block)`` for every multimodal input whose placeholder overlaps the
+  block, ``offset_in_block`` its first placeholder token relative to the block's first token
+  (negative when the input began in an earlier block), as vLLM 0.33's
+  ``_gen_mm_extra_hash_keys``;
+* ``("cache_salt", salt)`` on block 0 only (a non-empty salt, as vLLM).
 
 ``H`` is one of (:data:`HASH_ALGORITHMS`):
 
@@ -21,7 +24,13 @@ LoRA, multimodal, cache salt (vLLM's order):
   ``--prefix-caching-hash-algo sha256_cbor`` (checked against vectors measured from vLLM 0.33), so
   one KV-aware router can index kvservice and vLLM engines together.
 * ``sha256``: SHA-256 of the pickled tuple (vLLM's ``sha256``; Python-only).
-* ``xxhash``: 64-bit XXH3 of canonical CBOR (fast, not collision resistant across tenants).
+* ``xxhash``: 128-bit XXH3 of the pickled tuple (vLLM's ``xxhash``; Python-only).
+* ``xxhash_cbor``: 128-bit XXH3 of canonical CBOR (vLLM's ``xxhash_cbor``).
+
+The xxhash pair is fast and not collision resistant: vLLM derives their root from a random seed
+unless ``PYTHONHASHSEED`` is set, so to share hashes with vLLM engines on xxhash give kvservice the
+fleet's ``PYTHONHASHSEED`` as its seed. Every algorithm, with extra keys (LoRA, salt, multimodal),
+is checked against vectors measured from vLLM 0.33 (``tests/data/vectors/vllm_0_33_block_hashes.json``).
 
 The seed comes from configuration only; unlike vLLM we never read ``PYTHONHASHSEED``. Python's
 salted builtin ``hash()`` is never used, so the same tokens give the same hashes in every process.
@@ -60,11 +69,11 @@ __all__ = [
 ]
 
 BlockHash = bytes
-"""A block hash: the raw digest (32 bytes for sha256*, 8 bytes for xxhash). A hash resolved for a
+"""A block hash: the raw digest (32 bytes for sha256*, 16 bytes for xxhash*). A hash resolved for a
 group whose block size is ``k`` times the hash block size is ``k`` digests concatenated."""
 
-HashAlgorithm = Literal["sha256_cbor", "sha256", "xxhash"]
-HASH_ALGORITHMS: tuple[str, ...] = ("sha256_cbor", "sha256", "xxhash")
+HashAlgorithm = Literal["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"]
+HASH_ALGORITHMS: tuple[str, ...] = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
 DEFAULT_HASH_ALGORITHM: HashAlgorithm = "sha256_cbor"
 DEFAULT_HASH_SEED = "vllm-none-hash"
 """vLLM's root seed for ``sha256_cbor``: ``root = sha256(canonical_cbor("vllm-none-hash"))``."""
@@ -78,14 +87,19 @@ def _sha256_pickle(obj: Any) -> bytes:
     return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
+def _xxhash_pickle(obj: Any) -> bytes:
+    return xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _xxhash_cbor(obj: Any) -> bytes:
-    return xxhash.xxh3_64_digest(cbor2.dumps(obj, canonical=True))
+    return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
 
 
 _HASH_FNS: dict[str, Callable[[Any], bytes]] = {
     "sha256_cbor": _sha256_cbor,
     "sha256": _sha256_pickle,
-    "xxhash": _xxhash_cbor,
+    "xxhash": _xxhash_pickle,
+    "xxhash_cbor": _xxhash_cbor,
 }
 
 
@@ -199,7 +213,7 @@ class BlockHasher:
         hash_fn = self.hash_fn
         parent = block_hashes[-1] if start else self.root_hash
         lora_key = ("lora", lora.lora_name, lora.lora_path) if lora is not None else None
-        simple = lora_key is None and not mm_features and (cache_salt is None or start > 0)
+        simple = lora_key is None and not mm_features and (not cache_salt or start > 0)
         if simple and self.algorithm in _CBOR_DIGESTS:
             extend_cbor = _extend_cbor_vectorized if end - start >= _VECTORIZED_MIN_BLOCKS else _extend_cbor_cached
             try:
@@ -238,7 +252,7 @@ def _sha256_digest(data: bytes) -> bytes:
 
 _CBOR_DIGESTS: dict[str, Callable[[bytes], bytes]] = {
     "sha256_cbor": _sha256_digest,
-    "xxhash": xxhash.xxh3_64_digest,
+    "xxhash_cbor": xxhash.xxh3_128_digest,
 }
 _VECTORIZED_MIN_BLOCKS = 24  # below this the generic path is faster (numpy has a fixed cost)
 
@@ -360,8 +374,8 @@ def _block_extra_keys(
     end_token = start_token + block_size
     for feature in mm_features:
         if feature.offset < end_token and feature.offset + feature.length > start_token:
-            keys.append(("mm", feature.identifier))
-    if cache_salt is not None and block_idx == 0:
+            keys.append(("mm", feature.identifier, feature.offset - start_token))
+    if cache_salt and block_idx == 0:
         keys.append(("cache_salt", cache_salt))
     return tuple(keys) if keys else None
 
@@ -376,7 +390,9 @@ def block_event_extra_keys(
 ) -> list | None:
     """The ``extra_keys`` entry vLLM publishes for block ``block_idx`` (untagged), or None.
 
-    Bare LoRA name, ``[identifier, offset]`` per overlapping multimodal input, bare salt on block 0.
+    Bare LoRA name, ``[identifier, offset_in_block]`` per overlapping multimodal input (the offset
+    relative to the block's first token, as in the hash key), bare salt on block 0 (vLLM 0.33's
+    ``to_event_extra_keys``).
     """
     keys: list = []
     if lora is not None:
@@ -385,8 +401,8 @@ def block_event_extra_keys(
     end_token = start_token + block_size
     for feature in mm_features:
         if feature.offset < end_token and feature.offset + feature.length > start_token:
-            keys.append([feature.identifier, feature.offset])
-    if cache_salt is not None and block_idx == 0:
+            keys.append([feature.identifier, feature.offset - start_token])
+    if cache_salt and block_idx == 0:
         keys.append(cache_salt)
     return keys or None
 

@@ -169,7 +169,7 @@ class _BlockHashFormatEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Block
     BLOCK_HASH_FORMAT_INT64: _BlockHashFormat.ValueType  # 1
     """Unsigned 64-bit ints: the digest's last 8 bytes, big-endian (as vLLM publishes them)."""
     BLOCK_HASH_FORMAT_DIGEST: _BlockHashFormat.ValueType  # 2
-    """The full digests (32 bytes for sha256*, 8 for xxhash)."""
+    """The full digests (32 bytes for sha256*, 16 for xxhash*)."""
 
 class BlockHashFormat(_BlockHashFormat, metaclass=_BlockHashFormatEnumTypeWrapper):
     """How block hashes are published."""
@@ -179,7 +179,7 @@ BLOCK_HASH_FORMAT_UNSPECIFIED: BlockHashFormat.ValueType  # 0
 BLOCK_HASH_FORMAT_INT64: BlockHashFormat.ValueType  # 1
 """Unsigned 64-bit ints: the digest's last 8 bytes, big-endian (as vLLM publishes them)."""
 BLOCK_HASH_FORMAT_DIGEST: BlockHashFormat.ValueType  # 2
-"""The full digests (32 bytes for sha256*, 8 for xxhash)."""
+"""The full digests (32 bytes for sha256*, 16 for xxhash*)."""
 Global___BlockHashFormat: _TypeAlias = BlockHashFormat  # noqa: Y015
 
 @_typing.final
@@ -882,7 +882,10 @@ class MultiModalKey(_message.Message):
     identifier: _builtins.str
     """Content hash of the input."""
     offset: _builtins.int
-    """Placeholder offset in the prompt, in tokens."""
+    """The input's first placeholder token relative to this block's first token, in tokens: negative
+    when the input began in an earlier block (vLLM 0.33's event offset). int32 (was uint32 before
+    kvservice matched vLLM; the wire encoding of non-negative values is the same).
+    """
     def __init__(
         self,
         *,
@@ -1365,7 +1368,7 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     PRESET_FIELD_NUMBER: _builtins.int
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
     hash_algorithm: _builtins.str
-    """"sha256_cbor", "sha256" or "xxhash"."""
+    """"sha256_cbor", "sha256", "xxhash" or "xxhash_cbor" (vLLM's --prefix-caching-hash-algo names)."""
     hash_seed: _builtins.str
     """The root seed: root hash = H(seed)."""
     hash_block_size: _builtins.int

@@ -96,6 +96,8 @@ def _server_options(func: Any) -> Any:
         # -- metrics options --
         click.option("--metrics-port", type=int, help="Prometheus metrics HTTP port; 0 picks a free one [off]."),
         click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
+        # -- consumer parity options --
+        click.option("--kv-events-medium", help="The medium every KV event names (vLLM's primary pool says GPU) [GPU]."),
     ]
     for option in reversed(options):
         func = option(func)

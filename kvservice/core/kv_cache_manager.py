@@ -90,7 +90,7 @@ class KVEventsConfig:
     Attributes:
         block_hash_format: "int64" (the digest's last 8 bytes, big-endian; vLLM's form) or
             "digest" (raw bytes).
-        medium: the events' ``medium`` ("GPU" for CUDA tensors, "CPU" otherwise).
+        medium: the events' ``medium`` ("GPU" by default, as vLLM's primary pool; ``ServerConfig.kv_events_medium``).
     """
 
     block_hash_format: Literal["int64", "digest"] = "int64"

@@ -131,6 +131,10 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics over HTTP on this port (None: off, the default;
             0 picks a free one; ``RunningServer.metrics_port`` is the bound one).
         metrics_host: address the metrics endpoint binds ("127.0.0.1").
+        kv_events_medium: the ``medium`` of every event ("GPU", as vLLM's primary pool always says,
+            whatever the device: consumers such as Dynamo's indexer file other media in their
+            host/offload tiers); set "CPU" (or another tier name) for a deployment that wants the
+            tier named otherwise. A non-empty string of at most 64 characters.
     """
 
     host: str = "127.0.0.1"
@@ -186,6 +190,8 @@ class ServerConfig:
     # -- metrics settings --
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # -- consumer parity settings (issue 14) --
+    kv_events_medium: str = "GPU"
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # raises naming the known presets
@@ -235,6 +241,9 @@ class ServerConfig:
         check_endpoint_exposure(
             self.zmq_endpoint, self.zmq_replay_endpoint, allow_insecure_bind=self.allow_insecure_bind
         )
+        # issue 14: the events' medium
+        if not isinstance(self.kv_events_medium, str) or not 1 <= len(self.kv_events_medium) <= 64:
+            raise ValueError(f"kv_events_medium must be a non-empty string of at most 64 characters; got {self.kv_events_medium!r}")
         # issue 7: NATS JetStream sink
         check_nats_settings(self)
         check_auth_settings(  # issue 6: TLS files go together
@@ -488,7 +497,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
             )
     config = dataclasses.replace(config, num_blocks=num_blocks, max_model_len=max_model_len)
     tensors = allocate_kv_cache_tensors(kv_cache_config, device)
-    medium = "GPU" if device.type == "cuda" else "CPU"
+    medium = config.kv_events_medium
     manager = KVCacheManager(
         kv_cache_config,
         max_model_len,
@@ -606,6 +615,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
             await running.stop(0)
             raise
         closers.append(running.zmq_publisher.close)
+        metadata.zmq_seq_base = running.zmq_publisher.seq_base
         notes.append(running.zmq_publisher.describe())
         notes.extend(running.zmq_publisher.notes)
     # -- event publishers: NATS JetStream --

@@ -8,8 +8,7 @@ The wire is the one vLLM's ``ZmqEventPublisher`` (``vllm.distributed.kv_events``
   ``payload`` the batch in vLLM's msgpack layout (:attr:`LogEntry.msgpack
   <kvservice.server.event_log.LogEntry>`: ``[ts, events, data_parallel_rank]``, events as maps
   tagged by ``"type"``, kvservice's additions as optional fields a vLLM reader ignores). The
-  seq is the event log's: gap-free from 1 within a server epoch (vLLM's counts from 0 per
-  publisher); a restart starts again at 1.
+  seq is the *wire seq* (see "Restarts" below): ``seq_base + seq`` for the event log's seq.
 * **ROUTER socket** (``zmq_replay_endpoint``, optional, always bound): a client (a DEALER
   socket) sends ``(b"", start_seq)``, ``start_seq`` as 8 bytes big-endian (so the ROUTER reads
   ``(identity, b"", start_seq)``; a request of any other frame count is logged and ignored, as
@@ -19,11 +18,31 @@ The wire is the one vLLM's ``ZmqEventPublisher`` (``vllm.distributed.kv_events``
   b"")`` where ``END_SEQ`` is -1 as 8 signed big-endian bytes (``ff`` x 8). Batches come from
   the event log's retention (``event_max_batches``, ``event_max_bytes``), not a second buffer.
 
-**A start below retention** gets what vLLM's replay buffer gives: every retained batch, i.e. from
-the oldest retained seq on, then the end marker; the first seq answered being above
-``start_seq`` is how the client learns what it missed (vLLM sends no error either). Such a client
-resyncs from a snapshot (``StreamEvents`` with a snapshot over gRPC). A start beyond the head gets
-the end marker alone.
+**Restarts are visible.** vLLM's seq counts from 0 per publisher, so after an engine restart a
+router that tracks seqs (Dynamo's indexer keeps a watermark and drops every batch at or below it)
+silently ignores the new engine's batches until they pass the old seq, and keeps the dead cache's
+blocks. kvservice's wire seq never rewinds across restarts of one instance: each start takes
+``seq_base`` = the wall clock in microseconds (``time.time_ns() // 1000``), and publishes the
+event log's batch ``seq`` (gap-free from 1 per epoch, as the gRPC stream has it) as
+``seq_base + seq``. Any earlier epoch of the instance published fewer batches than it lived
+microseconds, so its seqs are below the new base (as long as the clock does not step back by
+more than the downtime). The wire seq ``seq_base`` itself is the *epoch start*: a batch of one
+``AllBlocksCleared``, published at start and answered first by a replay that reaches it. So a
+consumer sees a jump, never a rewind: a seq-tracking one asks for a replay from its old seq and
+gets the epoch start or a snapshot (below), both clearing the cache first; the first batch it
+can apply after a restart clears the cache. The price of not counting from 0 as vLLM: a router
+attaching for the first time sees seq ``seq_base + n`` where it may expect 0 and asks for a
+replay from 0 (one "gap" line in its log), and is answered with the whole epoch, exact.
+
+**A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
+batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
+cached block, parents first (the event log's snapshot, as ``StreamEvents`` sends it, in parts of
+about ``snapshot_part_tokens`` tokens), every part with the wire seq of the head it was cut at,
+then the retained batches after that head (none: the snapshot is cut at the head), then the end
+marker. A consumer that applies the replay in order ends exact whatever it missed (vLLM's buffer
+answers from the oldest retained batch instead, leaving such a consumer partial for good). A
+start at or below ``seq_base`` while nothing was dropped gets the epoch start and every batch. A
+start beyond the head gets the end marker alone.
 
 **Never blocking the loop.** The event log calls :meth:`ZmqEventPublisher.publish` on the server's
 loop after each batch; it sends without waiting (``DONTWAIT``): a PUB socket never blocks, it
@@ -54,9 +73,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvservice.server.auth import is_loopback_host
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.events import AllBlocksCleared, KVEventBatch, encode_event_batch
 
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog, LogEntry
@@ -170,6 +192,10 @@ class ZmqEventPublisher:
         num_replays: replay requests answered (end marker sent).
         num_replays_abandoned: replays given up because their client took no more or left.
         num_bad_requests: replay requests not of 3 frames (ignored).
+        num_snapshot_replays: replays answered with a snapshot first (their start was below
+            retention).
+        seq_base: the wire seq of this epoch's start batch; the event log's seq ``s`` goes out as
+            ``seq_base + s`` (see "Restarts are visible" in the module docstring).
         notes: warnings for the start lines, one per socket bound on a non-loopback address
             (see :func:`check_endpoint_exposure`).
     """
@@ -191,6 +217,9 @@ class ZmqEventPublisher:
         self.num_replays = 0
         self.num_replays_abandoned = 0
         self.num_bad_requests = 0
+        self.num_snapshot_replays = 0
+        self.seq_base = time.time_ns() // 1000
+        self._epoch_start = encode_event_batch(KVEventBatch(time.time(), [AllBlocksCleared()], event_log.data_parallel_rank))
         self.notes: list[str] = []
         self._closed = False
         self._replay_task: asyncio.Task | None = None
@@ -229,12 +258,16 @@ class ZmqEventPublisher:
         pub = router = None
         try:
             pub = ctx.socket(zmq.PUB)
+            if _is_ipv6(endpoint):  # tcp://[::1]:PORT (IPv4 endpoints keep IPv4-only sockets and their names)
+                pub.setsockopt(zmq.IPV6, 1)
             pub.setsockopt(zmq.SNDHWM, hwm)
             pub.setsockopt(zmq.LINGER, 0)
             bound = is_bind_endpoint(endpoint)
             endpoint = _open(zmq, pub, endpoint, "zmq_endpoint", bind=bound)
             if replay_endpoint is not None:
                 router = zmq.asyncio.Socket(ctx, zmq.ROUTER)
+                if _is_ipv6(replay_endpoint):
+                    router.setsockopt(zmq.IPV6, 1)
                 # A whole replay plus its end marker fits (ZMQ sees reads only every HWM/2 messages).
                 router.setsockopt(zmq.SNDHWM, 2 * (event_log.config.max_batches + 1))
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished client raises, not drops
@@ -248,6 +281,7 @@ class ZmqEventPublisher:
             raise
         publisher = cls(event_log, zmq, ctx, pub, router, endpoint, bound, replay_endpoint, topic)
         publisher.notes = notes
+        publisher._send_live(publisher.seq_base, publisher._epoch_start)  # the epoch start (AllBlocksCleared)
         event_log.add_listener(publisher.publish)
         if router is not None:
             publisher._replay_task = asyncio.get_running_loop().create_task(
@@ -269,19 +303,21 @@ class ZmqEventPublisher:
         A refused send is counted in :attr:`num_dropped` and logged; it never raises."""
         if self._closed:
             return
+        if self._send_live(self.seq_base + entry.seq, entry.msgpack):
+            self.num_published += 1
+
+    def _send_live(self, wire_seq: int, payload: bytes) -> bool:
         try:
-            self._pub.send_multipart(
-                (self.topic, entry.seq.to_bytes(8, "big"), entry.msgpack), flags=self._zmq.DONTWAIT, copy=False
-            )
+            self._pub.send_multipart((self.topic, wire_seq.to_bytes(8, "big"), payload), flags=self._zmq.DONTWAIT, copy=False)
         except self._zmq.ZMQError as e:
             self.num_dropped += 1
             if self.num_dropped & (self.num_dropped - 1) == 0:  # the first, then at powers of two
                 logger.warning(
                     "ZMQ publisher dropped batch seq %d (%s); %d dropped so far (zmq_hwm %d messages per subscriber)",
-                    entry.seq, e, self.num_dropped, self._pub.getsockopt(self._zmq.SNDHWM),
+                    wire_seq, e, self.num_dropped, self._pub.getsockopt(self._zmq.SNDHWM),
                 )
-            return
-        self.num_published += 1
+            return False
+        return True
 
     # -- replay ------------------------------------------------------------------------------
 
@@ -297,7 +333,8 @@ class ZmqEventPublisher:
                 logger.exception("ZMQ replay failed")
 
     async def _replay(self, frames: list[bytes]) -> None:
-        """Answer one request ``(identity, b"", start_seq)``: retained batches from start_seq, then
+        """Answer one request ``(identity, b"", start_seq)`` (a wire seq): the epoch start or a
+        snapshot when the start is below what is retained, retained batches from start_seq, then
         the end marker."""
         if len(frames) != 3:
             self.num_bad_requests += 1
@@ -306,12 +343,24 @@ class ZmqEventPublisher:
         identity, _, start_bytes = frames
         start_seq = int.from_bytes(start_bytes, "big")
         log = self._log
-        oldest = log.oldest_seq
-        if max(start_seq, 1) < oldest and start_seq <= log.head_seq:  # seq 0 never exists (vLLM's first)
-            logger.info("ZMQ replay from seq %d starts at the oldest retained seq %d", start_seq, oldest)
-        entries = log.entries_from(max(start_seq, oldest))  # a copy: trimming the log leaves it whole
-        for i, entry in enumerate(entries):
-            if not self._send_reply(identity, (self.topic, entry.seq.to_bytes(8, "big"), entry.msgpack)):
+        base = self.seq_base
+        messages: list[tuple[int, bytes]] = []  # (wire seq, payload), cut now: nothing awaits in between
+        if start_seq <= base + log.head_seq:
+            oldest = log.oldest_seq
+            if start_seq < base + oldest and oldest > 1:  # below retention: the snapshot first
+                self.num_snapshot_replays += 1
+                logger.info(
+                    "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
+                    start_seq, base + oldest, base + log.head_seq,
+                )
+                messages = [(base + part.seq, part.msgpack) for part in log.snapshot_batches(pb.PAYLOAD_FORMAT_MSGPACK, None)]
+            else:
+                if start_seq <= base:
+                    messages.append((base, self._epoch_start))
+                # entries_from returns a copy: trimming the log meanwhile leaves it whole.
+                messages.extend((base + e.seq, e.msgpack) for e in log.entries_from(max(start_seq - base, oldest)))
+        for i, (seq, payload) in enumerate(messages):
+            if not self._send_reply(identity, (self.topic, seq.to_bytes(8, "big"), payload)):
                 return
             if i % REPLAY_YIELD_EVERY == REPLAY_YIELD_EVERY - 1:
                 await asyncio.sleep(0)
@@ -352,6 +401,11 @@ class ZmqEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+
+
+def _is_ipv6(endpoint: str) -> bool:
+    """Whether ``endpoint`` names an IPv6 address (``tcp://[::1]:5557``): its socket needs ZMQ_IPV6."""
+    return endpoint.startswith("tcp://[")
 
 
 def _open(zmq: Any, sock: Any, endpoint: str, setting: str, *, bind: bool) -> str:

@@ -130,14 +130,16 @@ async def _measure(address: str, pid: int, zmq_port: int, transport: str, num_su
                     _, pending = await asyncio.wait(waits, timeout=0.05)
                     for w in pending:
                         w.cancel()
-            after = client.get_kv_cache_group_metadata().head_seq
+            meta = client.get_kv_cache_group_metadata()
+            # ZMQ carries the wire seq (zmq_seq_base + the batch's seq); gRPC the batch's seq.
+            after = meta.head_seq + (meta.zmq_seq_base if transport == "zmq" else 0)
             for s in subs:
                 s.after, s.last = after, after + num_batches
             cpu0, io0 = cpu_seconds(pid), zmq_io_cpu_seconds(pid)
             await asyncio.to_thread(produce, client, num_batches, seed=seed)
             await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in subs)), DELIVERY_TIMEOUT_S)
             cpu, io = cpu_seconds(pid) - cpu0, zmq_io_cpu_seconds(pid) - io0
-            assert client.get_kv_cache_group_metadata().head_seq == after + num_batches, "one batch per Step"
+            assert client.get_kv_cache_group_metadata().head_seq == meta.head_seq + num_batches, "one batch per Step"
         return cpu, io
     finally:
         for t in tasks:

@@ -43,9 +43,9 @@ def stored(
     session: str | None = None,
     reused: bool = False,
     block_size: int = BLOCK_SIZE,
-    medium: str = "CPU",
+    medium: str = "GPU",
 ) -> BlockStored:
-    """A BlockStored as the server publishes it on a non-CUDA device (medium "CPU")."""
+    """A BlockStored as the server publishes it by default (medium "GPU", as vLLM's primary pool)."""
     return BlockStored(
         block_hashes=block_hashes, parent_block_hash=parent, token_ids=list(tokens), block_size=block_size,
         lora_id=None, medium=medium, lora_name=None, group_idx=group, kv_cache_spec_kind=kind,
@@ -56,9 +56,9 @@ def stored(
 def removed(
     block_hashes: list[int], *, group: int = 0, kind: str = "full_attention", window: int | None = None
 ) -> BlockRemoved:
-    """A BlockRemoved as the server publishes it on a non-CUDA device."""
+    """A BlockRemoved as the server publishes it by default (medium "GPU")."""
     return BlockRemoved(
-        block_hashes, "CPU", group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+        block_hashes, "GPU", group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
     )
 
 

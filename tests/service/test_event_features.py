@@ -177,7 +177,7 @@ async def test_group_metadata_of_the_gemma_preset(start_kv_server, connect):
     assert meta.hash_block_size == 4
     assert meta.epoch == batch.epoch == running.event_log.epoch
     assert meta.block_hash_format == pb.BLOCK_HASH_FORMAT_INT64
-    assert (meta.medium, meta.max_model_len, meta.preset, meta.head_seq) == ("CPU", 64, "gemma-3-27b", 1)
+    assert (meta.medium, meta.max_model_len, meta.preset, meta.head_seq) == ("GPU", 64, "gemma-3-27b", 1)
     assert not meta.HasField("data_parallel_rank")
 
 

@@ -104,7 +104,7 @@ async def test_memory_budget_sizes_the_pool(start_kv_server, connect):
     assert running.config.num_blocks == 10
     assert [(g.num_blocks, g.bytes_per_block, g.device, g.dtype, g.num_layers) for g in meta.groups] == [
         (10, QWEN_BLOCK_BYTES, "cpu", "bfloat16", 24)]
-    assert (meta.medium, meta.preset) == ("CPU", "qwen-2.5-0.5b")
+    assert (meta.medium, meta.preset) == ("GPU", "qwen-2.5-0.5b")  # vLLM's primary pool says GPU on any device
     usage = await client.get_usage()
     assert (usage.num_total_blocks, usage.num_free_blocks) == (9, 9)
     stream = client.stream_events(start_seq=1)
@@ -126,3 +126,12 @@ async def test_metadata_head_seq_follows_the_log(kv_server, client):
     meta = await client.get_kv_cache_group_metadata()
     assert (meta.head_seq, meta.epoch) == (1, kv_server.event_log.epoch)
     assert meta.groups[0].kind == pb.KV_CACHE_SPEC_KIND_FULL_ATTENTION
+
+
+async def test_kv_events_medium_names_the_tier_on_every_event(start_kv_server, connect):
+    running = await start_kv_server(device="cpu", kv_events_medium="CPU")
+    client = await connect(running)
+    assert (await client.get_kv_cache_group_metadata()).medium == "CPU"
+    stream = client.stream_events(start_seq=1)
+    await admit(client, "A", range(1, 9))
+    assert events_of(await next_batch(stream)) == [stored(H[:2], None, range(1, 9), medium="CPU")]

@@ -50,8 +50,9 @@ class VllmSubscriber:
     set as a set of (group_idx, hash)."""
 
     def __init__(self, ctx: zmq_asyncio.Context, endpoint: str, replay_endpoint: str | None,
-                 subscribe: bytes = b"", *, bind: bool = False) -> None:
+                 subscribe: bytes = b"", *, bind: bool = False, ipv6: bool = False) -> None:
         self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.IPV6, int(ipv6))
         self.sub.setsockopt(zmq.SUBSCRIBE, subscribe)
         if bind:
             self.sub.bind(endpoint)
@@ -61,6 +62,7 @@ class VllmSubscriber:
         self.dealer = None
         if replay_endpoint is not None:
             self.dealer = ctx.socket(zmq.DEALER)
+            self.dealer.setsockopt(zmq.IPV6, int(ipv6))
             self.dealer.connect(replay_endpoint)
         self.cached: set[tuple[int | None, object]] = set()
         self.last_seq: int | None = None
@@ -90,13 +92,14 @@ class VllmSubscriber:
             if frames[2] == VLLM_END_SEQ:
                 return messages
 
-    def apply(self, frames: list[bytes], *, topic: bytes = b"") -> None:
-        """Apply one message ``(topic, seq, payload)``; seqs must follow one another."""
+    def apply(self, frames: list[bytes], *, topic: bytes = b"", contiguous: bool = True) -> None:
+        """Apply one message ``(topic, seq, payload)``; seqs must follow one another (unless not
+        ``contiguous``: a replay's answer, applied as it comes, as Dynamo's indexer does)."""
         assert len(frames) == 3, frames
         msg_topic, seq_bytes, payload = frames
         assert msg_topic == topic and len(seq_bytes) == 8
         seq = int.from_bytes(seq_bytes, "big")
-        if self.last_seq is not None:
+        if self.last_seq is not None and contiguous:
             assert seq == self.last_seq + 1, f"gap: {self.last_seq} -> {seq}"
         self.last_seq = seq
         batch = msgspec.msgpack.decode(payload)
@@ -118,6 +121,20 @@ class VllmSubscriber:
             frames = await self.recv()
             self.live[int.from_bytes(frames[1], "big")] = frames
             self.apply(frames, topic=topic)
+
+    async def receive_with_watermark(self, frames: list[bytes]) -> list[list[bytes]] | None:
+        """Handle one live message as a seq-tracking router does (Dynamo's indexer): a seq past
+        ``last_seq + 1`` (or any first seq above 0) asks for a replay from there and applies its
+        answer in order; a seq at or below the watermark is dropped. The replay's answer, if any."""
+        seq = int.from_bytes(frames[1], "big")
+        answer = None
+        if (self.last_seq is None and seq > 0) or (self.last_seq is not None and seq > self.last_seq + 1):
+            answer = (await self.replay(0 if self.last_seq is None else self.last_seq + 1))[:-1]
+            for message in answer:
+                self.apply(message, contiguous=False)
+        if self.last_seq is None or seq > self.last_seq:
+            self.apply(frames)
+        return answer
 
     async def catch_up(self, client, head_seq_of, *, topic: bytes = b"") -> None:
         """Join live, fill the start from a replay from seq 1, then follow live to the head."""
@@ -162,26 +179,26 @@ async def test_live_subscriber_mirrors_the_cached_set(start_kv_server, connect, 
     assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":*")
     assert running.notes[-1] == f"ZMQ KV events on {endpoint} (bound), topic '', replay on {replay_endpoint}"
     subscriber = VllmSubscriber(zctx, endpoint, replay_endpoint)
-    await subscriber.catch_up(client, lambda: running.event_log.head_seq)
+    await subscriber.catch_up(client, lambda: running.zmq_publisher.seq_base + running.event_log.head_seq)
 
     head = running.event_log.head_seq
     prompt = list(range(1, 9))
     await client.get_computed_blocks("r", prompt, session_id="chat-7")
     assert (await client.allocate_slots("r", 8)).allocated
     frames = await subscriber.recv()
-    assert frames[:2] == [b"", (head + 1).to_bytes(8, "big")]
+    assert frames[:2] == [b"", (running.zmq_publisher.seq_base + head + 1).to_bytes(8, "big")]
     ts, events, data_parallel_rank = msgspec.msgpack.decode(frames[2])
     assert data_parallel_rank is None and isinstance(ts, float)
     assert events == [{
         "type": "BlockStored", "block_hashes": hashes(prompt), "parent_block_hash": None, "token_ids": prompt,
-        "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0,
+        "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
         "kv_cache_spec_kind": "full_attention", "session_id": "chat-7",
     }]
     subscriber.apply(frames)
     await client.free("r")
 
     await workload(client)
-    await subscriber.follow_to(running.event_log.head_seq)
+    await subscriber.follow_to(running.zmq_publisher.seq_base + running.event_log.head_seq)
     assert subscriber.cached == cached_pairs(running)
     assert len(subscriber.cached) > 0
     removals = [
@@ -198,15 +215,17 @@ async def test_replay_is_byte_identical_to_live_and_ends_with_the_marker(start_k
     )
     client = await connect(running)
     subscriber = VllmSubscriber(zctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
-    await subscriber.catch_up(client, lambda: running.event_log.head_seq)
+    await subscriber.catch_up(client, lambda: running.zmq_publisher.seq_base + running.event_log.head_seq)
     await workload(client)
     head = running.event_log.head_seq
-    await subscriber.follow_to(head)
+    base = running.zmq_publisher.seq_base
+    await subscriber.follow_to(base + head)
     first_live = min(subscriber.live)
 
-    everything = await subscriber.replay(1)
+    everything = await subscriber.replay(1)  # below the epoch's first seq: the epoch start, then every batch
     assert everything[-1] == [b"", VLLM_END_SEQ, b""]
-    assert [int.from_bytes(m[1], "big") for m in everything[:-1]] == list(range(1, head + 1))
+    assert [int.from_bytes(m[1], "big") for m in everything[:-1]] == list(range(base, base + head + 1))
+    assert msgspec.msgpack.decode(everything[0][2])[1:] == [[{"type": "AllBlocksCleared"}], 3]
     for message in everything[:-1]:
         seq = int.from_bytes(message[1], "big")
         assert message[0] == b""
@@ -215,27 +234,47 @@ async def test_replay_is_byte_identical_to_live_and_ends_with_the_marker(start_k
         assert msgspec.msgpack.decode(message[2])[2] == 3  # data_parallel_rank
 
     middle = head // 2
-    assert await subscriber.replay(middle) == everything[middle - 1:]
-    assert await subscriber.replay(head + 1) == [[b"", VLLM_END_SEQ, b""]]  # beyond the head: the marker alone
+    assert await subscriber.replay(base + middle) == everything[middle:]
+    assert await subscriber.replay(base + head + 1) == [[b"", VLLM_END_SEQ, b""]]  # beyond the head: the marker alone
     assert running.zmq_publisher.num_replays == 4  # the catch-up's and these three
 
 
-async def test_a_start_below_retention_replays_from_the_oldest_retained(start_kv_server, connect, zctx):
+async def test_a_late_joiner_below_retention_gets_a_snapshot_first_and_ends_exact(start_kv_server, connect, zctx):
+    """History dropped (3 batches retained of many): a replay from 0 is answered with the snapshot
+    (AllBlocksCleared, then every cached block) at the head's seq; the subscriber that applies it
+    and then follows live holds the server's cached set. Within retention, replays stay exact."""
     running = await start_kv_server(
         zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=3
     )
     client = await connect(running)
-    for _ in range(6):
-        assert await client.reset_prefix_cache()
-    assert (running.event_log.oldest_seq, running.event_log.head_seq) == (4, 6)
+    await workload(client, num_requests=12)
+    head, oldest, base = running.event_log.head_seq, running.event_log.oldest_seq, running.zmq_publisher.seq_base
+    assert oldest == head - 2 > 1 and cached_pairs(running)
     subscriber = VllmSubscriber(zctx, running.zmq_publisher.endpoint, running.zmq_publisher.replay_endpoint)
-    # As vLLM's replay buffer: what is retained from the start on, then the marker; the first seq
-    # (4, above the asked 1) tells the client what it missed.
-    for start in (0, 1, 3):
+    for start in (0, 1, base, base + oldest - 1):
         replayed = await subscriber.replay(start)
-        assert [m[1] for m in replayed] == [s.to_bytes(8, "big") for s in (4, 5, 6)] + [VLLM_END_SEQ]
-        assert replayed[:-1] == [[b"", e.seq.to_bytes(8, "big"), e.msgpack] for e in running.event_log.entries_from(4)]
-    assert [m[1] for m in await subscriber.replay(5)] == [(5).to_bytes(8, "big"), (6).to_bytes(8, "big"), VLLM_END_SEQ]
+        assert [m[1] for m in replayed] == [(base + head).to_bytes(8, "big"), VLLM_END_SEQ]
+        ts, events, rank = msgspec.msgpack.decode(replayed[0][2])
+        assert events[0] == {"type": "AllBlocksCleared"} and rank is None
+        assert all(e["type"] == "BlockStored" for e in events[1:])
+    assert running.zmq_publisher.num_snapshot_replays == 4
+    assert (await subscriber.replay(base + oldest))[:-1] == [
+        [b"", (base + e.seq).to_bytes(8, "big"), e.msgpack] for e in running.event_log.entries_from(oldest)]
+
+    # The late joiner: live first (a seq far above 0), a replay from 0 (the snapshot), then live.
+    await subscriber.sub.poll(0)
+    for i in range(100):  # new batches until one reaches the subscription (ZMQ's slow joiner)
+        await client.get_computed_blocks(f"late{i}", [7000 + i] * 8)
+        assert (await client.allocate_slots(f"late{i}", 8)).allocated
+        await client.free(f"late{i}")
+        if await subscriber.sub.poll(PROBE_POLL_MS):
+            break
+    answer = await subscriber.receive_with_watermark(await subscriber.recv())
+    assert answer is not None and msgspec.msgpack.decode(answer[0][2])[1][0] == {"type": "AllBlocksCleared"}
+    await workload(client, num_requests=6)
+    while subscriber.last_seq < base + running.event_log.head_seq:
+        await subscriber.receive_with_watermark(await subscriber.recv())
+    assert subscriber.cached == cached_pairs(running) and subscriber.cached
 
 
 async def test_a_replay_longer_than_one_slice_comes_whole(start_kv_server, connect, zctx):
@@ -253,8 +292,9 @@ async def test_a_replay_longer_than_one_slice_comes_whole(start_kv_server, conne
     while not request.done():  # more batches while the replay is under way
         assert await client.reset_prefix_cache()
     replayed = await request
-    assert [int.from_bytes(m[1], "big") for m in replayed[:-1]] == list(range(1, len(replayed)))
-    assert num_batches <= len(replayed) - 1 <= running.event_log.head_seq and replayed[-1][1] == VLLM_END_SEQ
+    base = running.zmq_publisher.seq_base
+    assert [int.from_bytes(m[1], "big") for m in replayed[:-1]] == list(range(base, base + len(replayed) - 1))
+    assert num_batches + 1 <= len(replayed) - 1 <= running.event_log.head_seq + 1 and replayed[-1][1] == VLLM_END_SEQ
 
 
 async def test_topic_frames_and_prefix_filtering(start_kv_server, connect, zctx):
@@ -266,9 +306,9 @@ async def test_topic_frames_and_prefix_filtering(start_kv_server, connect, zctx)
     other = VllmSubscriber(zctx, running.zmq_publisher.endpoint, None, subscribe=b"kv@pod-b")
     publisher = running.zmq_publisher
     subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint, b"kv@pod-a")
-    await subscriber.catch_up(client, lambda: running.event_log.head_seq, topic=topic)
+    await subscriber.catch_up(client, lambda: running.zmq_publisher.seq_base + running.event_log.head_seq, topic=topic)
     await workload(client)
-    await subscriber.follow_to(running.event_log.head_seq, topic=topic)
+    await subscriber.follow_to(running.zmq_publisher.seq_base + running.event_log.head_seq, topic=topic)
     assert subscriber.cached == cached_pairs(running)
     assert all(m[0] == topic for m in (await subscriber.replay(1))[:-1])
     # Nothing reached the non-matching subscription (a late message could only make this pass
@@ -285,7 +325,7 @@ async def test_publisher_connects_to_a_bound_subscriber(start_kv_server, connect
     client = await connect(running)
     router.apply(await router.join(client))
     await workload(client)
-    await router.follow_to(running.event_log.head_seq)
+    await router.follow_to(running.zmq_publisher.seq_base + running.event_log.head_seq)
     assert router.cached == cached_pairs(running)
 
 
@@ -295,10 +335,11 @@ async def test_grpc_msgpack_payload_is_the_same_bytes(start_kv_server, connect, 
     await workload(client)
     head = running.event_log.head_seq
     subscriber = VllmSubscriber(zctx, running.zmq_publisher.endpoint, running.zmq_publisher.replay_endpoint)
-    replayed = (await subscriber.replay(1))[:-1]
+    replayed = (await subscriber.replay(1))[1:-1]  # without the epoch start
     stream = client.stream_events(start_seq=1, payload_format="msgpack")
     batches = [await next_batch(stream) for _ in range(head)]
-    assert [(b.seq, b.msgpack) for b in batches] == [(int.from_bytes(m[1], "big"), m[2]) for m in replayed]
+    base = running.zmq_publisher.seq_base
+    assert [(b.seq, b.msgpack) for b in batches] == [(int.from_bytes(m[1], "big") - base, m[2]) for m in replayed]
 
 
 async def test_a_malformed_replay_request_is_ignored(start_kv_server, connect, zctx, caplog):
@@ -309,7 +350,9 @@ async def test_a_malformed_replay_request_is_ignored(start_kv_server, connect, z
     with caplog.at_level(logging.WARNING, "kvservice.server.zmq_publisher"):
         await subscriber.dealer.send_multipart([b"", b"\x00" * 8, b"extra"])  # 4 frames at the ROUTER: no answer
         # The answer to the next (valid) request is the first one to come back on this connection.
-        assert [m[1] for m in await subscriber.replay(1)] == [(1).to_bytes(8, "big"), VLLM_END_SEQ]
+        base = running.zmq_publisher.seq_base
+        assert [m[1] for m in await subscriber.replay(1)] == [base.to_bytes(8, "big"), (base + 1).to_bytes(8, "big"),
+                                                              VLLM_END_SEQ]
     assert running.zmq_publisher.num_bad_requests == 1
     assert "invalid ZMQ replay request of 4 frames" in caplog.text
 
@@ -335,7 +378,7 @@ async def test_a_refused_send_is_counted_and_logged(start_kv_server, connect, ca
     assert (publisher.num_dropped, publisher.num_published) == (3, 0)
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 2  # the first drop, then at powers of two
-    assert logged[0].startswith("ZMQ publisher dropped batch seq 1 (")
+    assert logged[0].startswith(f"ZMQ publisher dropped batch seq {publisher.seq_base + 1} (")
     assert logged[1].endswith("; 2 dropped so far (zmq_hwm 7 messages per subscriber)")
 
 
@@ -424,7 +467,9 @@ async def test_an_open_bind_with_the_flag_starts_with_the_warning(start_kv_serve
     assert await client.reset_prefix_cache()
     port = publisher.replay_endpoint.rsplit(":", 1)[1]
     subscriber = VllmSubscriber(zctx, publisher.endpoint, f"tcp://127.0.0.1:{port}")
-    assert [m[1] for m in await subscriber.replay(1)] == [(1).to_bytes(8, "big"), VLLM_END_SEQ]
+    base = publisher.seq_base
+    assert [m[1] for m in await subscriber.replay(1)] == [base.to_bytes(8, "big"), (base + 1).to_bytes(8, "big"),
+                                                          VLLM_END_SEQ]
 
 
 async def test_ipc_and_connect_endpoints_start_without_a_warning(start_kv_server, tmp_path):
@@ -468,3 +513,55 @@ async def test_missing_pyzmq_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq", None)
     with pytest.raises(RuntimeError, match=r"pip install 'kvservice\[zmq\]'"):
         await start_server(**{**SMALL_SERVER, "zmq_endpoint": "tcp://127.0.0.1:*"})
+
+
+async def test_ipv6_loopback_endpoints_work(start_kv_server, connect, zctx):
+    running = await start_kv_server(zmq_endpoint="tcp://[::1]:*", zmq_replay_endpoint="tcp://[::1]:*")
+    publisher = running.zmq_publisher
+    assert publisher.endpoint.startswith("tcp://[::1]:") and publisher.replay_endpoint.startswith("tcp://[::1]:")
+    client = await connect(running)
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint, ipv6=True)
+    await subscriber.catch_up(client, lambda: publisher.seq_base + running.event_log.head_seq)
+    await workload(client)
+    await subscriber.follow_to(publisher.seq_base + running.event_log.head_seq)
+    assert subscriber.cached == cached_pairs(running) and subscriber.cached
+
+
+async def test_a_restart_on_the_same_endpoints_is_a_seq_jump_whose_replay_clears_first(
+    start_kv_server, connect, zctx, tmp_path
+):
+    """The restarted server's wire seqs start above the dead one's last (a jump, never a rewind);
+    a subscriber that tracks seqs asks for a replay from its last seq + 1 and is answered with the
+    new epoch's start (AllBlocksCleared) and its batches, so it never keeps the dead cache's blocks."""
+    # Bound endpoints that can be bound again (tcp://127.0.0.1:PORT would connect, vLLM's rule).
+    endpoint, replay_endpoint = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    first = await start_kv_server(zmq_endpoint=endpoint, zmq_replay_endpoint=replay_endpoint)
+    client = await connect(first)
+    subscriber = VllmSubscriber(zctx, endpoint, replay_endpoint)
+    await subscriber.catch_up(client, lambda: first.zmq_publisher.seq_base + first.event_log.head_seq)
+    await workload(client)
+    await subscriber.follow_to(first.zmq_publisher.seq_base + first.event_log.head_seq)
+    old_last = subscriber.last_seq
+    assert subscriber.cached == cached_pairs(first) and subscriber.cached
+    await first.stop(0)
+
+    second = await start_kv_server(zmq_endpoint=endpoint, zmq_replay_endpoint=replay_endpoint)
+    base = second.zmq_publisher.seq_base
+    assert base > old_last
+    client = await connect(second)
+    assert (await client.get_kv_cache_group_metadata()).zmq_seq_base == base
+    for i in range(200):  # new batches until one reaches the reconnected subscription
+        prompt = [9000 + i] * 8
+        await client.get_computed_blocks(f"n{i}", prompt)
+        assert (await client.allocate_slots(f"n{i}", 8)).allocated
+        await client.free(f"n{i}")
+        if await subscriber.sub.poll(PROBE_POLL_MS):
+            break
+    frames = await subscriber.recv()
+    assert int.from_bytes(frames[1], "big") > old_last + 1  # a jump
+    answer = await subscriber.receive_with_watermark(frames)
+    assert answer is not None and int.from_bytes(answer[0][1], "big") == base
+    assert msgspec.msgpack.decode(answer[0][2])[1] == [{"type": "AllBlocksCleared"}]
+    await subscriber.follow_to(base + second.event_log.head_seq)
+    assert subscriber.cached == cached_pairs(second)
+    assert {h for _, h in subscriber.cached}.isdisjoint({h for _, h in cached_pairs(first)})

@@ -35,6 +35,7 @@ def test_a_kvservice_table_is_accepted(tmp_path):
         ("num_blocks = 0\n", "num_blocks must be >= 1"),
         ("gpu_memory_utilization = 1.5\n", r"gpu_memory_utilization must be in \(0, 1\]"),
         ('kv_cache_memory = "lots"\n', "not a byte count: 'lots'"),
+        (f'kv_events_medium = "{"G" * 65}"\n', "kv_events_medium must be a non-empty string of at most 64 characters"),
     ],
 )
 def test_bad_settings_are_named(tmp_path, content, message):

@@ -61,7 +61,8 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
         token_ids: the blocks' token ids, ``block_size`` per hash.
         block_size: tokens per block, the granularity the hashes were computed at.
         lora_id: LoRA adapter id, or None.
-        medium: where the KV lives ("GPU" on a CUDA device, "CPU" otherwise).
+        medium: the tier the KV lives in ("GPU" for the primary pool by default, as vLLM's,
+            whatever the device; the server's ``kv_events_medium`` setting).
         lora_name: LoRA adapter name, or None.
         extra_keys: per block, the untagged extra keys vLLM publishes (LoRA name, salt,
             ``[mm_identifier, offset]``), None when no block has any.

@@ -1367,6 +1367,7 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     PRESET_FIELD_NUMBER: _builtins.int
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
+    ZMQ_SEQ_BASE_FIELD_NUMBER: _builtins.int
     hash_algorithm: _builtins.str
     """"sha256_cbor", "sha256", "xxhash" or "xxhash_cbor" (vLLM's --prefix-caching-hash-algo names)."""
     hash_seed: _builtins.str
@@ -1387,6 +1388,11 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     """The model preset the server runs, if any."""
     head_seq: _builtins.int
     """Seq of the newest batch in the event log (0 when none)."""
+    zmq_seq_base: _builtins.int
+    """The ZMQ wire seq of this epoch's start (0 when the ZMQ publisher is off): event-log batch seq s
+    goes out on ZMQ as zmq_seq_base + s, so ZMQ seqs never rewind across restarts (the start time
+    in microseconds since the Unix epoch).
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroupMetadata]:
         """Every group, in group_idx order."""
@@ -1405,10 +1411,11 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
         max_model_len: _builtins.int = ...,
         preset: _builtins.str = ...,
         head_seq: _builtins.int = ...,
+        zmq_seq_base: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "data_parallel_rank", b"data_parallel_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "max_model_len", b"max_model_len", "medium", b"medium", "preset", b"preset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "max_model_len", b"max_model_len", "medium", b"medium", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__data_parallel_rank: _TypeAlias = _typing.Literal["data_parallel_rank"]  # noqa: Y015
     _WhichOneofArgType__data_parallel_rank: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank"]  # noqa: Y015

@@ -1,0 +1,239 @@
+"""NVIDIA Dynamo's standalone KV indexer as the referee: it follows kvservice over ZMQ, exactly,
+through a kvservice restart, an indexer restart and a retention shorter than the history.
+
+Dynamo (PyPI ``ai-dynamo-runtime``, ``python -m dynamo.indexer``) is a consumer nobody here wrote:
+it subscribes to vLLM's ZMQ events, keeps a watermark seq per worker (a seq past it + 1 asks the
+replay socket for the gap; a seq at or below it is dropped) and answers prefix-match queries over
+HTTP (``POST /register``, ``GET /dump``, ``POST /query``, found by running it). After each
+disruption the test waits (polling with a bounded deadline) until Dynamo's view of the worker
+(the block hashes its ``/dump`` lists) equals kvservice's cached set, then checks that Dynamo's
+overlap for probe prompts equals the hit kvservice's ``GetComputedBlocks`` reports. The worker is
+registered once per indexer process (a restarted indexer starts empty and is registered like a
+new one); a kvservice restart needs no re-registration.
+
+Skipped, with the reason, where the wheel is not installed (``ai-dynamo-runtime`` has Linux
+x86_64 wheels; ``scripts/setup.sh`` installs it there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.service.conftest import SMALL_SERVER, connect, start_kv_server  # noqa: F401 (fixtures)
+
+pytest.importorskip("zmq")
+pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime (Dynamo's KV indexer) has no wheel for this platform")
+
+pytestmark = pytest.mark.timeout(240)
+
+WORKER_ID = 7
+MODEL = "kvservice-test"
+DEADLINE_S = 30.0
+"""Longest wait for Dynamo's view to settle after a disruption (polled, not slept)."""
+POLL_S = 0.05
+BLOCK_SIZE = SMALL_SERVER["block_size"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DynamoIndexer:
+    """One ``python -m dynamo.indexer`` process and its HTTP API."""
+
+    def __init__(self, log_path) -> None:
+        self.port = _free_port()
+        self.log = open(log_path, "a")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, Any]:
+        return await asyncio.to_thread(self._call, method, path, body)
+
+    async def wait_healthy(self) -> None:
+        deadline = asyncio.get_running_loop().time() + DEADLINE_S
+        while True:
+            assert self.proc.poll() is None, f"dynamo.indexer exited with {self.proc.returncode}"
+            try:
+                if (await self.call("GET", "/health"))[0] == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert asyncio.get_running_loop().time() < deadline, "dynamo.indexer never became healthy"
+            await asyncio.sleep(POLL_S)
+
+    async def register(self, endpoint: str, replay_endpoint: str) -> None:
+        status, body = await self.call("POST", "/register", {
+            "instance_id": WORKER_ID, "endpoint": endpoint, "replay_endpoint": replay_endpoint,
+            "model_name": MODEL, "block_size": BLOCK_SIZE,
+        })
+        assert status == 201, body
+
+    async def view(self) -> set[int]:
+        """The block hashes Dynamo holds for the worker (its ``/dump``)."""
+        status, dump = await self.call("GET", "/dump")
+        assert status == 200, dump
+        hashes: set[int] = set()
+        for indexer in dump.values():
+            for event in indexer.get("events", []):
+                if event["worker_id"] != WORKER_ID:
+                    continue
+                stored = event["event"]["data"].get("stored")
+                assert stored is not None, event
+                hashes.update(block["block_hash"] for block in stored["blocks"])
+        return hashes
+
+    async def overlap(self, prompt: list[int]) -> int:
+        """Dynamo's overlap for ``prompt`` on the worker, in tokens (0 when none)."""
+        status, body = await self.call("POST", "/query", {"token_ids": prompt, "model_name": MODEL})
+        if status == 404:  # no indexer yet for the model
+            return 0
+        assert status == 200, body
+        return int(body["scores"].get(str(WORKER_ID), {}).get("0", 0))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def indexers(tmp_path):
+    started: list[DynamoIndexer] = []
+
+    def start() -> DynamoIndexer:
+        indexer = DynamoIndexer(tmp_path / "dynamo-indexer.log")
+        started.append(indexer)
+        return indexer
+
+    yield start
+    for indexer in started:
+        if indexer.proc.poll() is None:
+            indexer.stop()
+
+
+def cached(running) -> set[int]:
+    (group,) = running.event_log.cached_hashes()
+    return set(group)
+
+
+def prompt_of(family: int, turn: int) -> list[int]:
+    """Families share their first 8 tokens (2 blocks); turns extend them."""
+    return [100 * (family + 1) + t for t in range(8)] + [10_000 + 100 * family + 10 * turn + t for t in range(4 + turn % 3 * 4)]
+
+
+async def workload(client, tag: str, num_requests: int) -> None:
+    """Shared prefixes, both report modes, and evictions (16 blocks of 4 tokens)."""
+    for i in range(num_requests):
+        prompt = prompt_of(i % 4, i // 4)
+        mode = "full" if i % 2 else "incremental"
+        await client.get_computed_blocks(f"{tag}{i}", prompt, kv_cache_report_mode=mode)
+        assert (await client.allocate_slots(f"{tag}{i}", len(prompt))).allocated
+        await client.free(f"{tag}{i}")
+
+
+PROBES = [prompt_of(f, t) + [1] for f in range(5) for t in range(6)]
+"""Each probe one token past full blocks, so kvservice's hit (never the whole prompt) can cover
+all of its full blocks, as Dynamo's overlap does."""
+
+
+async def kvservice_hit(client, prompt: list[int]) -> int:
+    hit = await client.get_computed_blocks("probe", prompt)
+    await client.free("probe")
+    return hit.num_computed_tokens
+
+
+NUDGE_EVERY = 10
+"""Polls between two new batches while Dynamo's view differs: a (re)connecting SUB socket misses
+what was published before it joined (ZMQ's slow joiner) and learns of a gap only from the next
+batch it receives, as it would from a live engine's traffic."""
+
+
+async def assert_dynamo_equals(indexer: DynamoIndexer, running, client) -> None:
+    """Wait until Dynamo's view equals the cached set, then compare overlaps with hits."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    polls = 0
+    while (view := await indexer.view()) != (expected := cached(running)):
+        assert loop.time() < deadline, (
+            f"Dynamo's view never equalled kvservice's cached set: {len(view - expected)} stale, "
+            f"{len(expected - view)} missing (log: {indexer.log.name})"
+        )
+        polls += 1
+        if polls % NUDGE_EVERY == 0:
+            prompt = [50_000 + polls] * 8
+            await client.get_computed_blocks(f"nudge{polls}", prompt)
+            assert (await client.allocate_slots(f"nudge{polls}", len(prompt))).allocated
+            await client.free(f"nudge{polls}")
+        await asyncio.sleep(POLL_S)
+    hits = [await kvservice_hit(client, p) for p in PROBES]
+    overlaps = [await indexer.overlap(p) for p in PROBES]
+    assert overlaps == hits
+    assert any(hits), "some probes hit"
+
+
+async def test_dynamo_follows_kvservice_through_restarts_and_short_retention(
+    start_kv_server, connect, indexers, tmp_path  # noqa: F811 (the fixtures imported above)
+):
+    endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    settings = {"zmq_endpoint": endpoint, "zmq_replay_endpoint": replay_endpoint, "event_max_batches": 6}
+
+    # 1. A fresh indexer follows a live kvservice (seq far above 0 at attach: a replay from 0).
+    running = await start_kv_server(**settings)
+    client = await connect(running)
+    indexer = indexers()
+    await indexer.wait_healthy()
+    await indexer.register(endpoint, replay_endpoint)
+    await workload(client, "a", 24)
+    assert running.event_log.head_seq > 6  # the history is longer than the retention
+    await assert_dynamo_equals(indexer, running, client)
+    before_restart = cached(running)
+
+    # 2. kvservice restarts on the same endpoints: the wire seq jumps, Dynamo asks for the gap and
+    #    is answered with the new epoch's start (AllBlocksCleared) or a snapshot; no re-registration.
+    await running.stop(0)
+    running = await start_kv_server(**settings)
+    client = await connect(running)
+    await workload(client, "b", 6)
+    assert before_restart - cached(running), "the dead server held blocks the new one does not"
+    await assert_dynamo_equals(indexer, running, client)
+
+    # 3. The indexer restarts (a new process, registered as a new one), after more history than is
+    #    retained: its replay from 0 is answered with a snapshot.
+    await workload(client, "c", 20)
+    indexer.stop()
+    assert running.event_log.oldest_seq > 1
+    indexer = indexers()
+    await indexer.wait_healthy()
+    await indexer.register(endpoint, replay_endpoint)
+    snapshots = running.zmq_publisher.num_snapshot_replays
+    await workload(client, "d", 4)
+    await assert_dynamo_equals(indexer, running, client)
+    assert running.zmq_publisher.num_snapshot_replays > snapshots

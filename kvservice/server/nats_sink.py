@@ -9,6 +9,12 @@ The wire (what :class:`kvservice_client.jetstream.JetStreamWatcher` reads; any N
   them all the same ones).
 * **Subject** ``{subject_prefix}.{instance}``: one per server instance, so a consumer can filter
   one instance (``kvservice.events.node1-50051``) or take all (``kvservice.events.>``).
+* **The epoch start**: the first message of every server epoch has ``Kvservice-Seq: 0`` and one
+  ``AllBlocksCleared``, so a consumer that reads the stream in order and knows nothing of epochs
+  drops a restarted server's dead blocks before its first batch (``JetStreamWatcher`` clears on
+  the epoch change and skips it). Across restarts of one instance the JetStream *stream* sequence
+  keeps increasing (a seq-tracking consumer uses it); ``Kvservice-Seq`` counts per epoch, as
+  gRPC's seq does.
 * **One message per event-log batch**, published once, in seq order. Payload: the batch's msgpack
   bytes in vLLM's layout (:attr:`LogEntry.msgpack <kvservice.server.event_log.LogEntry>`,
   ``[ts, events, data_parallel_rank]``), byte-identical to what StreamEvents (msgpack) and the
@@ -56,9 +62,12 @@ import contextlib
 import logging
 import re
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvservice.server.event_log import LogEntry
+from kvservice_client.events import AllBlocksCleared
 from kvservice_client.jetstream import (
     HEADER_DATA_PARALLEL_RANK,
     HEADER_EPOCH,
@@ -74,7 +83,7 @@ from kvservice_client.jetstream import (
 
 if TYPE_CHECKING:
     from kvservice.server.app import ServerConfig
-    from kvservice.server.event_log import EventLog, LogEntry
+    from kvservice.server.event_log import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +326,9 @@ class NatsJetStreamSink:
         """
         nats = import_nats()
         sink = cls(event_log, config, nats)
+        # The epoch start: seq 0, one AllBlocksCleared, published before the epoch's first batch.
+        epoch_start = LogEntry(0, time.time(), [AllBlocksCleared()], event_log.epoch, event_log.data_parallel_rank)
+        sink._pending.append((epoch_start, None))
         event_log.add_listener(sink.enqueue)
         if event_log.head_seq:
             for entry in event_log.entries_from(event_log.oldest_seq):

@@ -24,6 +24,7 @@ import pytest
 
 from kvservice.server.app import RunningServer
 from kvservice.server.nats_sink import default_instance
+from kvservice_client.events import AllBlocksCleared, BlockStored, decode_event_batch
 from kvservice_client.jetstream import (
     DEFAULT_STREAM,
     HEADER_RESYNC,
@@ -199,8 +200,11 @@ async def test_each_batch_is_one_message_with_its_position_in_headers(nats_serve
     assert head >= 8 and running.event_log.oldest_seq == 1
     epoch = running.event_log.epoch
 
+    start = await js.get_msg(DEFAULT_STREAM, 1)  # the epoch start: seq 0, AllBlocksCleared
+    assert (start.headers["Kvservice-Seq"], start.headers["Nats-Msg-Id"]) == ("0", f"{epoch}:0")
+    assert decode_event_batch(start.data).events == [AllBlocksCleared()]
     for entry in running.event_log.entries_from(1):
-        msg = await js.get_msg(DEFAULT_STREAM, entry.seq)  # one instance, fresh stream: stream seq == seq
+        msg = await js.get_msg(DEFAULT_STREAM, entry.seq + 1)  # one instance, fresh stream: after the epoch start
         assert msg.subject == "kvservice.events.node-a"
         assert msg.headers == {
             "Nats-Msg-Id": f"{epoch}:{entry.seq}",
@@ -212,12 +216,12 @@ async def test_each_batch_is_one_message_with_its_position_in_headers(nats_serve
         }
         assert msg.data == entry.msgpack
     info = await js.stream_info(DEFAULT_STREAM)
-    assert (info.state.messages, info.state.first_seq, info.state.last_seq) == (head, 1, head)
+    assert (info.state.messages, info.state.first_seq, info.state.last_seq) == (head + 1, 1, head + 1)
     assert info.config.subjects == ["kvservice.events.>"]
     assert (info.config.max_age, info.config.duplicate_window) == (600.0, 30.0)
     assert (info.config.max_msgs, info.config.max_bytes) == (-1, 1 << 30)
     sink = running.nats_sink
-    assert (sink.num_published, sink.num_duplicates, sink.num_dropped, sink.num_pending) == (head, 0, 0, 0)
+    assert (sink.num_published, sink.num_duplicates, sink.num_dropped, sink.num_pending) == (head + 1, 0, 0, 0)
 
     # Without nats_instance the instance is <hostname>-<port>, one subject token.
     other = await start_kv_server(nats_url=nats_server.url)
@@ -237,7 +241,8 @@ async def test_durable_watcher_mirrors_the_cached_set(nats_server, start_kv_serv
         mirror = await watcher.wait_for_seq("node-a", await published(running), timeout_s=WAIT_S)
         assert_mirrors_server(mirror, running)
         assert mirror.num_batches == running.event_log.head_seq
-        assert (mirror.num_skipped, mirror.num_epoch_changes, mirror.num_resyncs) == (0, 0, 0)
+        # The epoch start (seq 0) is skipped: the watcher cleared the mirror on the epoch change.
+        assert (mirror.num_skipped, mirror.num_epoch_changes, mirror.num_resyncs) == (1, 0, 0)
         assert any(mirror.hashes(2))
 
 
@@ -256,7 +261,7 @@ async def test_a_restarted_watcher_resumes_from_the_durable(nats_server, js, sta
     async with JetStreamWatcher(nats_server.url, durable="router", on_batch=recorder()) as first:
         await first.wait_for_seq("node-a", first_head, timeout_s=WAIT_S)
     durable = await js.consumer_info(DEFAULT_STREAM, "router")  # every applied message acked
-    assert (durable.ack_floor.stream_seq, durable.num_ack_pending, durable.num_pending) == (first_head, 0, 0)
+    assert (durable.ack_floor.stream_seq, durable.num_ack_pending, durable.num_pending) == (first_head + 1, 0, 0)
     await run_requests(running, client, prompts_of(2, 5), "b")  # while no watcher runs
     second_head = await published(running)
     assert second_head > first_head
@@ -298,9 +303,9 @@ async def test_the_stream_drops_a_republished_batch(nats_server, js, start_kv_se
 
     ack = await running.nats_sink.publish_entry(entry)  # the same seq again: same Nats-Msg-Id
 
-    assert (ack.stream, ack.seq, ack.duplicate) == (DEFAULT_STREAM, 2, True)
+    assert (ack.stream, ack.seq, ack.duplicate) == (DEFAULT_STREAM, 3, True)  # after the epoch start
     info = await js.stream_info(DEFAULT_STREAM)
-    assert (info.state.messages, info.state.last_seq) == (head, head)
+    assert (info.state.messages, info.state.last_seq) == (head + 1, head + 1)
 
 
 async def test_one_watcher_mirrors_two_instances(nats_server, start_kv_server, connect):
@@ -342,6 +347,36 @@ async def test_a_kvservice_restart_resets_that_instance(nats_server, start_kv_se
         assert_mirrors_server(watcher.mirrors["node-b"], other)  # the other instance is untouched
 
 
+async def test_a_plain_in_order_consumer_drops_a_restarted_servers_blocks(nats_server, js, start_kv_server, connect):
+    """A consumer that knows nothing of epochs or kvservice's headers, reading the stream in order
+    and applying events to a set, holds the restarted server's cached set: the new epoch's first
+    message is its epoch start (AllBlocksCleared). The stream sequence never rewinds."""
+    before = await start_kv_server(**nats_settings(nats_server, "node-a"))
+    await run_requests(before, await connect(before), prompts_of(1, 5), "a")
+    await published(before)
+    old = set(before.event_log.cached_hashes()[0])
+    await before.stop(0)
+    after = await start_kv_server(**nats_settings(nats_server, "node-a"))
+    await run_requests(after, await connect(after), prompts_of(2, 3), "b")
+    await published(after)
+    info = await js.stream_info(DEFAULT_STREAM)
+    cached: set[int] = set()
+    epoch_seqs = []
+    for stream_seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await js.get_msg(DEFAULT_STREAM, stream_seq)
+        epoch_seqs.append((msg.headers["Kvservice-Epoch"], int(msg.headers["Kvservice-Seq"])))
+        for event in decode_event_batch(msg.data).events:
+            if isinstance(event, AllBlocksCleared):
+                cached.clear()
+            elif isinstance(event, BlockStored):
+                cached.update(event.block_hashes)
+            else:
+                cached.difference_update(event.block_hashes)
+    assert cached == set(after.event_log.cached_hashes()[0]) and old - cached
+    restart = epoch_seqs.index((after.event_log.epoch, 0))
+    assert epoch_seqs[0] == (before.event_log.epoch, 0) and restart == before.event_log.head_seq + 1
+
+
 async def test_an_overflowing_queue_drops_loudly_and_watchers_resync(nats_server, start_kv_server, connect, caplog):
     running = await start_kv_server(**nats_settings(nats_server, "node-a", nats_max_pending_batches=2))
     client = await connect(running)
@@ -370,7 +405,7 @@ async def test_an_overflowing_queue_drops_loudly_and_watchers_resync(nats_server
         assert mirror.num_batches == head + 2  # the batches before the gap; the snapshot covers the rest
     nc = await nats.connect(nats_server.url, error_cb=_quiet)
     try:
-        after_gap = await nc.jetstream().get_msg(DEFAULT_STREAM, head + 3)
+        after_gap = await nc.jetstream().get_msg(DEFAULT_STREAM, head + 4)  # the epoch start, head, 2 queued
     finally:
         await nc.close()
     assert after_gap.headers[HEADER_RESYNC] == gap

@@ -13,8 +13,9 @@ Per instance, in stream order:
 
 * a batch of the followed epoch with seq ``last_seq + 1`` is applied; one with seq <= ``last_seq``
   is a redelivery and is skipped;
-* a batch of a new epoch (the server restarted; a new epoch starts with an empty cache, and the
-  server sends no AllBlocksCleared for it) clears the mirror and expects seq 1;
+* a batch of a new epoch (the server restarted; a new epoch starts with an empty cache) clears the
+  mirror and expects seq 1; the epoch's first message, its *epoch start* (seq 0, one
+  AllBlocksCleared, for consumers that know nothing of epochs), is skipped;
 * a seq gap (the sink dropped batches: the message then carries :data:`HEADER_RESYNC`; or the
   stream's retention removed them before this consumer read them) puts the instance in
   :attr:`MirrorState.RESYNC_NEEDED`: its mirror is no longer the server's cache; its later batches
@@ -574,7 +575,7 @@ class JetStreamWatcher:
             mirror.num_skipped += 1
             return
         if epoch != mirror.epoch:
-            # A new epoch: the server restarted with an empty cache (it sends no AllBlocksCleared).
+            # A new epoch: the server restarted with an empty cache (its epoch start, seq 0, is skipped below).
             if mirror.epoch is not None:
                 mirror.retired_epochs.add(mirror.epoch)
                 mirror.num_epoch_changes += 1

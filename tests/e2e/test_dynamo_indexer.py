@@ -11,7 +11,8 @@ overlap for probe prompts equals the hit kvservice's ``GetComputedBlocks`` repor
 registered once per indexer process (a restarted indexer starts empty and is registered like a
 new one); a kvservice restart needs no re-registration.
 
-Skipped, with the reason, where the wheel is not installed (``ai-dynamo-runtime`` has Linux
+Dynamo's HTTP server binds 0.0.0.0 (1.6.1 has no option to bind loopback only); the test talks to
+it on 127.0.0.1. Skipped, with the reason, where the wheel is not installed (``ai-dynamo-runtime`` has Linux
 x86_64 wheels; ``scripts/setup.sh`` installs it there).
 """
 

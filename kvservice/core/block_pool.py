@@ -256,7 +256,7 @@ class BlockPool:
         enable_caching: keep full blocks indexed by hash for prefix-cache hits.
         enable_kv_cache_events: record events (off: no event object is ever built).
         block_hash_encoder: maps a digest to its published form (default: 64-bit int, vLLM's).
-        medium: the ``medium`` field of every event ("GPU" or "CPU").
+        medium: the ``medium`` field of every event ("GPU", vLLM's primary pool's, by default).
 
     Raises:
         ValueError: ``num_blocks < 2`` or ``num_groups < 1``.

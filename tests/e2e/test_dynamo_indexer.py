@@ -214,6 +214,7 @@ async def test_dynamo_follows_kvservice_through_restarts_and_short_retention(
     await indexer.register(endpoint, replay_endpoint)
     await workload(client, "a", 24)
     assert running.event_log.head_seq > 6  # the history is longer than the retention
+    assert running.engine.manager.block_pool.num_evictions > 0
     await assert_dynamo_equals(indexer, running, client)
     before_restart = cached(running)
 

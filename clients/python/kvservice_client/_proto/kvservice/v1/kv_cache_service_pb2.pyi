@@ -933,7 +933,9 @@ class BlockStored(_message.Message):
     lora_id: _builtins.int
     """LoRA adapter id of the request; unset = none."""
     medium: _builtins.str
-    """Where the KV lives: "GPU" (CUDA) or "CPU"; unset = not published (None in vLLM's events)."""
+    """The tier the KV lives in: "GPU" for the primary pool (vLLM's name, whatever the device; the
+    server's kv_events_medium setting); unset = not published (None in vLLM's events).
+    """
     lora_name: _builtins.str
     """LoRA adapter name of the request; unset = none."""
     group_idx: _builtins.int
@@ -1033,7 +1035,7 @@ class BlockRemoved(_message.Message):
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     medium: _builtins.str
-    """Where the KV lived: "GPU" or "CPU"; unset = not published."""
+    """The tier the KV lived in, as on BlockStored; unset = not published."""
     group_idx: _builtins.int
     """The KV cache group; unset = not published."""
     kv_cache_spec_kind: Global___KVCacheSpecKind.ValueType

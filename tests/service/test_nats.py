@@ -377,6 +377,27 @@ async def test_a_plain_in_order_consumer_drops_a_restarted_servers_blocks(nats_s
     assert epoch_seqs[0] == (before.event_log.epoch, 0) and restart == before.event_log.head_seq + 1
 
 
+async def test_a_watcher_whose_start_the_stream_dropped_rebuilds_from_a_snapshot(nats_server, js, start_kv_server,
+                                                                                 connect):
+    """The stream keeps 3 messages of many: a watcher joining late meets a seq gap at its first
+    message and, given the instance's gRPC address, rebuilds from a snapshot; it ends exact."""
+    running = await start_kv_server(**nats_settings(nats_server, "node-a", nats_max_msgs=3))
+    client = await connect(running)
+    await run_requests(running, client, prompts_of(1, 8), "a")
+    head = await published(running)
+    info = await js.stream_info(DEFAULT_STREAM)
+    assert (info.state.messages, info.state.first_seq) == (3, head + 1 - 2)  # the epoch start is gone too
+    async with JetStreamWatcher(
+        nats_server.url, durable="late", snapshot_sources={"node-a": running.address}
+    ) as watcher:
+        mirror = await watcher.wait_for_seq("node-a", head, timeout_s=WAIT_S)
+        assert_mirrors_server(mirror, running)
+        assert mirror.num_resyncs == 1
+        await run_requests(running, client, prompts_of(2, 3), "b")
+        mirror = await watcher.wait_for_seq("node-a", await published(running), timeout_s=WAIT_S)
+        assert_mirrors_server(mirror, running)
+
+
 async def test_an_overflowing_queue_drops_loudly_and_watchers_resync(nats_server, start_kv_server, connect, caplog):
     running = await start_kv_server(**nats_settings(nats_server, "node-a", nats_max_pending_batches=2))
     client = await connect(running)

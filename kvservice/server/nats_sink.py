@@ -57,7 +57,7 @@ import logging
 import re
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvservice_client.jetstream import (
     HEADER_DATA_PARALLEL_RANK,
@@ -73,7 +73,6 @@ from kvservice_client.jetstream import (
 )
 
 if TYPE_CHECKING:
-    from kvservice.server.app import ServerConfig
     from kvservice.server.event_log import EventLog, LogEntry
 
 logger = logging.getLogger(__name__)
@@ -217,7 +216,33 @@ def check_retention(max_age_s: float, max_msgs: int, max_bytes: int, duplicate_w
         )
 
 
-def check_nats_settings(config: ServerConfig) -> None:
+class NatsSettings(Protocol):
+    """The ``nats_*`` settings (and the bound ``port``) this module reads; ``ServerConfig`` has them.
+    A protocol, so this module does not import the app that imports it (no import cycle)."""
+
+    @property
+    def nats_url(self) -> str | None: ...
+    @property
+    def nats_subject_prefix(self) -> str: ...
+    @property
+    def nats_stream(self) -> str: ...
+    @property
+    def nats_instance(self) -> str | None: ...
+    @property
+    def nats_max_age_s(self) -> float: ...
+    @property
+    def nats_max_msgs(self) -> int: ...
+    @property
+    def nats_max_bytes(self) -> int: ...
+    @property
+    def nats_duplicate_window_s(self) -> float: ...
+    @property
+    def nats_max_pending_batches(self) -> int: ...
+    @property
+    def port(self) -> int: ...
+
+
+def check_nats_settings(config: NatsSettings) -> None:
     """Check a ServerConfig's ``nats_*`` settings (whether or not ``nats_url`` is set).
 
     Raises:
@@ -244,7 +269,7 @@ def _split_servers(url: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in url.split(",") if part.strip())
 
 
-async def start_nats_sink(event_log: EventLog, config: ServerConfig) -> NatsJetStreamSink:
+async def start_nats_sink(event_log: EventLog, config: NatsSettings) -> NatsJetStreamSink:
     """Start the sink of a server with ``nats_url`` set (its bound ``port`` names the default
     instance).
 

@@ -167,7 +167,7 @@ async def test_deadline_exceeded_is_a_kvservice_error(served) -> None:  # type: 
     async with AsyncKVCacheClient(address) as client:
         with pytest.raises(KVServiceError) as info:
             await client.get_usage(timeout=0.05)  # the fake waits until teardown
-    assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 async def test_error_translation_keeps_code_and_message(served) -> None:  # type: ignore[no-untyped-def]
@@ -177,7 +177,7 @@ async def test_error_translation_keeps_code_and_message(served) -> None:  # type
         with pytest.raises(KVServiceError) as info:
             await client.free("ghost")
     err = info.value
-    assert err.code is grpc.StatusCode.NOT_FOUND
+    assert err.code == grpc.StatusCode.NOT_FOUND
     assert err.message == "request_id 'ghost' is not registered"
     assert str(err) == "NOT_FOUND: request_id 'ghost' is not registered"
     assert isinstance(err.__cause__, grpc.aio.AioRpcError)
@@ -188,7 +188,7 @@ async def test_unreachable_server_is_unavailable() -> None:
     async with AsyncKVCacheClient("127.0.0.1:1") as client:
         with pytest.raises(KVServiceError) as info:
             await client.ping(timeout=5)
-    assert info.value.code is grpc.StatusCode.UNAVAILABLE
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_metadata_token_then_client_then_call(served) -> None:  # type: ignore[no-untyped-def]
@@ -214,7 +214,7 @@ async def test_stream_events_yields_batches_then_translates_the_error(served) ->
             async for batch in client.stream_events(start_seq=3, payload_format="msgpack", group_idxs=[1]):
                 seqs.append(batch.seq)
     assert seqs == [3, 4]
-    assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.message == "subscriber fell behind; last seq 4"
     assert fake.seen[0].request == v1.StreamEventsRequest(
         start=v1.EVENT_START_SEQ, start_seq=3, group_idxs=[1], payload_format=v1.PAYLOAD_FORMAT_MSGPACK
@@ -288,7 +288,7 @@ async def test_sync_stream_events_translates_errors(served) -> None:  # type: ig
 
     seqs, err = await asyncio.to_thread(run)
     assert seqs == [1, 2]
-    assert err.code is grpc.StatusCode.OUT_OF_RANGE
+    assert err.code == grpc.StatusCode.OUT_OF_RANGE
     assert err.message == "start_seq 1 is below the oldest seq held (5)"
 
 
@@ -342,7 +342,7 @@ def test_step_builder_builds_ops_in_order() -> None:
 
 def test_op_status_with_an_unknown_code_is_unknown() -> None:
     err = KVServiceError.from_op_status(v1.OpStatus(code=99, message="?"))
-    assert err.code is grpc.StatusCode.UNKNOWN
+    assert err.code == grpc.StatusCode.UNKNOWN
 
 
 def test_importing_events_and_hashing_loads_no_grpc() -> None:

@@ -197,7 +197,7 @@ class KVCacheManager:
         self.enable_caching = prefix_caching is not None
         encoder = block_hash_to_int
         if kv_events is not None and kv_events.block_hash_format == "digest":
-            encoder = _publish_digest
+            encoder = _publish_digest  # type: ignore[assignment]  # the published form is int or bytes by block_hash_format
         self.block_pool = BlockPool(
             kv_cache_config.num_blocks,
             len(kv_cache_config.kv_cache_groups),
@@ -225,7 +225,7 @@ class KVCacheManager:
 
     def new_request(self, request_id: str, prompt_token_ids: Iterable[int], **kwargs: object) -> Request:
         """A :class:`Request` hashed with this manager's rule (kwargs as ``Request``)."""
-        return Request(request_id, prompt_token_ids, block_hasher=self.block_hasher, **kwargs)  # type: ignore[arg-type]
+        return Request(request_id, prompt_token_ids, block_hasher=self.block_hasher, **kwargs)  # type: ignore[arg-type]  # kwargs are Request's own keyword arguments
 
     def empty_blocks(self) -> KVCacheBlocks:
         """An empty result (no blocks in any group)."""
@@ -360,10 +360,10 @@ class KVCacheManager:
         num_groups = len(kinds)
         for event in events:
             if type(event) is BlockStored or type(event) is BlockRemoved:
-                g = event.group_idx  # type: ignore[union-attr]
+                g = event.group_idx
                 if g is not None and 0 <= g < num_groups:
-                    event.kv_cache_spec_kind = kinds[g]  # type: ignore[union-attr]
-                    event.kv_cache_spec_sliding_window = windows[g]  # type: ignore[union-attr]
+                    event.kv_cache_spec_kind = kinds[g]
+                    event.kv_cache_spec_sliding_window = windows[g]
                 else:
                     logger.warning("KV event with group_idx %r outside 0..%d; passed on unannotated", g, num_groups - 1)
         return events

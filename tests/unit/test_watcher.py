@@ -365,7 +365,7 @@ _prompts = st.tuples(
 ).map(lambda t: (_BASES[t[0]][: t[1]] + t[2] or [1], t[3]))
 
 _Op = Union[
-    tuple[Literal["admit"], tuple[list[int], Union[str, None]], list[int], bool, Literal["incremental", "full"]],
+    tuple[Literal["admit"], tuple[list[int], str | None], list[int], bool, Literal["incremental", "full"]],
     tuple[Literal["free_oldest"]],
     tuple[Literal["reset"]],
     tuple[Literal["evict"], list[int]],

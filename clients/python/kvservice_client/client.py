@@ -75,7 +75,7 @@ __all__ = [
 Timeout = Union[float, datetime.timedelta, None]
 """A call deadline: seconds from now (float) or a ``timedelta``; None for the client's default."""
 
-Metadata = Union[Mapping[str, Union[str, bytes]], Sequence[tuple[str, Union[str, bytes]]], None]
+Metadata = Union[Mapping[str, str | bytes], Sequence[tuple[str, str | bytes]], None]
 """gRPC metadata: a mapping or a sequence of ``(key, value)`` pairs. Keys are lower case; keys
 ending in ``-bin`` take bytes."""
 
@@ -264,7 +264,7 @@ class KVCacheClient(_ClientBase):
     @property
     def stub(self) -> pb_grpc.KVCacheServiceStub:
         """The generated stub (no deadline, metadata or error translation applied)."""
-        return self._stub  # type: ignore[no-any-return]
+        return self._stub  # type: ignore[no-any-return]  # the stub is held untyped: one attribute for the sync and the aio stub
 
     def close(self) -> None:
         """Close the channel if this client opened it."""
@@ -327,7 +327,7 @@ class KVCacheClient(_ClientBase):
         request = get_computed_blocks_request(
             request_id, prompt_token_ids, session_id, kv_cache_report_mode, lora, cache_salt, mm_features
         )
-        return self._rpc("GetComputedBlocks", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("GetComputedBlocks", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def allocate_slots(
         self,
@@ -359,7 +359,7 @@ class KVCacheClient(_ClientBase):
             TypeError: neither a request nor ``num_new_tokens``; or both a request and fields.
         """
         request = allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
-        return self._rpc("AllocateSlots", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("AllocateSlots", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def free(
         self,
@@ -381,7 +381,7 @@ class KVCacheClient(_ClientBase):
         Raises:
             KVServiceError: NOT_FOUND (unknown request), ...
         """
-        return self._rpc("Free", free_request(request_id), timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("Free", free_request(request_id), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def reset_prefix_cache(
         self,
@@ -396,7 +396,7 @@ class KVCacheClient(_ClientBase):
             KVServiceError: the call failed.
         """
         request = request if request is not None else pb.ResetPrefixCacheRequest()
-        return self._rpc("ResetPrefixCache", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("ResetPrefixCache", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def get_usage(
         self,
@@ -411,7 +411,7 @@ class KVCacheClient(_ClientBase):
             KVServiceError: the call failed.
         """
         request = request if request is not None else pb.GetUsageRequest()
-        return self._rpc("GetUsage", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("GetUsage", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def step(
         self,
@@ -434,7 +434,7 @@ class KVCacheClient(_ClientBase):
         Raises:
             KVServiceError: the whole call failed (e.g. INVALID_ARGUMENT for too many ops).
         """
-        return self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def stream_events(
         self,
@@ -476,7 +476,7 @@ class KVCacheClient(_ClientBase):
             ValueError: both ``start_seq`` and ``snapshot``.
         """
         request = stream_events_request(request, start_seq, epoch, snapshot, group_idxs, payload_format)
-        return self._rpc("StreamEvents", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("StreamEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def take_events(
         self,
@@ -513,7 +513,7 @@ class KVCacheClient(_ClientBase):
         request = take_events_request(
             consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format
         )
-        return self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def get_kv_cache_group_metadata(
         self,
@@ -528,7 +528,7 @@ class KVCacheClient(_ClientBase):
             KVServiceError: the call failed.
         """
         request = request if request is not None else pb.GetKVCacheGroupMetadataRequest()
-        return self._rpc("GetKVCacheGroupMetadata", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("GetKVCacheGroupMetadata", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def ping(
         self,
@@ -542,7 +542,7 @@ class KVCacheClient(_ClientBase):
         Raises:
             KVServiceError: the call failed (UNAVAILABLE when the server cannot be reached).
         """
-        return self._rpc("Ping", ping_request(payload), timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("Ping", ping_request(payload), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
 
 class AsyncKVCacheClient(_ClientBase):
@@ -579,7 +579,7 @@ class AsyncKVCacheClient(_ClientBase):
     @property
     def stub(self) -> pb_grpc.KVCacheServiceAsyncStub:
         """The generated stub (no deadline, metadata or error translation applied)."""
-        return self._stub  # type: ignore[no-any-return]
+        return self._stub  # type: ignore[no-any-return]  # the stub is held untyped: one attribute for the sync and the aio stub
 
     async def close(self) -> None:
         """Close the channel if this client opened it."""
@@ -642,7 +642,7 @@ class AsyncKVCacheClient(_ClientBase):
         request = get_computed_blocks_request(
             request_id, prompt_token_ids, session_id, kv_cache_report_mode, lora, cache_salt, mm_features
         )
-        return await self._rpc("GetComputedBlocks", request, timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("GetComputedBlocks", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def allocate_slots(
         self,
@@ -674,7 +674,7 @@ class AsyncKVCacheClient(_ClientBase):
             TypeError: neither a request nor ``num_new_tokens``; or both a request and fields.
         """
         request = allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
-        return await self._rpc("AllocateSlots", request, timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("AllocateSlots", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def free(
         self,
@@ -696,7 +696,7 @@ class AsyncKVCacheClient(_ClientBase):
         Raises:
             KVServiceError: NOT_FOUND (unknown request), ...
         """
-        return await self._rpc("Free", free_request(request_id), timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("Free", free_request(request_id), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def reset_prefix_cache(
         self,
@@ -711,7 +711,7 @@ class AsyncKVCacheClient(_ClientBase):
             KVServiceError: the call failed.
         """
         request = request if request is not None else pb.ResetPrefixCacheRequest()
-        return await self._rpc("ResetPrefixCache", request, timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("ResetPrefixCache", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def get_usage(
         self,
@@ -726,7 +726,7 @@ class AsyncKVCacheClient(_ClientBase):
             KVServiceError: the call failed.
         """
         request = request if request is not None else pb.GetUsageRequest()
-        return await self._rpc("GetUsage", request, timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("GetUsage", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def step(
         self,
@@ -749,7 +749,7 @@ class AsyncKVCacheClient(_ClientBase):
         Raises:
             KVServiceError: the whole call failed (e.g. INVALID_ARGUMENT for too many ops).
         """
-        return await self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def stream_events(
         self,
@@ -791,7 +791,7 @@ class AsyncKVCacheClient(_ClientBase):
             ValueError: both ``start_seq`` and ``snapshot``.
         """
         request = stream_events_request(request, start_seq, epoch, snapshot, group_idxs, payload_format)
-        return self._rpc("StreamEvents", request, timeout, metadata)  # type: ignore[no-any-return]
+        return self._rpc("StreamEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def take_events(
         self,
@@ -828,7 +828,7 @@ class AsyncKVCacheClient(_ClientBase):
         request = take_events_request(
             consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format
         )
-        return await self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def get_kv_cache_group_metadata(
         self,
@@ -843,7 +843,7 @@ class AsyncKVCacheClient(_ClientBase):
             KVServiceError: the call failed.
         """
         request = request if request is not None else pb.GetKVCacheGroupMetadataRequest()
-        return await self._rpc("GetKVCacheGroupMetadata", request, timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("GetKVCacheGroupMetadata", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def ping(
         self,
@@ -857,4 +857,4 @@ class AsyncKVCacheClient(_ClientBase):
         Raises:
             KVServiceError: the call failed (UNAVAILABLE when the server cannot be reached).
         """
-        return await self._rpc("Ping", ping_request(payload), timeout, metadata)  # type: ignore[no-any-return]
+        return await self._rpc("Ping", ping_request(payload), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response

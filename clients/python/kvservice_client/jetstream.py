@@ -669,7 +669,7 @@ class JetStreamWatcher:
         parts: list[ev.KVEventBatch] = []
         try:
             stream = client.stream_events(snapshot=True)
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # grpc's stream iterator is typed without aclose(), which aclosing needs; it has it
                 async for part in stream:
                     if not part.snapshot:
                         raise RuntimeError(f"instance {mirror.instance}: StreamEvents sent no snapshot first")

@@ -121,7 +121,7 @@ def get_computed_blocks_request(
         request.lora.CopyFrom(_lora_proto(lora))
     if cache_salt is not None:
         request.cache_salt = cache_salt
-    return request
+    return request  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
 
 
 def allocate_slots_request(
@@ -141,7 +141,7 @@ def allocate_slots_request(
         return request_id
     if num_new_tokens is None:
         raise TypeError("allocate_slots() needs num_new_tokens (tokens to compute this step)")
-    return _build(
+    return _build(  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
         pb.AllocateSlotsRequest,
         request_id=request_id,
         num_new_tokens=num_new_tokens,
@@ -188,7 +188,7 @@ def stream_events_request(
         start_seq=start_seq or 0,
         epoch=epoch or "",
         group_idxs=group_idxs,
-        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]
+        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
     )
 
 
@@ -220,7 +220,7 @@ def take_events_request(
         start_seq=start_seq,
         epoch=epoch or "",
         group_idxs=group_idxs,
-        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]
+        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
     )
 
 

@@ -500,7 +500,7 @@ class EventWatcher:
         num_delivered = 0
         stream = self._client.stream_events(request, metadata=self._metadata)
         try:
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # grpc's stream iterator is typed without aclose(), which aclosing needs; it has it
                 async for msg in stream:
                     reason = self._check(msg, expect_snapshot=asked_snapshot and num_delivered == 0)
                     if reason is not None:
@@ -524,7 +524,7 @@ class EventWatcher:
             return pb.StreamEventsRequest(
                 start=pb.EVENT_START_SNAPSHOT,
                 group_idxs=self._group_idxs,
-                payload_format=self._payload_format,  # type: ignore[arg-type]
+                payload_format=self._payload_format,  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
             )
         assert self._cursor_seq is not None
         return pb.StreamEventsRequest(
@@ -532,7 +532,7 @@ class EventWatcher:
             start_seq=self._cursor_seq + 1,
             epoch=self._cursor_epoch or "",
             group_idxs=self._group_idxs,
-            payload_format=self._payload_format,  # type: ignore[arg-type]
+            payload_format=self._payload_format,  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
         )
 
     def _check(self, msg: pb.EventBatch, *, expect_snapshot: bool) -> ResyncReason | None:

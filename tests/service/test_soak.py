@@ -1,4 +1,4 @@
-"""The soak (scripts/soak.py): 8 schedulers, 8 watchers killed and reconnected, a drain + reset and a
+"""The soak (tests/soak.py): 8 schedulers, 8 watchers killed and reconnected, a drain + reset and a
 server restart; nothing lost, every invariant check passes. Plus the applied-sequence checker it
 relies on, on hand-made histories.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.soak import AppliedRecord, KillMode, RecordKind, SoakConfig, check_applied_sequence, run_soak
+from tests.soak import AppliedRecord, KillMode, RecordKind, SoakConfig, check_applied_sequence, run_soak
 
 S, R, B, START = RecordKind.SNAPSHOT, RecordKind.RESUME, RecordKind.BATCH, RecordKind.START_SNAPSHOT
 

@@ -5,7 +5,7 @@ This module mirrors vLLM's ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.p
 KV events. It knows nothing of attention kinds or report modes: callers tell it what to cache and
 what to report; the manager annotates events with group semantics when it takes them.
 
-Presence semantics (DESIGN, invariant 3): per group, a hash is *present* while at least one
+Presence semantics (docs/ARCHITECTURE.md §3.3): per group, a hash is *present* while at least one
 physical block carries it. BlockStored is emitted exactly when a hash becomes present in a group;
 BlockRemoved exactly when its last physical copy leaves; AllBlocksCleared on reset. A second
 physical copy of a present hash (vLLM does not dedup: a block-aligned prompt sent twice recomputes

@@ -4,8 +4,8 @@ Mirrors vLLM's ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``
 ``free``, ``reset_prefix_cache``, ``take_events``) and adds kvservice's three features:
 
 * full report mode: a request in ``kv_cache_report_mode="full"`` has its prefix-cache hit reported
-  as BlockStored (``reused=True``) by the allocation that takes the hit (DESIGN, invariant 5);
-* ``session_id`` on every BlockStored a request triggers (invariant 6);
+  as BlockStored (``reused=True``) by the allocation that takes the hit (docs/ARCHITECTURE.md §3.5);
+* ``session_id`` on every BlockStored a request triggers (docs/ARCHITECTURE.md §3.6);
 * every BlockStored and BlockRemoved annotated with its group's kind and sliding window when taken.
 """
 

@@ -409,7 +409,7 @@ def test_hit_predictor_equals_the_servers_hit(config: str, ops: list[_Op], probe
         elif op[0] == "evict":
             manager.evict_blocks(op[1])
         index.apply_batch(KVEventBatch(ts=0.0, events=manager.take_events()))
-        assert index.snapshot() == _server_cached_sets(manager)  # invariant 4: the mirror is exact
+        assert index.snapshot() == _server_cached_sets(manager)  # docs/ARCHITECTURE.md §3.4: the mirror is exact
         for i, (prompt, salt) in enumerate(seen):
             _, server_hit = manager.get_computed_blocks(manager.new_request(f"probe{n}.{i}", prompt, cache_salt=salt))
             assert predictor.predict_hit_tokens(prompt, cache_salt=salt) == server_hit, (prompt, salt)

@@ -602,7 +602,7 @@ class PrefixIndex:
     Hashes are kept in the form events carry them (unsigned 64-bit ints by default, digest bytes
     when the server publishes digests); an event without ``group_idx`` (older vLLM) counts as group 0.
     Applying every batch of an :class:`EventWatcher` in order, with no capacity, holds exactly the
-    server's cached set (DESIGN, invariant 4).
+    server's cached set (docs/ARCHITECTURE.md §3.4).
 
     Recency and eviction: one LRU over all groups, on last announcement. A BlockStored (new or
     ``reused``) makes each of its hashes most recent, the *last* hash first and the first hash

@@ -50,6 +50,13 @@ from kvservice_client.request_builders import (
     stream_events_request,
     take_events_request,
 )
+from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
+    _build,
+    _lora_proto,
+    _mm_feature_proto,
+    _report_mode_value,
+    _require_no_fields,
+)
 from kvservice_client.step import StepBuilder, StepOpResponse, step_request, step_results
 from kvservice_client.tls import TLSConfig, resolve_channel_security
 
@@ -80,6 +87,17 @@ Metadata = Union[Mapping[str, str | bytes], Sequence[tuple[str, str | bytes]], N
 ending in ``-bin`` take bytes."""
 
 _STREAMING_METHODS = frozenset({"StreamEvents"})
+
+# The builders under their names from before they moved to request_builders, for code written
+# against them while the move was in flight (methods added on other branches); new code imports
+# from kvservice_client.request_builders. (_build, _require_no_fields ... are imported above.)
+_get_computed_blocks_request = get_computed_blocks_request
+_allocate_slots_request = allocate_slots_request
+_free_request = free_request
+_stream_events_request = stream_events_request
+_take_events_request = take_events_request
+_ping_request = ping_request
+_step_request = step_request
 
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024

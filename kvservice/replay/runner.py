@@ -246,7 +246,7 @@ def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
     bs = run.block_size
     admissions = run.stats.admissions
     w0 = run.watchers[0]
-    predicted = [a.predictions[0] // bs for a in admissions]  # type: ignore[operator]  # predictions are set for every admission (the watcher predicts before it admits)
+    predicted = [a.prediction(0) // bs for a in admissions]
     actual = [a.actual_hit_tokens // bs for a in admissions]
     return ModeReport(
         mode=run.mode,
@@ -274,8 +274,8 @@ def late_agreements(run: ModeRun) -> tuple[AgreementStats, AgreementStats] | Non
     bs = run.block_size
     after = run.stats.admissions[run.late_join_admission :]
     actual = [a.actual_hit_tokens // bs for a in after]
-    late = [a.predictions[-1] // bs for a in after]  # type: ignore[operator]  # predictions are set for every admission (the watcher predicts before it admits)
-    first = [a.predictions[0] // bs for a in after]  # type: ignore[operator]  # predictions are set for every admission (the watcher predicts before it admits)
+    late = [a.prediction(-1) // bs for a in after]
+    first = [a.prediction(0) // bs for a in after]
     return AgreementStats.from_pairs(late, actual), AgreementStats.from_pairs(first, actual)
 
 

@@ -130,9 +130,8 @@ class LogEntry:
             if self._rank is not None:
                 msg.data_parallel_rank = self._rank
             return msg
-        return batch_to_proto(
-            KVEventBatch(self.ts, events, self._rank), seq=self.seq, epoch=self._epoch, payload_format=payload_format  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
-        )
+        batch = KVEventBatch(self.ts, events, self._rank)  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
+        return batch_to_proto(batch, seq=self.seq, epoch=self._epoch, payload_format=payload_format)
 
 
 def _filter_events(events: list[KVCacheEvent], group_idxs: tuple[int, ...] | None) -> list[KVCacheEvent]:
@@ -476,10 +475,8 @@ class EventLog:
             num_tokens += size
         messages = []
         for i, events in enumerate(parts):
-            msg = batch_to_proto(
-                KVEventBatch(ts, events, self.data_parallel_rank), seq=self.head_seq, epoch=self.epoch,  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
-                snapshot=True, payload_format=payload_format,
-            )
+            batch = KVEventBatch(ts, events, self.data_parallel_rank)  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
+            msg = batch_to_proto(batch, seq=self.head_seq, epoch=self.epoch, snapshot=True, payload_format=payload_format)
             msg.snapshot_more = i < len(parts) - 1
             messages.append(msg)
         return messages

@@ -496,9 +496,9 @@ async def replay_policy(
             assert inst.feed is not None and inst.scheduler is not None
             await inst.feed.wait_applied(inst.scheduler.head_seq)
         for server in servers:
-            server.engine.check_invariants()
+            server.check_invariants()
         run = PolicyRun(policy, router.decisions, instances, num_skipped,
-                        [server.event_log.cached_hashes() for server in servers])
+                        [server.cached_hashes() for server in servers])
     finally:
         if progress is not None:
             progress.close()

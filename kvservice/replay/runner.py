@@ -355,8 +355,8 @@ async def replay_mode(
     try:
         run = await run_mode(mode, requests, config, address, progress=progress)
         if server is not None:
-            server.engine.check_invariants()
-            run.server_cached = server.event_log.cached_hashes()
+            server.check_invariants()
+            run.server_cached = server.cached_hashes()
     finally:
         if progress is not None:
             progress.close()

@@ -407,6 +407,20 @@ class RunningServer:
             + "".join(f"\nnote: {note}" for note in self.notes)
         )
 
+    def check_invariants(self) -> None:
+        """Run the engine's own consistency check now (pool, ref counts, block tables; see
+        :meth:`kvservice.core.engine.KVCacheEngine.check_invariants`).
+
+        Raises:
+            AssertionError: an invariant does not hold (the message names it).
+        """
+        self.engine.check_invariants()
+
+    def cached_hashes(self) -> list[set[int | bytes]]:
+        """Per KV cache group (index = group_idx), the block hashes cached now, in their published
+        form: what a watcher that applied every batch holds (docs/ARCHITECTURE.md §3.4)."""
+        return self.event_log.cached_hashes()
+
     async def stop(self, grace: float | None = None) -> None:
         """Stop gracefully: mark NOT_SERVING, end open streams with UNAVAILABLE naming their last
         seq, then let calls in flight finish for ``grace`` seconds."""

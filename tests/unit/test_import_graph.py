@@ -210,3 +210,20 @@ def test_the_replay_uses_only_the_public_start_function():
         {(i.imported, i.names) for i in _imports_of("kvservice.replay") if _is_under(_internal(i.imported), "kvservice.server")}
     )
     assert taken in ([], [("kvservice.server.app", ("start_server",))])
+
+
+_RUNNING_SERVER_PARTS = {"engine", "event_log", "servicer", "tensors", "reaper", "closers", "zmq_publisher", "nats_sink",
+                         "health"}
+
+
+def test_the_replay_reaches_no_part_of_a_running_server():
+    """Of the server ``start_server`` returns, the replay uses the public surface (address,
+    check_invariants, cached_hashes, stop), never its parts."""
+    bad = []
+    for name, path in MODULES.items():
+        if not _is_under(name, "kvservice.replay"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in _RUNNING_SERVER_PARTS:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert bad == []

@@ -226,3 +226,12 @@ def test_tls_config_reads_pem_files(tmp_path):
     (tmp_path / "c.key").write_bytes(b"KEY")
     config = TLSConfig.from_files(tmp_path / "ca.pem", cert=tmp_path / "c.pem", key=tmp_path / "c.key")
     assert config == TLSConfig(root_certificates=b"CA", private_key=b"KEY", certificate_chain=b"CERT")
+
+
+def test_retry_codes_match_whichever_enum_they_are_given_in():
+    from kvservice_client import RetryPolicy
+
+    assert KVServiceError(grpc.StatusCode.UNAVAILABLE, "x").code in RetryPolicy().retryable_codes
+    legacy = RetryPolicy(retryable_codes=frozenset({grpc.StatusCode.UNAVAILABLE}))
+    assert KVServiceError(StatusCode.UNAVAILABLE, "x").code in legacy.retryable_codes
+    assert StatusCode.NOT_FOUND not in RetryPolicy().retryable_codes

@@ -47,6 +47,7 @@ import grpc.aio
 from kvservice_client import events as ev
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError, Metadata
+from kvservice_client.errors import StatusCode
 from kvservice_client.convert import (
     PayloadFormatLike,
     kv_cache_spec_kind_from_proto,
@@ -100,14 +101,14 @@ class ResyncReason(str, enum.Enum):
     """A snapshot was asked for and the stream's first batch was not one."""
 
 
-DEFAULT_RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
+DEFAULT_RETRYABLE_CODES: frozenset[StatusCode | grpc.StatusCode] = frozenset(
     {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
+        StatusCode.UNAVAILABLE,
+        StatusCode.CANCELLED,
+        StatusCode.ABORTED,
+        StatusCode.INTERNAL,
+        StatusCode.UNKNOWN,
+        StatusCode.DEADLINE_EXCEEDED,
     }
 )
 """Status codes that end a stream without saying anything about the position: the watcher
@@ -135,7 +136,9 @@ class RetryPolicy:
         connect_timeout_s: when the connection is gone, the watcher waits for the channel to be
             ready again (gRPC's own reconnection) instead of sleeping; this bounds one such wait,
             in seconds (None = wait as long as it takes). A wait that times out counts as a retry.
-        retryable_codes: status codes treated as a dropped connection (reconnect and resume).
+        retryable_codes: status codes treated as a dropped connection (reconnect and resume);
+            :class:`~kvservice_client.errors.StatusCode` members (``grpc.StatusCode`` ones of the
+            same name match too).
             FAILED_PRECONDITION, OUT_OF_RANGE and RESOURCE_EXHAUSTED always resync from a snapshot;
             any other code is raised at once.
     """
@@ -146,7 +149,7 @@ class RetryPolicy:
     backoff_multiplier: float = 2.0
     jitter: float = 0.2
     connect_timeout_s: float | None = 10.0
-    retryable_codes: frozenset[grpc.StatusCode] = DEFAULT_RETRYABLE_CODES
+    retryable_codes: frozenset[StatusCode | grpc.StatusCode] = DEFAULT_RETRYABLE_CODES
 
     def __post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:

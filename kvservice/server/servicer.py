@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -42,6 +42,9 @@ from kvservice_client.convert import kv_cache_spec_kind_to_proto
 from kvservice_client.hashing import LoRA, MultiModalFeature
 
 logger = logging.getLogger(__name__)
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
 
 __all__ = ["KVCacheServicer", "STATUS_BY_ERROR", "status_for", "SERVICE_NAME"]
 
@@ -231,7 +234,7 @@ class KVCacheServicer:
         self.num_deadline_exceeded += 1
         return True
 
-    async def _unary(self, op: Callable[[Any], Any], request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _unary(self, op: Callable[[_Request], _Response], request: _Request, context: grpc.aio.ServicerContext) -> _Response:
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
         try:
@@ -246,23 +249,23 @@ class KVCacheServicer:
 
     async def GetComputedBlocks(self, request: pb.GetComputedBlocksRequest, context: grpc.aio.ServicerContext) -> pb.GetComputedBlocksResponse:
         """Prefix-cache lookup; registers the request on first sight."""
-        return await self._unary(self._get_computed_blocks, request, context)  # type: ignore[no-any-return]  # _unary is the one untyped path of every unary RPC
+        return await self._unary(self._get_computed_blocks, request, context)
 
     async def AllocateSlots(self, request: pb.AllocateSlotsRequest, context: grpc.aio.ServicerContext) -> pb.AllocateSlotsResponse:
         """Allocate slots for this step's tokens."""
-        return await self._unary(self._allocate_slots, request, context)  # type: ignore[no-any-return]  # _unary is the one untyped path of every unary RPC
+        return await self._unary(self._allocate_slots, request, context)
 
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
         """Free a request's blocks and forget it."""
-        return await self._unary(self._free, request, context)  # type: ignore[no-any-return]  # _unary is the one untyped path of every unary RPC
+        return await self._unary(self._free, request, context)
 
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
         """Drop the prefix cache if nothing is held."""
-        return await self._unary(self._reset_prefix_cache, request, context)  # type: ignore[no-any-return]  # _unary is the one untyped path of every unary RPC
+        return await self._unary(self._reset_prefix_cache, request, context)
 
     async def GetUsage(self, request: pb.GetUsageRequest, context: grpc.aio.ServicerContext) -> pb.GetUsageResponse:
         """Usage and prefix-cache counters."""
-        return await self._unary(self._get_usage, request, context)  # type: ignore[no-any-return]  # _unary is the one untyped path of every unary RPC
+        return await self._unary(self._get_usage, request, context)
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         """Run the ops in order; a failed op answers its own OpStatus and the rest go on.

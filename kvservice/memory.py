@@ -190,7 +190,7 @@ def _spec_layouts(spec: KVCacheSpec, num_layers: int, num_blocks: int) -> list[_
     if isinstance(spec, AttentionSpec):
         # Encoder-only attention gets the attention layout too: the spec charges page_size_bytes for
         # it and the manager hands out its block ids, so the memory must exist (see KVCacheTensors).
-        shape = (num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        shape = (num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)  # type: ignore[assignment]  # the Mamba/attention shapes differ in rank; the tuple's length is the layout's
         return [_TensorLayout(shape, torch_dtype(spec.dtype), block_dim=2)]
     if isinstance(spec, MambaSpec):
         if len(spec.shapes) != len(spec.dtypes):
@@ -475,7 +475,7 @@ def _available_cpu_memory_bytes() -> int | None:
     """Host memory available for new allocations: psutil's ``available`` when psutil is installed,
     else ``MemAvailable`` from /proc/meminfo; None when neither is readable."""
     try:
-        import psutil  # type: ignore[import-untyped]
+        import psutil  # type: ignore[import-untyped]  # psutil ships no type information
     except ImportError:
         pass
     else:

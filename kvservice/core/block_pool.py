@@ -5,7 +5,7 @@ This module mirrors vLLM's ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.p
 KV events. It knows nothing of attention kinds or report modes: callers tell it what to cache and
 what to report; the manager annotates events with group semantics when it takes them.
 
-Presence semantics (DESIGN, invariant 3): per group, a hash is *present* while at least one
+Presence semantics (docs/ARCHITECTURE.md §3.3): per group, a hash is *present* while at least one
 physical block carries it. BlockStored is emitted exactly when a hash becomes present in a group;
 BlockRemoved exactly when its last physical copy leaves; AllBlocksCleared on reset. A second
 physical copy of a present hash (vLLM does not dedup: a block-aligned prompt sent twice recomputes
@@ -98,7 +98,7 @@ class FreeKVCacheBlockQueue:
             raise ValueError("no free blocks")
         nxt = block.next_free_block
         self.fake_head.next_free_block = nxt
-        nxt.prev_free_block = self.fake_head  # type: ignore[union-attr]
+        nxt.prev_free_block = self.fake_head  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
         return block
@@ -115,13 +115,13 @@ class FreeKVCacheBlockQueue:
         block = self.fake_head.next_free_block
         for _ in range(n):
             out.append(block)
-            nxt = block.next_free_block  # type: ignore[union-attr]
-            block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]
+            nxt = block.next_free_block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+            block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
             block = nxt
         self.fake_head.next_free_block = block
-        block.prev_free_block = self.fake_head  # type: ignore[union-attr]
+        block.prev_free_block = self.fake_head  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
         self.num_free_blocks -= n
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # the list holds only blocks (the sentinels are never returned)
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from the middle of the queue (O(1)).
@@ -140,7 +140,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail (evicted last)."""
         last = self.fake_tail.prev_free_block
-        last.next_free_block = block  # type: ignore[union-attr]
+        last.next_free_block = block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
         block.prev_free_block = last
         block.next_free_block = self.fake_tail
         self.fake_tail.prev_free_block = block
@@ -149,7 +149,7 @@ class FreeKVCacheBlockQueue:
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the head (evicted first)."""
         first = self.fake_head.next_free_block
-        first.prev_free_block = block  # type: ignore[union-attr]
+        first.prev_free_block = block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
         block.next_free_block = first
         block.prev_free_block = self.fake_head
         self.fake_head.next_free_block = block
@@ -161,8 +161,8 @@ class FreeKVCacheBlockQueue:
         block = self.fake_head.next_free_block
         while block is not self.fake_tail:
             out.append(block)
-            block = block.next_free_block  # type: ignore[union-attr]
-        return out  # type: ignore[return-value]
+            block = block.next_free_block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        return out  # type: ignore[return-value]  # the list holds only blocks (the sentinels are never returned)
 
 
 class BlockHashToBlockMap:
@@ -189,8 +189,8 @@ class BlockHashToBlockMap:
         """Any one block carrying ``block_hash``, or None."""
         value = self._map.get(block_hash)
         if value is None or type(value) is KVCacheBlock:
-            return value  # type: ignore[return-value]
-        return next(iter(value.values()))  # type: ignore[union-attr]
+            return value
+        return next(iter(value.values()))  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
 
     def insert(self, block_hash: bytes, block: KVCacheBlock) -> bool:
         """Index ``block`` under ``block_hash``; True when the hash was not present before."""
@@ -199,9 +199,9 @@ class BlockHashToBlockMap:
             self._map[block_hash] = block
             return True
         if type(value) is KVCacheBlock:
-            self._map[block_hash] = {value.block_id: value, block.block_id: block}  # type: ignore[union-attr]
+            self._map[block_hash] = {value.block_id: value, block.block_id: block}
         else:
-            value[block.block_id] = block  # type: ignore[index]
+            value[block.block_id] = block  # type: ignore[index]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
         return False
 
     def pop(self, block_hash: bytes, block_id: int) -> bool:
@@ -212,13 +212,13 @@ class BlockHashToBlockMap:
         """
         value = self._map[block_hash]
         if type(value) is KVCacheBlock:
-            if value.block_id != block_id:  # type: ignore[union-attr]
+            if value.block_id != block_id:
                 raise KeyError((block_hash.hex(), block_id))
             del self._map[block_hash]
             return True
-        del value[block_id]  # type: ignore[arg-type]
-        if len(value) == 1:  # type: ignore[arg-type]
-            self._map[block_hash] = next(iter(value.values()))  # type: ignore[union-attr]
+        del value[block_id]  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        if len(value) == 1:  # type: ignore[arg-type]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
+            self._map[block_hash] = next(iter(value.values()))  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
         return False
 
     def num_copies(self, block_hash: bytes) -> int:
@@ -226,7 +226,7 @@ class BlockHashToBlockMap:
         value = self._map.get(block_hash)
         if value is None:
             return 0
-        return 1 if type(value) is KVCacheBlock else len(value)  # type: ignore[arg-type]
+        return 1 if type(value) is KVCacheBlock else len(value)  # type: ignore[arg-type]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
 
     def hashes(self) -> list[bytes]:
         """The present hashes, in insertion order."""
@@ -236,9 +236,9 @@ class BlockHashToBlockMap:
         """Every indexed block."""
         for value in self._map.values():
             if type(value) is KVCacheBlock:
-                yield value  # type: ignore[misc]
+                yield value
             else:
-                yield from value.values()  # type: ignore[union-attr]
+                yield from value.values()  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
 
     def clear(self) -> None:
         self._map.clear()
@@ -514,7 +514,7 @@ class BlockPool:
         return events
 
     def _uncache(self, block: KVCacheBlock) -> bool:
-        return self.cached_block_hash_to_block[block.group_idx].pop(block.block_hash, block.block_id)  # type: ignore[arg-type]
+        return self.cached_block_hash_to_block[block.group_idx].pop(block.block_hash, block.block_id)  # type: ignore[arg-type]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
 
     def _emit_removed(self, removed: dict[int, list[bytes]]) -> None:
         encode = self.block_hash_encoder
@@ -595,4 +595,4 @@ class BlockPool:
 
 def _copies(hash_map: BlockHashToBlockMap, block_hash: bytes) -> list[KVCacheBlock]:
     value = hash_map._map[block_hash]
-    return [value] if type(value) is KVCacheBlock else list(value.values())  # type: ignore[union-attr, list-item]
+    return [value] if type(value) is KVCacheBlock else list(value.values())  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list

@@ -115,7 +115,7 @@ def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
     bad = (ids < 0) | (ids > MAX_TOKEN_ID)
     if bad.any():
         raise InvalidArgumentError(field, f"token id {int(ids[bad][0])} outside 0..{MAX_TOKEN_ID}")
-    return ids.tolist()
+    return ids.tolist()  # type: ignore[no-any-return]  # numpy's tolist() is typed Any
 
 
 def _check_string(field: str, value: str | None, max_bytes: int, *, allow_empty: bool = True) -> None:

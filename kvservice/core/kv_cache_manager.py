@@ -4,8 +4,8 @@ Mirrors vLLM's ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``
 ``free``, ``reset_prefix_cache``, ``take_events``) and adds kvservice's three features:
 
 * full report mode: a request in ``kv_cache_report_mode="full"`` has its prefix-cache hit reported
-  as BlockStored (``reused=True``) by the allocation that takes the hit (DESIGN, invariant 5);
-* ``session_id`` on every BlockStored a request triggers (invariant 6);
+  as BlockStored (``reused=True``) by the allocation that takes the hit (docs/ARCHITECTURE.md §3.5);
+* ``session_id`` on every BlockStored a request triggers (docs/ARCHITECTURE.md §3.6);
 * every BlockStored and BlockRemoved annotated with its group's kind and sliding window when taken.
 """
 
@@ -197,7 +197,7 @@ class KVCacheManager:
         self.enable_caching = prefix_caching is not None
         encoder = block_hash_to_int
         if kv_events is not None and kv_events.block_hash_format == "digest":
-            encoder = _publish_digest
+            encoder = _publish_digest  # type: ignore[assignment]  # the published form is int or bytes by block_hash_format
         self.block_pool = BlockPool(
             kv_cache_config.num_blocks,
             len(kv_cache_config.kv_cache_groups),
@@ -225,7 +225,7 @@ class KVCacheManager:
 
     def new_request(self, request_id: str, prompt_token_ids: Iterable[int], **kwargs: object) -> Request:
         """A :class:`Request` hashed with this manager's rule (kwargs as ``Request``)."""
-        return Request(request_id, prompt_token_ids, block_hasher=self.block_hasher, **kwargs)  # type: ignore[arg-type]
+        return Request(request_id, prompt_token_ids, block_hasher=self.block_hasher, **kwargs)  # type: ignore[arg-type]  # kwargs are Request's own keyword arguments
 
     def empty_blocks(self) -> KVCacheBlocks:
         """An empty result (no blocks in any group)."""
@@ -360,10 +360,10 @@ class KVCacheManager:
         num_groups = len(kinds)
         for event in events:
             if type(event) is BlockStored or type(event) is BlockRemoved:
-                g = event.group_idx  # type: ignore[union-attr]
+                g = event.group_idx
                 if g is not None and 0 <= g < num_groups:
-                    event.kv_cache_spec_kind = kinds[g]  # type: ignore[union-attr]
-                    event.kv_cache_spec_sliding_window = windows[g]  # type: ignore[union-attr]
+                    event.kv_cache_spec_kind = kinds[g]
+                    event.kv_cache_spec_sliding_window = windows[g]
                 else:
                     logger.warning("KV event with group_idx %r outside 0..%d; passed on unannotated", g, num_groups - 1)
         return events

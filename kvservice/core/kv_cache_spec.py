@@ -353,7 +353,7 @@ def min_blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:
             window = get_kv_cache_spec_sliding_window(spec) or num_tokens
             total += min(all_blocks, -(-(window - 1) // bs) + 2)
         elif kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
-            total += min(all_blocks, -(-spec.attention_chunk_size // bs) + 1)  # type: ignore[attr-defined]
+            total += min(all_blocks, -(-spec.attention_chunk_size // bs) + 1)  # type: ignore[attr-defined]  # only chunked-local specs reach this branch (dispatch on type)
         elif kind is KVCacheSpecKind.MAMBA:
             total += min(all_blocks, 2)
         else:
@@ -404,9 +404,9 @@ class ModelPreset:
         groups = []
         for group_idx, (spec_cls, num_layers, kwargs) in enumerate(self.groups):
             if issubclass(spec_cls, MambaSpec):
-                spec: KVCacheSpec = spec_cls(block_size=block_size, **kwargs)  # type: ignore[arg-type]
+                spec: KVCacheSpec = spec_cls(block_size=block_size, **kwargs)  # type: ignore[arg-type]  # spec_cls is chosen by kind; kwargs are that class's fields
             else:
-                spec = spec_cls(  # type: ignore[call-arg]
+                spec = spec_cls(  # type: ignore[call-arg]  # spec_cls is chosen by kind; kwargs are that class's fields
                     block_size=block_size,
                     num_kv_heads=self.num_kv_heads,
                     head_size=self.head_size,

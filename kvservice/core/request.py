@@ -15,7 +15,7 @@ class KVCacheReportMode(str, enum.Enum):
 
     * ``incremental`` (default): only blocks that become newly cached are reported.
     * ``full``: blocks the request reuses from the prefix cache are reported too, once per
-      admission, as BlockStored marked ``reused`` (DESIGN, invariant 5).
+      admission, as BlockStored marked ``reused`` (docs/ARCHITECTURE.md §3.5).
     """
 
     INCREMENTAL = "incremental"

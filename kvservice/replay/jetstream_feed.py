@@ -30,14 +30,26 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvservice_client import events as ev
-from kvservice_client.jetstream import InstanceMirror, JetStreamWatcher, connect_nats, redact_url
+from kvservice_client.jetstream import InstanceMirror, JetStreamWatcher, connect_nats, import_nats, redact_url
 from kvservice_client.watcher import PrefixIndex
 
 if TYPE_CHECKING:
-    from kvservice.replay.multi import Instance
+    from kvservice_client.client import AsyncKVCacheClient
+
+
+class Instance(Protocol):
+    """What a feed reads of a policy run's server (``kvservice.replay.multi.Instance`` has it; a
+    protocol here, so this module does not import the one that imports it)."""
+
+    @property
+    def idx(self) -> int: ...
+    @property
+    def capacity_blocks(self) -> int | None: ...
+    @property
+    def client(self) -> AsyncKVCacheClient: ...
 
 logger = logging.getLogger(__name__)
 
@@ -220,9 +232,7 @@ class JetStreamFeeds:
             Whether the stream is gone.
         """
         try:
-            from kvservice.server.nats_sink import import_nats
-
-            nats = import_nats()
+            nats = import_nats("the replay's JetStream feed", "kvservice[nats]")
 
             async def quiet(error: Exception) -> None:
                 """Connection errors surface through the raise."""

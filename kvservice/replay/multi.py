@@ -496,9 +496,9 @@ async def replay_policy(
             assert inst.feed is not None and inst.scheduler is not None
             await inst.feed.wait_applied(inst.scheduler.head_seq)
         for server in servers:
-            server.engine.check_invariants()
+            server.check_invariants()
         run = PolicyRun(policy, router.decisions, instances, num_skipped,
-                        [server.event_log.cached_hashes() for server in servers])
+                        [server.cached_hashes() for server in servers])
     finally:
         if progress is not None:
             progress.close()
@@ -519,9 +519,9 @@ async def replay_policy(
 def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
     """The :class:`PolicyReport` of a run."""
     bs = run.instances[0].metadata.groups[0].block_size
-    schedulers = [inst.scheduler for inst in run.instances]
-    assert all(s is not None for s in schedulers)
-    admissions = [a for s in schedulers for a in s.stats.admissions]  # type: ignore[union-attr]
+    schedulers = [inst.scheduler for inst in run.instances if inst.scheduler is not None]
+    assert len(schedulers) == len(run.instances), "every instance has its scheduler once the run started"
+    admissions = [a for s in schedulers for a in s.stats.admissions]
     first_admission = {a.index: a for a in admissions if not a.readmission}
     firsts = list(first_admission.values())
     routed = [d for d in run.decisions if d.predicted_hit_tokens]
@@ -533,11 +533,11 @@ def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
     for d in run.decisions:
         num_requests_per_instance[d.instance] += 1
     reasons = {r: sum(1 for d in run.decisions if d.reason == r) for r in ("hit", "load", "round-robin")}
-    latency = [ms for s in schedulers for ms in s.stats.rpc_latency_ms]  # type: ignore[union-attr]
+    latency = [ms for s in schedulers for ms in s.stats.rpc_latency_ms]
     feeds = [inst.feed for inst in run.instances]
     return PolicyReport(
         policy=run.policy,
-        num_requests=sum(s.stats.num_finished for s in schedulers),  # type: ignore[union-attr]
+        num_requests=sum(s.stats.num_finished for s in schedulers),
         num_skipped=run.num_skipped,
         num_prompt_tokens=sum(a.num_tokens for a in firsts),
         num_hit_tokens=sum(a.actual_hit_tokens for a in firsts),
@@ -547,20 +547,20 @@ def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
         num_admitted_hit_tokens=sum(a.actual_hit_tokens for a in admissions),
         num_requests_per_instance=num_requests_per_instance,
         num_hit_tokens_per_instance=[
-            sum(a.actual_hit_tokens for a in s.stats.admissions if not a.readmission)  # type: ignore[union-attr]
+            sum(a.actual_hit_tokens for a in s.stats.admissions if not a.readmission)
             for s in schedulers
         ],
         num_prompt_tokens_per_instance=[
-            sum(a.num_tokens for a in s.stats.admissions if not a.readmission)  # type: ignore[union-attr]
+            sum(a.num_tokens for a in s.stats.admissions if not a.readmission)
             for s in schedulers
         ],
         num_decisions_by_reason=reasons,
         routing_agreement=routing,
         admission_agreement=AgreementStats.from_pairs(
-            [a.predictions[0] // bs for a in admissions], [a.actual_hit_tokens // bs for a in admissions]
+            [a.prediction(0) // bs for a in admissions], [a.actual_hit_tokens // bs for a in admissions]
         ),
-        num_preemptions=sum(s.stats.num_preemptions for s in schedulers),  # type: ignore[union-attr]
-        num_steps=sum(s.stats.num_steps for s in schedulers),  # type: ignore[union-attr]
+        num_preemptions=sum(s.stats.num_preemptions for s in schedulers),
+        num_steps=sum(s.stats.num_steps for s in schedulers),
         num_events=sum(f.num_events for f in feeds if f is not None),
         num_batches=sum(f.num_batches for f in feeds if f is not None),
         rpc_latency=LatencySummary.from_samples(latency),

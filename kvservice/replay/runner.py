@@ -221,7 +221,7 @@ async def run_mode(
         async def on_step(stats: SchedulerStats, head_seq: int) -> None:
             nonlocal late, late_join_admission
             if progress is not None:
-                progress.update(stats.num_finished - progress.n)  # type: ignore[attr-defined]
+                progress.update(stats.num_finished - progress.n)  # type: ignore[attr-defined]  # tqdm's stub lacks the counter n
             if config.late_watcher and late is None and len(stats.admissions) >= num_requests // 2:
                 late = MirrorWatcher(client, metadata, capacity_blocks)
                 await late.start()
@@ -246,7 +246,7 @@ def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
     bs = run.block_size
     admissions = run.stats.admissions
     w0 = run.watchers[0]
-    predicted = [a.predictions[0] // bs for a in admissions]
+    predicted = [a.prediction(0) // bs for a in admissions]
     actual = [a.actual_hit_tokens // bs for a in admissions]
     return ModeReport(
         mode=run.mode,
@@ -274,8 +274,8 @@ def late_agreements(run: ModeRun) -> tuple[AgreementStats, AgreementStats] | Non
     bs = run.block_size
     after = run.stats.admissions[run.late_join_admission :]
     actual = [a.actual_hit_tokens // bs for a in after]
-    late = [a.predictions[-1] // bs for a in after]
-    first = [a.predictions[0] // bs for a in after]
+    late = [a.prediction(-1) // bs for a in after]
+    first = [a.prediction(0) // bs for a in after]
     return AgreementStats.from_pairs(late, actual), AgreementStats.from_pairs(first, actual)
 
 
@@ -305,7 +305,7 @@ class ModeResult:
 def load_requests(config: ReplayConfig) -> list[TraceRequest]:
     """The trace's requests (``config.limit`` of them)."""
     trace_path = config.trace or str(DEFAULT_TRACE)
-    return list(read_trace(trace_path, format=config.trace_format, limit=config.limit))  # type: ignore[arg-type]
+    return list(read_trace(trace_path, format=config.trace_format, limit=config.limit))  # type: ignore[arg-type]  # trace_format is checked against the Literal's values by ReplayConfig
 
 
 async def replay_mode(
@@ -355,8 +355,8 @@ async def replay_mode(
     try:
         run = await run_mode(mode, requests, config, address, progress=progress)
         if server is not None:
-            server.engine.check_invariants()
-            run.server_cached = server.event_log.cached_hashes()
+            server.check_invariants()
+            run.server_cached = server.cached_hashes()
     finally:
         if progress is not None:
             progress.close()

@@ -134,6 +134,16 @@ class Admission:
     readmission: bool
     predictions: tuple[int | None, ...] = ()
 
+    def prediction(self, i: int) -> int:
+        """Predictor ``i``'s expected hit (tokens; ``i`` may be negative, as for a tuple).
+
+        Raises:
+            AssertionError: predictor ``i`` was not asked for this admission.
+        """
+        value = self.predictions[i]
+        assert value is not None, f"request {self.index}: predictor {i} was not asked"
+        return value
+
 
 @dataclass
 class SchedulerStats:

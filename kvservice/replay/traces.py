@@ -316,7 +316,7 @@ def _get_int(
 ) -> int:
     if field not in obj:
         if default is not ...:
-            return default
+            return default  # type: ignore[no-any-return]  # default is the caller's int/float
         raise TraceFormatError(path, lineno, field, "missing")
     value = obj[field]
     if type(value) is not int:
@@ -331,7 +331,7 @@ def _get_ms(
 ) -> float:
     if field not in obj:
         if default is not ...:
-            return default
+            return default  # type: ignore[no-any-return]  # default is the caller's int/float
         raise TraceFormatError(path, lineno, field, "missing")
     value = obj[field]
     if type(value) not in (int, float) or not math.isfinite(value):
@@ -688,7 +688,7 @@ def ideal_prefix_hits(
     for request in requests:
         tokens = getattr(request, "prompt_token_ids", request)
         if not (isinstance(tokens, array) and tokens.typecode == "i"):
-            tokens = array("i", tokens)
+            tokens = array("i", tokens)  # type: ignore[arg-type]  # the row's tokens / hash ids are a sequence of ints here (checked by the reader)
         view = memoryview(tokens).cast("B")
         max_hit_blocks = max(len(tokens) - 1, 0) // block_size
         parent = b""
@@ -731,10 +731,10 @@ def ideal_prefix_hits_from_hash_ids(
     for request in requests:
         hash_ids = getattr(request, "hash_ids", request)
         hit = 0
-        for h in hash_ids:
+        for h in hash_ids:  # type: ignore[union-attr]  # the row's tokens / hash ids are a sequence of ints here (checked by the reader)
             if h not in seen:
                 break
             hit += 1
-        seen.update(hash_ids)
+        seen.update(hash_ids)  # type: ignore[arg-type]  # the row's tokens / hash ids are a sequence of ints here (checked by the reader)
         hits.append(hit)
     return hits

@@ -416,6 +416,20 @@ class RunningServer:
             + "".join(f"\nnote: {note}" for note in self.notes)
         )
 
+    def check_invariants(self) -> None:
+        """Run the engine's own consistency check now (pool, ref counts, block tables; see
+        :meth:`kvservice.core.engine.KVCacheEngine.check_invariants`).
+
+        Raises:
+            AssertionError: an invariant does not hold (the message names it).
+        """
+        self.engine.check_invariants()
+
+    def cached_hashes(self) -> list[set[int | bytes]]:
+        """Per KV cache group (index = group_idx), the block hashes cached now, in their published
+        form: what a watcher that applied every batch holds (docs/ARCHITECTURE.md §3.4)."""
+        return self.event_log.cached_hashes()
+
     async def stop(self, grace: float | None = None) -> None:
         """Stop gracefully: mark NOT_SERVING, end open streams with UNAVAILABLE naming their last
         seq, then let calls in flight finish for ``grace`` seconds."""
@@ -440,7 +454,7 @@ def _kind_name(kind: int) -> str:
     """A KVCacheSpecKind enum value as its lower-case name."""
     from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
-    return pb.KVCacheSpecKind.Name(kind).removeprefix("KV_CACHE_SPEC_KIND_").lower()
+    return pb.KVCacheSpecKind.Name(kind).removeprefix("KV_CACHE_SPEC_KIND_").lower()  # type: ignore[arg-type]  # the kind is a valid enum number, the stub wants its ValueType
 
 
 def _resolve_num_blocks(config: ServerConfig, kv_cache_config_groups: Any, device: Any) -> int:
@@ -502,7 +516,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         kv_cache_config,
         max_model_len,
         prefix_caching=PrefixCachingConfig(config.hash_algorithm, config.hash_seed),
-        kv_events=KVEventsConfig(block_hash_format=config.block_hash_format, medium=medium),  # type: ignore[arg-type]
+        kv_events=KVEventsConfig(block_hash_format=config.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by ServerConfig
     )
     engine = KVCacheEngine(manager, EngineLimits(max_num_requests=config.max_num_requests))
     meta = manager.get_kv_cache_group_metadata()
@@ -528,7 +542,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         engine,
         epoch=event_log.epoch,
         device=str(device),
-        dtypes=[tensors.dtype(g) and str(tensors.dtype(g)).removeprefix("torch.") for g in range(manager.num_groups)],
+        dtypes=[tensors.dtype(g) and str(tensors.dtype(g)).removeprefix("torch.") for g in range(manager.num_groups)],  # type: ignore[misc]  # a group without tensors gives None, kept as None
         preset=config.preset,
         data_parallel_rank=config.data_parallel_rank,
     )
@@ -653,5 +667,5 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     print("kvservice: stopping (graceful)", flush=True)
     if profiler is not None:
         profiler.disable()
-        profiler.dump_stats(profile_path)
+        profiler.dump_stats(profile_path)  # type: ignore[arg-type]  # profile_path is set whenever a profiler runs
     await running.stop()

@@ -303,7 +303,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         """The method's handler, or one that aborts with :meth:`check`'s status."""
         method = handler_call_details.method
-        refusal = self.check(method, handler_call_details.invocation_metadata)  # type: ignore[attr-defined]
+        refusal = self.check(method, handler_call_details.invocation_metadata)
         handler = await continuation(handler_call_details)
         if refusal is None:
             return handler

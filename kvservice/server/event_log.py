@@ -110,7 +110,7 @@ class LogEntry:
         self.events = events
         self._epoch = epoch
         self._rank = rank
-        self.msgpack = encode_event_batch(KVEventBatch(ts, events, rank))
+        self.msgpack = encode_event_batch(KVEventBatch(ts, events, rank))  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
         self._encoded: dict[tuple[int, tuple[int, ...] | None], bytes] = {}
 
     def encoded(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> bytes:
@@ -130,15 +130,14 @@ class LogEntry:
             if self._rank is not None:
                 msg.data_parallel_rank = self._rank
             return msg
-        return batch_to_proto(
-            KVEventBatch(self.ts, events, self._rank), seq=self.seq, epoch=self._epoch, payload_format=payload_format
-        )
+        batch = KVEventBatch(self.ts, events, self._rank)  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
+        return batch_to_proto(batch, seq=self.seq, epoch=self._epoch, payload_format=payload_format)
 
 
 def _filter_events(events: list[KVCacheEvent], group_idxs: tuple[int, ...] | None) -> list[KVCacheEvent]:
     if group_idxs is None:
         return events
-    return [e for e in events if type(e) is AllBlocksCleared or e.group_idx in group_idxs]  # type: ignore[union-attr]
+    return [e for e in events if type(e) is AllBlocksCleared or e.group_idx in group_idxs]  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
 
 
 @dataclass(eq=False)
@@ -300,7 +299,7 @@ class EventLog:
             len(entries) - self._start > cfg.max_batches or self._bytes > cfg.max_bytes
         ):
             self._bytes -= len(entries[self._start].msgpack)
-            entries[self._start] = None  # type: ignore[call-overload]
+            entries[self._start] = None  # type: ignore[call-overload]  # a retired slot is None until the ring reuses it
             self._start += 1
         if self._start > 1024 and self._start * 2 > len(entries):
             del entries[: self._start]
@@ -329,21 +328,21 @@ class EventLog:
         for event in events:
             kind = type(event)
             if kind is BlockStored:
-                g = event.group_idx  # type: ignore[union-attr]
-                hashes = event.block_hashes  # type: ignore[union-attr]
-                if event.reused:  # type: ignore[union-attr]
+                g = event.group_idx  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
+                hashes = event.block_hashes  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
+                if event.reused:  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
                     for h in reversed(hashes):
                         if (g, h) in mirror:
                             mirror.move_to_end((g, h))
                     continue
                 for i in range(len(hashes) - 1, -1, -1):
-                    parent = hashes[i - 1] if i else event.parent_block_hash  # type: ignore[union-attr]
+                    parent = hashes[i - 1] if i else event.parent_block_hash  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
                     key = (g, hashes[i])
-                    mirror[key] = _CachedBlock(parent, event, i)  # type: ignore[arg-type]
+                    mirror[key] = _CachedBlock(parent, event, i)  # type: ignore[arg-type]  # event is a BlockStored here (dispatched by type above)
                     mirror.move_to_end(key)
             elif kind is BlockRemoved:
-                g = event.group_idx  # type: ignore[union-attr]
-                for h in event.block_hashes:  # type: ignore[union-attr]
+                g = event.group_idx  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
+                for h in event.block_hashes:  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
                     mirror.pop((g, h), None)
             elif kind is AllBlocksCleared:
                 mirror.clear()
@@ -442,8 +441,8 @@ class EventLog:
             if extra_keys is not None:
                 extra_keys.append(block.extra_keys())
         return BlockStored(
-            block_hashes=[h for _, h in run],
-            parent_block_hash=first.parent,
+            block_hashes=[h for _, h in run],  # type: ignore[misc]  # the mirror keys are (group_idx, hash) with hash int | bytes, typed object
+            parent_block_hash=first.parent,  # type: ignore[arg-type]  # the mirror's parent is int | bytes | None, typed object
             token_ids=token_ids,
             block_size=origin.block_size,
             lora_id=origin.lora_id,
@@ -468,7 +467,7 @@ class EventLog:
         num_tokens = 0
         limit = self.config.snapshot_part_tokens
         for event in self.snapshot_events(group_idxs):
-            size = len(event.token_ids) if type(event) is BlockStored else 0  # type: ignore[union-attr]
+            size = len(event.token_ids) if type(event) is BlockStored else 0
             if parts[-1] and num_tokens + size > limit:
                 parts.append([])
                 num_tokens = 0
@@ -476,10 +475,8 @@ class EventLog:
             num_tokens += size
         messages = []
         for i, events in enumerate(parts):
-            msg = batch_to_proto(
-                KVEventBatch(ts, events, self.data_parallel_rank), seq=self.head_seq, epoch=self.epoch,
-                snapshot=True, payload_format=payload_format,
-            )
+            batch = KVEventBatch(ts, events, self.data_parallel_rank)  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
+            msg = batch_to_proto(batch, seq=self.head_seq, epoch=self.epoch, snapshot=True, payload_format=payload_format)
             msg.snapshot_more = i < len(parts) - 1
             messages.append(msg)
         return messages

@@ -116,7 +116,7 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)  # process_*: CPU seconds, resident memory, open fds
         GCCollector(registry=self.registry)  # python_gc_*
         self.interceptor = MetricsInterceptor(self.record_rpc)
-        self._num_events_by_type = {cls: 0 for cls in _EVENT_TYPES}
+        self._num_events_by_type = dict.fromkeys(_EVENT_TYPES, 0)
         event_log.add_listener(self._on_batch)
         self._rpc_children: dict[tuple[str, str, grpc.StatusCode], tuple[Any, Any]] = {}
         self._httpd: Any = None
@@ -311,7 +311,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],  # type: ignore[override]  # grpc's stub types the continuation generically; we take the same callable
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         """The next handler, wrapped to record the call when it ends."""
@@ -333,7 +333,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             behavior = getattr(handler, kind)
             if behavior is not None:
-                return handler._replace(**{kind: self._wrap_behavior(behavior, service, method)})
+                return handler._replace(**{kind: self._wrap_behavior(behavior, service, method)})  # type: ignore[attr-defined, no-any-return]  # RpcMethodHandler is a namedtuple at runtime; the stub does not say so
         return handler
 
     def _wrap_behavior(self, behavior: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:

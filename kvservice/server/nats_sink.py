@@ -64,7 +64,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvservice.server.event_log import LogEntry
 from kvservice_client.events import AllBlocksCleared
@@ -82,7 +82,6 @@ from kvservice_client.jetstream import (
 )
 
 if TYPE_CHECKING:
-    from kvservice.server.app import ServerConfig
     from kvservice.server.event_log import EventLog
 
 logger = logging.getLogger(__name__)
@@ -226,7 +225,33 @@ def check_retention(max_age_s: float, max_msgs: int, max_bytes: int, duplicate_w
         )
 
 
-def check_nats_settings(config: ServerConfig) -> None:
+class NatsSettings(Protocol):
+    """The ``nats_*`` settings (and the bound ``port``) this module reads; ``ServerConfig`` has them.
+    A protocol, so this module does not import the app that imports it (no import cycle)."""
+
+    @property
+    def nats_url(self) -> str | None: ...
+    @property
+    def nats_subject_prefix(self) -> str: ...
+    @property
+    def nats_stream(self) -> str: ...
+    @property
+    def nats_instance(self) -> str | None: ...
+    @property
+    def nats_max_age_s(self) -> float: ...
+    @property
+    def nats_max_msgs(self) -> int: ...
+    @property
+    def nats_max_bytes(self) -> int: ...
+    @property
+    def nats_duplicate_window_s(self) -> float: ...
+    @property
+    def nats_max_pending_batches(self) -> int: ...
+    @property
+    def port(self) -> int: ...
+
+
+def check_nats_settings(config: NatsSettings) -> None:
     """Check a ServerConfig's ``nats_*`` settings (whether or not ``nats_url`` is set).
 
     Raises:
@@ -253,7 +278,7 @@ def _split_servers(url: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in url.split(",") if part.strip())
 
 
-async def start_nats_sink(event_log: EventLog, config: ServerConfig) -> NatsJetStreamSink:
+async def start_nats_sink(event_log: EventLog, config: NatsSettings) -> NatsJetStreamSink:
     """Start the sink of a server with ``nats_url`` set (its bound ``port`` names the default
     instance).
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -42,6 +42,9 @@ from kvservice_client.convert import kv_cache_spec_kind_to_proto
 from kvservice_client.hashing import LoRA, MultiModalFeature
 
 logger = logging.getLogger(__name__)
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
 
 __all__ = ["KVCacheServicer", "STATUS_BY_ERROR", "status_for", "SERVICE_NAME"]
 
@@ -231,7 +234,7 @@ class KVCacheServicer:
         self.num_deadline_exceeded += 1
         return True
 
-    async def _unary(self, op: Callable[[Any], Any], request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _unary(self, op: Callable[[_Request], _Response], request: _Request, context: grpc.aio.ServicerContext) -> _Response:
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
         try:
@@ -398,7 +401,7 @@ class KVCacheServicer:
             await context.abort(code, message)
         # The cursor stays put if the answer never reaches the consumer (deadline, cancellation).
         context.add_done_callback(
-            lambda ctx: ctx.cancelled() and log.restore_consumer(request.consumer, previous, next_seq)
+            lambda ctx: ctx.cancelled() and log.restore_consumer(request.consumer, previous, next_seq)  # type: ignore[arg-type, func-returns-value]  # `and` runs the restore only on cancel; its None is ignored
         )
         return pb.TakeEventsResponse(batches=batches, next_seq=next_seq, epoch=log.epoch)
 
@@ -430,9 +433,9 @@ class KVCacheServicer:
             "GetKVCacheGroupMetadata": (pb.GetKVCacheGroupMetadataRequest, pb.GetKVCacheGroupMetadataResponse),
             "Ping": (pb.PingRequest, pb.PingResponse),
         }
-        handlers = {
+        handlers = {  # type: ignore[var-annotated]  # grpc's handler type is generic in each RPC's messages
             name: grpc.unary_unary_rpc_method_handler(
-                _parsed(getattr(self, name), req), request_deserializer=None, response_serializer=resp.SerializeToString
+                _parsed(getattr(self, name), req), request_deserializer=None, response_serializer=resp.SerializeToString  # type: ignore[attr-defined]  # resp is a message class
             )
             for name, (req, resp) in unary.items()
         }

@@ -69,7 +69,7 @@ def _walk(descriptor: Descriptor, data: bytes, prefix: str) -> str | None:
             except UnicodeDecodeError:
                 return name
         else:
-            found = _walk(field.message_type, chunk, name + ".")
+            found = _walk(field.message_type, chunk, name + ".")  # type: ignore[arg-type]  # a message field's message_type is set (the walk only enters message fields)
             if found is not None:
                 return found
     return None

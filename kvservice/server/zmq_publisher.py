@@ -421,4 +421,4 @@ def _open(zmq: Any, sock: Any, endpoint: str, setting: str, *, bind: bool) -> st
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         raise RuntimeError(f"{setting}: cannot {'bind' if bind else 'connect'} {endpoint!r}: {e}") from None
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)  # type: ignore[no-any-return]  # pyzmq's getsockopt_string is untyped

@@ -5,7 +5,7 @@
     python scripts/bench/run.py --only core,rpc --json out.json
 
 vLLM's KVCacheManager is the core-ops baseline when a Python with vLLM is found (``--vllm-python``,
-default ``$KVSERVICE_VLLM_PYTHON`` or ``~/vllm-ref/bin/python``; see ../shared/peers/README.md);
+default ``$KVSERVICE_VLLM_PYTHON`` or ``~/vllm-ref/bin/python``; BENCHMARKS.md, "The vLLM baseline", says how to make one);
 without it that column is skipped with a message. Speed figures are medians of several rounds,
 ours and the baseline's alternating, so a noisy machine moves both.
 """
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown bench {sorted(unknown)}; choose from {', '.join(BENCHES)}")
     vllm_python = _vllm_python(args.vllm_python) if "core" in only and not args.no_vllm else None
     if "core" in only and vllm_python is None:
-        print("vLLM not found (see ../shared/peers/README.md): the core-ops baseline column is skipped", file=sys.stderr)
+        print("vLLM not found (see BENCHMARKS.md, 'The vLLM baseline'): the core-ops baseline column is skipped", file=sys.stderr)
     started = time.perf_counter()
     rows: list[Row] = []
     for bench in only:

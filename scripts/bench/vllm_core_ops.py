@@ -1,6 +1,6 @@
 """The core-ops sequence through vLLM's own KVCacheManager (the baseline of ``core_ops.py``).
 
-Runs in a separate venv that has vLLM (see ../shared/peers/README.md); it imports nothing from
+Runs in a separate venv that has vLLM (BENCHMARKS.md, "The vLLM baseline", says how to make one); it imports nothing from
 kvservice and prints one JSON object. Same workload: requests of ``prompt_len`` tokens built with
 vLLM's request block hasher (sha256_cbor), looked up, allocated and freed once the pool is full.
 """

@@ -34,6 +34,7 @@ from kvservice.watch import watch_events
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVCacheClient, KVServiceError, StepBuilder
 from kvservice_client.watcher import EventWatcher
+from kvservice_client.tls import TLSConfig
 from tests.service.helpers import READ_TIMEOUT_S, events_of, hashes, next_batch, observed_state, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -267,6 +268,28 @@ async def test_blocking_client_over_mutual_tls(start_kv_server, pki):
             return client.ping(b"sync").payload
 
     assert await asyncio.to_thread(ping) == b"sync"  # the server runs on this loop: call from a thread
+
+
+async def test_tls_config_gives_mutual_tls_to_both_clients(start_kv_server, connect, pki):
+    running = await start_kv_server(**tls_settings(pki, mutual=True))
+    tls = TLSConfig(root_certificates=pki.ca_pem, private_key=pki.client_key_pem, certificate_chain=pki.client_cert_pem)
+    client = await connect(running, tls=tls)
+    assert (await client.ping(b"tls")).payload == b"tls"
+
+    def ping() -> bytes:
+        with KVCacheClient(running.address, tls=tls, timeout=READ_TIMEOUT_S) as sync_client:
+            return sync_client.ping(b"sync").payload
+
+    assert await asyncio.to_thread(ping) == b"sync"
+
+
+async def test_tls_config_target_name_override_checks_the_certificate_against_that_name(start_kv_server, connect, pki):
+    """The server's certificate names localhost and 127.0.0.1: the override decides which name is checked."""
+    running = await start_kv_server(**tls_settings(pki))
+    named = await connect(running, tls=TLSConfig(root_certificates=pki.ca_pem, target_name_override="localhost"))
+    assert (await named.ping(b"n")).payload == b"n"
+    wrong = await connect(running, tls=TLSConfig(root_certificates=pki.ca_pem, target_name_override="kv.example"))
+    assert await code_of(wrong.ping(b"n")) == UNAVAILABLE
 
 
 async def test_client_tls_arguments_are_checked(pki):

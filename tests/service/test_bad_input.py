@@ -12,7 +12,8 @@ fails when the document is stale).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import grpc
 import grpc.aio

@@ -83,7 +83,7 @@ class NatsServer:
 
     async def start(self) -> None:
         """Start it and return once a client connects (JetStream is up before the port opens)."""
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log:  # noqa: ASYNC230 (a local log file, opened once per start)
             self.process = await asyncio.create_subprocess_exec(
                 self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir),
                 *self.auth_args, stdout=log, stderr=log,

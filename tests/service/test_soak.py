@@ -1,4 +1,4 @@
-"""The soak (scripts/soak.py): 8 schedulers, 8 watchers killed and reconnected, a drain + reset and a
+"""The soak (tests/soak.py): 8 schedulers, 8 watchers killed and reconnected, a drain + reset and a
 server restart; nothing lost, every invariant check passes. Plus the applied-sequence checker it
 relies on, on hand-made histories.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.soak import AppliedRecord, KillMode, RecordKind, SoakConfig, check_applied_sequence, run_soak
+from tests.soak import AppliedRecord, KillMode, RecordKind, SoakConfig, check_applied_sequence, run_soak
 
 S, R, B, START = RecordKind.SNAPSHOT, RecordKind.RESUME, RecordKind.BATCH, RecordKind.START_SNAPSHOT
 
@@ -64,7 +64,7 @@ async def test_soak_nothing_lost() -> None:
     assert sum(n for op, n in report.ops.items() if op != "step_ops") >= 8 * 2500
     assert report.ops["step"] > 0 and report.ops["free"] > 0 and report.ops["get_computed_blocks"] > 0
     # Kills: every mode, as planned (16 kills over 4 modes, each lineage alive when chosen).
-    assert {mode: report.watcher[f"kills_{mode.value}"] for mode in KillMode} == {mode: 4 for mode in KillMode}
+    assert {mode: report.watcher[f"kills_{mode.value}"] for mode in KillMode} == dict.fromkeys(KillMode, 4)
     # The watchers found the new epoch by themselves; the schedulers restarted their requests.
     assert report.watcher["resync_epoch_changed"] + report.watcher["resync_epoch_mismatch"] >= 1
     assert report.scheduler["epoch_changes_seen"] >= 1

@@ -6,8 +6,11 @@ import json
 import subprocess
 import sys
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
+import kvservice_client.hashing as hashing_module
 from kvservice_client.hashing import (
     DEFAULT_HASH_SEED,
     BlockHasher,
@@ -124,11 +127,6 @@ def test_resolve_block_hashes_merges_multiples_and_rejects_other_ratios():
         with pytest.raises(ValueError, match=f"block_size {bad} must be a multiple of the hash block size 4"):
             resolve_block_hashes(hashes, 4, bad)
 
-
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import kvservice_client.hashing as hashing_module
 
 
 @settings(max_examples=60, deadline=None)

@@ -157,36 +157,3 @@ def test_gen_script_refuses_other_tool_versions(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(gen.GenerationError, match=r"grpcio-tools==1\.85\.1 is required, found 1\.86\.0"):
         gen.check_pinned_versions()
     assert gen.main(["--check"]) == 2
-
-
-async def test_server_reflection_resolves_the_service_by_symbol() -> None:
-    """The staged descriptor file name breaks nothing that resolves by symbol (grpcurl, reflection)."""
-    reflection = pytest.importorskip("grpc_reflection.v1alpha.reflection")
-    from google.protobuf import descriptor_pb2, descriptor_pool
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-    from kvservice_client._proto.kvservice import v1
-
-    service_name = v1.KVCacheServiceStub.__name__.removesuffix("Stub")
-    full_name = f"kvservice.v1.{service_name}"
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    v1.add_KVCacheServiceServicer_to_server(v1.KVCacheServiceServicer(), server)
-    reflection.enable_server_reflection([full_name, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            call = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=full_name)]), timeout=10
-            )
-            responses = [response async for response in call]
-    finally:
-        await server.stop(None)
-    (response,) = responses
-    pool = descriptor_pool.DescriptorPool()
-    for serialized in response.file_descriptor_response.file_descriptor_proto:
-        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(serialized))
-    service = pool.FindServiceByName(full_name)
-    assert [m.name for m in service.methods][:2] == ["GetComputedBlocks", "AllocateSlots"]
-    assert pool.FindMessageTypeByName("kvservice.v1.EventBatch").fields_by_name["msgpack"].number == 6

@@ -1,10 +1,20 @@
 """kvservice-client: the contract kvservice shares with its users.
 
+Import what you use from here (``from kvservice_client import KVCacheClient, KVServiceError,
+StatusCode``); the modules below are the implementation, split by job, and keep their import
+paths:
+
 * :mod:`kvservice_client.events`: KV event structs (msgspec, vLLM's msgpack layout).
 * :mod:`kvservice_client.hashing`: the block-hash rule, so a watcher hashes a prompt as the server.
 * :mod:`kvservice_client.client`: :class:`KVCacheClient` / :class:`AsyncKVCacheClient`, the typed
-  snake_case facade over the gRPC stubs; every failure is one :class:`KVServiceError` (status code
-  and message kept); :class:`StepBuilder` composes a Step and :func:`step_results` unpacks it.
+  snake_case facade over the gRPC stubs (same methods, signatures and docs); every failure is one
+  :class:`KVServiceError` whose ``code`` is a :class:`StatusCode` (no grpc import needed to read
+  it). :class:`TLSConfig` (:mod:`kvservice_client.tls`) sets a channel's TLS.
+* :mod:`kvservice_client.step`: :class:`StepBuilder` composes a Step, :func:`step_results` unpacks
+  it; :mod:`kvservice_client.request_builders` builds every request message.
+* :mod:`kvservice_client.errors`: :class:`KVServiceError`, :class:`StatusCode`.
+* :mod:`kvservice_client.watcher`: :class:`EventWatcher` (follows the stream, resyncs by itself,
+  retries by a :class:`RetryPolicy`), :class:`PrefixIndex` (the mirror) and :class:`HitPredictor`.
 * :mod:`kvservice_client.convert`: events <-> ``kvservice.v1`` protos (:func:`event_to_proto`,
   :func:`proto_to_event`, :func:`batch_to_proto`, :func:`proto_to_batch`).
 * ``kvservice_client.v1`` (``from kvservice_client import v1``): the generated ``kvservice.v1``
@@ -28,14 +38,21 @@ __all__ = [
     "BlockHasher",
     "BlockRemoved",
     "BlockStored",
+    "EventWatcher",
+    "HitPredictor",
     "InstanceMirror",
     "JetStreamWatcher",
     "KVCacheClient",
     "KVEventBatch",
     "KVServiceError",
     "MirrorState",
+    "PrefixIndex",
     "ResyncNeededError",
+    "RetryPolicy",
+    "StatusCode",
     "StepBuilder",
+    "TLSConfig",
+    "WatchedBatch",
     "batch_to_proto",
     "decode_event_batch",
     "encode_event_batch",
@@ -56,9 +73,16 @@ _NAME_TO_MODULE: dict[str, str] = {
     "BlockHasher": "kvservice_client.hashing",
     "AsyncKVCacheClient": "kvservice_client.client",
     "KVCacheClient": "kvservice_client.client",
-    "KVServiceError": "kvservice_client.client",
-    "StepBuilder": "kvservice_client.client",
-    "step_results": "kvservice_client.client",
+    "KVServiceError": "kvservice_client.errors",
+    "StatusCode": "kvservice_client.errors",
+    "TLSConfig": "kvservice_client.tls",
+    "StepBuilder": "kvservice_client.step",
+    "step_results": "kvservice_client.step",
+    "EventWatcher": "kvservice_client.watcher",
+    "HitPredictor": "kvservice_client.watcher",
+    "PrefixIndex": "kvservice_client.watcher",
+    "RetryPolicy": "kvservice_client.watcher",
+    "WatchedBatch": "kvservice_client.watcher",
     "batch_to_proto": "kvservice_client.convert",
     "event_to_proto": "kvservice_client.convert",
     "proto_to_batch": "kvservice_client.convert",
@@ -71,13 +95,7 @@ _NAME_TO_MODULE: dict[str, str] = {
 
 if TYPE_CHECKING:
     from kvservice_client._proto.kvservice import v1
-    from kvservice_client.client import (
-        AsyncKVCacheClient,
-        KVCacheClient,
-        KVServiceError,
-        StepBuilder,
-        step_results,
-    )
+    from kvservice_client.client import AsyncKVCacheClient, KVCacheClient
     from kvservice_client.convert import batch_to_proto, event_to_proto, proto_to_batch, proto_to_event
     from kvservice_client.events import (
         AllBlocksCleared,
@@ -88,7 +106,11 @@ if TYPE_CHECKING:
         encode_event_batch,
     )
     from kvservice_client.hashing import BlockHasher
+    from kvservice_client.errors import KVServiceError, StatusCode
     from kvservice_client.jetstream import InstanceMirror, JetStreamWatcher, MirrorState, ResyncNeededError
+    from kvservice_client.step import StepBuilder, step_results
+    from kvservice_client.tls import TLSConfig
+    from kvservice_client.watcher import EventWatcher, HitPredictor, PrefixIndex, RetryPolicy, WatchedBatch
 
 
 def __getattr__(name: str) -> Any:

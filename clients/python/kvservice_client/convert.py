@@ -271,7 +271,7 @@ def _fill_block_stored(out: pb.BlockStored, event: ev.BlockStored) -> None:
         _fill_extra_keys(out.extra_keys, event.extra_keys, event.lora_name)
     if event.group_idx is not None:
         out.group_idx = event.group_idx
-    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)  # type: ignore[assignment]
+    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)  # type: ignore[assignment]  # the stub wants the enum's ValueType; the converter returns its int
     if event.kv_cache_spec_sliding_window is not None:
         out.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
     if event.session_id is not None:
@@ -286,7 +286,7 @@ def _fill_block_removed(out: pb.BlockRemoved, event: ev.BlockRemoved) -> None:
         out.medium = event.medium
     if event.group_idx is not None:
         out.group_idx = event.group_idx
-    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)  # type: ignore[assignment]
+    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)  # type: ignore[assignment]  # the stub wants the enum's ValueType; the converter returns its int
     if event.kv_cache_spec_sliding_window is not None:
         out.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
 
@@ -313,11 +313,11 @@ def _fill_hashes(out: pb.BlockStored | pb.BlockRemoved, hashes: Sequence[ev.Exte
     # message half-filled, which is fine since the caller discards it with the error.
     try:
         if isinstance(hashes[0], bytes):
-            out.block_hash_digests.extend(hashes)  # type: ignore[arg-type]
+            out.block_hash_digests.extend(hashes)  # type: ignore[arg-type]  # the hashes are ints or bytes by the batch's hash form, checked above
         else:
             if any(type(h) is bool for h in hashes):
                 raise TypeError("bool")
-            out.block_hashes.extend(hashes)  # type: ignore[arg-type]
+            out.block_hashes.extend(hashes)  # type: ignore[arg-type]  # the hashes are ints or bytes by the batch's hash form, checked above
     except (TypeError, ValueError):
         bad = next((h for h in hashes if not _is_hash_like(h, hashes[0])), hashes[0])
         if isinstance(hashes[0], bytes):
@@ -330,7 +330,7 @@ def _fill_hashes(out: pb.BlockStored | pb.BlockRemoved, hashes: Sequence[ev.Exte
 def _is_hash_like(value: object, first: object) -> bool:
     if isinstance(first, bytes):
         return isinstance(value, bytes)
-    return type(value) is int and 0 <= value < 1 << 64  # type: ignore[operator]
+    return type(value) is int and 0 <= value < 1 << 64
 
 
 def _fill_extra_keys(

@@ -51,7 +51,7 @@ class KVCacheEvent(msgspec.Struct, array_like=False, omit_defaults=True, gc=Fals
 class BlockStored(KVCacheEvent, tag="BlockStored"):
     """Full blocks became present in a KV cache group (or, when ``reused``, were reused).
 
-    Invariants (DESIGN.md, "The event contract"):
+    Invariants (docs/ARCHITECTURE.md §3):
     ``len(token_ids) == len(block_hashes) * block_size``; the parent of ``block_hashes[i]`` is
     ``block_hashes[i - 1]`` and the first one's parent is ``parent_block_hash`` (None at block 0).
 

@@ -66,6 +66,7 @@ __all__ = [
     "NatsCredentialsRefusedError",
     "ResyncNeededError",
     "connect_nats",
+    "import_nats",
     "is_authorization_error",
     "msg_id",
     "redact_url",
@@ -194,16 +195,24 @@ async def connect_nats(
     raise asyncio.TimeoutError()
 
 
-def _import_nats() -> Any:
+def import_nats(needed_by: str = "JetStreamWatcher", extra: str = "kvservice-client[nats]") -> Any:
+    """Import nats-py (with ``nats.js.api`` and ``nats.js.errors``) and return the ``nats`` module.
+
+    Args:
+        needed_by: what needs it, for the error message.
+        extra: the pip extra that installs it, for the error message.
+
+    Raises:
+        RuntimeError: nats-py is not installed (the message names ``pip install '<extra>'``).
+    """
     try:
         import nats
         import nats.js.api
         import nats.js.errors
     except ImportError as e:
-        raise RuntimeError(
-            f"JetStreamWatcher needs nats-py, which is not installed ({e}): pip install 'kvservice-client[nats]'"
-        ) from None
+        raise RuntimeError(f"{needed_by} needs nats-py, which is not installed ({e}): pip install '{extra}'") from None
     return nats
+
 
 
 class MirrorState(str, enum.Enum):
@@ -399,7 +408,7 @@ class JetStreamWatcher:
             raise RuntimeError("JetStreamWatcher is closed")
         if self._task is not None:
             return
-        nats = _import_nats()
+        nats = import_nats()
         api = nats.js.api
         self._changed = asyncio.Condition()
         if self._owns_nc:
@@ -524,7 +533,7 @@ class JetStreamWatcher:
     # -- consuming -------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        nats = _import_nats()
+        nats = import_nats()
         sub = self._sub
         try:
             while True:
@@ -661,7 +670,7 @@ class JetStreamWatcher:
         parts: list[ev.KVEventBatch] = []
         try:
             stream = client.stream_events(snapshot=True)
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # grpc's stream iterator is typed without aclose(), which aclosing needs; it has it
                 async for part in stream:
                     if not part.snapshot:
                         raise RuntimeError(f"instance {mirror.instance}: StreamEvents sent no snapshot first")

@@ -47,6 +47,7 @@ import grpc.aio
 from kvservice_client import events as ev
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError, Metadata
+from kvservice_client.errors import StatusCode
 from kvservice_client.convert import (
     PayloadFormatLike,
     kv_cache_spec_kind_from_proto,
@@ -100,14 +101,14 @@ class ResyncReason(str, enum.Enum):
     """A snapshot was asked for and the stream's first batch was not one."""
 
 
-DEFAULT_RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
+DEFAULT_RETRYABLE_CODES: frozenset[StatusCode | grpc.StatusCode] = frozenset(
     {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
+        StatusCode.UNAVAILABLE,
+        StatusCode.CANCELLED,
+        StatusCode.ABORTED,
+        StatusCode.INTERNAL,
+        StatusCode.UNKNOWN,
+        StatusCode.DEADLINE_EXCEEDED,
     }
 )
 """Status codes that end a stream without saying anything about the position: the watcher
@@ -135,7 +136,9 @@ class RetryPolicy:
         connect_timeout_s: when the connection is gone, the watcher waits for the channel to be
             ready again (gRPC's own reconnection) instead of sleeping; this bounds one such wait,
             in seconds (None = wait as long as it takes). A wait that times out counts as a retry.
-        retryable_codes: status codes treated as a dropped connection (reconnect and resume).
+        retryable_codes: status codes treated as a dropped connection (reconnect and resume);
+            :class:`~kvservice_client.errors.StatusCode` members (``grpc.StatusCode`` ones of the
+            same name match too).
             FAILED_PRECONDITION, OUT_OF_RANGE and RESOURCE_EXHAUSTED always resync from a snapshot;
             any other code is raised at once.
     """
@@ -146,7 +149,7 @@ class RetryPolicy:
     backoff_multiplier: float = 2.0
     jitter: float = 0.2
     connect_timeout_s: float | None = 10.0
-    retryable_codes: frozenset[grpc.StatusCode] = DEFAULT_RETRYABLE_CODES
+    retryable_codes: frozenset[StatusCode | grpc.StatusCode] = DEFAULT_RETRYABLE_CODES
 
     def __post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:
@@ -500,7 +503,7 @@ class EventWatcher:
         num_delivered = 0
         stream = self._client.stream_events(request, metadata=self._metadata)
         try:
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # grpc's stream iterator is typed without aclose(), which aclosing needs; it has it
                 async for msg in stream:
                     reason = self._check(msg, expect_snapshot=asked_snapshot and num_delivered == 0)
                     if reason is not None:
@@ -524,7 +527,7 @@ class EventWatcher:
             return pb.StreamEventsRequest(
                 start=pb.EVENT_START_SNAPSHOT,
                 group_idxs=self._group_idxs,
-                payload_format=self._payload_format,  # type: ignore[arg-type]
+                payload_format=self._payload_format,  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
             )
         assert self._cursor_seq is not None
         return pb.StreamEventsRequest(
@@ -532,7 +535,7 @@ class EventWatcher:
             start_seq=self._cursor_seq + 1,
             epoch=self._cursor_epoch or "",
             group_idxs=self._group_idxs,
-            payload_format=self._payload_format,  # type: ignore[arg-type]
+            payload_format=self._payload_format,  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
         )
 
     def _check(self, msg: pb.EventBatch, *, expect_snapshot: bool) -> ResyncReason | None:
@@ -602,7 +605,7 @@ class PrefixIndex:
     Hashes are kept in the form events carry them (unsigned 64-bit ints by default, digest bytes
     when the server publishes digests); an event without ``group_idx`` (older vLLM) counts as group 0.
     Applying every batch of an :class:`EventWatcher` in order, with no capacity, holds exactly the
-    server's cached set (DESIGN, invariant 4).
+    server's cached set (docs/ARCHITECTURE.md §3.4).
 
     Recency and eviction: one LRU over all groups, on last announcement. A BlockStored (new or
     ``reused``) makes each of its hashes most recent, the *last* hash first and the first hash

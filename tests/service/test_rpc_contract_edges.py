@@ -1,4 +1,7 @@
-"""Findings of a tester: each test fails today and passes once its finding is fixed."""
+"""Edges of the RPC contract: TakeEvents never skips what it could not deliver, an undecodable or
+refused request changes nothing, a batch above the send limit ends the stream naming its seq, an
+epoch of another server is FAILED_PRECONDITION, a prompt the pool can never hold is refused at
+registration, and a preset's max_model_len is lowered to what the pool holds."""
 
 from __future__ import annotations
 

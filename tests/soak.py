@@ -33,7 +33,7 @@ Checks (all counted in :class:`SoakReport`; :attr:`SoakReport.problems` lists ev
 The run is bounded by ``ops_per_scheduler`` (deterministic op counts; the test) or by
 ``duration_s`` of wall time (longer runs from the command line)::
 
-    .venv/bin/python scripts/soak.py --duration-s 180 --seed 1
+    .venv/bin/python -m tests.soak --duration-s 180 --seed 1
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""CLI findings of a tester: a user error ends with one 'Error: ...' line, never a traceback."""
+"""A user's mistake on the command line (bad flags, values, targets, a port in use) ends with one
+'Error: ...' line, never a traceback."""
 
 from __future__ import annotations
 

@@ -1,0 +1,230 @@
+"""Request builders: a client method's (or :class:`~kvservice_client.step.StepBuilder` method's)
+arguments -> its ``kvservice.v1`` request message, shared by both clients and the StepBuilder.
+
+Each builder takes either a whole request message (passed through unchanged; then no field
+argument may be given, else TypeError) or the request's fields, and checks the values protobuf
+would refuse (out of range, wrong type) before any call is made, raising ValueError naming the
+field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from google.protobuf.message import Message
+
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.convert import PayloadFormatLike, payload_format_value
+
+if TYPE_CHECKING:
+    from kvservice_client.hashing import LoRA as HashingLoRA
+    from kvservice_client.hashing import MultiModalFeature as HashingMultiModalFeature
+
+__all__ = [
+    "ReportMode",
+    "allocate_slots_request",
+    "free_request",
+    "get_computed_blocks_request",
+    "ping_request",
+    "stream_events_request",
+    "take_events_request",
+]
+
+ReportMode = Union[Literal["incremental", "full"], int, None]
+"""``"incremental"``, ``"full"``, a ``KVCacheReportMode`` value, or None (the server's default,
+incremental)."""
+
+_REPORT_MODES: dict[str, int] = {
+    "incremental": pb.KV_CACHE_REPORT_MODE_INCREMENTAL,
+    "full": pb.KV_CACHE_REPORT_MODE_FULL,
+}
+
+
+def _require_no_fields(request: Message, **fields: Any) -> None:
+    given = sorted(name for name, value in fields.items() if value not in (None, (), [], 0, b"", "", False))
+    if given:
+        raise TypeError(
+            f"pass either a {type(request).__name__} or its fields, not both (got {', '.join(given)})"
+        )
+
+
+def _report_mode_value(mode: ReportMode) -> int:
+    if mode is None:
+        return pb.KV_CACHE_REPORT_MODE_UNSPECIFIED
+    if isinstance(mode, str):
+        try:
+            return _REPORT_MODES[mode]
+        except KeyError:
+            raise ValueError(f"kv_cache_report_mode must be 'incremental' or 'full'; got {mode!r}") from None
+    return mode
+
+
+def _lora_proto(lora: pb.LoRA | HashingLoRA) -> pb.LoRA:
+    if isinstance(lora, pb.LoRA):
+        return lora
+    return pb.LoRA(lora_id=lora.lora_id, lora_name=lora.lora_name, lora_path=lora.lora_path or "")
+
+
+def _mm_feature_proto(feature: pb.MultiModalFeature | HashingMultiModalFeature) -> pb.MultiModalFeature:
+    if isinstance(feature, pb.MultiModalFeature):
+        return feature
+    return pb.MultiModalFeature(identifier=feature.identifier, offset=feature.offset, length=feature.length)
+
+
+def _build(message_type: Any, **fields: Any) -> Any:
+    """``message_type(**fields)``, but a value protobuf refuses (out of range, wrong type) raises
+    ValueError naming the field, before any call is made."""
+    message = message_type()
+    for name, value in fields.items():
+        try:
+            if isinstance(value, (list, tuple)) or hasattr(value, "__iter__") and not isinstance(value, (str, bytes)):
+                getattr(message, name).extend(value)
+            else:
+                setattr(message, name, value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: {e}") from None
+    return message
+
+
+def get_computed_blocks_request(
+    request_id: str | pb.GetComputedBlocksRequest,
+    prompt_token_ids: Iterable[int],
+    session_id: str | None,
+    kv_cache_report_mode: ReportMode,
+    lora: pb.LoRA | HashingLoRA | None,
+    cache_salt: str | None,
+    mm_features: Iterable[pb.MultiModalFeature | HashingMultiModalFeature],
+) -> pb.GetComputedBlocksRequest:
+    mm_features = tuple(mm_features)
+    if isinstance(request_id, pb.GetComputedBlocksRequest):
+        _require_no_fields(
+            request_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            session_id=session_id,
+            kv_cache_report_mode=kv_cache_report_mode,
+            lora=lora,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+        )
+        return request_id
+    request = _build(
+        pb.GetComputedBlocksRequest,
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        kv_cache_report_mode=_report_mode_value(kv_cache_report_mode),
+        mm_features=[_mm_feature_proto(f) for f in mm_features],
+    )
+    if session_id is not None:
+        request.session_id = session_id
+    if lora is not None:
+        request.lora.CopyFrom(_lora_proto(lora))
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
+    return request  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+
+
+def allocate_slots_request(
+    request_id: str | pb.AllocateSlotsRequest,
+    num_new_tokens: int | None,
+    num_lookahead_tokens: int,
+    new_token_ids: Iterable[int],
+) -> pb.AllocateSlotsRequest:
+    new_token_ids = tuple(new_token_ids)
+    if isinstance(request_id, pb.AllocateSlotsRequest):
+        _require_no_fields(
+            request_id,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            new_token_ids=new_token_ids,
+        )
+        return request_id
+    if num_new_tokens is None:
+        raise TypeError("allocate_slots() needs num_new_tokens (tokens to compute this step)")
+    return _build(  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+        pb.AllocateSlotsRequest,
+        request_id=request_id,
+        num_new_tokens=num_new_tokens,
+        num_lookahead_tokens=num_lookahead_tokens,
+        new_token_ids=new_token_ids,
+    )
+
+
+def free_request(request_id: str | pb.FreeRequest) -> pb.FreeRequest:
+    if isinstance(request_id, pb.FreeRequest):
+        return request_id
+    return pb.FreeRequest(request_id=request_id)
+
+
+def stream_events_request(
+    request: pb.StreamEventsRequest | None,
+    start_seq: int | None,
+    epoch: str | None,
+    snapshot: bool,
+    group_idxs: Iterable[int],
+    payload_format: PayloadFormatLike | None,
+) -> pb.StreamEventsRequest:
+    group_idxs = tuple(group_idxs)
+    if request is not None:
+        _require_no_fields(
+            request,
+            start_seq=start_seq,
+            epoch=epoch,
+            snapshot=snapshot,
+            group_idxs=group_idxs,
+            payload_format=payload_format,
+        )
+        return request
+    if snapshot and start_seq is not None:
+        raise ValueError("stream_events: pass start_seq or snapshot=True, not both")
+    if snapshot:
+        start = pb.EVENT_START_SNAPSHOT
+    elif start_seq is not None:
+        start = pb.EVENT_START_SEQ
+    else:
+        start = pb.EVENT_START_LIVE
+    return pb.StreamEventsRequest(
+        start=start,
+        start_seq=start_seq or 0,
+        epoch=epoch or "",
+        group_idxs=group_idxs,
+        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
+    )
+
+
+def take_events_request(
+    consumer: str | pb.TakeEventsRequest,
+    max_batches: int,
+    snapshot: bool,
+    start_seq: int,
+    epoch: str | None,
+    group_idxs: Iterable[int],
+    payload_format: PayloadFormatLike | None,
+) -> pb.TakeEventsRequest:
+    group_idxs = tuple(group_idxs)
+    if isinstance(consumer, pb.TakeEventsRequest):
+        _require_no_fields(
+            consumer,
+            max_batches=max_batches,
+            snapshot=snapshot,
+            start_seq=start_seq,
+            epoch=epoch,
+            group_idxs=group_idxs,
+            payload_format=payload_format,
+        )
+        return consumer
+    return pb.TakeEventsRequest(
+        consumer=consumer,
+        max_batches=max_batches,
+        snapshot=snapshot,
+        start_seq=start_seq,
+        epoch=epoch or "",
+        group_idxs=group_idxs,
+        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
+    )
+
+
+def ping_request(payload: bytes | pb.PingRequest) -> pb.PingRequest:
+    if isinstance(payload, pb.PingRequest):
+        return payload
+    return pb.PingRequest(payload=payload)

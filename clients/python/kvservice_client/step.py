@@ -1,0 +1,139 @@
+"""One Step (a scheduler step's worth of calls in one round trip): :class:`StepBuilder` composes
+its ops, :func:`step_results` unpacks its answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Union
+
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.errors import KVServiceError
+from kvservice_client.request_builders import (
+    ReportMode,
+    allocate_slots_request,
+    free_request,
+    get_computed_blocks_request,
+)
+
+if TYPE_CHECKING:
+    from kvservice_client.hashing import LoRA as HashingLoRA
+    from kvservice_client.hashing import MultiModalFeature as HashingMultiModalFeature
+
+__all__ = ["StepBuilder", "StepOpResponse", "step_request", "step_results"]
+
+StepOpResponse = Union[
+    pb.GetComputedBlocksResponse,
+    pb.AllocateSlotsResponse,
+    pb.FreeResponse,
+    pb.ResetPrefixCacheResponse,
+    pb.GetUsageResponse,
+]
+"""The response of one Step op that succeeded."""
+
+
+def step_results(response: pb.StepResponse) -> list[StepOpResponse | KVServiceError]:
+    """Unpack a Step's results: per op, in order, its response message or its error.
+
+    A failed op is a :class:`KVServiceError` *value* in the list (not raised): a failed op fails
+    only itself.
+
+    Raises:
+        ValueError: a result with nothing set.
+    """
+    results: list[StepOpResponse | KVServiceError] = []
+    for idx, result in enumerate(response.results):
+        which = result.WhichOneof("result")
+        if which is None:
+            raise ValueError(f"StepResponse.results[{idx}]: no result set")
+        if which == "error":
+            results.append(KVServiceError.from_op_status(result.error))
+        else:
+            results.append(getattr(result, which))
+    return results
+
+
+class StepBuilder:
+    """Composes the ops of one Step (a scheduler step's worth of calls in one round trip).
+
+    Methods take the same arguments as the client methods of the same name (without timeout and
+    metadata) and return the builder, so calls chain. The server runs the ops in order, answers in
+    order, and a failed op fails only itself (see :func:`step_results`).
+
+    Example::
+
+        ops = (
+            StepBuilder()
+            .get_computed_blocks("r1", prompt_token_ids)
+            .allocate_slots("r1", num_new_tokens=len(prompt_token_ids))
+            .free("r0")
+        )
+        results = step_results(client.step(ops))
+    """
+
+    __slots__ = ("_ops",)
+
+    def __init__(self) -> None:
+        self._ops: list[pb.StepOp] = []
+
+    def __len__(self) -> int:
+        """Number of ops so far."""
+        return len(self._ops)
+
+    def get_computed_blocks(
+        self,
+        request_id: str | pb.GetComputedBlocksRequest,
+        prompt_token_ids: Iterable[int] = (),
+        *,
+        session_id: str | None = None,
+        kv_cache_report_mode: ReportMode = None,
+        lora: pb.LoRA | HashingLoRA | None = None,
+        cache_salt: str | None = None,
+        mm_features: Iterable[pb.MultiModalFeature | HashingMultiModalFeature] = (),
+    ) -> StepBuilder:
+        """Add a GetComputedBlocks op (see :meth:`KVCacheClient.get_computed_blocks`)."""
+        request = get_computed_blocks_request(
+            request_id, prompt_token_ids, session_id, kv_cache_report_mode, lora, cache_salt, mm_features
+        )
+        self._ops.append(pb.StepOp(get_computed_blocks=request))
+        return self
+
+    def allocate_slots(
+        self,
+        request_id: str | pb.AllocateSlotsRequest,
+        num_new_tokens: int | None = None,
+        *,
+        num_lookahead_tokens: int = 0,
+        new_token_ids: Iterable[int] = (),
+    ) -> StepBuilder:
+        """Add an AllocateSlots op (see :meth:`KVCacheClient.allocate_slots`)."""
+        request = allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
+        self._ops.append(pb.StepOp(allocate_slots=request))
+        return self
+
+    def free(self, request_id: str | pb.FreeRequest) -> StepBuilder:
+        """Add a Free op (see :meth:`KVCacheClient.free`)."""
+        self._ops.append(pb.StepOp(free=free_request(request_id)))
+        return self
+
+    def reset_prefix_cache(self) -> StepBuilder:
+        """Add a ResetPrefixCache op."""
+        self._ops.append(pb.StepOp(reset_prefix_cache=pb.ResetPrefixCacheRequest()))
+        return self
+
+    def get_usage(self) -> StepBuilder:
+        """Add a GetUsage op."""
+        self._ops.append(pb.StepOp(get_usage=pb.GetUsageRequest()))
+        return self
+
+    def build(self) -> pb.StepRequest:
+        """The ``StepRequest`` holding the ops added so far, in order (the builder stays usable)."""
+        return pb.StepRequest(ops=self._ops)
+
+
+def step_request(ops: pb.StepRequest | StepBuilder | Iterable[pb.StepOp]) -> pb.StepRequest:
+    """The ``StepRequest`` of a client's ``step(ops)`` argument."""
+    if isinstance(ops, pb.StepRequest):
+        return ops
+    if isinstance(ops, StepBuilder):
+        return ops.build()
+    return pb.StepRequest(ops=ops)

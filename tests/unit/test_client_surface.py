@@ -1,0 +1,237 @@
+"""The public surface of kvservice_client: the curated namespace, the twin clients' parity, the
+status enum and TLSConfig (no server)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+import kvservice_client
+from kvservice_client import (
+    AsyncKVCacheClient,
+    KVCacheClient,
+    KVServiceError,
+    StatusCode,
+    TLSConfig,
+)
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.tls import resolve_channel_security
+
+ISSUE_NAMES = {
+    "KVCacheClient", "AsyncKVCacheClient", "StepBuilder", "EventWatcher", "JetStreamWatcher", "PrefixIndex",
+    "HitPredictor", "RetryPolicy", "TLSConfig", "KVServiceError", "StatusCode",
+}
+
+
+def test_the_namespace_exports_the_public_names():
+    assert ISSUE_NAMES <= set(kvservice_client.__all__)
+    for name in kvservice_client.__all__:
+        assert getattr(kvservice_client, name) is not None, name
+    assert kvservice_client.EventWatcher.__name__ == "EventWatcher"
+    with pytest.raises(AttributeError):
+        _ = kvservice_client.NoSuchName  # type: ignore[attr-defined]  # the point of the test
+
+
+def _public_modules() -> list[str]:
+    return [
+        f"kvservice_client.{info.name}"
+        for info in pkgutil.iter_modules(kvservice_client.__path__)
+        if not info.name.startswith("_")
+    ]
+
+
+@pytest.mark.parametrize("module_name", _public_modules())
+def test_every_module_declares_all_and_has_each_name(module_name: str):
+    module = importlib.import_module(module_name)
+    assert isinstance(module.__all__, list) and module.__all__, module_name
+    assert [name for name in module.__all__ if not hasattr(module, name)] == []
+
+
+@pytest.mark.parametrize(
+    ("module_name", "name"),
+    [
+        ("kvservice_client.client", "KVServiceError"),
+        ("kvservice_client.client", "StepBuilder"),
+        ("kvservice_client.client", "StepOpResponse"),
+        ("kvservice_client.client", "step_results"),
+        ("kvservice_client.client", "Metadata"),
+        ("kvservice_client.client", "ReportMode"),
+        ("kvservice_client.watcher", "EventWatcher"),
+        ("kvservice_client.watcher", "RetryPolicy"),
+        ("kvservice_client.jetstream", "JetStreamWatcher"),
+    ],
+)
+def test_the_old_import_paths_still_work(module_name: str, name: str):
+    assert hasattr(importlib.import_module(module_name), name)
+
+
+def test_the_namespace_and_jetstream_import_without_nats():
+    """nats-py is optional: importing the namespace and JetStreamWatcher needs it not."""
+    code = (
+        "import sys\n"
+        "sys.modules['nats'] = None\n"  # makes `import nats` raise ImportError
+        "import kvservice_client\n"
+        "w = kvservice_client.JetStreamWatcher\n"
+        "from kvservice_client.jetstream import import_nats\n"
+        "try:\n"
+        "    import_nats()\n"
+        "except RuntimeError as e:\n"
+        "    print(str(e).split(' (')[0], '|', str(e).split(': ')[-1])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "JetStreamWatcher needs nats-py, which is not installed | pip install 'kvservice-client[nats]'\n"
+
+
+# --- the twin clients ------------------------------------------------------------------------
+
+
+def _public_methods(cls: type) -> dict[str, object]:
+    return {
+        name: member
+        for name, member in inspect.getmembers(cls)
+        if not name.startswith("_") and (inspect.isfunction(member) or isinstance(member, property))
+    }
+
+
+def test_both_clients_have_the_same_public_methods():
+    assert sorted(_public_methods(KVCacheClient)) == sorted(_public_methods(AsyncKVCacheClient))
+    assert {"get_computed_blocks", "allocate_slots", "free", "step", "stream_events", "take_events",
+            "ping", "close"} <= set(_public_methods(KVCacheClient))
+
+
+def _normalized_signature(function: object) -> str:
+    text = str(inspect.signature(function))  # type: ignore[arg-type]  # a function, checked by the caller
+    return text.replace("AsyncIterator[", "Iterator[").replace("grpc.aio.Channel", "grpc.Channel")
+
+
+@pytest.mark.parametrize("name", sorted(_public_methods(KVCacheClient)))
+def test_the_twin_methods_have_identical_signatures_and_docs(name: str):
+    """The async client is the sync one as coroutines: same parameters, defaults, annotations
+    (``AsyncIterator`` for ``Iterator``) and the very same docstring."""
+    sync, async_ = _public_methods(KVCacheClient)[name], _public_methods(AsyncKVCacheClient)[name]
+    assert inspect.getdoc(sync) and inspect.getdoc(sync) == inspect.getdoc(async_)
+    if isinstance(sync, property):
+        assert isinstance(async_, property)
+        return
+    assert _normalized_signature(sync) == _normalized_signature(async_)
+    assert not inspect.iscoroutinefunction(sync)
+    assert inspect.iscoroutinefunction(async_) == (name != "stream_events")
+
+
+def test_the_constructors_take_the_same_arguments():
+    assert _normalized_signature(KVCacheClient.__init__) == _normalized_signature(AsyncKVCacheClient.__init__)
+
+
+# --- StatusCode and KVServiceError ------------------------------------------------------------
+
+
+def test_status_code_numbers_and_names_are_grpcs():
+    assert [(code.name, code.value) for code in StatusCode] == [(code.name, code.value) for code in grpc.StatusCode]
+    assert [int(code) for code in StatusCode] == list(range(17))
+
+
+def test_status_code_mixes_with_grpc_status_code():
+    assert StatusCode.NOT_FOUND == grpc.StatusCode.NOT_FOUND
+    assert grpc.StatusCode.NOT_FOUND == StatusCode.NOT_FOUND
+    assert StatusCode.NOT_FOUND != grpc.StatusCode.INTERNAL
+    assert StatusCode.NOT_FOUND in {grpc.StatusCode.NOT_FOUND}
+    assert grpc.StatusCode.UNAVAILABLE in frozenset({StatusCode.UNAVAILABLE})
+    assert StatusCode.NOT_FOUND.grpc_code is grpc.StatusCode.NOT_FOUND
+    assert StatusCode.NOT_FOUND != 5  # an enum, not an int: compare with int(code)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [(grpc.StatusCode.ALREADY_EXISTS, StatusCode.ALREADY_EXISTS), (StatusCode.ABORTED, StatusCode.ABORTED),
+     (11, StatusCode.OUT_OF_RANGE), (99, StatusCode.UNKNOWN), (None, StatusCode.UNKNOWN)],
+)
+def test_kvservice_error_keeps_the_package_status(code: object, expected: StatusCode):
+    err = KVServiceError(code, "m")  # type: ignore[arg-type]  # None is the odd one, on purpose
+    assert err.code is expected
+    assert str(err) == f"{expected.name}: m"
+
+
+def test_a_failed_step_op_becomes_the_package_status():
+    err = KVServiceError.from_op_status(pb.OpStatus(code=5, message="request_id 'x' is not registered"))
+    assert (err.code, err.message) == (StatusCode.NOT_FOUND, "request_id 'x' is not registered")
+    assert KVServiceError.from_op_status(pb.OpStatus(code=99, message="?")).code is StatusCode.UNKNOWN
+
+
+def test_reading_an_error_code_needs_no_grpc_import():
+    code = (
+        "import sys\n"
+        "from kvservice_client import KVServiceError, StatusCode\n"
+        "print('grpc' in sys.modules, KVServiceError(StatusCode.NOT_FOUND, 'x').code is StatusCode.NOT_FOUND)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "False True\n"
+
+
+# --- TLSConfig --------------------------------------------------------------------------------
+
+
+def test_tls_config_needs_key_and_chain_together():
+    with pytest.raises(ValueError, match="private_key and certificate_chain go together"):
+        TLSConfig(private_key=b"k")
+    with pytest.raises(ValueError, match="private_key and certificate_chain go together"):
+        resolve_channel_security(False, None, None, b"c", None)
+
+
+def test_plain_text_without_tls():
+    assert resolve_channel_security(False, None, None, None, None) == (None, [])
+
+
+def test_tls_config_gives_credentials_and_the_name_override():
+    creds, options = resolve_channel_security(TLSConfig(target_name_override="kv.internal"), None, None, None, None)
+    assert isinstance(creds, grpc.ChannelCredentials)
+    assert options == [("grpc.ssl_target_name_override", "kv.internal")]
+
+
+def test_the_loose_pem_arguments_are_still_accepted():
+    creds, options = resolve_channel_security(False, b"ca", None, None, None)
+    assert isinstance(creds, grpc.ChannelCredentials) and options == []
+
+
+@pytest.mark.parametrize(
+    ("tls", "root", "credentials", "message"),
+    [
+        (TLSConfig(), b"ca", None, "pass either tls=TLSConfig"),
+        (True, None, "creds", "pass either credentials or tls/PEM bytes"),
+        (False, b"ca", "creds", "pass either credentials or tls/PEM bytes"),
+    ],
+)
+def test_conflicting_tls_arguments_are_refused(tls: object, root: bytes | None, credentials: object, message: str):
+    with pytest.raises(TypeError, match=message):
+        resolve_channel_security(tls, root, None, None, credentials)  # type: ignore[arg-type]  # stand-in creds
+
+
+def test_a_tls_config_with_a_ready_channel_is_refused():
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    try:
+        with pytest.raises(TypeError, match="apply only when target is an address"):
+            KVCacheClient(channel, tls=TLSConfig())
+    finally:
+        channel.close()
+
+
+def test_tls_config_reads_pem_files(tmp_path):
+    (tmp_path / "ca.pem").write_bytes(b"CA")
+    (tmp_path / "c.pem").write_bytes(b"CERT")
+    (tmp_path / "c.key").write_bytes(b"KEY")
+    config = TLSConfig.from_files(tmp_path / "ca.pem", cert=tmp_path / "c.pem", key=tmp_path / "c.key")
+    assert config == TLSConfig(root_certificates=b"CA", private_key=b"KEY", certificate_chain=b"CERT")
+
+
+def test_retry_codes_match_whichever_enum_they_are_given_in():
+    from kvservice_client import RetryPolicy
+
+    assert KVServiceError(grpc.StatusCode.UNAVAILABLE, "x").code in RetryPolicy().retryable_codes
+    legacy = RetryPolicy(retryable_codes=frozenset({grpc.StatusCode.UNAVAILABLE}))
+    assert KVServiceError(StatusCode.UNAVAILABLE, "x").code in legacy.retryable_codes
+    assert StatusCode.NOT_FOUND not in RetryPolicy().retryable_codes

@@ -1,0 +1,83 @@
+"""Building requests and Steps on the client side, before any call (no server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import grpc.aio
+import pytest
+
+from kvservice_client._proto.kvservice import v1
+from kvservice_client.client import (
+    KVServiceError,
+    StepBuilder,
+)
+
+
+def test_request_and_fields_together_are_refused() -> None:
+    with pytest.raises(TypeError, match="pass either a GetComputedBlocksRequest or its fields, not both"):
+        StepBuilder().get_computed_blocks(v1.GetComputedBlocksRequest(request_id="r"), [1])
+    with pytest.raises(TypeError, match="needs num_new_tokens"):
+        StepBuilder().allocate_slots("r")
+    with pytest.raises(ValueError, match="kv_cache_report_mode must be 'incremental' or 'full'"):
+        StepBuilder().get_computed_blocks("r", [1], kv_cache_report_mode="sometimes")  # type: ignore[arg-type]
+
+
+def test_step_builder_builds_ops_in_order() -> None:
+    request = (
+        StepBuilder()
+        .get_computed_blocks("r1", [1, 2], kv_cache_report_mode="incremental")
+        .allocate_slots("r1", 2, num_lookahead_tokens=1, new_token_ids=[3])
+        .free("r0")
+        .reset_prefix_cache()
+        .get_usage()
+        .build()
+    )
+    assert [op.WhichOneof("op") for op in request.ops] == [
+        "get_computed_blocks",
+        "allocate_slots",
+        "free",
+        "reset_prefix_cache",
+        "get_usage",
+    ]
+    assert request.ops[0].get_computed_blocks.kv_cache_report_mode == v1.KV_CACHE_REPORT_MODE_INCREMENTAL
+    assert request.ops[1].allocate_slots == v1.AllocateSlotsRequest(
+        request_id="r1", num_new_tokens=2, num_lookahead_tokens=1, new_token_ids=[3]
+    )
+
+
+def test_op_status_with_an_unknown_code_is_unknown() -> None:
+    err = KVServiceError.from_op_status(v1.OpStatus(code=99, message="?"))
+    assert err.code == grpc.StatusCode.UNKNOWN
+
+
+def test_importing_events_and_hashing_loads_no_grpc() -> None:
+    code = (
+        "import sys, kvservice_client, kvservice_client.events, kvservice_client.hashing\n"
+        "assert 'grpc' not in sys.modules and 'google.protobuf' not in sys.modules, sorted(sys.modules)\n"
+        "from kvservice_client import KVCacheClient, v1\n"
+        "assert 'grpc' in sys.modules and v1.PingRequest\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_out_of_range_arguments_fail_before_the_call_naming_the_field() -> None:
+    from kvservice_client.client import KVCacheClient
+
+    with KVCacheClient("127.0.0.1:1") as client:  # never reached: the request cannot be built
+        with pytest.raises(ValueError, match=r"^num_new_tokens: Value out of range: -1"):
+            client.allocate_slots("w", -1)
+        with pytest.raises(ValueError, match=r"^num_lookahead_tokens: Value out of range"):
+            client.allocate_slots("w", 1, num_lookahead_tokens=2**40)
+        with pytest.raises(ValueError, match=r"^prompt_token_ids: Value out of range"):
+            client.get_computed_blocks("w", [1, 2**70])
+
+
+@pytest.mark.parametrize("token", ["", "é" * 20, "two words", "tab\there"])
+def test_a_token_that_cannot_be_sent_as_metadata_is_refused_at_construction(token):
+    from kvservice_client.client import KVCacheClient
+
+    with pytest.raises(ValueError, match="token: must be non-empty printable ASCII without spaces"):
+        KVCacheClient("127.0.0.1:1", token=token)

@@ -37,7 +37,10 @@ replay from 0 (one "gap" line in its log), and is answered with the whole epoch,
 **A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
 batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
 cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them),
-as *one* batch with the wire seq of the head it was cut at, then the retained batches after that
+as *one* batch with the wire seq of the head it was cut at (each cached block announced once:
+without the gRPC snapshot's recency-order re-announcements, flagged ``reused``, which a vLLM
+reader ignores the flag of, so a router that counts stores against removals would count every
+block twice and never drop it), then the retained batches after that
 head (none: the snapshot is cut at the head), then the end marker. One batch, not the gRPC
 stream's parts of about ``snapshot_part_tokens`` tokens: in vLLM's framing one seq is one batch
 (a seq-tracking consumer may drop a second message of a seq it holds), ZMQ has no message size
@@ -81,7 +84,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvservice.server.auth import is_loopback_host
-from kvservice_client.events import AllBlocksCleared, KVEventBatch, encode_event_batch
+from kvservice_client.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_event_batch
 
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog, LogEntry
@@ -357,7 +360,10 @@ class ZmqEventPublisher:
                     start_seq, base + oldest, base + log.head_seq,
                 )
                 # One batch, not the gRPC stream's parts: see "A start below retention" above.
-                snapshot = KVEventBatch(time.time(), log.snapshot_events(), log.data_parallel_rank)
+                # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a
+                # second BlockStored per block to a vLLM reader, which ignores ``reused``.
+                events = [e for e in log.snapshot_events() if not (type(e) is BlockStored and e.reused)]
+                snapshot = KVEventBatch(time.time(), events, log.data_parallel_rank)
                 messages = [(base + log.head_seq, encode_event_batch(snapshot))]
             else:
                 if start_seq <= base:

@@ -305,10 +305,68 @@ async def test_a_snapshot_bigger_than_the_replay_high_water_mark_comes_whole_as_
     assert [m[1] for m in replayed] == [(publisher.seq_base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
     _, events, rank = msgspec.msgpack.decode(replayed[0][2])
     assert rank is None
-    assert events == msgspec.msgpack.decode(encode_event_batch(KVEventBatch(0.0, log.snapshot_events(), None)))[1]
+    presence = [e for e in log.snapshot_events() if not getattr(e, "reused", False)]  # each block once
+    assert len(presence) == 1 + 100  # AllBlocksCleared, then one BlockStored per request's chain
+    assert events == msgspec.msgpack.decode(encode_event_batch(KVEventBatch(0.0, presence, None)))[1]
     subscriber.apply(replayed[0])
     assert subscriber.cached == cached_pairs(running)
     assert publisher.num_replays_abandoned == 0 and publisher.num_snapshot_replays == 1
+
+
+async def test_a_late_joiner_that_counts_stores_against_removals_ends_exact(start_kv_server, connect, zctx):
+    """A router that counts BlockStored against BlockRemoved per (group_idx, hash) (as vLLM's
+    per-copy events need) and, as a vLLM reader, knows nothing of ``reused``: in incremental mode
+    the server stores each hash once per presence, so it stays exact, and the snapshot it late-joins
+    from must announce each cached block once too. Then evictions remove each block once: every
+    count ends 0 or 1, and the blocks counted 1 are the server's cached set."""
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=2
+    )
+    client = await connect(running)
+
+    async def request(name: str, prompt: list[int]) -> None:
+        await client.get_computed_blocks(name, prompt)  # incremental: no reuse reports
+        assert (await client.allocate_slots(name, len(prompt))).allocated
+        await client.free(name)
+
+    for i in range(6):  # 12 blocks of 16, two shared prefixes
+        await request(f"r{i}", [1000 * (i % 2 + 1) + t for t in range(4)] + [5000 + 10 * i + t for t in range(4)])
+    log, publisher = running.event_log, running.zmq_publisher
+    assert log.oldest_seq > 1 and len(cached_pairs(running)) == 8
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    counts: dict[tuple[int | None, object], int] = {}
+
+    def count(payload: bytes) -> None:
+        for event in msgspec.msgpack.decode(payload)[1]:
+            keys = [(event.get("group_idx"), h) for h in event.get("block_hashes", ())]
+            if event["type"] == "BlockStored":
+                for key in keys:
+                    counts[key] = counts.get(key, 0) + 1
+            elif event["type"] == "BlockRemoved":
+                for key in keys:
+                    counts[key] -= 1
+            else:
+                counts.clear()
+
+    for i in range(100):  # new batches until one reaches the subscription (ZMQ's slow joiner)
+        await request(f"join{i}", [7000 + i] * 8)
+        if await subscriber.sub.poll(PROBE_POLL_MS):
+            break
+    (snapshot, end) = await subscriber.replay(0)  # subscribed: every later batch comes live
+    assert end == [b"", VLLM_END_SEQ, b""]
+    snapshot_seq = int.from_bytes(snapshot[1], "big")
+    assert snapshot_seq == publisher.seq_base + log.head_seq
+    count(snapshot[2])
+    assert counts == dict.fromkeys(cached_pairs(running), 1)
+    for i in range(12):  # evict every block the snapshot announced
+        await request(f"e{i}", [9000 + 10 * i + t for t in range(8)])
+    seq = 0
+    while seq < publisher.seq_base + log.head_seq:
+        frames = await subscriber.recv()
+        if (seq := int.from_bytes(frames[1], "big")) > snapshot_seq:
+            count(frames[2])
+    assert set(counts.values()) <= {0, 1}
+    assert {key for key, n in counts.items() if n == 1} == cached_pairs(running)
 
 
 async def test_a_replay_longer_than_one_slice_comes_whole(start_kv_server, connect, zctx):

@@ -36,19 +36,22 @@ replay from 0 (one "gap" line in its log), and is answered with the whole epoch,
 
 **A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
 batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
-cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them),
-as *one* batch with the wire seq of the head it was cut at (each cached block announced once:
-without the gRPC snapshot's recency-order re-announcements, flagged ``reused``, which a vLLM
-reader ignores the flag of, so a router that counts stores against removals would count every
-block twice and never drop it), then the retained batches after that
-head (none: the snapshot is cut at the head), then the end marker. One batch, not the gRPC
-stream's parts of about ``snapshot_part_tokens`` tokens: in vLLM's framing one seq is one batch
-(a seq-tracking consumer may drop a second message of a seq it holds), ZMQ has no message size
-limit, and the replay socket's high-water mark counts messages and is sized by retention, so a
-snapshot in more parts than that overflowed it and was abandoned midway, leaving the joiner
-partial without an end marker. A consumer that applies the replay in order ends exact whatever it missed (vLLM's buffer
-answers from the oldest retained batch instead, leaving such a consumer partial for good). A
-start at or below ``seq_base`` while nothing was dropped gets the epoch start and every batch. A
+cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them), as
+*one* batch with the wire seq of the head it was cut at, then the retained batches after that head
+(none: the snapshot is cut at the head), then the end marker. A consumer that applies the replay in
+order ends exact whatever it missed (vLLM's buffer answers from the oldest retained batch instead,
+leaving such a consumer partial for good). Two differences from the gRPC snapshot:
+
+* one batch, not parts of about ``snapshot_part_tokens`` tokens: in vLLM's framing one seq is one
+  batch (a seq-tracking consumer may drop a second message of a seq it holds), ZMQ has no message
+  size limit, and the replay socket's high-water mark counts messages and is sized by retention,
+  so a snapshot in more parts than that would overflow it and be abandoned midway, leaving the
+  joiner partial and without an end marker;
+* each cached block announced once: without the recency-order re-announcements (flagged
+  ``reused``, a flag a vLLM reader ignores), which a router that counts stores against removals
+  would count as a second copy and never drop.
+
+A start at or below ``seq_base`` while nothing was dropped gets the epoch start and every batch. A
 start beyond the head gets the end marker alone.
 
 **Never blocking the loop.** The event log calls :meth:`ZmqEventPublisher.publish` on the server's

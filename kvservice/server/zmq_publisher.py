@@ -36,12 +36,22 @@ replay from 0 (one "gap" line in its log), and is answered with the whole epoch,
 
 **A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
 batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
-cached block, parents first (the event log's snapshot, as ``StreamEvents`` sends it, in parts of
-about ``snapshot_part_tokens`` tokens), every part with the wire seq of the head it was cut at,
-then the retained batches after that head (none: the snapshot is cut at the head), then the end
-marker. A consumer that applies the replay in order ends exact whatever it missed (vLLM's buffer
-answers from the oldest retained batch instead, leaving such a consumer partial for good). A
-start at or below ``seq_base`` while nothing was dropped gets the epoch start and every batch. A
+cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them), as
+*one* batch with the wire seq of the head it was cut at, then the retained batches after that head
+(none: the snapshot is cut at the head), then the end marker. A consumer that applies the replay in
+order ends exact whatever it missed (vLLM's buffer answers from the oldest retained batch instead,
+leaving such a consumer partial for good). Two differences from the gRPC snapshot:
+
+* one batch, not parts of about ``snapshot_part_tokens`` tokens: in vLLM's framing one seq is one
+  batch (a seq-tracking consumer may drop a second message of a seq it holds), ZMQ has no message
+  size limit, and the replay socket's high-water mark counts messages and is sized by retention,
+  so a snapshot in more parts than that would overflow it and be abandoned midway, leaving the
+  joiner partial and without an end marker;
+* each cached block announced once: without the recency-order re-announcements (flagged
+  ``reused``, a flag a vLLM reader ignores), which a router that counts stores against removals
+  would count as a second copy and never drop.
+
+A start at or below ``seq_base`` while nothing was dropped gets the epoch start and every batch. A
 start beyond the head gets the end marker alone.
 
 **Never blocking the loop.** The event log calls :meth:`ZmqEventPublisher.publish` on the server's
@@ -77,8 +87,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvservice.server.auth import is_loopback_host
-from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.events import AllBlocksCleared, KVEventBatch, encode_event_batch
+from kvservice_client.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_event_batch
 
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog, LogEntry
@@ -353,7 +362,12 @@ class ZmqEventPublisher:
                     "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
                     start_seq, base + oldest, base + log.head_seq,
                 )
-                messages = [(base + part.seq, part.msgpack) for part in log.snapshot_batches(pb.PAYLOAD_FORMAT_MSGPACK, None)]
+                # One batch, not the gRPC stream's parts: see "A start below retention" above.
+                # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a
+                # second BlockStored per block to a vLLM reader, which ignores ``reused``.
+                events = [e for e in log.snapshot_events() if not (type(e) is BlockStored and e.reused)]
+                snapshot = KVEventBatch(time.time(), events, log.data_parallel_rank)
+                messages = [(base + log.head_seq, encode_event_batch(snapshot))]
             else:
                 if start_seq <= base:
                     messages.append((base, self._epoch_start))

@@ -239,3 +239,40 @@ async def test_dynamo_follows_kvservice_through_restarts_and_short_retention(
     await workload(client, "d", 4)
     await assert_dynamo_equals(indexer, running, client)
     assert running.zmq_publisher.num_snapshot_replays > snapshots
+
+
+async def test_dynamo_catches_up_on_a_restart_with_a_snapshot_bigger_than_the_replay_high_water_mark(
+    start_kv_server, connect, indexers, tmp_path  # noqa: F811 (the fixtures imported above)
+):
+    """A restarted kvservice with a one-batch retention (a replay socket high-water mark of 4
+    messages) and over 128 cached blocks, far more than snapshot_part_tokens (4) per gRPC part: Dynamo,
+    still holding the dead server's blocks, sees the seq jump, asks for the gap and is answered with
+    the snapshot as one batch, and ends equal to the new server's cached set."""
+    endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    settings = {"zmq_endpoint": endpoint, "zmq_replay_endpoint": replay_endpoint, "event_max_batches": 1,
+                "snapshot_part_tokens": 4, "num_blocks": 256}
+    running = await start_kv_server(**settings)
+    client = await connect(running)
+    indexer = indexers()
+    await indexer.wait_healthy()
+    await indexer.register(endpoint, replay_endpoint)
+    await workload(client, "a", 8)
+    await assert_dynamo_equals(indexer, running, client)
+    before_restart = cached(running)
+
+    await running.stop(0)
+    running = await start_kv_server(**settings)
+    client = await connect(running)
+    await workload(client, "b", 4)  # the probes' prefixes again, without the dead server's later turns
+    probed = cached(running)
+    for i in range(64):  # 128 more blocks
+        prompt = [200_000 + 10 * i + t for t in range(8)]
+        await client.get_computed_blocks(f"big{i}", prompt)
+        assert (await client.allocate_slots(f"big{i}", len(prompt))).allocated
+        await client.free(f"big{i}")
+    assert len(cached(running)) == len(probed) + 128
+    assert before_restart - cached(running), "the dead server held blocks the new one does not"
+    assert len(running.event_log.snapshot_batches(1, None)) > 2 * (1 + 1)
+    await assert_dynamo_equals(indexer, running, client)
+    assert running.zmq_publisher.num_snapshot_replays >= 1
+    assert running.zmq_publisher.num_replays_abandoned == 0

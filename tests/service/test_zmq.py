@@ -29,6 +29,7 @@ import pytest
 
 from kvservice.server.app import ServerConfig, load_config, start_server
 from kvservice.server.zmq_publisher import ZmqEventPublisher, check_endpoint_exposure
+from kvservice_client.events import KVEventBatch, encode_event_batch
 from tests.service.conftest import SMALL_SERVER
 from tests.service.helpers import hashes, next_batch
 
@@ -275,6 +276,97 @@ async def test_a_late_joiner_below_retention_gets_a_snapshot_first_and_ends_exac
     while subscriber.last_seq < base + running.event_log.head_seq:
         await subscriber.receive_with_watermark(await subscriber.recv())
     assert subscriber.cached == cached_pairs(running) and subscriber.cached
+
+
+async def test_a_snapshot_bigger_than_the_replay_high_water_mark_comes_whole_as_one_batch(
+    start_kv_server, connect, zctx
+):
+    """The replay socket's high-water mark is sized by retention (2 x (event_max_batches + 1)
+    messages: 4 here), not by the cache. A late joiner's snapshot of 200 blocks, far more than
+    snapshot_part_tokens (4) per part, still comes whole: on ZMQ it is one batch at the head's seq
+    (one seq, one message, as every batch of vLLM's framing), so it neither overflows the socket
+    (a replay abandoned mid-snapshot leaves the joiner partial, without an end marker) nor asks a
+    seq-tracking consumer to apply several messages of one seq."""
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*",
+        event_max_batches=1, snapshot_part_tokens=4, num_blocks=256,
+    )
+    client = await connect(running)
+    for i in range(100):
+        prompt = [100_000 + 10 * i + t for t in range(8)]
+        await client.get_computed_blocks(f"r{i}", prompt)
+        assert (await client.allocate_slots(f"r{i}", 8)).allocated
+        await client.free(f"r{i}")
+    log, publisher = running.event_log, running.zmq_publisher
+    assert len(cached_pairs(running)) == 200 and log.oldest_seq == log.head_seq > 1
+    assert len(log.snapshot_batches(1, None)) > 2 * (1 + 1)  # the gRPC snapshot's parts overflow it
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    replayed = await subscriber.replay(0)
+    assert [m[1] for m in replayed] == [(publisher.seq_base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
+    _, events, rank = msgspec.msgpack.decode(replayed[0][2])
+    assert rank is None
+    presence = [e for e in log.snapshot_events() if not getattr(e, "reused", False)]  # each block once
+    assert len(presence) == 1 + 100  # AllBlocksCleared, then one BlockStored per request's chain
+    assert events == msgspec.msgpack.decode(encode_event_batch(KVEventBatch(0.0, presence, None)))[1]
+    subscriber.apply(replayed[0])
+    assert subscriber.cached == cached_pairs(running)
+    assert publisher.num_replays_abandoned == 0 and publisher.num_snapshot_replays == 1
+
+
+async def test_a_late_joiner_that_counts_stores_against_removals_ends_exact(start_kv_server, connect, zctx):
+    """A router that counts BlockStored against BlockRemoved per (group_idx, hash) (as vLLM's
+    per-copy events need) and, as a vLLM reader, knows nothing of ``reused``: in incremental mode
+    the server stores each hash once per presence, so it stays exact, and the snapshot it late-joins
+    from must announce each cached block once too. Then evictions remove each block once: every
+    count ends 0 or 1, and the blocks counted 1 are the server's cached set."""
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=2
+    )
+    client = await connect(running)
+
+    async def request(name: str, prompt: list[int]) -> None:
+        await client.get_computed_blocks(name, prompt)  # incremental: no reuse reports
+        assert (await client.allocate_slots(name, len(prompt))).allocated
+        await client.free(name)
+
+    for i in range(6):  # 12 blocks of 16, two shared prefixes
+        await request(f"r{i}", [1000 * (i % 2 + 1) + t for t in range(4)] + [5000 + 10 * i + t for t in range(4)])
+    log, publisher = running.event_log, running.zmq_publisher
+    assert log.oldest_seq > 1 and len(cached_pairs(running)) == 8
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    counts: dict[tuple[int | None, object], int] = {}
+
+    def count(payload: bytes) -> None:
+        for event in msgspec.msgpack.decode(payload)[1]:
+            keys = [(event.get("group_idx"), h) for h in event.get("block_hashes", ())]
+            if event["type"] == "BlockStored":
+                for key in keys:
+                    counts[key] = counts.get(key, 0) + 1
+            elif event["type"] == "BlockRemoved":
+                for key in keys:
+                    counts[key] -= 1
+            else:
+                counts.clear()
+
+    for i in range(100):  # new batches until one reaches the subscription (ZMQ's slow joiner)
+        await request(f"join{i}", [7000 + i] * 8)
+        if await subscriber.sub.poll(PROBE_POLL_MS):
+            break
+    (snapshot, end) = await subscriber.replay(0)  # subscribed: every later batch comes live
+    assert end == [b"", VLLM_END_SEQ, b""]
+    snapshot_seq = int.from_bytes(snapshot[1], "big")
+    assert snapshot_seq == publisher.seq_base + log.head_seq
+    count(snapshot[2])
+    assert counts == dict.fromkeys(cached_pairs(running), 1)
+    for i in range(12):  # evict every block the snapshot announced
+        await request(f"e{i}", [9000 + 10 * i + t for t in range(8)])
+    seq = 0
+    while seq < publisher.seq_base + log.head_seq:
+        frames = await subscriber.recv()
+        if (seq := int.from_bytes(frames[1], "big")) > snapshot_seq:
+            count(frames[2])
+    assert set(counts.values()) <= {0, 1}
+    assert {key for key, n in counts.items() if n == 1} == cached_pairs(running)
 
 
 async def test_a_replay_longer_than_one_slice_comes_whole(start_kv_server, connect, zctx):

@@ -209,9 +209,10 @@ def describe_memory(
 # -- block bytes -----------------------------------------------------------------------------------
 
 
-def _byte_rows(view: torch.Tensor) -> torch.Tensor:
-    """``view``'s bytes as a 2-D uint8 tensor ``[rows, row_bytes]`` sharing its memory, rows in
-    row-major order (a copy only for layouts whose leading axes cannot be merged)."""
+def _byte_rows(view: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``view``'s bytes as a 2-D uint8 tensor ``[rows, row_bytes]``, rows in row-major order, and
+    whether it shares ``view``'s memory (False only for layouts whose leading axes cannot be
+    merged: then it is a copy, fine for reading)."""
     raw = view.view(torch.uint8) if view.dim() else view.reshape(1).view(torch.uint8)
     shape, strides = raw.shape, raw.stride()
     k = raw.dim()
@@ -221,19 +222,27 @@ def _byte_rows(view: torch.Tensor) -> torch.Tensor:
         k -= 1
     row = math.prod(shape[k:])
     try:
-        return raw.view(-1, row)
+        return raw.view(-1, row), True
     except RuntimeError:
-        return raw.reshape(-1, row)
+        return raw.reshape(-1, row), False
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as int64 when each row is whole 8-byte words (copies of wide elements run at memory
+    speed; byte-wise strided copies do not)."""
+    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 and rows.stride(0) % 8 == 0 else rows
 
 
 class _BlockBytes:
     """The bytes of one block (all views of its group, in order), read or written by byte range."""
 
-    __slots__ = ("views", "rows", "sizes", "total")
+    __slots__ = ("views", "rows", "shares", "sizes", "total")
 
     def __init__(self, views: Sequence[torch.Tensor]) -> None:
         self.views = tuple(views)
-        self.rows = [_byte_rows(v) for v in self.views]
+        rows = [_byte_rows(v) for v in self.views]
+        self.rows = [r for r, _ in rows]
+        self.shares = [shares for _, shares in rows]
         self.sizes = [r.numel() for r in self.rows]
         self.total = sum(self.sizes)
 
@@ -246,22 +255,26 @@ class _BlockBytes:
             if lo < hi:
                 row_bytes = rows.shape[1]
                 r0, r1 = lo // row_bytes, (hi - 1) // row_bytes + 1
-                piece = rows[r0:r1].numpy()
-                parts.append(piece.tobytes()[lo - r0 * row_bytes : hi - r0 * row_bytes])
+                data = rows[r0:r1].numpy().tobytes()
+                trim = lo - r0 * row_bytes, hi - r0 * row_bytes
+                parts.append(data if trim == (0, len(data)) else data[trim[0] : trim[1]])
             base += size
             if base >= end:
                 break
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Overwrite the whole block with ``data`` (``total`` bytes)."""
         assert len(data) == self.total
         base = 0
-        for view, size in zip(self.views, self.sizes):
-            src = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=base) if size else None
-            if src is not None:
-                dst = view.view(torch.uint8) if view.dim() else view.reshape(1).view(torch.uint8)
-                dst.copy_(src.view(dst.shape))
+        for view, rows, shares, size in zip(self.views, self.rows, self.shares, self.sizes):
+            if size:
+                src = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=base).view(rows.shape)
+                if shares:
+                    _wide(rows).copy_(_wide(src))
+                else:
+                    dst = view.view(torch.uint8) if view.dim() else view.reshape(1).view(torch.uint8)
+                    dst.copy_(src.reshape(dst.shape))
             base += size
 
 

@@ -215,7 +215,7 @@ class KVDataWorker:
         return out
 
     def _expected_tensor(self, v64: torch.Tensor, words: list[int]) -> torch.Tensor:
-        word_tensor = torch.tensor(words, dtype=torch.int64)
+        word_tensor = torch.tensor(words, dtype=torch.int64, device=v64.device)
         return word_tensor.view(len(words), *([1] * (v64.dim() - 1))).expand_as(v64) if len(words) > 1 else word_tensor
 
     async def _write_shm(self, writes: list[tuple[str, int, int, bytes]]) -> None:

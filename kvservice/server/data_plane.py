@@ -255,7 +255,8 @@ class _BlockBytes:
             if lo < hi:
                 row_bytes = rows.shape[1]
                 r0, r1 = lo // row_bytes, (hi - 1) // row_bytes + 1
-                data = rows[r0:r1].numpy().tobytes()
+                piece = rows[r0:r1]
+                data = (piece.cpu() if piece.device.type != "cpu" else piece).numpy().tobytes()
                 trim = lo - r0 * row_bytes, hi - r0 * row_bytes
                 parts.append(data if trim == (0, len(data)) else data[trim[0] : trim[1]])
             base += size

@@ -431,6 +431,11 @@ class KVCacheServicer:
             return await call(self.data_plane)
         except DataPlaneError as exc:
             await context.abort(exc.code, str(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # the one table (INTERNAL, logged, for anything unexpected)
+            code, message = status_for(exc)
+            await context.abort(code, message)
 
     async def AttachKVCache(self, request: pb.AttachKVCacheRequest, context: grpc.aio.ServicerContext) -> pb.AttachKVCacheResponse:
         """Describe the KV memory for a same-host worker (shared memory or CUDA IPC)."""

@@ -313,3 +313,59 @@ def test_importing_the_client_does_not_import_torch():
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
+
+
+# -- CUDA IPC ------------------------------------------------------------------------------------
+
+
+def test_cuda_ipc_fields_go_through_the_proto_to_rebuild_cuda_tensor(monkeypatch):
+    """The CUDA code path without a device: torch's reduction output travels through
+    KVCacheStorage into rebuild_cuda_tensor's arguments unchanged."""
+    import torch.multiprocessing.reductions as reductions
+
+    from kvservice.server import data_plane
+    from kvservice_client import torch_view
+
+    args = (torch.Tensor, (1024,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, b"ipc-handle", 1024, 256,
+            False, b"/torch_123_ref", 8, b"event-handle", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda tensor: (reductions.rebuild_cuda_tensor, args))
+    fields = data_plane._cuda_storage_fields(torch.empty(0, dtype=torch.uint8))
+    storage = pb.KVCacheStorage(storage_idx=0, **fields)
+    assert storage == pb.KVCacheStorage(
+        storage_idx=0, size_bytes=1024, cuda_ipc_handle=b"ipc-handle", cuda_device=3, cuda_storage_offset_bytes=256,
+        cuda_ref_counter_handle=b"/torch_123_ref", cuda_ref_counter_offset=8, cuda_event_handle=b"event-handle",
+        cuda_event_sync_required=True,
+    )
+    seen = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: seen.append(a) or torch.zeros(1024, dtype=torch.uint8))
+    torch_view._map_storage(pb.KVCacheStorage.FromString(storage.SerializeToString()), "cuda:3")
+    assert seen == [(torch.Tensor, (1024,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, b"ipc-handle", 1024,
+                     256, False, b"/torch_123_ref", 8, b"event-handle", True)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_second_process_attaches_over_cuda_ipc(start_kv_server, connect):
+    running = await start_kv_server(device="cuda")
+    client = await connect(running)
+    block_id = (await admit(client, "w", PROMPT)).new_block_ids[0].block_ids[0]
+    script = textwrap.dedent(f"""
+        import torch
+        from kvservice_client.client import KVCacheClient
+        from kvservice_client.torch_view import attach
+        with KVCacheClient({running.address!r}, timeout=30.0) as client:
+            view = attach(client)
+            [tensor] = view.block_view(0, {block_id})
+            assert tensor.is_cuda
+            tensor.fill_(5.0)
+            torch.cuda.synchronize()
+            print(view.device)
+    """)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == str(running.tensors.device)
+    expected = torch.full(running.tensors.block_view(0, block_id)[0].shape, 5.0, dtype=torch.bfloat16)
+    [block] = await aread_blocks(client, [block_ref(0, block_id=block_id)])
+    assert block.data == expected.view(torch.uint8).flatten().numpy().tobytes()

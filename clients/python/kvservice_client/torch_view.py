@@ -167,7 +167,9 @@ class KVCacheView:
 
     def block_bytes(self, group_idx: int, block_id: int) -> bytes:
         """A copy of the block's bytes in the wire layout (each view row-major, in order)."""
-        return b"".join(v.contiguous().view(torch.uint8).numpy().tobytes() for v in self.block_view(group_idx, block_id))
+        return b"".join(
+            v.contiguous().view(torch.uint8).cpu().numpy().tobytes() for v in self.block_view(group_idx, block_id)
+        )
 
     def close(self) -> None:
         """Drop the mappings (tensors handed out keep theirs alive until dropped)."""

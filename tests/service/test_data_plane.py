@@ -369,3 +369,15 @@ async def test_a_second_process_attaches_over_cuda_ipc(start_kv_server, connect)
     expected = torch.full(running.tensors.block_view(0, block_id)[0].shape, 5.0, dtype=torch.bfloat16)
     [block] = await aread_blocks(client, [block_ref(0, block_id=block_id)])
     assert block.data == expected.view(torch.uint8).flatten().numpy().tobytes()
+
+
+async def test_reflection_lists_the_data_plane_rpcs(kv_server):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    def methods() -> set[str]:
+        with grpc.insecure_channel(kv_server.address) as channel:
+            pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+            return {m.name for m in pool.FindServiceByName("kvservice.v1.KVCacheService").methods}
+
+    assert {"AttachKVCache", "ReadBlocks", "WriteBlocks"} <= await asyncio.to_thread(methods)

@@ -381,3 +381,46 @@ async def test_reflection_lists_the_data_plane_rpcs(kv_server):
             return {m.name for m in pool.FindServiceByName("kvservice.v1.KVCacheService").methods}
 
     assert {"AttachKVCache", "ReadBlocks", "WriteBlocks"} <= await asyncio.to_thread(methods)
+
+
+def _non_loopback_address() -> str | None:
+    """An IPv4 address of this host that is not loopback, if it has one."""
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((a for a in out.split() if "." in a and not a.startswith("127.")), None)
+
+
+async def test_with_auth_off_attach_from_a_non_loopback_peer_is_refused(start_kv_server):
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    running = await start_kv_server(host="0.0.0.0", allow_insecure_bind=True, **CPU)
+    async with AsyncKVCacheClient(f"{address}:{running.port}", timeout=10.0) as client:
+        code, message = await code_and_message(aattach_kv_cache(client))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert message.startswith(f"AttachKVCache: with auth off only loopback or Unix-socket peers may attach; peer is ipv4:{address}:")
+        await client.get_usage()  # the rest of the service answers as before
+    async with AsyncKVCacheClient(f"127.0.0.1:{running.port}", timeout=10.0) as client:
+        assert (await aattach_kv_cache(client)).epoch == running.event_log.epoch
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"data_chunk_bytes": 4095}, "data_chunk_bytes must be in 4096..max_message_bytes - 65536 (67043328) bytes; got 4095"),
+    ({"data_chunk_bytes": 64 << 20}, "data_chunk_bytes must be in 4096..max_message_bytes - 65536"),
+    ({"uds": " "}, "uds must be a socket path"),
+])
+def test_data_plane_settings_are_checked(settings, message):
+    from kvservice.server.app import ServerConfig
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ServerConfig(**settings)
+
+
+async def test_uds_refuses_to_replace_a_file_that_is_not_a_socket(start_kv_server, tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not a socket"):
+        await start_kv_server(uds=str(path))
+    assert path.read_text() == "keep me"

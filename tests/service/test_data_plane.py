@@ -424,3 +424,28 @@ async def test_uds_refuses_to_replace_a_file_that_is_not_a_socket(start_kv_serve
     with pytest.raises(ValueError, match="exists and is not a socket"):
         await start_kv_server(uds=str(path))
     assert path.read_text() == "keep me"
+
+
+async def test_a_request_freed_while_its_block_streams_in_gets_nothing_written(start_kv_server, connect):
+    """Deterministic: the chunk source frees the request between the block's two chunks; the write
+    permission is checked again before the copy."""
+    from kvservice.server.data_plane import DataPlaneError
+
+    running = await start_kv_server(**CPU, data_chunk_bytes=32768)
+    client = await connect(running)
+    await admit(client, "w", PROMPT)
+    before = running.tensors.block_view(0, 1)[0].clone()
+    first, second = _chunks("w", 1, pattern(1), 32768)
+
+    async def chunks():
+        yield first
+        running.servicer._free(pb.FreeRequest(request_id="w"))
+        yield second
+
+    with pytest.raises(DataPlaneError) as err:
+        await running.servicer.data_plane.write_blocks(chunks())
+    assert (err.value.code, str(err.value)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "block 1 (group 0): request 'w' is not running (unknown, waiting or freed); nothing was written",
+    )
+    assert torch.equal(running.tensors.block_view(0, 1)[0], before)

@@ -1527,11 +1527,13 @@ class KVCacheStorage(_message.Message):
     cuda_storage_offset_bytes: _builtins.int
     """CUDA: byte offset of this storage inside the allocation the IPC handle names."""
     cuda_ref_counter_handle: _builtins.bytes
-    """CUDA: torch's shared reference-counter file handle and offset (rebuild_cuda_tensor arguments)."""
+    """CUDA: torch's shared reference-counter file handle (a rebuild_cuda_tensor argument)."""
     cuda_ref_counter_offset: _builtins.int
+    """CUDA: the offset of this storage's counter in that file."""
     cuda_event_handle: _builtins.bytes
-    """CUDA: the IPC event handle and whether the importer must wait on it."""
+    """CUDA: the IPC event handle the importer waits on before first use (empty: none)."""
     cuda_event_sync_required: _builtins.bool
+    """CUDA: whether the importer must wait on cuda_event_handle."""
     def __init__(
         self,
         *,
@@ -1829,8 +1831,9 @@ class ReadBlocksChunk(_message.Message):
     block_index: _builtins.int
     """Position of the block in ReadBlocksRequest.blocks."""
     group_idx: _builtins.int
-    """The group and the block id read."""
+    """The KV cache group read."""
     block_id: _builtins.int
+    """The block id read (for a read by hash: the block that carried the hash)."""
     offset_bytes: _builtins.int
     """Offset of `data` in the block's bytes."""
     data: _builtins.bytes

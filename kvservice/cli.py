@@ -98,6 +98,9 @@ def _server_options(func: Any) -> Any:
         click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
         # -- consumer parity options --
         click.option("--kv-events-medium", help="The medium every KV event names (vLLM's primary pool says GPU) [GPU]."),
+        # -- data plane options --
+        click.option("--uds", help="Also listen on this Unix-domain socket path (mode 0600, removed at stop) [off]."),
+        click.option("--data-chunk-bytes", help="Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB [1MiB]."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -171,7 +174,9 @@ def watch(
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama-3-8b", show_default=True, help="Embedded server's model KV layout.")
 @click.option("--block-size", type=int, help="Embedded server's block size in tokens [the preset's].")
 @click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
-@click.option("--device", default="meta", show_default=True, help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N].")
+@click.option("--device", help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N] [meta; cpu with --kv-data shm|grpc].")
+@click.option("--kv-data", type=click.Choice(["shm", "grpc", "off"]), help="A worker writes every newly computed block (shm: through the attached memory; grpc: WriteBlocks) and checks every hit's blocks at admission [shm when the device has memory, off on meta].")
+@click.option("--kv-data-sample", type=click.IntRange(min=1), default=1, show_default=True, help="Move and check only blocks whose hash is 0 mod N (the same blocks every time: a hash decides).")
 @click.option("--report-mode", type=click.Choice(["incremental", "full", "both"]), help="kv_cache_report_mode to replay (both: two fresh servers, same trace) [both; full with --instances].")
 @click.option("--watchers", type=click.IntRange(min=1), default=1, show_default=True, help="Watchers per mode (each mirrors and predicts).")
 @click.option("--late-watcher/--no-late-watcher", default=True, show_default=True, help="Add a watcher that joins halfway through from a snapshot.")
@@ -191,6 +196,8 @@ def replay(**options: Any) -> None:
     from pathlib import Path
 
     if options["instances"] >= 2:
+        if options["kv_data"] not in (None, "off"):
+            raise click.UsageError("--kv-data runs with one instance (leave out --instances)")
         _replay_instances(options)
         return
     if options["nats_url"] is not None:
@@ -201,6 +208,13 @@ def replay(**options: Any) -> None:
     from kvservice.replay.scheduler import SchedulerConfig
 
     modes = ("incremental", "full") if options["report_mode"] in (None, "both") else (options["report_mode"],)
+    device, kv_data = options["device"], options["kv_data"]
+    if device is None:
+        device = "cpu" if kv_data in ("shm", "grpc") else "meta"
+    if kv_data is None:
+        kv_data = "off" if device == "meta" else "shm"
+    if kv_data != "off" and device == "meta":
+        raise click.UsageError(f"--kv-data {kv_data} needs memory behind the KV tensors: --device cpu (or cuda)")
     config = ReplayConfig(
         trace=options["trace"],
         trace_format=options["trace_format"],
@@ -209,7 +223,9 @@ def replay(**options: Any) -> None:
         preset=options["preset"],
         block_size=options["block_size"],
         num_blocks=options["num_blocks"],
-        device=options["device"],
+        device=device,
+        kv_data=kv_data,
+        kv_data_sample=options["kv_data_sample"],
         report_modes=modes,
         watchers=options["watchers"],
         late_watcher=options["late_watcher"],
@@ -254,7 +270,7 @@ def _replay_instances(options: dict[str, Any]) -> None:
         config = MultiReplayConfig(
             trace=options["trace"], trace_format=options["trace_format"], limit=options["limit"],
             instances=options["instances"], preset=options["preset"], block_size=options["block_size"],
-            num_blocks=options["num_blocks"], rate_scale=options["rate_scale"], device=options["device"],
+            num_blocks=options["num_blocks"], rate_scale=options["rate_scale"], device=options["device"] or "meta",
             report_mode=options["report_mode"] or "full",
             mirror_capacity=options["mirror_capacity"],
             scheduler=SchedulerConfig(max_num_seqs=options["max_num_seqs"],

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,7 @@ from kvservice.core.kv_cache_spec import (
 )
 
 __all__ = [
+    "Allocator",
     "KVCacheAllocationError",
     "KVCacheTensors",
     "allocate_kv_cache_tensors",
@@ -51,6 +52,11 @@ __all__ = [
     "resolve_device",
     "torch_dtype",
 ]
+
+Allocator = Callable[[int, torch.device], torch.Tensor]
+"""Where raw KV memory comes from: ``(num_bytes, device) -> a flat uint8 tensor of num_bytes bytes``
+on ``device`` (e.g. :class:`kvservice.shm.SharedMemoryAllocator`: POSIX shared memory). Its
+contents need not be zero; :func:`allocate_kv_cache_tensors` zero-fills what it gets."""
 
 _DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, meta"
 _CUDA_INDEX_RE = re.compile(r"cuda:(\d+)")
@@ -510,7 +516,22 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
-def allocate_kv_cache_tensors(config: KVCacheConfig, device: torch.device | str) -> KVCacheTensors:
+def _allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, allocator: Allocator | None) -> torch.Tensor:
+    """A zero-filled tensor of ``shape`` and ``dtype``: ``torch.zeros``, or raw bytes from
+    ``allocator`` viewed as it and zero-filled."""
+    if allocator is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    raw = allocator(num_bytes, device)
+    assert raw.dtype == torch.uint8 and raw.numel() == num_bytes and raw.device == device, (
+        f"the allocator gave {raw.numel()} {raw.dtype} on {raw.device}; asked {num_bytes} uint8 on {device}"
+    )
+    return raw.view(dtype).view(shape).zero_()
+
+
+def allocate_kv_cache_tensors(
+    config: KVCacheConfig, device: torch.device | str, *, allocator: Allocator | None = None
+) -> KVCacheTensors:
     """Allocate the KV cache tensors of ``config`` on ``device``, zero-filled.
 
     The total (``config.num_blocks * bytes per block id``) is checked against the device's free
@@ -527,6 +548,8 @@ def allocate_kv_cache_tensors(config: KVCacheConfig, device: torch.device | str)
         config: the block count and groups to size the tensors from.
         device: a torch device or a :func:`resolve_device` value (``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"cuda:N"``, ``"meta"``).
+        allocator: where the raw bytes of each tensor come from (:data:`Allocator`; None:
+            ``torch.zeros``). Not called on ``meta``.
 
     Returns:
         The tensors, laid out as :class:`KVCacheTensors` documents.
@@ -544,7 +567,10 @@ def allocate_kv_cache_tensors(config: KVCacheConfig, device: torch.device | str)
         raise KVCacheAllocationError(bytes_asked, bytes_available, resolved)
     try:
         group_tensors = [
-            [torch.zeros(layout.shape, dtype=layout.dtype, device=resolved) for layout in group_layouts]
+            [
+                _allocate_zeroed(layout.shape, layout.dtype, resolved, None if resolved.type == "meta" else allocator)
+                for layout in group_layouts
+            ]
             for group_layouts in layouts
         ]
     except Exception as exc:  # torch raises OutOfMemoryError on CUDA, RuntimeError on CPU

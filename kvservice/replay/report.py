@@ -183,6 +183,9 @@ class ModeReport:
         late_watcher: the agreement of a watcher that joined halfway through from a snapshot,
             over the admissions after it joined (None when none ran).
         first_watcher_since_late_join: the first watcher's agreement over those same admissions.
+        kv_data: what the ``--kv-data`` worker moved and checked (``mode``, ``bytes_written``,
+            ``bytes_read``, ``write_gbps``, ``read_gbps``, ``blocks_written``, ``blocks_checked``,
+            ``mismatches``, ``sample``; see ``kvservice.replay.kv_data``), None when off.
     """
 
     mode: str
@@ -202,6 +205,7 @@ class ModeReport:
     series: list[AgreementPoint] = field(default_factory=list)
     late_watcher: AgreementStats | None = None
     first_watcher_since_late_join: AgreementStats | None = None
+    kv_data: dict[str, Any] | None = None
 
     @property
     def hit_rate_tokens_pct(self) -> float | None:
@@ -342,6 +346,7 @@ def _mode_to_dict(m: ModeReport) -> dict[str, Any]:
     d["series"] = [list(p) for p in m.series]
     d["late_watcher"] = _agreement_to_dict(m.late_watcher)
     d["first_watcher_since_late_join"] = _agreement_to_dict(m.first_watcher_since_late_join)
+    d["kv_data"] = dict(m.kv_data) if m.kv_data is not None else None
     return d
 
 
@@ -355,6 +360,7 @@ def _mode_from_dict(d: dict[str, Any]) -> ModeReport:
         first_watcher_since_late_join=(
             _agreement_from_dict(d["first_watcher_since_late_join"]) if d.get("first_watcher_since_late_join") else None
         ),
+        kv_data=dict(d["kv_data"]) if d.get("kv_data") else None,
     )
 
 
@@ -433,7 +439,20 @@ def _fmt_short_agreement(a: AgreementStats | None) -> str:
     return f"{_fmt_pct(a.exact_match_pct)} of {_fmt_int(a.num_compared)}, MAE {_fmt_float(a.mean_abs_error_blocks, 3)}"
 
 
-def _mode_rows(m: ModeReport, *, late: bool) -> list[tuple[str, str]]:
+def _kv_data_rows(kv: dict[str, Any] | None) -> list[tuple[str, str]]:
+    kv = kv or {}
+    sample = f" (1 in {kv['sample']} by hash)" if kv.get("sample", 1) != 1 else ""
+    return [
+        (f"kv data: mode{sample}", str(kv.get("mode", "off"))),
+        ("kv data: written / read (MB)",
+         f"{_fmt_float(kv.get('bytes_written', 0) / 1e6, 1)} / {_fmt_float(kv.get('bytes_read', 0) / 1e6, 1)}"),
+        ("kv data: write / read (GB/s)", f"{_fmt_float(kv.get('write_gbps'), 2)} / {_fmt_float(kv.get('read_gbps'), 2)}"),
+        ("kv data: hit blocks checked / mismatches",
+         f"{_fmt_int(kv.get('blocks_checked', 0))} / {_fmt_int(kv.get('mismatches', 0))}"),
+    ]
+
+
+def _mode_rows(m: ModeReport, *, late: bool, kv_data: bool = False) -> list[tuple[str, str]]:
     lat = m.rpc_latency
     late_rows = [
         ("late watcher since it joined: exact, MAE", _fmt_short_agreement(m.late_watcher)),
@@ -458,6 +477,7 @@ def _mode_rows(m: ModeReport, *, late: bool) -> list[tuple[str, str]]:
             "mirror capacity / pool size (blocks)",
             f"{_fmt_int(m.mirror_capacity_blocks)} / {_fmt_int(m.pool_size_blocks)}",
         ),
+        *(_kv_data_rows(m.kv_data) if kv_data else []),
     ]
 
 
@@ -486,7 +506,8 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
     for m in report.modes:
         table.add_column(m.mode, justify="right")
     late = any(m.late_watcher is not None for m in report.modes)
-    per_mode = [_mode_rows(m, late=late) for m in report.modes]
+    kv_data = any(m.kv_data is not None for m in report.modes)
+    per_mode = [_mode_rows(m, late=late, kv_data=kv_data) for m in report.modes]
     for i, (label, _) in enumerate(per_mode[0]):
         table.add_row(label, *(rows[i][1] for rows in per_mode))
     notes = []

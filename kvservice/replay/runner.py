@@ -63,6 +63,10 @@ class ReplayConfig:
         mirror_capacity: mirror size in blocks; None = half the pool; 0 = unbounded.
         scheduler: scheduler limits.
         show_progress: draw a progress bar.
+        kv_data: "shm" (a worker writes every newly computed block through the attached memory
+            and checks every hit's blocks at admission), "grpc" (the same over WriteBlocks /
+            ReadBlocks) or "off"; see ``kvservice.replay.kv_data``. Needs a device with memory.
+        kv_data_sample: move and check 1 in N blocks (chosen by hash).
     """
 
     trace: str | None = None
@@ -80,8 +84,16 @@ class ReplayConfig:
     mirror_capacity: int | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
     show_progress: bool = True
+    kv_data: str = "off"
+    kv_data_sample: int = 1
 
     def __post_init__(self) -> None:
+        if self.kv_data not in ("shm", "grpc", "off"):
+            raise ValueError(f"kv_data must be 'shm', 'grpc' or 'off'; got {self.kv_data!r}")
+        if self.kv_data != "off" and self.device == "meta" and self.target is None:
+            raise ValueError(f"kv_data {self.kv_data!r} needs memory behind the KV tensors: device 'cpu' (or cuda), not meta")
+        if self.kv_data_sample < 1:
+            raise ValueError(f"kv_data_sample must be >= 1; got {self.kv_data_sample}")
         if self.watchers < 1:
             raise ValueError(f"watchers must be >= 1; got {self.watchers}")
         if not self.report_modes or any(m not in ("incremental", "full") for m in self.report_modes):
@@ -178,6 +190,7 @@ class ModeRun:
     mirror_capacity: int = 0
     max_model_len: int = 0
     preset: str = ""
+    kv_data: dict | None = None
 
 
 async def run_mode(
@@ -227,15 +240,25 @@ async def run_mode(
                 await late.start()
                 late_join_admission = len(stats.admissions)
 
+        kv_worker = None
+        if config.kv_data != "off":
+            from kvservice.replay.kv_data import KVDataWorker
+
+            view = None
+            if config.kv_data == "shm":
+                from kvservice_client.torch_view import aattach
+
+                view = await aattach(client)
+            kv_worker = KVDataWorker(config.kv_data, client, metadata, view=view, sample=config.kv_data_sample)
         scheduler = ReplayScheduler(client, requests, scheduler_config, predictor=predict, on_step=on_step,
-                                    max_model_len=metadata.max_model_len)
+                                    max_model_len=metadata.max_model_len, kv_worker=kv_worker)
         stats = await scheduler.run()
         usage = await client.get_usage()
         for w in watchers + ([late] if late is not None else []):
             await w.wait_applied(scheduler.head_seq)
         run = ModeRun(mode, stats, watchers, late, late_join_admission, pool_blocks, metadata.groups[0].block_size,
                       usage, mirror_capacity=capacity, max_model_len=metadata.max_model_len,
-                      preset=metadata.preset)
+                      preset=metadata.preset, kv_data=kv_worker.stats.to_dict() if kv_worker is not None else None)
         for w in watchers + ([late] if late is not None else []):
             await w.close()
         return run
@@ -264,6 +287,7 @@ def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
         mirror_capacity_blocks=run.mirror_capacity,
         pool_size_blocks=run.pool_blocks,
         series=[(i, p, a) for i, (p, a) in enumerate(zip(predicted, actual))],
+        kv_data=run.kv_data,
     )
 
 
@@ -427,6 +451,7 @@ async def run_replay(config: ReplayConfig, *, runs: list[ModeRun] | None = None,
         "step_ms": config.scheduler.step_ms,
         "watchers": config.watchers,
         "device": config.device,
+        "kv_data": config.kv_data,
     })
     return ReplayReport(
         trace_path=config.trace or str(DEFAULT_TRACE),

@@ -24,6 +24,11 @@ RPCs (one per scheduler step in the common case):
   vLLM stops at the length cap); it is freed at the start of the next step. A trace request whose
   prompt alone is ``max_model_len`` tokens or longer is skipped (a server rejects it) and counted.
 
+An optional *kv worker* (``kvservice.replay.kv_data.KVDataWorker``) is told every allocation,
+admission and free, and flushed after every Step RPC that allocated, before the next one: it writes
+the blocks the allocation computed and checks a new admission's hit blocks, so block contents move
+in the same order the cache changes.
+
 Before each admission an optional *predictor* is asked for the hit it expects (a watcher's mirror);
 it is given ``head_seq``, the newest batch the service published (``StepResponse.head_seq``), and
 waits until its watcher has applied it, so predictions and hits describe the same cache state.
@@ -37,6 +42,7 @@ from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvservice.replay.traces import TraceRequest, output_token_ids
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
@@ -189,6 +195,7 @@ class ReplayScheduler:
         predictor: asked before each admission (see module docstring), optional.
         on_step: called after each step with (stats, head_seq); a progress bar hooks here.
         max_model_len: the server's longest request, in tokens (``GetKVCacheGroupMetadata``).
+        kv_worker: moves and checks block contents (see the module docstring), optional.
     """
 
     def __init__(
@@ -200,7 +207,9 @@ class ReplayScheduler:
         predictor: Predictor | None = None,
         on_step: Callable[[SchedulerStats, int], Awaitable[None] | None] | None = None,
         max_model_len: int | None = None,
+        kv_worker: Any = None,
     ) -> None:
+        self.kv_worker = kv_worker
         self.client = client
         self.config = config
         self.predictor = predictor
@@ -305,7 +314,25 @@ class ReplayScheduler:
         )
         return op, 1
 
-    def _apply_allocation(self, r: ReplayRequest, response: pb.AllocateSlotsResponse) -> None:
+    def _apply_allocation(self, r: ReplayRequest, response: pb.AllocateSlotsResponse, *, admitted: bool = False) -> None:
+        num_computed_before = r.num_computed_tokens
+        self._apply(r, response)
+        if self.kv_worker is not None:
+            if admitted:
+                self.kv_worker.admitted(r.request_id, r.token_ids, response)
+            else:
+                self.kv_worker.allocated(r.request_id, r.token_ids, num_computed_before, response)
+
+    async def _flush_kv(self) -> None:
+        if self.kv_worker is not None:
+            await self.kv_worker.flush()
+
+    def _free_op(self, r: ReplayRequest) -> pb.StepOp:
+        if self.kv_worker is not None:
+            self.kv_worker.forget(r.request_id)
+        return pb.StepOp(free=pb.FreeRequest(request_id=r.request_id))
+
+    def _apply(self, r: ReplayRequest, response: pb.AllocateSlotsResponse) -> None:
         if r.pending_token is not None and response.num_tokens == len(r.token_ids) + 1:
             r.token_ids.append(r.pending_token)
             r.pending_token = None
@@ -322,7 +349,7 @@ class ReplayScheduler:
 
     async def _step(self) -> None:
         cfg = self.config
-        ops: list[pb.StepOp] = [pb.StepOp(free=pb.FreeRequest(request_id=r.request_id)) for r in self.to_free]
+        ops: list[pb.StepOp] = [self._free_op(r) for r in self.to_free]
         num_frees = len(ops)
         self.to_free = []
         budget = cfg.max_num_batched_tokens
@@ -342,6 +369,7 @@ class ReplayScheduler:
                     self._apply_allocation(r, result.allocate_slots)
                 else:
                     failed.append(r)
+            await self._flush_kv()
         num_preemptions = self.stats.num_preemptions
         for r in failed:
             await self._preempt_until_allocated(r)
@@ -377,7 +405,8 @@ class ReplayScheduler:
         )
         self.running.append(r)
         self._last_scheduled = response.num_scheduled_tokens
-        self._apply_allocation(r, response)
+        self._apply_allocation(r, response, admitted=True)
+        await self._flush_kv()
         return True
 
     def _lookup_request(self, r: ReplayRequest) -> pb.GetComputedBlocksRequest:
@@ -394,7 +423,7 @@ class ReplayScheduler:
         while r in self.running:
             victim = self.running[-1]
             self.running.pop()
-            ops = [pb.StepOp(free=pb.FreeRequest(request_id=victim.request_id))]
+            ops = [self._free_op(victim)]
             victim.preempt()
             self.waiting.appendleft(victim)
             self.stats.num_preemptions += 1
@@ -407,4 +436,5 @@ class ReplayScheduler:
             response = results[1].allocate_slots
             if response.allocated:
                 self._apply_allocation(r, response)
+                await self._flush_kv()
                 return

@@ -135,6 +135,12 @@ class ServerConfig:
             whatever the device: consumers such as Dynamo's indexer file other media in their
             host/offload tiers); set "CPU" (or another tier name) for a deployment that wants the
             tier named otherwise. A non-empty string of at most 64 characters.
+        uds: also listen on this Unix-domain socket path (None: off, the default), with the TCP
+            port's credentials; the socket file is made mode 0600 (only this user connects) and
+            removed at stop. With auth off, AttachKVCache is allowed over it or over loopback only.
+        data_chunk_bytes: largest ``data`` of one WriteBlocks / ReadBlocks chunk, in bytes
+            (1 MiB; 4 KiB .. max_message_bytes - 64 KiB). A read or write holds about one chunk
+            (and one block being written) per call in server memory.
     """
 
     host: str = "127.0.0.1"
@@ -192,6 +198,9 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     # -- consumer parity settings (issue 14) --
     kv_events_medium: str = "GPU"
+    # -- data plane settings (issue 13) --
+    uds: str | None = None
+    data_chunk_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # raises naming the known presets
@@ -244,6 +253,14 @@ class ServerConfig:
         # issue 14: the events' medium
         if not isinstance(self.kv_events_medium, str) or not 1 <= len(self.kv_events_medium) <= 64:
             raise ValueError(f"kv_events_medium must be a non-empty string of at most 64 characters; got {self.kv_events_medium!r}")
+        # issue 13: data plane
+        if not 4096 <= self.data_chunk_bytes <= self.max_message_bytes - 65536:
+            raise ValueError(
+                f"data_chunk_bytes must be in 4096..max_message_bytes - 65536 ({self.max_message_bytes - 65536}) "
+                f"bytes; got {self.data_chunk_bytes}"
+            )
+        if self.uds is not None and not self.uds.strip():
+            raise ValueError("uds must be a socket path (or unset: no Unix-domain listener)")
         # issue 7: NATS JetStream sink
         check_nats_settings(self)
         check_auth_settings(  # issue 6: TLS files go together
@@ -280,7 +297,7 @@ def _coerce(name: str, value: Any) -> Any:
         if "None" in target:
             return None
         raise ValueError("must be set")
-    if name in ("kv_cache_memory", "event_max_bytes", "max_message_bytes", "nats_max_bytes"):
+    if name in ("kv_cache_memory", "event_max_bytes", "max_message_bytes", "nats_max_bytes", "data_chunk_bytes"):
         return parse_bytes(value)
     if target == "bool":
         if isinstance(value, bool):
@@ -510,7 +527,19 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
                 "longer prompts are refused"
             )
     config = dataclasses.replace(config, num_blocks=num_blocks, max_model_len=max_model_len)
-    tensors = allocate_kv_cache_tensors(kv_cache_config, device)
+    # -- data plane: CPU memory in POSIX shared memory (a control segment on CUDA too) --
+    shm = None
+    if device.type in ("cpu", "cuda"):
+        from kvservice.shm import SharedMemoryAllocator, remove_stale_segments
+
+        remove_stale_segments()
+        shm = SharedMemoryAllocator()
+    try:
+        tensors = allocate_kv_cache_tensors(kv_cache_config, device, allocator=shm if device.type == "cpu" else None)
+    except BaseException:
+        if shm is not None:
+            shm.close()
+        raise
     medium = config.kv_events_medium
     manager = KVCacheManager(
         kv_cache_config,
@@ -551,6 +580,13 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         check_invariants=config.check_invariants, max_step_tokens=config.max_step_tokens,
     )
     closers: list[Callable[[], Awaitable[None]]] = []
+    if shm is not None:
+        shm.set_epoch(event_log.epoch)
+
+        async def close_shm() -> None:
+            shm.close()
+
+        closers.append(close_shm)
     interceptors: list[grpc.aio.ServerInterceptor] = []
     # -- auth: interceptor and credentials --
     auth = build_auth(
@@ -561,6 +597,15 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     notes.extend(auth.notes)
     if auth.interceptor is not None:
         interceptors.append(auth.interceptor)
+    # -- data plane --
+    from kvservice.server.data_plane import DataPlane
+
+    servicer.data_plane = DataPlane(
+        engine, tensors, epoch=event_log.epoch, shm=shm, chunk_bytes=config.data_chunk_bytes,
+        attach_requires_local=auth.interceptor is None and config.tls_client_ca_file is None,
+    )
+    if device.type != "meta":
+        metadata.max_data_chunk_bytes = config.data_chunk_bytes
     # -- metrics --
     if config.metrics_port is not None:
         from kvservice.server.metrics import ServerMetrics
@@ -597,7 +642,11 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
             port = server.add_secure_port(bind, server_credentials)
         if port == 0:
             raise RuntimeError(f"cannot bind {bind}")
+        if config.uds is not None:
+            _add_uds_port(server, config.uds, server_credentials, closers)
         await server.start()
+        if config.uds is not None:
+            os.chmod(config.uds, 0o600)  # only this user connects (the socket is made by bind)
     except BaseException:
         for close in reversed(closers):  # what started before the bind (the metrics endpoint)
             await close()
@@ -606,6 +655,10 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = bind.rsplit(":", 1)[0] + f":{port}"
     config = dataclasses.replace(config, port=port)
+    if config.uds is not None:
+        notes.append(f"also listening on unix:{config.uds} (mode 0600)")
+    if shm is not None and device.type == "cpu":
+        notes.append(f"KV memory in {len(shm.segments)} POSIX shared-memory segments (mode 0600): workers attach with AttachKVCache")
     running = RunningServer(
         address, port, server, engine, event_log, servicer, tensors, config, health, notes=notes,
         closers=closers,
@@ -643,6 +696,41 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         running.config = config = dataclasses.replace(config, nats_instance=running.nats_sink.config.instance)
         notes.append(running.nats_sink.describe())
     return running
+
+
+def _add_uds_port(
+    server: grpc.aio.Server, path: str, credentials: grpc.ServerCredentials | None,
+    closers: list[Callable[[], Awaitable[None]]],
+) -> None:
+    """Listen on the Unix-domain socket ``path`` too (a stale socket file there is replaced; any
+    other file is refused); the file is removed at stop.
+
+    Raises:
+        ValueError: ``path`` exists and is not a socket.
+        RuntimeError: it cannot be bound.
+    """
+    import stat as stat_module
+
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat_module.S_ISSOCK(st.st_mode):
+            raise ValueError(f"uds {path!r} exists and is not a socket; refusing to replace it")
+        os.unlink(path)
+    target = f"unix:{path}"
+    port = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
+    if port == 0:
+        raise RuntimeError(f"cannot bind {target}")
+
+    async def remove_socket() -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    closers.append(remove_socket)
 
 
 async def run_server(config: ServerConfig, *, ready: Any = None) -> None:

@@ -11,10 +11,13 @@ Two independent layers, both off by default (the server then binds loopback only
   - ``scheduler``: every RPC.
   - ``watcher``: the read-only RPCs (:data:`WATCHER_METHODS`: StreamEvents, TakeEvents,
     GetKVCacheGroupMetadata, GetUsage, Ping) and server reflection.
+  - ``worker``: the data plane and what it needs (:data:`WORKER_METHODS`: AttachKVCache,
+    ReadBlocks, WriteBlocks, GetKVCacheGroupMetadata, GetUsage, Ping) and server reflection; no
+    call that changes the cache or the request table, no events.
 
   ``grpc.health.v1.Health/Check`` and ``/Watch`` need no token (load balancer and orchestrator
-  probes). A call without usable credentials is answered UNAUTHENTICATED; a watcher calling a
-  mutating RPC is answered PERMISSION_DENIED; either way the call never reaches the servicer, so
+  probes). A call without usable credentials is answered UNAUTHENTICATED; a watcher or worker calling
+  an RPC outside its set is answered PERMISSION_DENIED; either way the call never reaches the servicer, so
   it changes nothing.
 
 The token file is TOML; each entry names a client, its role, and either the token itself or its
@@ -70,15 +73,17 @@ __all__ = [
     "TokenEntry",
     "TokenTable",
     "WATCHER_METHODS",
+    "WORKER_METHODS",
     "build_auth",
     "check_auth_settings",
     "is_loopback_host",
     "server_credentials",
 ]
 
-Role = Literal["scheduler", "watcher"]
-ROLES: tuple[Role, ...] = ("scheduler", "watcher")
-"""The roles a token may have: ``scheduler`` calls every RPC, ``watcher`` only the read-only ones."""
+Role = Literal["scheduler", "watcher", "worker"]
+ROLES: tuple[Role, ...] = ("scheduler", "watcher", "worker")
+"""The roles a token may have: ``scheduler`` calls every RPC, ``watcher`` only the read-only ones,
+``worker`` the data plane (block contents) and the read-only metadata calls."""
 
 MIN_TOKEN_CHARS = 16
 """Shortest plain token a token file may hold, in characters (a guessable token is no secret)."""
@@ -94,6 +99,16 @@ WATCHER_METHODS = frozenset(
 )
 """Full method names of the kvservice RPCs a ``watcher`` token may call."""
 
+WORKER_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{name}"
+    for name in ("AttachKVCache", "ReadBlocks", "WriteBlocks", "GetKVCacheGroupMetadata", "GetUsage", "Ping")
+)
+"""Full method names of the kvservice RPCs a ``worker`` token may call (block contents, no cache
+mutation: a write goes only into a block a running request computes, see
+``kvservice.server.data_plane``)."""
+
+_METHODS_BY_ROLE = {"watcher": WATCHER_METHODS, "worker": WORKER_METHODS}
+
 _REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
 PUBLIC_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
@@ -105,8 +120,8 @@ _BEARER = re.compile(r"Bearer +(\S+)", re.IGNORECASE)  # RFC 6750: the scheme is
 _ENTRY_KEYS = frozenset({"name", "role", "token", "token_sha256"})
 
 
-def _watcher_may_call(method: str) -> bool:
-    return method in WATCHER_METHODS or method.startswith(_REFLECTION_PREFIXES)
+def _role_may_call(role: str, method: str) -> bool:
+    return role == "scheduler" or method in _METHODS_BY_ROLE[role] or method.startswith(_REFLECTION_PREFIXES)
 
 
 # -- tokens ------------------------------------------------------------------------------------
@@ -250,8 +265,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     * Health ``Check``/``Watch`` (:data:`PUBLIC_METHODS`) pass without a token.
     * No ``authorization`` metadata, one not of the form ``Bearer <token>``, several of them, or
       a token not in the table: UNAUTHENTICATED (the message says which; never the token).
-    * A ``watcher`` token on a method outside :data:`WATCHER_METHODS` and reflection:
-      PERMISSION_DENIED naming the method, the token's name and its role.
+    * A ``watcher`` token on a method outside :data:`WATCHER_METHODS` and reflection, or a
+      ``worker`` token outside :data:`WORKER_METHODS` and reflection: PERMISSION_DENIED naming the
+      method, the token's name and its role.
 
     A refused call is answered by a handler of the same kind (unary or streaming, either side) that
     aborts without reading the request, so the servicer never runs and nothing changes. An unknown
@@ -289,11 +305,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         entry = self.tokens.authenticate(match.group(1))
         if entry is None:
             return grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token"
-        if entry.role == "scheduler" or _watcher_may_call(method):
+        if _role_may_call(entry.role, method):
             return None
         return grpc.StatusCode.PERMISSION_DENIED, (
             f"{method}: token {entry.name!r} has role {entry.role!r}, which may call only "
-            f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in WATCHER_METHODS))} and reflection"
+            f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in _METHODS_BY_ROLE[entry.role]))} and reflection"
         )
 
     async def intercept_service(

@@ -159,6 +159,9 @@ class KVCacheServicer:
         self.event_log = event_log
         self.metadata = metadata
         self.max_step_ops = max_step_ops
+        self.data_plane: Any = None
+        """The :class:`kvservice.server.data_plane.DataPlane` (set by the app); None: the data-plane
+        RPCs answer FAILED_PRECONDITION."""
         self._ops: dict[str, Callable[[Any], Any]] = {
             "get_computed_blocks": self._get_computed_blocks,
             "allocate_slots": self._allocate_slots,
@@ -194,6 +197,8 @@ class KVCacheServicer:
             num_lookahead_tokens=request.num_lookahead_tokens,
             new_token_ids=request.new_token_ids,
         )
+        if result.allocated and self.data_plane is not None:
+            self.data_plane.note_allocated(request.request_id, result.new_block_ids)  # who may write them
         return _allocate_response(result)
 
     def _free(self, request: pb.FreeRequest) -> pb.FreeResponse:
@@ -418,6 +423,39 @@ class KVCacheServicer:
         """Echo the payload."""
         return pb.PingResponse(payload=request.payload)
 
+    # -- data plane (kvservice.server.data_plane) ---------------------------------------------
+
+    async def _data_plane_call(self, context: grpc.aio.ServicerContext, call: Callable[[Any], Any]) -> Any:
+        from kvservice.server.data_plane import NO_MEMORY, DataPlaneError
+
+        if self.data_plane is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_MEMORY)
+        try:
+            return await call(self.data_plane)
+        except DataPlaneError as exc:
+            await context.abort(exc.code, str(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # the one table (INTERNAL, logged, for anything unexpected)
+            code, message = status_for(exc)
+            await context.abort(code, message)
+
+    async def AttachKVCache(self, request: pb.AttachKVCacheRequest, context: grpc.aio.ServicerContext) -> pb.AttachKVCacheResponse:
+        """Describe the KV memory for a same-host worker (shared memory or CUDA IPC)."""
+
+        async def call(dp: Any) -> pb.AttachKVCacheResponse:
+            return dp.attach(context.peer())
+
+        return await self._data_plane_call(context, call)
+
+    async def WriteBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.WriteBlocksResponse:
+        """Write whole blocks' contents (client streaming)."""
+        return await self._data_plane_call(context, lambda dp: dp.write_blocks(request_iterator))
+
+    async def ReadBlocks(self, request: pb.ReadBlocksRequest, context: grpc.aio.ServicerContext) -> None:
+        """Read blocks' contents (server streaming)."""
+        await self._data_plane_call(context, lambda dp: dp.read_blocks(request, context.write))
+
     # -- registration ---------------------------------------------------------------------
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -432,6 +470,7 @@ class KVCacheServicer:
             "TakeEvents": (pb.TakeEventsRequest, pb.TakeEventsResponse),
             "GetKVCacheGroupMetadata": (pb.GetKVCacheGroupMetadataRequest, pb.GetKVCacheGroupMetadataResponse),
             "Ping": (pb.PingRequest, pb.PingResponse),
+            "AttachKVCache": (pb.AttachKVCacheRequest, pb.AttachKVCacheResponse),
         }
         handlers = {  # type: ignore[var-annotated]  # grpc's handler type is generic in each RPC's messages
             name: grpc.unary_unary_rpc_method_handler(
@@ -441,6 +480,14 @@ class KVCacheServicer:
         }
         handlers["StreamEvents"] = grpc.unary_stream_rpc_method_handler(
             _parsed(self.StreamEvents, pb.StreamEventsRequest), request_deserializer=None, response_serializer=None
+        )
+        handlers["ReadBlocks"] = grpc.unary_stream_rpc_method_handler(
+            _parsed(self.ReadBlocks, pb.ReadBlocksRequest), request_deserializer=None,
+            response_serializer=pb.ReadBlocksChunk.SerializeToString,
+        )
+        handlers["WriteBlocks"] = grpc.stream_unary_rpc_method_handler(
+            self.WriteBlocks, request_deserializer=pb.WriteBlocksChunk.FromString,
+            response_serializer=pb.WriteBlocksResponse.SerializeToString,
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 

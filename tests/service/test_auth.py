@@ -33,6 +33,7 @@ from kvservice.server.servicer import SERVICE_NAME
 from kvservice.watch import watch_events
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVCacheClient, KVServiceError, StepBuilder
+from kvservice_client.data import aattach_kv_cache, aread_blocks, awrite_blocks, block_ref
 from kvservice_client.watcher import EventWatcher
 from kvservice_client.tls import TLSConfig
 from tests.service.helpers import READ_TIMEOUT_S, events_of, hashes, next_batch, observed_state, stored
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.timeout(60)
 SCHEDULER_TOKEN = "sched-token-0123456789abcdef"
 WATCHER_TOKEN = "watch-token-0123456789abcdef"
 HASHED_TOKEN = "hashed-token-0123456789abcdef"
+WORKER_TOKEN = "worker-token-0123456789abcdef"
 WRONG_TOKEN = "wrong-token-0123456789abcdef"
 
 PROMPT = list(range(1, 9))
@@ -174,8 +176,13 @@ def write_tokens(path: Path, text: str | None = None) -> str:
 
 @pytest.fixture
 async def token_server(start_kv_server, tmp_path):
-    """A server asking for tokens (plain text, loopback)."""
-    return await start_kv_server(auth_tokens_file=write_tokens(tmp_path / "tokens.toml"))
+    """A server asking for tokens (plain text, loopback), the default three plus a worker token,
+    with its KV memory on the CPU (in shared memory) so the data-plane RPCs have memory to reach."""
+    path = tmp_path / "tokens.toml"
+    write_tokens(path)
+    with path.open("a") as f:
+        f.write(f'\n[[tokens]]\nname = "gpu-worker"\nrole = "worker"\ntoken = "{WORKER_TOKEN}"\n')
+    return await start_kv_server(auth_tokens_file=str(path), device="cpu")
 
 
 async def code_of(call: Awaitable[Any]) -> grpc.StatusCode:
@@ -323,6 +330,11 @@ def _reflection_call(client: AsyncKVCacheClient) -> Awaitable[None]:
 
 
 RPCS: dict[str, Callable[[AsyncKVCacheClient], Awaitable[Any]]] = {
+    # First, while "held" still runs (Free and Step free it). Block 1 is the first block "held" was
+    # allocated (a fresh pool hands out ids from 1).
+    "AttachKVCache": lambda c: aattach_kv_cache(c),
+    "WriteBlocks": lambda c: awrite_blocks(c, "held", [(0, 1, bytes(BLOCK_BYTES))]),
+    "ReadBlocks": lambda c: aread_blocks(c, [block_ref(0, block_id=1)]),
     "GetComputedBlocks": lambda c: c.get_computed_blocks("probe", range(40, 48)),
     "AllocateSlots": lambda c: c.allocate_slots("pending", len(PROMPT)),
     "Free": lambda c: c.free("held"),
@@ -336,9 +348,14 @@ RPCS: dict[str, Callable[[AsyncKVCacheClient], Awaitable[Any]]] = {
 }
 """One call per RPC of the service; each succeeds on a server prepared by :func:`prepare`."""
 
+BLOCK_BYTES = 24 * 2 * 4 * 2 * 64 * 2
+"""Bytes of one block of the test server (qwen-2.5-0.5b at block size 4: 24 layers, K and V, 4 tokens,
+2 KV heads, head size 64, bfloat16)."""
+
 ALLOWED = {
     "scheduler": set(RPCS),
     "watcher": {"StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping"},
+    "worker": {"AttachKVCache", "WriteBlocks", "ReadBlocks", "GetKVCacheGroupMetadata", "GetUsage", "Ping"},
 }
 
 
@@ -358,7 +375,8 @@ async def prepare(running, connect) -> AsyncKVCacheClient:
 
 
 @pytest.mark.parametrize("role, token", [("scheduler", SCHEDULER_TOKEN), ("watcher", WATCHER_TOKEN),
-                                         ("scheduler", HASHED_TOKEN)], ids=["scheduler", "watcher", "token_sha256"])
+                                         ("worker", WORKER_TOKEN), ("scheduler", HASHED_TOKEN)],
+                         ids=["scheduler", "watcher", "worker", "token_sha256"])
 async def test_each_role_calls_exactly_its_rpcs(token_server, connect, role, token):
     admin = await prepare(token_server, connect)
     client = await connect(token_server, token=token)
@@ -489,7 +507,7 @@ async def test_non_loopback_bind_notes(start_kv_server, tmp_path):
         ('tokens = "x"\n', r"no \[\[tokens\]\] entries"),
         ('colour = 1\n[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n', "unknown key 'colour'"),
         ('[[tokens]]\nname = "a"\nrole = "admin"\ntoken = "SECRET-0123456789abc"\n',
-         r"tokens\[0\] \('a'\): role must be one of scheduler, watcher; got 'admin'"),
+         r"tokens\[0\] \('a'\): role must be one of scheduler, watcher, worker; got 'admin'"),
         ('[[tokens]]\nname = "a"\nrole = "watcher"\n', r"tokens\[0\] \('a'\): give exactly one of token or token_sha256"),
         (f'[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\ntoken_sha256 = "{"0" * 64}"\n',
          "give exactly one of token or token_sha256"),

@@ -354,6 +354,15 @@ CASES = [
          lambda c: Raw("Step", pb.StepRequest(ops=[pb.StepOp(get_usage=pb.GetUsageRequest())]).SerializeToString()
                        + b"\x0a\x06\x1a\x04\x0a\x02" + BAD_UTF8), IA,
          ("ops[1].free.request_id: not valid UTF-8 (a string of kvservice.v1.StepRequest)",)),
+    # Data plane (the rules with memory behind the tensors: tests/service/test_data_plane.py)
+    Case("attach on a meta device", "device", "meta (the test server's)", lambda c: Raw("AttachKVCache", b""),
+         grpc.StatusCode.FAILED_PRECONDITION, ("no memory behind a meta device",)),
+    Case("write blocks on a meta device", "device", "meta (the test server's)",
+         lambda c: Raw("WriteBlocks", pb.WriteBlocksChunk(request_id="run", block_id=1, data=b"x").SerializeToString()),
+         grpc.StatusCode.FAILED_PRECONDITION, ("no memory behind a meta device",)),
+    Case("read blocks request truncated", "request", "a block ref cut inside it",
+         lambda c: Raw("ReadBlocks", pb.ReadBlocksRequest(blocks=[pb.BlockRef(block_id=1)]).SerializeToString()[:-1]),
+         IA, ("request: not a valid kvservice.v1.ReadBlocksRequest",)),
 ]
 
 
@@ -373,7 +382,9 @@ def rpc_of(request: Any) -> str:
 async def _raw_call(client, raw: Raw) -> None:
     path = f"/{SERVICE}/{raw.method}"
     try:
-        if raw.method == "StreamEvents":
+        if raw.method == "WriteBlocks":
+            await client.channel.stream_unary(path)(iter([raw.data]), timeout=10.0)
+        elif raw.method in ("StreamEvents", "ReadBlocks"):
             call = client.channel.unary_stream(path)(raw.data, timeout=10.0)
             try:
                 message = await call.read()

@@ -82,7 +82,7 @@ async def test_reflection_lists_the_service_and_serves_its_descriptor(kv_server,
     [service] = descriptor.service
     assert (service.name, [m.name for m in service.method]) == ("KVCacheService", [
         "GetComputedBlocks", "AllocateSlots", "Free", "ResetPrefixCache", "GetUsage", "Step", "StreamEvents",
-        "TakeEvents", "GetKVCacheGroupMetadata", "Ping"])
+        "TakeEvents", "GetKVCacheGroupMetadata", "Ping", "AttachKVCache", "WriteBlocks", "ReadBlocks"])
 
 
 async def test_ping_echoes_and_a_deadline_ends_an_idle_stream(kv_server, client):

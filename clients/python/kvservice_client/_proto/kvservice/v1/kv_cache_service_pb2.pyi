@@ -1370,6 +1370,7 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     PRESET_FIELD_NUMBER: _builtins.int
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
     ZMQ_SEQ_BASE_FIELD_NUMBER: _builtins.int
+    MAX_DATA_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     hash_algorithm: _builtins.str
     """"sha256_cbor", "sha256", "xxhash" or "xxhash_cbor" (vLLM's --prefix-caching-hash-algo names)."""
     hash_seed: _builtins.str
@@ -1395,6 +1396,10 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     goes out on ZMQ as zmq_seq_base + s, so ZMQ seqs never rewind across restarts (the start time
     in microseconds since the Unix epoch).
     """
+    max_data_chunk_bytes: _builtins.int
+    """Largest `data` a WriteBlocks / ReadBlocks chunk carries, in bytes (the server's
+    data_chunk_bytes); 0 when the device has no memory (meta).
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroupMetadata]:
         """Every group, in group_idx order."""
@@ -1414,10 +1419,11 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
         preset: _builtins.str = ...,
         head_seq: _builtins.int = ...,
         zmq_seq_base: _builtins.int = ...,
+        max_data_chunk_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "data_parallel_rank", b"data_parallel_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "max_model_len", b"max_model_len", "medium", b"medium", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "max_data_chunk_bytes", b"max_data_chunk_bytes", "max_model_len", b"max_model_len", "medium", b"medium", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__data_parallel_rank: _TypeAlias = _typing.Literal["data_parallel_rank"]  # noqa: Y015
     _WhichOneofArgType__data_parallel_rank: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank"]  # noqa: Y015
@@ -1468,3 +1474,403 @@ class PingResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PingResponse: _TypeAlias = PingResponse  # noqa: Y015
+
+@_typing.final
+class AttachKVCacheRequest(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Data plane: the KV cache memory and block contents.
+
+    The bytes of a block. For group g and block id b, the server's `block_view(g, b)` is a tuple of
+    tensors (one per KV cache tensor view of the group: today one per group tensor, [L, 2, B, H, D]
+    for attention; one per layer once groups view one shared pool). A block's bytes are, for each
+    view in order, its elements in row-major (C) order of the view's shape, each in the view's dtype,
+    little-endian, with no padding: `b"".join(v.contiguous().view(torch.uint8).flatten() for v in
+    block_view(g, b))`. Their length is `bytes_per_block[g]` (GetKVCacheGroupMetadata's
+    `bytes_per_block`). The checksum of a block is xxh3_64 (seed 0) of those bytes, as an unsigned
+    64-bit int.
+    ---------------------------------------------------------------------------------------------
+
+    Attach query (no fields).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachKVCacheRequest: _TypeAlias = AttachKVCacheRequest  # noqa: Y015
+
+@_typing.final
+class KVCacheStorage(_message.Message):
+    """One piece of memory that KV cache tensor views live in."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORAGE_IDX_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHM_NAME_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _builtins.int
+    CUDA_DEVICE_FIELD_NUMBER: _builtins.int
+    CUDA_STORAGE_OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    CUDA_REF_COUNTER_HANDLE_FIELD_NUMBER: _builtins.int
+    CUDA_REF_COUNTER_OFFSET_FIELD_NUMBER: _builtins.int
+    CUDA_EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    CUDA_EVENT_SYNC_REQUIRED_FIELD_NUMBER: _builtins.int
+    storage_idx: _builtins.int
+    """Index of this storage (its position in AttachKVCacheResponse.storages)."""
+    size_bytes: _builtins.int
+    """Size of the storage, in bytes."""
+    shm_name: _builtins.str
+    """CPU: the POSIX shared-memory segment's name (open /dev/shm/<name>; mode 0600, so only the
+    server's user can map it). Empty on CUDA.
+    """
+    cuda_ipc_handle: _builtins.bytes
+    """CUDA: the storage's IPC handle, as torch.multiprocessing's reductions make it
+    (cudaIpcMemHandle bytes). Empty on CPU.
+    """
+    cuda_device: _builtins.int
+    """CUDA: the device index the storage lives on."""
+    cuda_storage_offset_bytes: _builtins.int
+    """CUDA: byte offset of this storage inside the allocation the IPC handle names."""
+    cuda_ref_counter_handle: _builtins.bytes
+    """CUDA: torch's shared reference-counter file handle (a rebuild_cuda_tensor argument)."""
+    cuda_ref_counter_offset: _builtins.int
+    """CUDA: the offset of this storage's counter in that file."""
+    cuda_event_handle: _builtins.bytes
+    """CUDA: the IPC event handle the importer waits on before first use (empty: none)."""
+    cuda_event_sync_required: _builtins.bool
+    """CUDA: whether the importer must wait on cuda_event_handle."""
+    def __init__(
+        self,
+        *,
+        storage_idx: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        shm_name: _builtins.str = ...,
+        cuda_ipc_handle: _builtins.bytes = ...,
+        cuda_device: _builtins.int = ...,
+        cuda_storage_offset_bytes: _builtins.int = ...,
+        cuda_ref_counter_handle: _builtins.bytes = ...,
+        cuda_ref_counter_offset: _builtins.int = ...,
+        cuda_event_handle: _builtins.bytes = ...,
+        cuda_event_sync_required: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_device", b"cuda_device", "cuda_event_handle", b"cuda_event_handle", "cuda_event_sync_required", b"cuda_event_sync_required", "cuda_ipc_handle", b"cuda_ipc_handle", "cuda_ref_counter_handle", b"cuda_ref_counter_handle", "cuda_ref_counter_offset", b"cuda_ref_counter_offset", "cuda_storage_offset_bytes", b"cuda_storage_offset_bytes", "shm_name", b"shm_name", "size_bytes", b"size_bytes", "storage_idx", b"storage_idx"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVCacheStorage: _TypeAlias = KVCacheStorage  # noqa: Y015
+
+@_typing.final
+class KVCacheTensorView(_message.Message):
+    """One KV cache tensor as a strided view of a storage: indexing `block_axis` with a block id gives
+    that block's memory in this view.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    VIEW_IDX_FIELD_NUMBER: _builtins.int
+    STORAGE_IDX_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    STRIDES_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    BLOCK_AXIS_FIELD_NUMBER: _builtins.int
+    group_idx: _builtins.int
+    """The KV cache group."""
+    view_idx: _builtins.int
+    """Position of this view in the group's block_view tuple."""
+    storage_idx: _builtins.int
+    """The storage (AttachKVCacheResponse.storages index) the view lives in."""
+    offset_bytes: _builtins.int
+    """Byte offset of element 0 of the view inside its storage."""
+    dtype: _builtins.str
+    """Element dtype (torch name, e.g. "bfloat16")."""
+    block_axis: _builtins.int
+    """The axis a block id indexes."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Shape of the whole tensor, block axis included (num_blocks there), in elements."""
+
+    @_builtins.property
+    def strides(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Strides of the whole tensor, in elements."""
+
+    def __init__(
+        self,
+        *,
+        group_idx: _builtins.int = ...,
+        view_idx: _builtins.int = ...,
+        storage_idx: _builtins.int = ...,
+        offset_bytes: _builtins.int = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        strides: _abc.Iterable[_builtins.int] | None = ...,
+        dtype: _builtins.str = ...,
+        block_axis: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_axis", b"block_axis", "dtype", b"dtype", "group_idx", b"group_idx", "offset_bytes", b"offset_bytes", "shape", b"shape", "storage_idx", b"storage_idx", "strides", b"strides", "view_idx", b"view_idx"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVCacheTensorView: _TypeAlias = KVCacheTensorView  # noqa: Y015
+
+@_typing.final
+class AttachKVCacheResponse(_message.Message):
+    """How to map the server's KV cache memory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    STORAGES_FIELD_NUMBER: _builtins.int
+    VIEWS_FIELD_NUMBER: _builtins.int
+    BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    CONTROL_SHM_NAME_FIELD_NUMBER: _builtins.int
+    MAX_DATA_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.str
+    """The server epoch the memory belongs to; after a restart it is gone (a view refuses use)."""
+    device: _builtins.str
+    """Device of the memory ("cpu", "cuda:0")."""
+    num_blocks: _builtins.int
+    """Blocks in the pool (block ids 0..num_blocks-1; 0 is the null block)."""
+    control_shm_name: _builtins.str
+    """A small shared-memory segment the server marks closed when it stops (and a restarting server
+    marks for a crashed one): a view checks it before every use.
+    """
+    max_data_chunk_bytes: _builtins.int
+    """Largest data chunk of WriteBlocks / ReadBlocks, in bytes."""
+    @_builtins.property
+    def storages(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheStorage]:
+        """Every storage the views live in."""
+
+    @_builtins.property
+    def views(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheTensorView]:
+        """Every view, by (group_idx, view_idx)."""
+
+    @_builtins.property
+    def bytes_per_block(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group (index = group_idx), bytes one block occupies in that group (all its views)."""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.str = ...,
+        device: _builtins.str = ...,
+        storages: _abc.Iterable[Global___KVCacheStorage] | None = ...,
+        views: _abc.Iterable[Global___KVCacheTensorView] | None = ...,
+        bytes_per_block: _abc.Iterable[_builtins.int] | None = ...,
+        num_blocks: _builtins.int = ...,
+        control_shm_name: _builtins.str = ...,
+        max_data_chunk_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_block", b"bytes_per_block", "control_shm_name", b"control_shm_name", "device", b"device", "epoch", b"epoch", "max_data_chunk_bytes", b"max_data_chunk_bytes", "num_blocks", b"num_blocks", "storages", b"storages", "views", b"views"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachKVCacheResponse: _TypeAlias = AttachKVCacheResponse  # noqa: Y015
+
+@_typing.final
+class WriteBlocksChunk(_message.Message):
+    """One chunk of WriteBlocks. A block's bytes go as consecutive chunks of that block (offset_bytes
+    = the bytes of the block sent before; data at most max_data_chunk_bytes and not past the block's
+    end); the chunk that completes the block carries its checksum. Chunks of different blocks do not
+    interleave. Nothing of a block is written until it is complete and its checksum matches.
+
+    Rules: the block must be held by `request_id`, a running request, at a position it computes
+    itself (allocated to it by AllocateSlots, not part of its prefix-cache hit), and by no other
+    request; else FAILED_PRECONDITION naming the block (a block another request reads from the
+    prefix cache, or one that was freed, is named by its hash and never changes). A bad chunk
+    (group_idx out of range, block_id out of range or 0, an offset or size that does not fit the
+    block, a wrong checksum, a missing request_id) is INVALID_ARGUMENT naming the field; blocks
+    completed before it stay written, nothing of the bad block is.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    BLOCK_ID_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The running request the block belongs to (on every chunk)."""
+    group_idx: _builtins.int
+    """The KV cache group."""
+    block_id: _builtins.int
+    """The block id (1..num_blocks-1)."""
+    offset_bytes: _builtins.int
+    """Offset of `data` in the block's bytes."""
+    data: _builtins.bytes
+    """Up to max_data_chunk_bytes of the block's bytes."""
+    checksum: _builtins.int
+    """xxh3_64 of the whole block's bytes: required on the chunk that completes the block."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        group_idx: _builtins.int = ...,
+        block_id: _builtins.int = ...,
+        offset_bytes: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        checksum: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "checksum", b"checksum"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "block_id", b"block_id", "checksum", b"checksum", "data", b"data", "group_idx", b"group_idx", "offset_bytes", b"offset_bytes", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__checksum: _TypeAlias = _typing.Literal["checksum"]  # noqa: Y015
+    _WhichOneofArgType__checksum: _TypeAlias = _typing.Literal["_checksum", b"_checksum"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__checksum) -> _WhichOneofReturnType__checksum | None: ...
+
+Global___WriteBlocksChunk: _TypeAlias = WriteBlocksChunk  # noqa: Y015
+
+@_typing.final
+class WriteBlocksResponse(_message.Message):
+    """What WriteBlocks wrote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_WRITTEN_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
+    num_blocks_written: _builtins.int
+    """Blocks written (each complete, checksum matched)."""
+    num_bytes_written: _builtins.int
+    """Bytes written."""
+    def __init__(
+        self,
+        *,
+        num_blocks_written: _builtins.int = ...,
+        num_bytes_written: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks_written", b"num_blocks_written", "num_bytes_written", b"num_bytes_written"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteBlocksResponse: _TypeAlias = WriteBlocksResponse  # noqa: Y015
+
+@_typing.final
+class BlockRef(_message.Message):
+    """One block to read."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    BLOCK_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    group_idx: _builtins.int
+    """The KV cache group."""
+    block_id: _builtins.int
+    """By block id (0..num_blocks-1): whatever the block holds now."""
+    block_hash: _builtins.bytes
+    """By block hash (the full digest, as kvservice_client.hashing computes it): the cached block
+    carrying it in this group; NOT_FOUND naming the hash when none does.
+    """
+    def __init__(
+        self,
+        *,
+        group_idx: _builtins.int = ...,
+        block_id: _builtins.int = ...,
+        block_hash: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "block_hash", b"block_hash", "block_id", b"block_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "block_hash", b"block_hash", "block_id", b"block_id", "group_idx", b"group_idx"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_block: _TypeAlias = _typing.Literal["block_id", "block_hash"]  # noqa: Y015
+    _WhichOneofArgType_block: _TypeAlias = _typing.Literal["block", b"block"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_block) -> _WhichOneofReturnType_block | None: ...
+
+Global___BlockRef: _TypeAlias = BlockRef  # noqa: Y015
+
+@_typing.final
+class ReadBlocksRequest(_message.Message):
+    """Blocks to read, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockRef]:
+        """The blocks (at most 65536)."""
+
+    def __init__(
+        self,
+        *,
+        blocks: _abc.Iterable[Global___BlockRef] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadBlocksRequest: _TypeAlias = ReadBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ReadBlocksChunk(_message.Message):
+    """One chunk of ReadBlocks. Each block's bytes arrive as consecutive chunks (offset_bytes rising);
+    the last one carries the checksum. A block read by hash that is evicted (and maybe reused) while
+    its chunks stream ends with a chunk `evicted = true` and no data: discard what came of it; its
+    bytes are never sent under the old hash after it left. A block read by hash that its computing
+    request may still write is FAILED_PRECONDITION naming the block, before anything is sent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_INDEX_FIELD_NUMBER: _builtins.int
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    BLOCK_ID_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    EVICTED_FIELD_NUMBER: _builtins.int
+    block_index: _builtins.int
+    """Position of the block in ReadBlocksRequest.blocks."""
+    group_idx: _builtins.int
+    """The KV cache group read."""
+    block_id: _builtins.int
+    """The block id read (for a read by hash: the block that carried the hash)."""
+    offset_bytes: _builtins.int
+    """Offset of `data` in the block's bytes."""
+    data: _builtins.bytes
+    """Up to max_data_chunk_bytes of the block's bytes."""
+    checksum: _builtins.int
+    """On the block's last chunk: xxh3_64 of the block's bytes."""
+    evicted: _builtins.bool
+    """The block (read by hash) left the cache while it streamed; no data follows for it."""
+    def __init__(
+        self,
+        *,
+        block_index: _builtins.int = ...,
+        group_idx: _builtins.int = ...,
+        block_id: _builtins.int = ...,
+        offset_bytes: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        checksum: _builtins.int | None = ...,
+        evicted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "checksum", b"checksum"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "block_id", b"block_id", "block_index", b"block_index", "checksum", b"checksum", "data", b"data", "evicted", b"evicted", "group_idx", b"group_idx", "offset_bytes", b"offset_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__checksum: _TypeAlias = _typing.Literal["checksum"]  # noqa: Y015
+    _WhichOneofArgType__checksum: _TypeAlias = _typing.Literal["_checksum", b"_checksum"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__checksum) -> _WhichOneofReturnType__checksum | None: ...
+
+Global___ReadBlocksChunk: _TypeAlias = ReadBlocksChunk  # noqa: Y015

@@ -87,6 +87,21 @@ class KVCacheServiceStub:
                 request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PingRequest.SerializeToString,
                 response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.AttachKVCache = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/AttachKVCache',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.AttachKVCacheRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.AttachKVCacheResponse.FromString,
+                _registered_method=True)
+        self.WriteBlocks = channel.stream_unary(
+                '/kvservice.v1.KVCacheService/WriteBlocks',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.WriteBlocksChunk.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.WriteBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/kvservice.v1.KVCacheService/ReadBlocks',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksChunk.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -166,6 +181,32 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachKVCache(self, request, context):
+        """Data plane (role `worker` or `scheduler`): describe the KV cache memory so a process on the
+        same host maps it without copying (POSIX shared memory on CPU, CUDA IPC on CUDA). With auth
+        off, only callers over loopback or the Unix socket may attach (else PERMISSION_DENIED); on a
+        `meta` device: FAILED_PRECONDITION "no memory behind a meta device".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteBlocks(self, request_iterator, context):
+        """Data plane: write whole blocks' contents (client streaming, chunks of at most
+        max_data_chunk_bytes, a checksum per block). See WriteBlocksChunk for the rules.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBlocks(self, request, context):
+        """Data plane: read blocks' contents by (group, block id) or (group, block hash) (server
+        streaming, chunks of at most max_data_chunk_bytes, a checksum per block). See ReadBlocksChunk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +259,21 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PingRequest.FromString,
                     response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PingResponse.SerializeToString,
+            ),
+            'AttachKVCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachKVCache,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.AttachKVCacheRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.AttachKVCacheResponse.SerializeToString,
+            ),
+            'WriteBlocks': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteBlocks,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.WriteBlocksChunk.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.WriteBlocksResponse.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -491,6 +547,87 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/Ping',
             kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PingRequest.SerializeToString,
             kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachKVCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/AttachKVCache',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.AttachKVCacheRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.AttachKVCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvservice.v1.KVCacheService/WriteBlocks',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.WriteBlocksChunk.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.WriteBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/ReadBlocks',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksChunk.FromString,
             options,
             channel_credentials,
             insecure,

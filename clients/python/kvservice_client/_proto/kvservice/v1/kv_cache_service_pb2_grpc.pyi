@@ -75,6 +75,20 @@ class KVCacheServiceStub:
     """Per-group layout, the hash rule, the server epoch."""
     Ping: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.PingRequest, _kv_cache_service_pb2.PingResponse]
     """Does nothing; echoes the payload (latency baseline and liveness probe)."""
+    AttachKVCache: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.AttachKVCacheRequest, _kv_cache_service_pb2.AttachKVCacheResponse]
+    """Data plane (role `worker` or `scheduler`): describe the KV cache memory so a process on the
+    same host maps it without copying (POSIX shared memory on CPU, CUDA IPC on CUDA). With auth
+    off, only callers over loopback or the Unix socket may attach (else PERMISSION_DENIED); on a
+    `meta` device: FAILED_PRECONDITION "no memory behind a meta device".
+    """
+    WriteBlocks: _grpc.StreamUnaryMultiCallable[_kv_cache_service_pb2.WriteBlocksChunk, _kv_cache_service_pb2.WriteBlocksResponse]
+    """Data plane: write whole blocks' contents (client streaming, chunks of at most
+    max_data_chunk_bytes, a checksum per block). See WriteBlocksChunk for the rules.
+    """
+    ReadBlocks: _grpc.UnaryStreamMultiCallable[_kv_cache_service_pb2.ReadBlocksRequest, _kv_cache_service_pb2.ReadBlocksChunk]
+    """Data plane: read blocks' contents by (group, block id) or (group, block hash) (server
+    streaming, chunks of at most max_data_chunk_bytes, a checksum per block). See ReadBlocksChunk.
+    """
 
 @_typing.type_check_only
 class KVCacheServiceAsyncStub(KVCacheServiceStub):
@@ -107,6 +121,20 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     """Per-group layout, the hash rule, the server epoch."""
     Ping: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.PingRequest, _kv_cache_service_pb2.PingResponse]  # type: ignore[assignment]
     """Does nothing; echoes the payload (latency baseline and liveness probe)."""
+    AttachKVCache: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.AttachKVCacheRequest, _kv_cache_service_pb2.AttachKVCacheResponse]  # type: ignore[assignment]
+    """Data plane (role `worker` or `scheduler`): describe the KV cache memory so a process on the
+    same host maps it without copying (POSIX shared memory on CPU, CUDA IPC on CUDA). With auth
+    off, only callers over loopback or the Unix socket may attach (else PERMISSION_DENIED); on a
+    `meta` device: FAILED_PRECONDITION "no memory behind a meta device".
+    """
+    WriteBlocks: _aio.StreamUnaryMultiCallable[_kv_cache_service_pb2.WriteBlocksChunk, _kv_cache_service_pb2.WriteBlocksResponse]  # type: ignore[assignment]
+    """Data plane: write whole blocks' contents (client streaming, chunks of at most
+    max_data_chunk_bytes, a checksum per block). See WriteBlocksChunk for the rules.
+    """
+    ReadBlocks: _aio.UnaryStreamMultiCallable[_kv_cache_service_pb2.ReadBlocksRequest, _kv_cache_service_pb2.ReadBlocksChunk]  # type: ignore[assignment]
+    """Data plane: read blocks' contents by (group, block id) or (group, block hash) (server
+    streaming, chunks of at most max_data_chunk_bytes, a checksum per block). See ReadBlocksChunk.
+    """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
     """The KV cache manager as a service: scheduler calls, the KV event stream and group metadata."""
@@ -196,5 +224,37 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kv_cache_service_pb2.PingResponse, _abc.Awaitable[_kv_cache_service_pb2.PingResponse]]:
         """Does nothing; echoes the payload (latency baseline and liveness probe)."""
+
+    @_abc_1.abstractmethod
+    def AttachKVCache(
+        self,
+        request: _kv_cache_service_pb2.AttachKVCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.AttachKVCacheResponse, _abc.Awaitable[_kv_cache_service_pb2.AttachKVCacheResponse]]:
+        """Data plane (role `worker` or `scheduler`): describe the KV cache memory so a process on the
+        same host maps it without copying (POSIX shared memory on CPU, CUDA IPC on CUDA). With auth
+        off, only callers over loopback or the Unix socket may attach (else PERMISSION_DENIED); on a
+        `meta` device: FAILED_PRECONDITION "no memory behind a meta device".
+        """
+
+    @_abc_1.abstractmethod
+    def WriteBlocks(
+        self,
+        request_iterator: _MaybeAsyncIterator[_kv_cache_service_pb2.WriteBlocksChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.WriteBlocksResponse, _abc.Awaitable[_kv_cache_service_pb2.WriteBlocksResponse]]:
+        """Data plane: write whole blocks' contents (client streaming, chunks of at most
+        max_data_chunk_bytes, a checksum per block). See WriteBlocksChunk for the rules.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadBlocks(
+        self,
+        request: _kv_cache_service_pb2.ReadBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kv_cache_service_pb2.ReadBlocksChunk], _abc.AsyncIterator[_kv_cache_service_pb2.ReadBlocksChunk]]:
+        """Data plane: read blocks' contents by (group, block id) or (group, block hash) (server
+        streaming, chunks of at most max_data_chunk_bytes, a checksum per block). See ReadBlocksChunk.
+        """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,271 @@
+"""``replay --kv-data``: a worker beside the scheduler that moves real block contents and checks them.
+
+The content of a block is a function of its hash and layer, so anyone can check it: a block's
+bytes (the wire layout of ``kvservice.server.data_plane``: the group's views in order, row-major)
+split into ``num_layers`` equal slices, layer ``l``'s slice is the little-endian int64 word
+``xxh3_64(block_hash + l as 4 little-endian bytes)`` repeated (:func:`layer_word`). With today's
+layouts the first axis of a group's block view is the layer, so the slices are the layers.
+
+After every Step RPC the scheduler hands the worker what it learned (:meth:`KVDataWorker.admitted`,
+:meth:`KVDataWorker.allocated`) and awaits :meth:`KVDataWorker.flush` before its next RPC:
+
+- every block a request's allocation made full (``num_computed_tokens`` crossed its end) is
+  written: ``shm`` through the attached memory (``kvservice_client.torch_view``), ``grpc`` by
+  ``WriteBlocks`` naming the request (which the server checks against its write rule);
+- at every admission, the blocks of the hit (``AllocateSlotsResponse.computed_block_ids``) are
+  read back (``shm``: from the attached memory; ``grpc``: ``ReadBlocks`` by block id) and
+  compared with the content their hashes name: a block id that does not hold its hash's data
+  (a block-id bug that keeps the events consistent) is a mismatch.
+
+``sample`` N moves only blocks whose hash's last 8 bytes are 0 mod N (a hash decides, so a block
+is either always moved and checked or never).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.client import AsyncKVCacheClient
+from kvservice_client.data import aread_blocks, awrite_blocks, block_ref
+from kvservice_client.hashing import BlockHasher, resolve_block_hashes
+
+__all__ = ["KVDataStats", "KVDataWorker", "layer_word"]
+
+
+def layer_word(block_hash: bytes, layer: int) -> int:
+    """The int64 word layer ``layer`` of the block ``block_hash`` is filled with."""
+    return int.from_bytes(xxhash.xxh3_64_digest(block_hash + layer.to_bytes(4, "little")), "little", signed=True)
+
+
+@dataclass
+class KVDataStats:
+    """What the worker moved and checked (report.json's ``kv_data``).
+
+    Attributes:
+        mode: "shm" or "grpc".
+        bytes_written, bytes_read: block bytes written and read back.
+        write_s, read_s: wall time spent writing and reading, in seconds.
+        blocks_written: blocks written.
+        blocks_checked: hit blocks read back and compared.
+        mismatches: hit blocks whose bytes were not their hash's content.
+        sample: 1 in ``sample`` blocks moved (by hash).
+    """
+
+    mode: str
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_s: float = 0.0
+    read_s: float = 0.0
+    blocks_written: int = 0
+    blocks_checked: int = 0
+    mismatches: int = 0
+    sample: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's ``kv_data`` object (GB/s are 1e9 bytes per second of time spent moving)."""
+        return {
+            "mode": self.mode,
+            "bytes_written": self.bytes_written,
+            "bytes_read": self.bytes_read,
+            "write_gbps": self.bytes_written / self.write_s / 1e9 if self.write_s else None,
+            "read_gbps": self.bytes_read / self.read_s / 1e9 if self.read_s else None,
+            "blocks_written": self.blocks_written,
+            "blocks_checked": self.blocks_checked,
+            "mismatches": self.mismatches,
+            "sample": self.sample,
+        }
+
+
+class _Tracked:
+    """A request as the worker follows it: its block table per group and its block hashes."""
+
+    __slots__ = ("tables", "digests")
+
+    def __init__(self, num_groups: int) -> None:
+        self.tables: list[list[int]] = [[] for _ in range(num_groups)]
+        self.digests: list[bytes] = []
+
+
+class KVDataWorker:
+    """Writes newly computed blocks and checks hits (see the module docstring).
+
+    Args:
+        mode: "shm" (through ``view``) or "grpc" (WriteBlocks / ReadBlocks through ``client``).
+        client: the service.
+        metadata: its ``GetKVCacheGroupMetadata``.
+        view: the attached memory (``kvservice_client.torch_view.KVCacheView``; shm mode).
+        sample: move 1 in ``sample`` blocks (by hash).
+    """
+
+    def __init__(self, mode: str, client: AsyncKVCacheClient, metadata: pb.GetKVCacheGroupMetadataResponse, *,
+                 view: Any = None, sample: int = 1) -> None:
+        if mode not in ("shm", "grpc"):
+            raise ValueError(f"mode must be 'shm' or 'grpc'; got {mode!r}")
+        if mode == "shm" and view is None:
+            raise ValueError("shm mode needs the attached view")
+        if sample < 1:
+            raise ValueError(f"sample must be >= 1; got {sample}")
+        self.mode = mode
+        self.client = client
+        self.view = view
+        self.sample = sample
+        self.stats = KVDataStats(mode, sample=sample)
+        self.hasher = BlockHasher(metadata.hash_block_size, metadata.hash_algorithm, metadata.hash_seed)
+        self.hash_block_size = metadata.hash_block_size
+        self.block_sizes = [g.block_size for g in metadata.groups]
+        self.num_layers = [g.num_layers for g in metadata.groups]
+        self.bytes_per_block = [g.bytes_per_block for g in metadata.groups]
+        self.chunk_bytes = metadata.max_data_chunk_bytes
+        self._requests: dict[str, _Tracked] = {}
+        self._writes: list[tuple[str, int, int, bytes]] = []  # (request_id, group, block_id, block hash)
+        self._checks: list[tuple[int, int, bytes]] = []  # (group, block_id, block hash)
+        self._layer_shapes: dict[int, list[Any]] = {}
+
+    # -- what the scheduler tells it --------------------------------------------------------------
+
+    def admitted(self, request_id: str, token_ids: Sequence[int], response: pb.AllocateSlotsResponse) -> None:
+        """A request was admitted with this allocation: check its hit, then (like :meth:`allocated`)
+        write what it computed."""
+        tracked = self._requests[request_id] = _Tracked(len(self.block_sizes))
+        self.hasher.extend(tracked.digests, token_ids)
+        for g, (hit, new) in enumerate(zip(response.computed_block_ids, response.new_block_ids)):
+            tracked.tables[g].extend(hit.block_ids)
+            for position, block_id in enumerate(hit.block_ids):
+                block_hash = self._group_hash(tracked, g, position)
+                if block_id and self._sampled(block_hash):
+                    self._checks.append((g, block_id, block_hash))
+            tracked.tables[g].extend(new.block_ids)
+        self._queue_writes(request_id, tracked, response.num_new_computed_tokens, response.num_computed_tokens)
+
+    def allocated(self, request_id: str, token_ids: Sequence[int], num_computed_before: int,
+                  response: pb.AllocateSlotsResponse) -> None:
+        """A running request's allocation went through: its tokens were computed up to
+        ``response.num_computed_tokens``."""
+        tracked = self._requests[request_id]
+        for g, new in enumerate(response.new_block_ids):
+            tracked.tables[g].extend(new.block_ids)
+        self.hasher.extend(tracked.digests, token_ids)
+        self._queue_writes(request_id, tracked, num_computed_before, response.num_computed_tokens)
+
+    def forget(self, request_id: str) -> None:
+        """The request was freed (finished or preempted)."""
+        self._requests.pop(request_id, None)
+
+    # -- moving bytes -----------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Do the queued checks and writes (checks first: they read blocks of the cache as the
+        admission found it)."""
+        checks, self._checks = self._checks, []
+        writes, self._writes = self._writes, []
+        if checks:
+            await (self._check_shm(checks) if self.mode == "shm" else self._check_grpc(checks))
+        if writes:
+            await (self._write_shm(writes) if self.mode == "shm" else self._write_grpc(writes))
+
+    def _sampled(self, block_hash: bytes) -> bool:
+        return self.sample == 1 or int.from_bytes(block_hash[-8:], "big") % self.sample == 0
+
+    def _group_hash(self, tracked: _Tracked, group_idx: int, position: int) -> bytes:
+        block_size = self.block_sizes[group_idx]
+        if block_size == self.hash_block_size:
+            return tracked.digests[position]
+        return resolve_block_hashes(tracked.digests, self.hash_block_size, block_size)[position]
+
+    def _queue_writes(self, request_id: str, tracked: _Tracked, computed_before: int, computed_after: int) -> None:
+        for g, block_size in enumerate(self.block_sizes):
+            table = tracked.tables[g]
+            for position in range(computed_before // block_size, computed_after // block_size):
+                block_id = table[position]
+                if not block_id:
+                    continue  # a position the group does not keep (sliding window)
+                block_hash = self._group_hash(tracked, g, position)
+                if self._sampled(block_hash):
+                    self._writes.append((request_id, g, block_id, block_hash))
+
+    def _words(self, group_idx: int, block_hash: bytes) -> list[int]:
+        return [layer_word(block_hash, layer) for layer in range(self.num_layers[group_idx])]
+
+    def expected_bytes(self, group_idx: int, block_hash: bytes) -> bytes:
+        """The block's bytes its hash names (wire layout)."""
+        layer_bytes = self.bytes_per_block[group_idx] // self.num_layers[group_idx]
+        return b"".join(
+            w.to_bytes(8, "little", signed=True) * (layer_bytes // 8) for w in self._words(group_idx, block_hash)
+        )
+
+    def _layer_views(self, group_idx: int, block_id: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Per view of the block: (its int64 view, first layer, layers it holds)."""
+        views = self.view.block_view(group_idx, block_id)
+        layer_bytes = self.bytes_per_block[group_idx] // self.num_layers[group_idx]
+        out = []
+        layer = 0
+        for v in views:
+            nbytes = v.numel() * v.element_size()
+            n = nbytes // layer_bytes
+            assert n * layer_bytes == nbytes and (n == 1 or v.shape[0] == n), "a view is not whole layers"
+            out.append((v.view(torch.int64), layer, n))
+            layer += n
+        return out
+
+    def _expected_tensor(self, v64: torch.Tensor, words: list[int]) -> torch.Tensor:
+        word_tensor = torch.tensor(words, dtype=torch.int64, device=v64.device)
+        return word_tensor.view(len(words), *([1] * (v64.dim() - 1))).expand_as(v64) if len(words) > 1 else word_tensor
+
+    async def _write_shm(self, writes: list[tuple[str, int, int, bytes]]) -> None:
+        t0 = time.perf_counter()
+        for _request_id, g, block_id, block_hash in writes:
+            words = self._words(g, block_hash)
+            for v64, first, n in self._layer_views(g, block_id):
+                if n == 1:
+                    v64.fill_(words[first])
+                else:
+                    v64.copy_(self._expected_tensor(v64, words[first : first + n]))
+            self.stats.bytes_written += self.bytes_per_block[g]
+        self.stats.blocks_written += len(writes)
+        self.stats.write_s += time.perf_counter() - t0
+
+    async def _check_shm(self, checks: list[tuple[int, int, bytes]]) -> None:
+        t0 = time.perf_counter()
+        for g, block_id, block_hash in checks:
+            words = self._words(g, block_hash)
+            ok = True
+            for v64, first, n in self._layer_views(g, block_id):
+                if n == 1:
+                    ok = ok and bool((v64 == words[first]).all())
+                else:
+                    ok = ok and torch.equal(v64, self._expected_tensor(v64, words[first : first + n]))
+            self.stats.bytes_read += self.bytes_per_block[g]
+            self.stats.blocks_checked += 1
+            self.stats.mismatches += not ok
+        self.stats.read_s += time.perf_counter() - t0
+
+    async def _write_grpc(self, writes: list[tuple[str, int, int, bytes]]) -> None:
+        t0 = time.perf_counter()
+        by_request: dict[str, list[tuple[int, int, bytes]]] = {}
+        for request_id, g, block_id, block_hash in writes:
+            by_request.setdefault(request_id, []).append((g, block_id, block_hash))
+        for request_id, blocks in by_request.items():
+            response = await awrite_blocks(
+                self.client, request_id, ((g, b, self.expected_bytes(g, h)) for g, b, h in blocks),
+                chunk_bytes=self.chunk_bytes,
+            )
+            self.stats.bytes_written += response.num_bytes_written
+            self.stats.blocks_written += response.num_blocks_written
+        self.stats.write_s += time.perf_counter() - t0
+
+    async def _check_grpc(self, checks: list[tuple[int, int, bytes]]) -> None:
+        t0 = time.perf_counter()
+        blocks = await aread_blocks(self.client, [block_ref(g, block_id=b) for g, b, _h in checks])
+        for block, (g, _b, block_hash) in zip(blocks, checks, strict=True):
+            assert block.data is not None  # read by id: never evicted
+            self.stats.bytes_read += len(block.data)
+            self.stats.blocks_checked += 1
+            self.stats.mismatches += block.data != self.expected_bytes(g, block_hash)
+        self.stats.read_s += time.perf_counter() - t0

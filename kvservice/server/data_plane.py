@@ -1,0 +1,603 @@
+"""The data plane: ``AttachKVCache``, ``WriteBlocks``, ``ReadBlocks`` over the server's KV memory.
+
+The cache manager hands out block ids; :class:`kvservice.memory.KVCacheTensors` holds the memory
+they name. This module lets workers reach that memory:
+
+- **Attach** (same host, zero copy): the memory is described generically, so it survives layout
+  changes: per backing storage (a POSIX shared-memory segment on CPU, a CUDA IPC handle on CUDA)
+  its size; per (group_idx, view_idx) of ``block_view(group_idx, block_id)`` the whole tensor as a
+  strided view of a storage (byte offset, shape, strides in elements, dtype, block axis). The
+  description is derived from ``block_view`` itself (block 0 and block 1 give the block stride),
+  so whatever ``KVCacheTensors`` does inside, a worker rebuilds the same ``block_view`` from it.
+- **Block contents over gRPC**: a block's bytes are its views' bytes in order, each view in
+  row-major order (see the proto's data-plane comment), moved in chunks of at most
+  ``chunk_bytes``, with an xxh3_64 checksum per block. xxh3_64, not crc32c: ``xxhash`` is already
+  a dependency of the client (one of the block-hash algorithms), it runs at memory speed in
+  Python, and 64 bits make an undetected corruption far less likely than crc32c's 32; crc32c would
+  need another native package on both sides.
+
+Write rule (a cached block's content is named by its hash and never changes): a block may be
+written only by the running request it was newly allocated to (by ``AllocateSlots``, not taken
+from the prefix cache as part of a hit), while that request still holds it at the position it was
+allocated at, and while no other request holds it. vLLM registers a block's hash when it is
+allocated, before the forward pass that computes it, so "not yet cached" cannot mean "no hash
+yet" here; it means "not yet readable by anyone but its computer": once another request holds it
+(a prefix-cache hit) or its request frees it, its bytes are fixed until it is evicted. A read by
+hash of a block its computer may still write is refused (FAILED_PRECONDITION), so a read by hash
+never returns bytes that may still change.
+
+Read rule: a block read by hash is resolved when the call starts (NOT_FOUND naming the hash when no
+block of that group carries it) and checked again before every chunk is copied (no await between
+the check and the copy): when it left the cache, or was reused, meanwhile, the stream says
+``evicted`` for it and sends no more of it.
+
+The data plane never touches the event log and changes no cache state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+import xxhash
+
+from kvservice.core.engine import KVCacheEngine
+from kvservice.core.request import Request
+from kvservice.memory import KVCacheTensors
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataPlane", "DataPlaneError", "MAX_READ_BLOCKS", "block_checksum", "describe_memory"]
+
+MAX_READ_BLOCKS = 65536
+"""Most blocks one ReadBlocks may name."""
+
+NO_MEMORY = "no memory behind a meta device"
+
+
+class DataPlaneError(Exception):
+    """A data-plane call refused; ``code`` is its gRPC status, the message names the field or block."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def block_checksum(data: bytes | bytearray | memoryview) -> int:
+    """xxh3_64 (seed 0) of a block's bytes, as the wire carries it (unsigned 64-bit)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _peer_is_local(peer: str) -> bool:
+    """Whether a gRPC peer string names a loopback TCP peer or a Unix-socket peer."""
+    if peer.startswith("unix:"):
+        return True
+    if peer.startswith("ipv4:"):
+        return peer[5:].rsplit(":", 1)[0].startswith("127.")
+    if peer.startswith("ipv6:"):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]")
+        return host == "::1" or host.startswith("::ffff:127.")
+    return False
+
+
+# -- describing memory -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ViewLayout:
+    """One view of a group's block_view as a strided tensor over a storage."""
+
+    storage_key: int
+    offset_bytes: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    block_axis: int
+
+
+def _view_layout(tensors: KVCacheTensors, group_idx: int, view_idx: int, storage_key_of: Any) -> _ViewLayout:
+    """The whole tensor behind view ``view_idx`` of ``block_view(group_idx, .)``, from blocks 0, 1
+    and the last (the block stride must be uniform)."""
+    num_blocks = tensors.num_blocks
+    v0 = tensors.block_view(group_idx, 0)[view_idx]
+    v1 = tensors.block_view(group_idx, 1)[view_idx]
+    last = tensors.block_view(group_idx, num_blocks - 1)[view_idx]
+    itemsize = v0.dtype.itemsize
+    stride_bytes = v1.data_ptr() - v0.data_ptr()
+    assert stride_bytes > 0 and stride_bytes % itemsize == 0, f"block stride of {stride_bytes} bytes"
+    assert last.data_ptr() - v0.data_ptr() == (num_blocks - 1) * stride_bytes, "block views are not evenly strided"
+    block_stride = stride_bytes // itemsize
+    # The block axis goes where the strides stay descending (where it was in a C-ordered tensor).
+    axis = sum(1 for s in v0.stride() if s > block_stride)
+    shape = (*v0.shape[:axis], num_blocks, *v0.shape[axis:])
+    strides = (*v0.stride()[:axis], block_stride, *v0.stride()[axis:])
+    key, offset = storage_key_of(v0)
+    return _ViewLayout(key, offset, tuple(shape), tuple(strides), v0.dtype, axis)
+
+
+def _cuda_storage_fields(flat: torch.Tensor) -> dict[str, Any]:
+    """The KVCacheStorage fields of a CUDA uint8 tensor spanning one whole storage, from torch's
+    multiprocessing reduction (the handle a process on the same host opens with
+    ``rebuild_cuda_tensor``)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(flat)
+    (_cls, _size, _stride, _offset, _storage_cls, _dtype, device, handle, size_bytes, storage_offset_bytes,
+     _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
+    return {
+        "size_bytes": int(size_bytes),
+        "cuda_ipc_handle": bytes(handle),
+        "cuda_device": int(device),
+        "cuda_storage_offset_bytes": int(storage_offset_bytes),
+        "cuda_ref_counter_handle": bytes(ref_counter_handle),
+        "cuda_ref_counter_offset": int(ref_counter_offset),
+        "cuda_event_handle": bytes(event_handle) if event_handle is not None else b"",
+        "cuda_event_sync_required": bool(event_sync_required),
+    }
+
+
+def describe_memory(
+    tensors: KVCacheTensors, *, epoch: str, shm: Any | None, chunk_bytes: int
+) -> pb.AttachKVCacheResponse:
+    """The ``AttachKVCache`` answer for ``tensors``.
+
+    Args:
+        tensors: the KV tensors (CPU ones allocated by ``shm``, or CUDA ones).
+        epoch: the server epoch.
+        shm: the :class:`kvservice.shm.SharedMemoryAllocator` that holds CPU tensors (None on CUDA).
+        chunk_bytes: the largest data chunk.
+
+    Raises:
+        DataPlaneError: FAILED_PRECONDITION on ``meta`` ("no memory behind a meta device") or CPU
+            memory not in shared memory.
+    """
+    device = tensors.device
+    if device.type == "meta":
+        raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, NO_MEMORY)
+    response = pb.AttachKVCacheResponse(
+        epoch=epoch, device=str(device), num_blocks=tensors.num_blocks, max_data_chunk_bytes=chunk_bytes,
+        bytes_per_block=[tensors.bytes_per_block(g) for g in range(tensors.num_groups)],
+    )
+    storage_index: dict[int, int] = {}
+    if shm is not None:
+        response.control_shm_name = shm.control_name
+    if device.type == "cpu":
+        if shm is None or not shm.segments:
+            raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, "the CPU KV memory is not in shared memory")
+
+        def storage_key_of(view: torch.Tensor) -> tuple[int, int]:
+            found = shm.segment_of(view.data_ptr())
+            assert found is not None, "a KV tensor outside the shared-memory segments"
+            return found
+
+        for idx, (name, size, _tensor) in enumerate(shm.segments):
+            storage_index[idx] = idx
+            response.storages.add(storage_idx=idx, size_bytes=size, shm_name=name)
+    elif device.type == "cuda":
+        cuda_storages: dict[int, torch.UntypedStorage] = {}
+
+        def storage_key_of(view: torch.Tensor) -> tuple[int, int]:
+            storage = view.untyped_storage()
+            cuda_storages.setdefault(storage.data_ptr(), storage)
+            return storage.data_ptr(), view.data_ptr() - storage.data_ptr()
+    else:
+        raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, f"no shared handle for device {device}")
+    layouts = []
+    for g in range(tensors.num_groups):
+        for j in range(len(tensors.block_view(g, 0))):
+            layouts.append((g, j, _view_layout(tensors, g, j, storage_key_of)))
+    if device.type == "cuda":
+        for key, storage in cuda_storages.items():
+            storage_index[key] = len(response.storages)
+            flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            response.storages.add(storage_idx=storage_index[key], **_cuda_storage_fields(flat))
+    for g, j, layout in layouts:
+        response.views.add(
+            group_idx=g, view_idx=j, storage_idx=storage_index[layout.storage_key], offset_bytes=layout.offset_bytes,
+            shape=layout.shape, strides=layout.strides, dtype=str(layout.dtype).removeprefix("torch."),
+            block_axis=layout.block_axis,
+        )
+    return response
+
+
+# -- block bytes -----------------------------------------------------------------------------------
+
+
+def _byte_rows(view: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``view``'s bytes as a 2-D uint8 tensor ``[rows, row_bytes]``, rows in row-major order, and
+    whether it shares ``view``'s memory (False only for layouts whose leading axes cannot be
+    merged: then it is a copy, fine for reading)."""
+    raw = view.view(torch.uint8) if view.dim() else view.reshape(1).view(torch.uint8)
+    shape, strides = raw.shape, raw.stride()
+    k = raw.dim()
+    expected = 1
+    while k > 0 and strides[k - 1] == expected:  # the contiguous suffix of axes
+        expected *= shape[k - 1]
+        k -= 1
+    row = math.prod(shape[k:])
+    try:
+        return raw.view(-1, row), True
+    except RuntimeError:
+        return raw.reshape(-1, row), False
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as int64 when each row is whole 8-byte words (copies of wide elements run at memory
+    speed; byte-wise strided copies do not)."""
+    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 and rows.stride(0) % 8 == 0 else rows
+
+
+class _BlockBytes:
+    """The bytes of one block (all views of its group, in order), read or written by byte range."""
+
+    __slots__ = ("views", "rows", "shares", "sizes", "total")
+
+    def __init__(self, views: Sequence[torch.Tensor]) -> None:
+        self.views = tuple(views)
+        rows = [_byte_rows(v) for v in self.views]
+        self.rows = [r for r, _ in rows]
+        self.shares = [shares for _, shares in rows]
+        self.sizes = [r.numel() for r in self.rows]
+        self.total = sum(self.sizes)
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the block, copied now."""
+        parts = []
+        base = 0
+        for rows, size in zip(self.rows, self.sizes):
+            lo, hi = max(start - base, 0), min(end - base, size)
+            if lo < hi:
+                row_bytes = rows.shape[1]
+                r0, r1 = lo // row_bytes, (hi - 1) // row_bytes + 1
+                piece = rows[r0:r1]
+                data = (piece.cpu() if piece.device.type != "cpu" else piece).numpy().tobytes()
+                trim = lo - r0 * row_bytes, hi - r0 * row_bytes
+                parts.append(data if trim == (0, len(data)) else data[trim[0] : trim[1]])
+            base += size
+            if base >= end:
+                break
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Overwrite the whole block with ``data`` (``total`` bytes)."""
+        assert len(data) == self.total
+        base = 0
+        for view, rows, shares, size in zip(self.views, self.rows, self.shares, self.sizes):
+            if size:
+                src = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=base).view(rows.shape)
+                if shares:
+                    _wide(rows).copy_(_wide(src))
+                else:
+                    dst = view.view(torch.uint8) if view.dim() else view.reshape(1).view(torch.uint8)
+                    dst.copy_(src.reshape(dst.shape))
+            base += size
+
+
+# -- the service ---------------------------------------------------------------------------------
+
+
+class DataPlane:
+    """The data-plane RPCs of one server (see the module docstring for the rules).
+
+    Args:
+        engine: the cache manager and its request table (read, never changed).
+        tensors: the KV tensors.
+        epoch: the server epoch.
+        shm: the shared-memory allocator holding CPU tensors (None on CUDA or meta).
+        chunk_bytes: the largest data chunk, in bytes (the ``data_chunk_bytes`` setting).
+        attach_requires_local: refuse AttachKVCache to peers other than loopback or the Unix
+            socket (auth off).
+
+    Attributes:
+        num_blocks_written, num_bytes_written, num_blocks_read, num_bytes_read: totals since start.
+    """
+
+    def __init__(
+        self,
+        engine: KVCacheEngine,
+        tensors: KVCacheTensors,
+        *,
+        epoch: str,
+        shm: Any | None,
+        chunk_bytes: int,
+        attach_requires_local: bool,
+    ) -> None:
+        self.engine = engine
+        self.tensors = tensors
+        self.epoch = epoch
+        self.shm = shm
+        self.chunk_bytes = chunk_bytes
+        self.attach_requires_local = attach_requires_local
+        self.has_memory = tensors.device.type != "meta"
+        self._pool = engine.manager.block_pool
+        self._coordinator = engine.manager.coordinator
+        self._num_groups = tensors.num_groups
+        self._num_blocks = tensors.num_blocks
+        # block id -> (request it was newly allocated to, group_idx, position in its block table).
+        self._allocated_to: list[tuple[Request, int, int] | None] = [None] * self._num_blocks
+        self._attach: pb.AttachKVCacheResponse | None = None
+        self.num_blocks_written = 0
+        self.num_bytes_written = 0
+        self.num_blocks_read = 0
+        self.num_bytes_read = 0
+
+    # -- bookkeeping (called by the servicer) ----------------------------------------------------
+
+    def note_allocated(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
+        """Record the blocks ``AllocateSlots`` just gave ``request_id`` (per group, appended to its
+        block table): these, and only these, it may write."""
+        if not any(new_block_ids):
+            return
+        request = self.engine.requests[request_id]
+        tables = self._coordinator.get_blocks(request_id)
+        allocated_to = self._allocated_to
+        for g, ids in enumerate(new_block_ids):
+            start = len(tables[g]) - len(ids)
+            for i, block_id in enumerate(ids):
+                allocated_to[block_id] = (request, g, start + i)
+
+    # -- rules -------------------------------------------------------------------------------------
+
+    def _writer(self, group_idx: int, block_id: int) -> Request | None:
+        """The running request that may still write the block, or None."""
+        entry = self._allocated_to[block_id]
+        if entry is None:
+            return None
+        request, g, position = entry
+        if g != group_idx or self.engine.requests.get(request.request_id) is not request:
+            return None
+        if request.request_id not in self.engine.running:
+            return None
+        table = self._coordinator.get_blocks(request.request_id)[g]
+        block = self._pool.blocks[block_id]
+        if position >= len(table) or table[position] is not block or block.ref_cnt != 1:
+            return None
+        return request
+
+    def _check_writable(self, request_id: str, group_idx: int, block_id: int) -> None:
+        """Raise FAILED_PRECONDITION naming the block unless ``request_id`` may write it now."""
+        writer = self._writer(group_idx, block_id)
+        if writer is not None and writer.request_id == request_id:
+            return
+        where = f"block {block_id} (group {group_idx})"
+        if request_id not in self.engine.running:
+            reason = f"request {request_id!r} is not running (unknown, waiting or freed)"
+        else:
+            block = self._pool.blocks[block_id]
+            entry = self._allocated_to[block_id]
+            owned = entry is not None and entry[0] is self.engine.requests.get(request_id) and entry[1] == group_idx
+            if not owned:
+                reason = (
+                    f"it was not allocated to request {request_id!r} for computing (not its block, or part of its "
+                    "prefix-cache hit)"
+                )
+            elif block.ref_cnt != 1:
+                reason = "another request holds it too (a prefix-cache hit): its content is named by its hash and never changes"
+            else:
+                reason = f"request {request_id!r} no longer holds it at the position it was allocated at"
+        raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {reason}; nothing was written")
+
+    def _check_group(self, field: str, group_idx: int) -> None:
+        if not 0 <= group_idx < self._num_groups:
+            raise DataPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {group_idx} is out of range [0, {self._num_groups})"
+            )
+
+    def _check_memory(self) -> None:
+        if not self.has_memory:
+            raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, NO_MEMORY)
+
+    # -- AttachKVCache ----------------------------------------------------------------------------
+
+    def attach(self, peer: str) -> pb.AttachKVCacheResponse:
+        """The AttachKVCache answer.
+
+        Raises:
+            DataPlaneError: FAILED_PRECONDITION on meta; PERMISSION_DENIED for a peer that is
+                neither loopback nor the Unix socket while auth is off.
+        """
+        self._check_memory()
+        if self.attach_requires_local and not _peer_is_local(peer):
+            raise DataPlaneError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"AttachKVCache: with auth off only loopback or Unix-socket peers may attach; peer is {peer}",
+            )
+        if self._attach is None:
+            self._attach = describe_memory(self.tensors, epoch=self.epoch, shm=self.shm, chunk_bytes=self.chunk_bytes)
+        return self._attach
+
+    # -- WriteBlocks ------------------------------------------------------------------------------
+
+    async def write_blocks(self, chunks: AsyncIterator[pb.WriteBlocksChunk]) -> pb.WriteBlocksResponse:
+        """Apply a WriteBlocks stream (see the proto's WriteBlocksChunk for the rules).
+
+        Raises:
+            DataPlaneError: INVALID_ARGUMENT naming the field of a bad chunk; FAILED_PRECONDITION
+                naming a block its request may not write; blocks completed before stay written.
+        """
+        self._check_memory()
+        num_blocks = num_bytes = 0
+        staging: bytearray | None = None
+        current: tuple[str, int, int] | None = None  # (request_id, group_idx, block_id) being received
+        received = 0
+        hasher = xxhash.xxh3_64()
+        size = 0
+        index = -1
+        async for chunk in chunks:
+            index += 1
+            where = f"chunks[{index}]"
+            if current is None:
+                if not chunk.request_id:
+                    raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}.request_id: must be set")
+                self._check_group(f"{where}.group_idx", chunk.group_idx)
+                if not 1 <= chunk.block_id < self._num_blocks:
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.block_id: {chunk.block_id} is out of range [1, {self._num_blocks}) (0 is the null block)",
+                    )
+                if chunk.offset_bytes != 0:
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.offset_bytes: {chunk.offset_bytes}; a block's first chunk starts at 0",
+                    )
+                self._check_writable(chunk.request_id, chunk.group_idx, chunk.block_id)
+                current = (chunk.request_id, chunk.group_idx, chunk.block_id)
+                size = self.tensors.bytes_per_block(chunk.group_idx)
+                if staging is None or len(staging) < size:
+                    staging = bytearray(size)
+                received = 0
+                hasher.reset()
+            else:
+                if (chunk.request_id, chunk.group_idx, chunk.block_id) != current:
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}: block {chunk.block_id} (group {chunk.group_idx}) starts before block {current[2]} "
+                        f"(group {current[1]}) is complete ({received} of {size} bytes); nothing of block {current[2]} "
+                        "was written",
+                    )
+                if chunk.offset_bytes != received:
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.offset_bytes: {chunk.offset_bytes}, expected {received} (chunks of a block are "
+                        "consecutive)",
+                    )
+            data = chunk.data
+            if not 1 <= len(data) <= self.chunk_bytes:
+                raise DataPlaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}.data: {len(data)} bytes; must be 1..{self.chunk_bytes} (max_data_chunk_bytes)",
+                )
+            if received + len(data) > size:
+                raise DataPlaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}.data: {len(data)} bytes at offset {received} run past the block's {size} bytes "
+                    f"(bytes_per_block of group {current[1]})",
+                )
+            assert staging is not None
+            staging[received : received + len(data)] = data
+            hasher.update(data)
+            received += len(data)
+            if received < size:
+                if chunk.HasField("checksum"):
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.checksum: set on a chunk that does not complete the block ({received} of {size} bytes)",
+                    )
+                continue
+            request_id, group_idx, block_id = current
+            if not chunk.HasField("checksum"):
+                raise DataPlaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}.checksum: required on the chunk that completes block {block_id}; nothing of it was written",
+                )
+            if chunk.checksum != hasher.intdigest():
+                raise DataPlaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}.checksum: {chunk.checksum:#018x} does not match block {block_id}'s bytes "
+                    f"(xxh3_64 {hasher.intdigest():#018x}); nothing of it was written",
+                )
+            # The request may have been freed, or another request may have hit the block, while
+            # chunks streamed: check again, then copy with no await in between.
+            self._check_writable(request_id, group_idx, block_id)
+            _BlockBytes(self.tensors.block_view(group_idx, block_id)).write(memoryview(staging)[:size])
+            num_blocks += 1
+            num_bytes += size
+            current = None
+        if current is not None:
+            raise DataPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"chunks: the stream ended inside block {current[2]} (group {current[1]}) after {received} of {size} "
+                "bytes; nothing of it was written",
+            )
+        self.num_blocks_written += num_blocks
+        self.num_bytes_written += num_bytes
+        return pb.WriteBlocksResponse(num_blocks_written=num_blocks, num_bytes_written=num_bytes)
+
+    # -- ReadBlocks -------------------------------------------------------------------------------
+
+    def _resolve(self, request: pb.ReadBlocksRequest) -> list[tuple[int, int, bytes | None, Any]]:
+        """Per requested block: (group_idx, block_id, block hash or None, residency token).
+
+        Raises:
+            DataPlaneError: INVALID_ARGUMENT (a field out of range), NOT_FOUND (a hash not cached),
+                FAILED_PRECONDITION (a block read by hash that its computing request may still write).
+        """
+        if len(request.blocks) > MAX_READ_BLOCKS:
+            raise DataPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"blocks: {len(request.blocks)} blocks, above {MAX_READ_BLOCKS}"
+            )
+        resolved = []
+        for i, ref in enumerate(request.blocks):
+            where = f"blocks[{i}]"
+            self._check_group(f"{where}.group_idx", ref.group_idx)
+            which = ref.WhichOneof("block")
+            if which == "block_id":
+                if not 0 <= ref.block_id < self._num_blocks:
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.block_id: {ref.block_id} is out of range [0, {self._num_blocks})",
+                    )
+                resolved.append((ref.group_idx, ref.block_id, None, None))
+            elif which == "block_hash":
+                block = self._pool.get_cached_block(ref.block_hash, ref.group_idx)
+                if block is None:
+                    raise DataPlaneError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"{where}.block_hash: {ref.block_hash.hex()} is not cached in group {ref.group_idx}",
+                    )
+                writer = self._writer(ref.group_idx, block.block_id)
+                if writer is not None:
+                    raise DataPlaneError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{where}.block_hash: {ref.block_hash.hex()} is block {block.block_id}, which request "
+                        f"{writer.request_id!r} is still computing (it may still write it)",
+                    )
+                resolved.append((ref.group_idx, block.block_id, ref.block_hash, self._allocated_to[block.block_id]))
+            else:
+                raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: set block_id or block_hash")
+        return resolved
+
+    def _still_resident(self, group_idx: int, block_id: int, block_hash: bytes, token: Any) -> bool:
+        """Whether the block still carries ``block_hash`` in ``group_idx`` and was not reallocated
+        since it was resolved (an eviction followed by the same hash again is a reuse too)."""
+        block = self._pool.blocks[block_id]
+        return block.block_hash == block_hash and block.group_idx == group_idx and self._allocated_to[block_id] is token
+
+    async def read_blocks(self, request: pb.ReadBlocksRequest, write: Any) -> None:
+        """Stream the blocks of ``request`` through ``write`` (an async callable taking a
+        ReadBlocksChunk), one chunk in memory at a time.
+
+        Raises:
+            DataPlaneError: as :meth:`_resolve`, before anything is sent.
+        """
+        self._check_memory()
+        resolved = self._resolve(request)
+        chunk_bytes = self.chunk_bytes
+        for index, (group_idx, block_id, block_hash, token) in enumerate(resolved):
+            block = _BlockBytes(self.tensors.block_view(group_idx, block_id))
+            hasher = xxhash.xxh3_64()
+            offset = 0
+            while True:
+                if block_hash is not None and not self._still_resident(group_idx, block_id, block_hash, token):
+                    await write(pb.ReadBlocksChunk(block_index=index, group_idx=group_idx, block_id=block_id,
+                                                   offset_bytes=offset, evicted=True))
+                    break
+                end = min(offset + chunk_bytes, block.total)
+                data = block.read(offset, end)  # copied right after the check: no await between
+                hasher.update(data)
+                message = pb.ReadBlocksChunk(block_index=index, group_idx=group_idx, block_id=block_id,
+                                             offset_bytes=offset, data=data)
+                if end == block.total:
+                    message.checksum = hasher.intdigest()
+                offset = end
+                self.num_bytes_read += len(data)
+                await write(message)
+                if offset == block.total:
+                    self.num_blocks_read += 1
+                    break

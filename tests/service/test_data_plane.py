@@ -1,0 +1,451 @@
+"""The data plane: AttachKVCache (shared memory), WriteBlocks / ReadBlocks and their rules.
+
+The servers here keep their KV tensors on the CPU, so they live in POSIX shared memory: the test
+server's layout (qwen-2.5-0.5b at block size 4) is one tensor ``[24, 2, 16, 4, 2, 64]`` bfloat16,
+49,152 bytes per block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+import torch
+
+from kvservice.server.data_plane import _peer_is_local, block_checksum
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.client import AsyncKVCacheClient, KVServiceError
+from kvservice_client.data import aattach_kv_cache, aread_blocks, awrite_blocks, block_ref, write_block_chunks
+from kvservice_client.hashing import BlockHasher
+from kvservice_client.torch_view import KVCacheView, KVCacheViewClosedError, aattach
+
+BLOCK_BYTES = 24 * 2 * 4 * 2 * 64 * 2
+CPU = {"device": "cpu"}
+PROMPT = list(range(1, 13))  # 12 tokens: 3 full blocks of 4
+
+
+def pattern(seed: int, num_bytes: int = BLOCK_BYTES) -> bytes:
+    """Bytes no two seeds share: seed's 8 bytes then a ramp, repeated."""
+    unit = seed.to_bytes(8, "little") + bytes(range(248))
+    return (unit * (num_bytes // len(unit) + 1))[:num_bytes]
+
+
+async def admit(client: AsyncKVCacheClient, request_id: str, prompt: list[int]) -> pb.AllocateSlotsResponse:
+    await client.get_computed_blocks(request_id, prompt)
+    response = await client.allocate_slots(request_id, len(prompt))
+    assert response.allocated
+    return response
+
+
+async def code_and_message(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(KVServiceError) as err:
+        await call
+    return err.value.code, err.value.message
+
+
+# -- attach ------------------------------------------------------------------------------------
+
+
+async def test_attach_describes_the_memory_and_the_view_is_the_servers(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    description = await aattach_kv_cache(client)
+    assert description.epoch == running.event_log.epoch
+    assert (description.device, description.num_blocks, list(description.bytes_per_block)) == ("cpu", 16, [BLOCK_BYTES])
+    assert description.max_data_chunk_bytes == 1 << 20
+    [storage] = description.storages
+    assert storage.size_bytes == 16 * BLOCK_BYTES and storage.shm_name.startswith(f"kvservice-{os.getpid()}-")
+    assert oct(os.stat(f"/dev/shm/{storage.shm_name}").st_mode & 0o777) == "0o600"
+    [view] = description.views
+    assert (view.group_idx, view.view_idx, view.storage_idx, view.offset_bytes) == (0, 0, 0, 0)
+    assert (list(view.shape), list(view.strides), view.dtype, view.block_axis) == (
+        [24, 2, 16, 4, 2, 64], [2 * 16 * 512, 16 * 512, 512, 128, 64, 1], "bfloat16", 2
+    )
+    kv = KVCacheView(description)
+    for block_id in (0, 5, 15):
+        ours, theirs = kv.block_view(0, block_id), running.tensors.block_view(0, block_id)
+        assert [(t.shape, t.stride(), t.data_ptr()) for t in ours] != [] and all(
+            a.shape == b.shape and a.stride() == b.stride() for a, b in zip(ours, theirs)
+        )
+    kv.block_view(0, 5)[0].fill_(3.0)  # written through the view: the server's tensor sees it
+    assert torch.equal(running.tensors.block_view(0, 5)[0], torch.full((24, 2, 4, 2, 64), 3.0, dtype=torch.bfloat16))
+    assert (await client.get_kv_cache_group_metadata()).max_data_chunk_bytes == 1 << 20
+
+
+async def test_attach_on_meta_is_failed_precondition(start_kv_server, connect):
+    client = await connect(await start_kv_server())
+    assert await code_and_message(aattach_kv_cache(client)) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "no memory behind a meta device"
+    )
+    assert (await client.get_kv_cache_group_metadata()).max_data_chunk_bytes == 0
+
+
+def test_only_loopback_and_unix_peers_are_local():
+    assert [_peer_is_local(p) for p in ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/tmp/s", "unix:",
+                                         "ipv4:10.0.0.2:5000", "ipv6:[fe80::1]:5000", "ipv4:128.0.0.1:1")] == [
+        True, True, True, True, False, False, False]
+
+
+async def test_attach_over_a_unix_socket(start_kv_server, tmp_path):
+    path = str(tmp_path / "kv.sock")
+    running = await start_kv_server(uds=path, **CPU)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    async with AsyncKVCacheClient(f"unix:{path}", timeout=10.0) as client:
+        kv = await aattach(client)
+        assert kv.epoch == running.event_log.epoch and kv.num_blocks == 16
+    await running.stop(0)
+    assert not os.path.exists(path)
+
+
+async def test_a_second_process_attaches_writes_and_read_blocks_returns_those_bytes(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    block_id = (await admit(client, "w", PROMPT)).new_block_ids[0].block_ids[1]
+    script = textwrap.dedent(f"""
+        import torch
+        from kvservice_client.client import KVCacheClient
+        from kvservice_client.torch_view import attach
+        with KVCacheClient({running.address!r}, timeout=10.0) as client:
+            view = attach(client)
+            unit = (7).to_bytes(8, "little") + bytes(range(248))
+            data = torch.frombuffer(bytearray((unit * 200)[:{BLOCK_BYTES}]), dtype=torch.uint8)
+            [tensor] = view.block_view(0, {block_id})
+            tensor.copy_(data.view(torch.bfloat16).view(tensor.shape))
+            print(view.epoch)
+    """)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == running.event_log.epoch
+    [block] = await aread_blocks(client, [block_ref(0, block_id=block_id)])
+    assert (block.block_index, block.group_idx, block.block_id, block.evicted) == (0, 0, block_id, False)
+    assert block.data == pattern(7) and block.checksum == block_checksum(pattern(7))
+
+
+async def test_a_view_of_a_restarted_server_refuses_to_be_used(start_kv_server, connect):
+    first = await start_kv_server(**CPU)
+    kv = await aattach(await connect(first))
+    kv.block_view(0, 1)
+    port = first.port
+    await first.stop(0)
+    second = await start_kv_server(port=port, **CPU)
+    with pytest.raises(KVCacheViewClosedError, match=f"epoch {first.event_log.epoch} .* has stopped or restarted"):
+        kv.block_view(0, 1)
+    assert kv.closed
+    fresh = await aattach(await connect(second))
+    assert fresh.epoch == second.event_log.epoch != kv.epoch and not fresh.closed
+
+
+# -- WriteBlocks ---------------------------------------------------------------------------------
+
+
+async def test_write_then_read_by_id_and_by_hash(start_kv_server, connect):
+    running = await start_kv_server(**CPU, data_chunk_bytes=4096)
+    client = await connect(running)
+    ids = list((await admit(client, "w", PROMPT)).new_block_ids[0].block_ids)
+    assert ids == [1, 2, 3]
+    response = await awrite_blocks(client, "w", [(0, b, pattern(b)) for b in ids], chunk_bytes=4096)
+    assert (response.num_blocks_written, response.num_bytes_written) == (3, 3 * BLOCK_BYTES)
+    await client.free("w")  # now cached and fixed: readable by hash
+    digests = BlockHasher(4).hash_prompt(PROMPT)
+    blocks = await aread_blocks(client, [block_ref(0, block_hash=digests[2]), block_ref(0, block_id=1)])
+    assert [(b.block_index, b.block_id, b.data == pattern(b.block_id)) for b in blocks] == [(0, 3, True), (1, 1, True)]
+
+
+async def test_writes_go_only_to_blocks_a_running_request_computes(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await admit(client, "a", PROMPT)  # blocks 1, 2, 3
+    await client.free("a")
+    # "b" hits a's first two blocks and computes one new block (4).
+    b = await admit(client, "b", PROMPT[:8] + [90, 91, 92, 93])
+    assert [list(g.block_ids) for g in b.computed_block_ids] == [[1, 2]]
+    assert [list(g.block_ids) for g in b.new_block_ids] == [[4]]
+    cases = [
+        ("b", 1, "block 1 (group 0): it was not allocated to request 'b' for computing (not its block, or part of its "
+                 "prefix-cache hit); nothing was written"),
+        ("a", 3, "block 3 (group 0): request 'a' is not running (unknown, waiting or freed); nothing was written"),
+        ("b", 3, "block 3 (group 0): it was not allocated to request 'b' for computing (not its block, or part of its "
+                 "prefix-cache hit); nothing was written"),
+    ]
+    for request_id, block_id, message in cases:
+        before = running.tensors.block_view(0, block_id)[0].clone()
+        assert await code_and_message(awrite_blocks(client, request_id, [(0, block_id, pattern(9))])) == (
+            grpc.StatusCode.FAILED_PRECONDITION, message)
+        assert torch.equal(running.tensors.block_view(0, block_id)[0], before)
+    assert (await awrite_blocks(client, "b", [(0, 4, pattern(4))])).num_blocks_written == 1
+    # Once another request holds block 4 (a hit), its computer may no longer write it.
+    await admit(client, "c", PROMPT[:8] + [90, 91, 92, 93, 94])
+    assert await code_and_message(awrite_blocks(client, "b", [(0, 4, pattern(5))])) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "block 4 (group 0): another request holds it too (a prefix-cache hit): its content is named by its hash and "
+        "never changes; nothing was written",
+    )
+    assert running.tensors.block_view(0, 4)[0].view(torch.uint8).flatten().numpy().tobytes() == pattern(4)
+
+
+def _chunks(request_id: str, block_id: int, data: bytes, chunk_bytes: int = 16384, group_idx: int = 0):
+    return list(write_block_chunks(request_id, [(group_idx, block_id, data)], chunk_bytes))
+
+
+async def _raw_write(client: AsyncKVCacheClient, chunks: list[pb.WriteBlocksChunk]) -> pb.WriteBlocksResponse:
+    try:
+        return await client.stub.WriteBlocks(iter(chunks), timeout=10.0)
+    except grpc.aio.AioRpcError as err:
+        raise KVServiceError.from_rpc_error(err) from None
+
+
+@pytest.mark.parametrize("case", ["short block", "long chunk", "bad checksum", "no checksum", "unknown block",
+                                  "null block", "group out of range", "gap", "interleaved", "no request id"])
+async def test_a_bad_chunk_is_invalid_argument_naming_the_field_and_writes_nothing_of_its_block(
+    start_kv_server, connect, case
+):
+    running = await start_kv_server(**CPU, data_chunk_bytes=16384)
+    client = await connect(running)
+    await admit(client, "w", PROMPT)  # blocks 1, 2, 3
+    good = _chunks("w", 1, pattern(1))  # block 1 goes first and is written whole in every case
+    chunks = _chunks("w", 2, pattern(2))
+    expected = {
+        "short block": (chunks[:-1], "chunks: the stream ended inside block 2 (group 0) after 32768 of 49152 bytes"),
+        "long chunk": (_chunks("w", 2, pattern(2), 24576),
+                       "chunks[3].data: 24576 bytes; must be 1..16384 (max_data_chunk_bytes)"),
+        "bad checksum": ([*chunks[:-1], pb.WriteBlocksChunk(**{**_fields(chunks[-1]), "checksum": 12345})],
+                         "chunks[5].checksum: 0x0000000000003039 does not match block 2's bytes"),
+        "no checksum": ([*chunks[:-1], pb.WriteBlocksChunk(**{k: v for k, v in _fields(chunks[-1]).items()
+                                                            if k != "checksum"})],
+                        "chunks[5].checksum: required on the chunk that completes block 2"),
+        "unknown block": (_chunks("w", 16, pattern(2)), "chunks[3].block_id: 16 is out of range [1, 16)"),
+        "null block": (_chunks("w", 0, pattern(2)), "chunks[3].block_id: 0 is out of range [1, 16) (0 is the null block)"),
+        "group out of range": (_chunks("w", 2, pattern(2), group_idx=1), "chunks[3].group_idx: 1 is out of range [0, 1)"),
+        "gap": ([chunks[0], chunks[2]], "chunks[4].offset_bytes: 32768, expected 16384"),
+        "interleaved": ([chunks[0], *_chunks("w", 3, pattern(3))], "chunks[4]: block 3 (group 0) starts before block 2"),
+        "no request id": (_chunks("", 2, pattern(2)), "chunks[3].request_id: must be set"),
+    }[case]
+    before = {b: running.tensors.block_view(0, b)[0].clone() for b in (2, 3)}
+    code, message = await code_and_message(_raw_write(client, good + expected[0]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(expected[1]), message
+    assert running.tensors.block_view(0, 1)[0].view(torch.uint8).flatten().numpy().tobytes() == pattern(1)
+    for b, tensor in before.items():
+        assert torch.equal(running.tensors.block_view(0, b)[0], tensor), f"block {b} changed"
+
+
+def _fields(chunk: pb.WriteBlocksChunk) -> dict:
+    return {f.name: v for f, v in chunk.ListFields()}
+
+
+# -- ReadBlocks ------------------------------------------------------------------------------------
+
+
+async def test_read_by_hash_of_an_uncached_block_is_not_found_naming_the_hash(start_kv_server, connect):
+    client = await connect(await start_kv_server(**CPU))
+    digest = BlockHasher(4).hash_prompt([5, 6, 7, 8])[0]
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_id=1), block_ref(0, block_hash=digest)])) == (
+        grpc.StatusCode.NOT_FOUND, f"blocks[1].block_hash: {digest.hex()} is not cached in group 0"
+    )
+
+
+async def test_read_by_hash_of_a_block_still_being_computed_is_refused(start_kv_server, connect):
+    client = await connect(await start_kv_server(**CPU))
+    await admit(client, "w", PROMPT)
+    digest = BlockHasher(4).hash_prompt(PROMPT)[0]
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_hash=digest)])) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"blocks[0].block_hash: {digest.hex()} is block 1, which request 'w' is still computing (it may still write it)",
+    )
+
+
+@pytest.mark.parametrize("ref, message", [
+    (pb.BlockRef(group_idx=1, block_id=1), "blocks[0].group_idx: 1 is out of range [0, 1)"),
+    (pb.BlockRef(group_idx=0, block_id=16), "blocks[0].block_id: 16 is out of range [0, 16)"),
+    (pb.BlockRef(group_idx=0), "blocks[0]: set block_id or block_hash"),
+])
+async def test_a_bad_block_ref_is_invalid_argument(start_kv_server, connect, ref, message):
+    client = await connect(await start_kv_server(**CPU))
+    assert await code_and_message(aread_blocks(client, [ref])) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+async def test_a_block_evicted_and_reused_while_its_read_streams_is_reported_evicted(start_kv_server, connect):
+    """Deterministic: the read's writer evicts the block after the first chunk (the event loop runs
+    other calls exactly there, between two chunks)."""
+    running = await start_kv_server(**CPU, data_chunk_bytes=4096)
+    client = await connect(running)
+    await admit(client, "a", PROMPT)
+    await awrite_blocks(client, "a", [(0, b, pattern(b)) for b in (1, 2, 3)])
+    await client.free("a")
+    digest = BlockHasher(4).hash_prompt(PROMPT)[0]
+    servicer = running.servicer
+    sent: list[pb.ReadBlocksChunk] = []
+
+    async def write(chunk: pb.ReadBlocksChunk) -> None:
+        sent.append(chunk)
+        if len(sent) == 1:  # evict every cached block: "b" takes the whole pool (60 tokens = 15 blocks)
+            servicer._get_computed_blocks(pb.GetComputedBlocksRequest(request_id="b", prompt_token_ids=range(100, 160)))
+            servicer._allocate_slots(pb.AllocateSlotsRequest(request_id="b", num_new_tokens=60))
+            assert running.engine.manager.block_pool.blocks[1].block_hash != digest
+
+    await servicer.data_plane.read_blocks(pb.ReadBlocksRequest(blocks=[block_ref(0, block_hash=digest)]), write)
+    assert [(c.block_id, c.offset_bytes, len(c.data), c.evicted, c.HasField("checksum")) for c in sent] == [
+        (1, 0, 4096, False, False), (1, 4096, 0, True, False)
+    ]
+    assert sent[0].data == pattern(1)[:4096]
+
+
+async def test_read_blocks_streams_in_chunks_with_the_checksum_on_the_last(start_kv_server, connect):
+    running = await start_kv_server(**CPU, data_chunk_bytes=16384)
+    client = await connect(running)
+    await admit(client, "w", PROMPT)
+    await awrite_blocks(client, "w", [(0, 1, pattern(1))])
+    chunks = [c async for c in client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=[block_ref(0, block_id=1)]))]
+    assert [(c.offset_bytes, len(c.data), c.HasField("checksum")) for c in chunks] == [
+        (0, 16384, False), (16384, 16384, False), (32768, 16384, True)
+    ]
+    assert chunks[-1].checksum == block_checksum(pattern(1))
+
+
+def test_importing_the_client_does_not_import_torch():
+    code = ("import sys, kvservice_client, kvservice_client.client, kvservice_client.data, kvservice_client.watcher; "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "False"
+
+
+# -- CUDA IPC ------------------------------------------------------------------------------------
+
+
+def test_cuda_ipc_fields_go_through_the_proto_to_rebuild_cuda_tensor(monkeypatch):
+    """The CUDA code path without a device: torch's reduction output travels through
+    KVCacheStorage into rebuild_cuda_tensor's arguments unchanged."""
+    import torch.multiprocessing.reductions as reductions
+
+    from kvservice.server import data_plane
+    from kvservice_client import torch_view
+
+    args = (torch.Tensor, (1024,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, b"ipc-handle", 1024, 256,
+            False, b"/torch_123_ref", 8, b"event-handle", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda tensor: (reductions.rebuild_cuda_tensor, args))
+    fields = data_plane._cuda_storage_fields(torch.empty(0, dtype=torch.uint8))
+    storage = pb.KVCacheStorage(storage_idx=0, **fields)
+    assert storage == pb.KVCacheStorage(
+        storage_idx=0, size_bytes=1024, cuda_ipc_handle=b"ipc-handle", cuda_device=3, cuda_storage_offset_bytes=256,
+        cuda_ref_counter_handle=b"/torch_123_ref", cuda_ref_counter_offset=8, cuda_event_handle=b"event-handle",
+        cuda_event_sync_required=True,
+    )
+    seen = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: seen.append(a) or torch.zeros(1024, dtype=torch.uint8))
+    torch_view._map_storage(pb.KVCacheStorage.FromString(storage.SerializeToString()), "cuda:3")
+    assert seen == [(torch.Tensor, (1024,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, b"ipc-handle", 1024,
+                     256, False, b"/torch_123_ref", 8, b"event-handle", True)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_second_process_attaches_over_cuda_ipc(start_kv_server, connect):
+    running = await start_kv_server(device="cuda")
+    client = await connect(running)
+    block_id = (await admit(client, "w", PROMPT)).new_block_ids[0].block_ids[0]
+    script = textwrap.dedent(f"""
+        import torch
+        from kvservice_client.client import KVCacheClient
+        from kvservice_client.torch_view import attach
+        with KVCacheClient({running.address!r}, timeout=30.0) as client:
+            view = attach(client)
+            [tensor] = view.block_view(0, {block_id})
+            assert tensor.is_cuda
+            tensor.fill_(5.0)
+            torch.cuda.synchronize()
+            print(view.device)
+    """)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == str(running.tensors.device)
+    expected = torch.full(running.tensors.block_view(0, block_id)[0].shape, 5.0, dtype=torch.bfloat16)
+    [block] = await aread_blocks(client, [block_ref(0, block_id=block_id)])
+    assert block.data == expected.view(torch.uint8).flatten().numpy().tobytes()
+
+
+async def test_reflection_lists_the_data_plane_rpcs(kv_server):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    def methods() -> set[str]:
+        with grpc.insecure_channel(kv_server.address) as channel:
+            pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+            return {m.name for m in pool.FindServiceByName("kvservice.v1.KVCacheService").methods}
+
+    assert {"AttachKVCache", "ReadBlocks", "WriteBlocks"} <= await asyncio.to_thread(methods)
+
+
+def _non_loopback_address() -> str | None:
+    """An IPv4 address of this host that is not loopback, if it has one."""
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((a for a in out.split() if "." in a and not a.startswith("127.")), None)
+
+
+async def test_with_auth_off_attach_from_a_non_loopback_peer_is_refused(start_kv_server):
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    running = await start_kv_server(host="0.0.0.0", allow_insecure_bind=True, **CPU)
+    async with AsyncKVCacheClient(f"{address}:{running.port}", timeout=10.0) as client:
+        code, message = await code_and_message(aattach_kv_cache(client))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert message.startswith(f"AttachKVCache: with auth off only loopback or Unix-socket peers may attach; peer is ipv4:{address}:")
+        await client.get_usage()  # the rest of the service answers as before
+    async with AsyncKVCacheClient(f"127.0.0.1:{running.port}", timeout=10.0) as client:
+        assert (await aattach_kv_cache(client)).epoch == running.event_log.epoch
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"data_chunk_bytes": 4095}, "data_chunk_bytes must be in 4096..max_message_bytes - 65536 (67043328) bytes; got 4095"),
+    ({"data_chunk_bytes": 64 << 20}, "data_chunk_bytes must be in 4096..max_message_bytes - 65536"),
+    ({"uds": " "}, "uds must be a socket path"),
+])
+def test_data_plane_settings_are_checked(settings, message):
+    from kvservice.server.app import ServerConfig
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ServerConfig(**settings)
+
+
+async def test_uds_refuses_to_replace_a_file_that_is_not_a_socket(start_kv_server, tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not a socket"):
+        await start_kv_server(uds=str(path))
+    assert path.read_text() == "keep me"
+
+
+async def test_a_request_freed_while_its_block_streams_in_gets_nothing_written(start_kv_server, connect):
+    """Deterministic: the chunk source frees the request between the block's two chunks; the write
+    permission is checked again before the copy."""
+    from kvservice.server.data_plane import DataPlaneError
+
+    running = await start_kv_server(**CPU, data_chunk_bytes=32768)
+    client = await connect(running)
+    await admit(client, "w", PROMPT)
+    before = running.tensors.block_view(0, 1)[0].clone()
+    first, second = _chunks("w", 1, pattern(1), 32768)
+
+    async def chunks():
+        yield first
+        running.servicer._free(pb.FreeRequest(request_id="w"))
+        yield second
+
+    with pytest.raises(DataPlaneError) as err:
+        await running.servicer.data_plane.write_blocks(chunks())
+    assert (err.value.code, str(err.value)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "block 1 (group 0): request 'w' is not running (unknown, waiting or freed); nothing was written",
+    )
+    assert torch.equal(running.tensors.block_view(0, 1)[0], before)

@@ -11,18 +11,19 @@ from typing import Any
 import click
 
 from kvservice.core.kv_cache_spec import PRESETS
-from kvservice_client.hashing import HASH_ALGORITHMS
 
 __all__ = ["main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--log-level", default="WARNING", show_default=True, help="Python logging level.",
+@click.option("--log-level", default=None, help="Python logging level [WARNING]; `serve --log-level` too.",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False))
-def main(log_level: str) -> None:
+@click.pass_context
+def main(ctx: click.Context, log_level: str | None) -> None:
     """kvservice: a KV-cache control service (vLLM-style prefix caching over gRPC)."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own INFO lines (GOAWAY...) are noise here
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx.obj = {"log_level": log_level}
+    logging.basicConfig(level=(log_level or "WARNING").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _positive_finite(param: click.Parameter, value: float) -> float:
@@ -33,70 +34,28 @@ def _positive_finite(param: click.Parameter, value: float) -> float:
     return value
 
 
+def _server_option(row: Any) -> Any:
+    """The ``kvservice serve`` option of one setting (a row of ``settings_table()``)."""
+    kwargs: dict[str, Any] = {"help": row.help, "default": None}
+    if row.type == "bool":
+        return click.option(f"{row.option}/--no-{row.option[2:]}", row.flat, **kwargs)
+    if row.meta.path:
+        kwargs["type"] = click.Path(exists=True, dir_okay=False)
+    elif row.meta.choices is not None:
+        kwargs["type"] = click.Choice(list(row.meta.choices), case_sensitive=row.flat != "log_level")
+    elif row.type in ("int", "float"):
+        kwargs["type"] = {"int": click.INT, "float": click.FLOAT}[row.type]
+    return click.option(row.option, row.flat, **kwargs)
+
+
 def _server_options(func: Any) -> Any:
-    options = [
-        click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="TOML file of settings (keys as the flags, with _)."),
-        click.option("--host", help="Address to bind [127.0.0.1]."),
-        click.option("--port", type=int, help="Port to bind; 0 picks a free one [50051]."),
-        click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Model KV layout [llama-3-8b]."),
-        click.option("--block-size", type=int, help="Tokens per block [the preset's]."),
-        click.option("--num-blocks", type=int, help="Blocks in the pool [from the memory budget]."),
-        click.option("--kv-cache-memory", help="KV tensor budget in bytes, e.g. 512MiB [1GiB on CPU]."),
-        click.option("--gpu-memory-utilization", type=float, help="Fraction of free CUDA memory for KV [0.9 on CUDA]."),
-        click.option("--device", help="auto | cpu | cuda[:N] | meta (shapes only) [auto]."),
-        click.option("--max-model-len", type=int, help="Longest request in tokens [the preset's]."),
-        click.option("--hash-algorithm", type=click.Choice(HASH_ALGORITHMS), help="Block-hash rule [sha256_cbor]."),
-        click.option("--hash-seed", help="Root seed of the block hashes [vllm-none-hash]."),
-        click.option("--block-hash-format", type=click.Choice(["int64", "digest"]), help="Hashes on events [int64]."),
-        click.option("--data-parallel-rank", type=int, help="Rank copied onto every event batch."),
-        click.option("--event-max-batches", type=int, help="Event batches retained for replay [100000]."),
-        click.option("--event-max-bytes", help="Event bytes retained for replay [256MiB]."),
-        click.option("--max-subscriber-lag", type=int, help="Batches a subscriber may fall behind [10000]."),
-        click.option("--check-invariants/--no-check-invariants", default=None,
-                     help="Debug: check the cache's invariants after every mutating call (slow) [off]."),
-        # -- auth options --
-        click.option("--tls-cert-file", type=click.Path(exists=True, dir_okay=False),
-                     help="Server TLS certificate chain, PEM (with --tls-key-file) [plain text]."),
-        click.option("--tls-key-file", type=click.Path(exists=True, dir_okay=False),
-                     help="Server TLS private key, PEM, unencrypted."),
-        click.option("--tls-client-ca-file", type=click.Path(exists=True, dir_okay=False),
-                     help="CA certificates, PEM: require client certificates signed by them (mutual TLS)."),
-        click.option("--auth-tokens-file", type=click.Path(exists=True, dir_okay=False),
-                     help="TOML file of bearer tokens with roles scheduler/watcher [no tokens]."),
-        click.option("--allow-insecure-bind", is_flag=True, default=None,
-                     help="Bind a non-loopback host with neither TLS nor tokens, or a ZMQ endpoint off loopback "
-                          "(no auth there at all; refused otherwise)."),
-        # -- limits and request lifetime options --
-        click.option("--max-num-requests", type=int, help="Registered requests at once [65536]."),
-        click.option("--max-step-ops", type=int, help="Ops per Step [4096]."),
-        click.option("--max-step-tokens", type=int,
-                     help="Tokens per Step, prompt + new over all ops [1048576]."),
-        click.option("--max-message-bytes", help="Largest gRPC message, e.g. 64MiB [64MiB]."),
-        click.option("--max-streams", type=int, help="Open StreamEvents subscriptions [1024]."),
-        click.option("--max-consumers", type=int, help="Named TakeEvents consumers [1024]."),
-        click.option("--consumer-idle-timeout-s", type=float,
-                     help="Drop a TakeEvents consumer that has not taken for this long, seconds [3600]."),
-        click.option("--request-idle-timeout-s", type=float,
-                     help="Free a request not called for this long, seconds [off]."),
-        # -- ZMQ publisher options --
-        click.option("--zmq-endpoint", help="Publish KV events vLLM-style on this ZMQ PUB endpoint, e.g. tcp://*:5557 (bound; off loopback needs --allow-insecure-bind; tcp://host:port connects) [off]."),
-        click.option("--zmq-replay-endpoint", help="ZMQ ROUTER endpoint answering vLLM replay requests, always bound, e.g. tcp://*:5558 (off loopback needs --allow-insecure-bind) [off]."),
-        click.option("--zmq-topic", help="Topic frame of every ZMQ message [\"\"]."),
-        click.option("--zmq-hwm", type=int, help="ZMQ PUB high-water mark, messages per subscriber [100000]."),
-        # -- NATS JetStream options --
-        click.option("--nats-url", help="Publish KV events to NATS JetStream at this URL, e.g. nats://nats:4222 (comma-separated for several) [off]."),
-        click.option("--nats-subject-prefix", help="Subjects are <prefix>.<instance>; the stream takes <prefix>.> [kvservice.events]."),
-        click.option("--nats-stream", help="JetStream stream, created or updated at start [KVSERVICE_EVENTS]."),
-        click.option("--nats-instance", help="This server's subject token, [A-Za-z0-9_-]+ [<hostname>-<port>]."),
-        click.option("--nats-max-age-s", type=float, help="Stream retention by age, seconds; 0 = no limit [3600]."),
-        click.option("--nats-max-msgs", type=int, help="Stream retention by count, messages; 0 = no limit [0]."),
-        click.option("--nats-max-bytes", help="Stream retention by size, e.g. 1GiB; 0 = no limit [1GiB]."),
-        click.option("--nats-duplicate-window-s", type=float, help="Seconds a re-published batch (same Nats-Msg-Id) is dropped [120]."),
-        click.option("--nats-max-pending-batches", type=int, help="Batches queued while NATS is away before new ones are dropped [10000]."),
-        # -- metrics options --
-        click.option("--metrics-port", type=int, help="Prometheus metrics HTTP port; 0 picks a free one [off]."),
-        click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
-    ]
+    """Every setting of ``kvservice.server.settings`` as an option (generated from the table, so
+    a setting added there is an option here), and ``--config``."""
+    from kvservice.server.settings import settings_table
+
+    options = [click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+                            help="TOML file of settings (keys as the flags, with _ or -).")]
+    options += [_server_option(row) for row in settings_table().values()]
     for option in reversed(options):
         func = option(func)
     return func
@@ -104,12 +63,16 @@ def _server_options(func: Any) -> Any:
 
 @main.command()
 @_server_options
-def serve(config_file: str | None, **flags: Any) -> None:
+@click.pass_context
+def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
     """Run the service until SIGTERM/SIGINT (flags > KVSERVICE_* env > --config file > defaults)."""
     from kvservice.server.app import load_config, run_server
 
+    if flags.get("log_level") is None:  # `kvservice --log-level X serve` as well as `serve --log-level X`
+        flags["log_level"] = (ctx.obj or {}).get("log_level")
     try:
         config = load_config(config_file, **flags)
+        logging.getLogger().setLevel(config.logging.log_level.upper())
         asyncio.run(run_server(config))
     except (ValueError, MemoryError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None

@@ -38,9 +38,9 @@ from kvservice.memory import (
 )
 from kvservice.server.auth import build_auth, is_loopback_host
 from kvservice.server.event_log import EventLog
-from kvservice.server.nats_sink import start_nats_sink
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
+from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, start_sinks
 from kvservice.server.settings import (
     SECTIONS,
     AuthSettings,
@@ -236,13 +236,25 @@ class RunningServer:
     the metrics endpoint."""
     reaper: RequestReaper | None = field(default=None, repr=False)
     """The request reaper (with ``request_idle_timeout_s``; None without)."""
-    zmq_publisher: Any = field(default=None, repr=False)
-    """The ZMQ event publisher (``kvservice.server.zmq_publisher.ZmqEventPublisher`` with
-    ``zmq_endpoint``; None without)."""
-    nats_sink: Any = field(default=None, repr=False)
-    """The NATS JetStream sink (``kvservice.server.nats_sink.NatsJetStreamSink`` with ``nats_url``;
-    None without)."""
+    sinks: dict[str, EventSink] = field(default_factory=dict, repr=False)
+    """The started event sinks by kind ("zmq", "nats"; see ``kvservice.server.sinks``)."""
     _stopped: bool = field(default=False, repr=False)
+
+    def sink(self, kind: str) -> EventSink:
+        """The started sink of ``kind``, or a :class:`~kvservice.server.sinks.NullEventSink`."""
+        return self.sinks.get(kind) or NullEventSink()
+
+    @property
+    def zmq_publisher(self) -> Any:
+        """The ZMQ sink (``kvservice.server.zmq_publisher.ZmqEventPublisher``; None without
+        ``zmq_endpoint``)."""
+        return self.sinks.get("zmq")
+
+    @property
+    def nats_sink(self) -> Any:
+        """The NATS JetStream sink (``kvservice.server.nats_sink.NatsJetStreamSink``; None without
+        ``nats_url``)."""
+        return self.sinks.get("nats")
 
     @property
     def metrics_port(self) -> int | None:
@@ -458,28 +470,22 @@ def _start_reaper(running: RunningServer) -> None:
 
 
 async def _start_sinks(running: RunningServer) -> None:
-    """Start the event sinks the config turns on (ZMQ, NATS JetStream); a failure stops the server."""
+    """Start the event sinks the config turns on (:data:`kvservice.server.sinks.SINKS`); a
+    failure stops the server."""
     config = running.config
+    ctx = SinkContext(running.event_log, running.port, config.auth.allow_insecure_bind)
     try:
-        if config.zmq.endpoint is not None:
-            from kvservice.server.zmq_publisher import ZmqEventPublisher
-
-            zmq = config.zmq
-            running.zmq_publisher = await ZmqEventPublisher.start(
-                running.event_log, endpoint=zmq.endpoint, replay_endpoint=zmq.replay_endpoint,
-                topic=zmq.topic or "", hwm=zmq.hwm, allow_insecure_bind=config.auth.allow_insecure_bind,
-            )
-            running.closers.append(running.zmq_publisher.close)
-            running.notes.append(running.zmq_publisher.describe())
-            running.notes.extend(running.zmq_publisher.notes)
-        if config.nats.url is not None:
-            running.nats_sink = await start_nats_sink(running.event_log, config.nats, port=running.port)
-            running.closers.append(running.nats_sink.close)
-            running.config = running.config.replace(nats_instance=running.nats_sink.config.instance)
-            running.notes.append(running.nats_sink.describe())
+        started = await start_sinks({section.name: getattr(config, section.name) for section in SECTIONS}, ctx)
     except BaseException:
         await running.stop(0)
         raise
+    for name, done in started.items():
+        running.sinks[name] = done.sink
+        running.closers.append(done.sink.close)
+        running.notes.append(done.sink.describe())
+        running.notes.extend(done.sink.notes)
+        if done.resolved:
+            running.config = running.config.replace(**done.resolved)
 
 
 async def start_server(config: ServerConfig | None = None, **overrides: Any) -> RunningServer:

@@ -224,6 +224,7 @@ class NatsJetStreamSink:
         self._progress = asyncio.Event()  # set whenever the queue shrinks
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self.notes: list[str] = []  # start-banner lines besides describe() (EventSink)
         self.num_published = 0
         self.num_duplicates = 0
         self.num_retries = 0
@@ -245,7 +246,7 @@ class NatsJetStreamSink:
         """
         nats = import_nats()
         sink = cls(event_log, config, nats)
-        event_log.add_listener(sink.enqueue)
+        event_log.add_listener(sink.publish)
         if event_log.head_seq:
             for entry in event_log.entries_from(event_log.oldest_seq):
                 sink.enqueue(entry)
@@ -292,6 +293,9 @@ class NatsJetStreamSink:
         self._pending.append((entry, self._dropped))
         self._dropped = None
         self._wakeup.set()
+
+    publish = enqueue
+    """:meth:`kvservice.server.sinks.EventSink.publish`: :meth:`enqueue`."""
 
     def _drop(self, seq: int, why: str) -> None:
         self.num_dropped += 1

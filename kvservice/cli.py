@@ -15,7 +15,18 @@ from kvservice.core.kv_cache_spec import PRESETS
 __all__ = ["main"]
 
 
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from kvservice.server.build_info import describe_version
+
+    click.echo(describe_version())
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the version and build (git commit, Python, grpcio, protobuf) and exit.")
 @click.option("--log-level", default=None, help="Python logging level [WARNING]; `serve --log-level` too.",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False))
 @click.pass_context

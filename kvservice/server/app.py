@@ -329,6 +329,7 @@ class _Core:
     event_log: EventLog
     servicer: KVCacheServicer
     notes: list[str]
+    metrics: Any = None
 
 
 def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, list[str]]:
@@ -407,6 +408,7 @@ def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[
     from kvservice.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(core.engine, core.event_log)
+    core.metrics = metrics
     # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
     interceptors.insert(0, metrics.interceptor)
     port = metrics.start_http_server(settings.host, settings.port)
@@ -525,6 +527,8 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     )
     _start_reaper(running)
     await _start_sinks(running)
+    if core.metrics is not None:
+        core.metrics.sinks = running.sinks
     return running
 
 

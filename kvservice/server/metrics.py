@@ -25,16 +25,25 @@ import concurrent.futures
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    Info,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvservice.core.engine import KVCacheEngine
+from kvservice.server.build_info import build_info
 from kvservice.server.event_log import EventLog, LogEntry
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -113,6 +122,11 @@ class ServerMetrics:
             ["service", "method", "code"], buckets=RPC_LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.registry.register(_StateCollector(self))
+        self.sinks: Mapping[str, Any] = {}
+        """The server's event sinks by kind (set once they started; read at scrape)."""
+        self.registry.register(_SinkCollector(self))
+        Info("kvservice_build", "The server's version and build (labels; the value is 1).",
+             registry=self.registry).info(build_info())
         ProcessCollector(registry=self.registry)  # process_*: CPU seconds, resident memory, open fds
         GCCollector(registry=self.registry)  # python_gc_*
         self.interceptor = MetricsInterceptor(self.record_rpc)
@@ -227,6 +241,37 @@ class ServerMetrics:
             return
         await asyncio.to_thread(httpd.shutdown)
         httpd.server_close()
+
+
+SINK_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("kvservice_event_sink_published", "counter", "num_published",
+     "Event batches a sink published (NATS: acked as stored), by sink."),
+    ("kvservice_event_sink_dropped", "counter", "num_dropped",
+     "Event batches a sink dropped (watchers see the seq gap and resync), by sink."),
+    ("kvservice_event_sink_pending", "gauge", "num_pending", "Event batches queued in a sink, not yet published."),
+    ("kvservice_event_sink_retries", "counter", "num_retries", "Publishes that failed and were retried, by sink."),
+    ("kvservice_event_sink_reconnects", "counter", "num_reconnects", "Reconnects of a sink's client, by sink."),
+    ("kvservice_event_sink_replays", "counter", "num_replays", "Replay requests answered (ZMQ), by sink."),
+)
+"""(metric, type, sink attribute, help): a sink without the attribute has no sample."""
+
+
+class _SinkCollector(Collector):
+    """The event sinks' counters (``kvservice.server.sinks``), read when scraped."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per :data:`SINK_METRICS` row, a sample per sink that has the attribute."""
+        sinks = dict(self._metrics.sinks)
+        for name, kind, attr, doc in SINK_METRICS:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["sink"])
+            for sink_name, sink in sinks.items():
+                value = getattr(sink, attr, None)
+                if isinstance(value, int):
+                    family.add_metric([sink_name], value)
+            yield family
 
 
 class _StateCollector(Collector):

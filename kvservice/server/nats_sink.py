@@ -228,6 +228,7 @@ class NatsJetStreamSink:
         self.num_published = 0
         self.num_duplicates = 0
         self.num_retries = 0
+        self.num_reconnects = 0
         self.num_dropped = 0
         self.last_published_seq = 0
 
@@ -413,6 +414,7 @@ class NatsJetStreamSink:
                 logger.warning("NATS sink: disconnected from %s; reconnecting", servers)
 
         async def on_reconnected() -> None:
+            self.num_reconnects += 1
             logger.warning("NATS sink: reconnected to %s", redact_url(self._nc.connected_url if self._nc else None))
 
         servers = redact_url(",".join(c.servers))  # never log or print the password or token

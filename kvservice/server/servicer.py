@@ -35,6 +35,7 @@ from kvservice.core.errors import (
     ShuttingDownError,
 )
 from kvservice.core.request import KVCacheReportMode
+from kvservice.server.build_info import build_info
 from kvservice.server.event_log import EventLog, Subscriber
 from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
@@ -412,8 +413,8 @@ class KVCacheServicer:
         return response
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
-        """Echo the payload."""
-        return pb.PingResponse(payload=request.payload)
+        """Echo the payload, with the server's build info."""
+        return pb.PingResponse(payload=request.payload, build_info=self.metadata.build_info)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -475,6 +476,7 @@ def build_metadata_response(
         medium=meta.medium,
         max_model_len=engine.max_model_len,
         preset=preset,
+        build_info=pb.BuildInfo(**build_info()),
     )
     if data_parallel_rank is not None:
         response.data_parallel_rank = data_parallel_rank

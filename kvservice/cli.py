@@ -50,13 +50,14 @@ def _server_option(row: Any) -> Any:
     kwargs: dict[str, Any] = {"help": row.help, "default": None}
     if row.type == "bool":
         return click.option(f"{row.option}/--no-{row.option[2:]}", row.flat, **kwargs)
+    names = [row.option, *row.alias_options, row.flat]
     if row.meta.path:
         kwargs["type"] = click.Path(exists=True, dir_okay=False)
     elif row.meta.choices is not None:
         kwargs["type"] = click.Choice(list(row.meta.choices), case_sensitive=row.flat != "log_level")
     elif row.type in ("int", "float"):
         kwargs["type"] = {"int": click.INT, "float": click.FLOAT}[row.type]
-    return click.option(row.option, row.flat, **kwargs)
+    return click.option(*names, **kwargs)
 
 
 def _server_options(func: Any) -> Any:

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from kvservice.server.auth import build_auth, is_loopback_host
 from kvservice.server.event_log import EventLog
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
+from kvservice.server.probes import ProbePort
 from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, start_sinks
 from kvservice.server.settings import (
     SECTIONS,
@@ -53,6 +55,7 @@ from kvservice.server.settings import (
     NatsSettings,
     ZmqSettings,
     parse_bytes,
+    setting_aliases,
     settings_table,
 )
 from kvservice.server.zmq_publisher import check_endpoint_exposure
@@ -110,11 +113,11 @@ class ServerConfig:
     logging: LoggingSettings
 
     def __init__(self, **values: Any) -> None:
-        table = settings_table()
+        table, aliases = settings_table(), setting_aliases()
         given = {section.name: values.pop(section.name, None) for section in SECTIONS}
         changes: dict[str, dict[str, Any]] = {}
         for flat, value in values.items():
-            row = table.get(flat)
+            row = table.get(aliases.get(flat, flat))
             if row is None:
                 raise TypeError(f"ServerConfig got an unknown setting {flat!r}")
             changes.setdefault(row.section, {})[row.attr] = value
@@ -132,7 +135,7 @@ class ServerConfig:
         )
 
     def __getattr__(self, name: str) -> Any:
-        row = settings_table().get(name)
+        row = settings_table().get(setting_aliases().get(name, name))
         if row is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(getattr(self, row.section), row.attr)
@@ -165,10 +168,11 @@ def load_config(
         ValueError: an unknown key (file or override) or a bad value, naming its source and the
             setting.
     """
-    table = settings_table()
+    table, aliases = settings_table(), setting_aliases()
     values: dict[str, Any] = {}
 
     def put(key: str, value: Any, source: str) -> None:
+        key = aliases.get(key, key)
         try:
             values[key] = table[key].parse(value)
         except ValueError as e:
@@ -183,9 +187,10 @@ def load_config(
         data = data.get("kvservice", data)
         for key, value in data.items():
             key = key.replace("-", "_")
-            if key not in table:
+            if key not in table and key not in aliases:
                 raise ValueError(f"{config_file}: unknown key {key!r}")
             put(key, value, str(config_file))
+            key = aliases.get(key, key)
             if key.endswith("_file") and isinstance(values[key], str) and not os.path.isabs(values[key]):
                 # A path in a config file is relative to that file, not to where the server starts.
                 values[key] = str(Path(config_file).resolve().parent / values[key])
@@ -194,14 +199,14 @@ def load_config(
         if not env_key.startswith("KVSERVICE_"):
             continue
         key = env_key[len("KVSERVICE_"):].lower()
-        if key in table:
+        if key in table or key in aliases:
             put(key, value, env_key)
         elif env_key not in OTHER_ENV_VARS:
             near = difflib.get_close_matches(key, list(table), n=1)
             hint = f" (did you mean KVSERVICE_{near[0].upper()}?)" if near else ""
             logger.warning("ignoring %s: no setting is called %s%s", env_key, key, hint)
     for key, value in overrides.items():
-        if key not in table:
+        if key not in table and key not in aliases:
             raise ValueError(f"unknown setting {key!r}")
         if value is not None:
             put(key, value, f"--{key.replace('_', '-')}")
@@ -236,6 +241,10 @@ class RunningServer:
     the metrics endpoint."""
     reaper: RequestReaper | None = field(default=None, repr=False)
     """The request reaper (with ``request_idle_timeout_s``; None without)."""
+    probes: ProbePort = field(default_factory=ProbePort, repr=False)
+    """The probe ports (``health_port``, ``health_http_port``; unbound when off)."""
+    stop_timeline: list[tuple[str, float]] = field(default_factory=list, repr=False)
+    """(step, ``time.monotonic()``) of each step of :meth:`stop`, in order."""
     sinks: dict[str, EventSink] = field(default_factory=dict, repr=False)
     """The started event sinks by kind ("zmq", "nats"; see ``kvservice.server.sinks``)."""
     _stopped: bool = field(default=False, repr=False)
@@ -277,24 +286,47 @@ class RunningServer:
             + "".join(f"\nnote: {note}" for note in self.notes)
         )
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Stop gracefully: mark NOT_SERVING, end open streams with UNAVAILABLE naming their last
-        seq, then let calls in flight finish for ``grace`` seconds."""
+    async def stop(self, grace: float | None = None, *, drain_delay_s: float = 0.0) -> None:
+        """Stop gracefully, in this order (each step's ``time.monotonic()`` goes into
+        :attr:`stop_timeline`):
+
+        1. ``not_serving``: health (main and probe ports) says NOT_SERVING, ``/readyz`` 503;
+        2. ``drained``: after ``drain_delay_s`` seconds in which the port still serves as before
+           (load balancers take the server out meanwhile);
+        3. ``streams_ended``: open streams end with UNAVAILABLE naming their last seq;
+        4. ``stopped``: calls in flight finish, within ``grace`` seconds (default
+           ``shutdown_grace_s``) of step 2 (streams get at least 1 s to end with their status);
+           then the sinks, the reaper and the metrics endpoint close;
+        5. ``probes_closed``: the probe ports close last.
+        """
         if self._stopped:
             return
         self._stopped = True
-        grace = self.config.grace_seconds if grace is None else grace
+        grace = self.config.bind.shutdown_grace_s if grace is None else grace
+        self.probes.ready = False
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
+        self._mark("not_serving")
+        if drain_delay_s > 0:
+            await asyncio.sleep(drain_delay_s)
+        self._mark("drained")
+        started = time.monotonic()
         self.event_log.close()
         # Let each open stream end with its UNAVAILABLE status before the server cancels calls.
         await self.event_log.wait_drained(max(grace, 1.0))
-        await self.server.stop(grace)
+        self._mark("streams_ended")
+        await self.server.stop(max(0.0, grace - (time.monotonic() - started)))
         for close in reversed(self.closers):
             try:
                 await close()
             except Exception:
                 logger.exception("closing %r failed", close)
+        self._mark("stopped")
+        await self.probes.close()
+        self._mark("probes_closed")
+
+    def _mark(self, step: str) -> None:
+        self.stop_timeline.append((step, time.monotonic()))
 
 
 def _kind_name(kind: int) -> str:
@@ -460,6 +492,24 @@ async def _bind(
     return server, health, bind.rsplit(":", 1)[0] + f":{bound}"
 
 
+async def _start_probes(running: RunningServer) -> None:
+    """Bind the probe ports (``health_port``, ``health_http_port``) when set; bound ports go into
+    the config. A failure stops the server."""
+    bind = running.config.bind
+    if bind.health_port is None and bind.health_http_port is None:
+        return
+    try:
+        running.probes = await ProbePort.start(
+            running.health, bind.health_host or bind.host, bind.health_port, bind.health_http_port
+        )
+    except BaseException:
+        await running.stop(0)
+        raise
+    running.config = running.config.replace(health_port=running.probes.grpc_port,
+                                            health_http_port=running.probes.http_port)
+    running.notes.append(running.probes.describe())
+
+
 def _start_reaper(running: RunningServer) -> None:
     """Free requests not called for ``request_idle_timeout_s`` (when set)."""
     timeout_s = running.config.limits.request_idle_timeout_s
@@ -525,6 +575,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         address, core.config.port, server, core.engine, core.event_log, core.servicer, core.tensors, core.config,
         health, notes=core.notes, closers=closers,
     )
+    await _start_probes(running)
     _start_reaper(running)
     await _start_sinks(running)
     if core.metrics is not None:
@@ -551,8 +602,10 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     if ready is not None:
         ready(running)
     await stop.wait()
-    print("kvservice: stopping (graceful)", flush=True)
+    bind = running.config.bind
+    print(f"kvservice: stopping (graceful: NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
+          f"{bind.shutdown_grace_s:g} s)", flush=True)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)
-    await running.stop()
+    await running.stop(drain_delay_s=bind.drain_delay_s)

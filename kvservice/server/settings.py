@@ -90,6 +90,7 @@ __all__ = [
     "parse_bytes",
     "positive",
     "setting",
+    "setting_aliases",
     "settings_table",
 ]
 
@@ -108,7 +109,7 @@ class Setting:
     path: bool = False
     choices: Sequence[str] | None = None
     default_text: str | None = None
-    env: bool = True
+    aliases: tuple[str, ...] = ()
 
 
 def setting(
@@ -122,9 +123,10 @@ def setting(
     choices: Sequence[str] | None = None,
     default_text: str | None = None,
     secret: bool = False,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """A section field carrying its :class:`Setting` (a ``dataclasses.field``)."""
-    meta = Setting(help, flat, check, parse, path, choices, default_text)
+    meta = Setting(help, flat, check, parse, path, choices, default_text, aliases)
     return field(default=default, repr=not secret, metadata={"setting": meta})
 
 
@@ -199,19 +201,33 @@ class _Section:
 
 @dataclass(frozen=True)
 class BindSettings(_Section):
-    """Where the gRPC port listens, and how a graceful stop goes.
+    """Where the gRPC port and the probes listen, and how a graceful stop goes.
 
     Attributes:
         host: address to bind ("0.0.0.0" or "[::]" for all interfaces; off loopback see auth).
         port: port to bind; 0 picks a free one (the bound one is printed).
-        grace_seconds: how long a graceful stop lets calls in flight finish, seconds.
+        shutdown_grace_s: how long a graceful stop lets calls in flight finish, seconds (open
+            streams get at least 1 s to end with their status); also ``grace_seconds``.
+        drain_delay_s: on SIGTERM, seconds between NOT_SERVING (probes and health say so) and the
+            stop, while the port still serves: time for load balancers to take the pod out.
+        health_port: plaintext ``grpc.health.v1`` port without auth (None: off; 0 picks one).
+        health_http_port: HTTP ``/healthz`` ``/readyz`` port without auth (None: off; 0 picks one).
+        health_host: address the probe ports bind (None: ``host``).
     """
 
     name: ClassVar[str] = "bind"
     host: str = setting("127.0.0.1", "Address to bind.")
     port: int = setting(50051, "Port to bind; 0 picks a free one.", check=in_range(0, 65535))
-    grace_seconds: float = setting(5.0, "Seconds a graceful stop lets calls in flight finish.",
-                                   check=at_least(0, "seconds"))
+    shutdown_grace_s: float = setting(5.0, "Seconds a graceful stop lets calls in flight finish.",
+                                      check=at_least(0, "seconds"), aliases=("grace_seconds",))
+    drain_delay_s: float = setting(
+        0.0, "On SIGTERM, seconds between NOT_SERVING and the stop (the port still serves meanwhile).",
+        check=at_least(0, "seconds"))
+    health_port: int | None = setting(None, "Plaintext grpc.health.v1 port, no token (for probes); 0 picks one.",
+                                      check=in_range(0, 65535), default_text="off")
+    health_http_port: int | None = setting(None, "HTTP /healthz /readyz port, no token (for probes); 0 picks one.",
+                                           check=in_range(0, 65535), default_text="off")
+    health_host: str | None = setting(None, "Address the probe ports bind.", default_text="--host")
 
 
 @dataclass(frozen=True)
@@ -562,6 +578,11 @@ class SettingInfo:
         return "--" + self.flat.replace("_", "-")
 
     @property
+    def alias_options(self) -> list[str]:
+        """The CLI options of its aliases (an older name still accepted)."""
+        return ["--" + alias.replace("_", "-") for alias in self.meta.aliases]
+
+    @property
     def env(self) -> str:
         """The environment variable, ``KVSERVICE_FLAT_NAME``."""
         return "KVSERVICE_" + self.flat.upper()
@@ -637,6 +658,15 @@ def _rows() -> Iterator[SettingInfo]:
 
 
 _TABLE: dict[str, SettingInfo] | None = None
+_ALIASES: dict[str, str] | None = None
+
+
+def setting_aliases() -> dict[str, str]:
+    """Older names still accepted (keyword, TOML key, variable, option), each to its flat name."""
+    global _ALIASES
+    if _ALIASES is None:
+        _ALIASES = {alias: row.flat for row in settings_table().values() for alias in row.meta.aliases}
+    return _ALIASES
 
 
 def settings_table() -> dict[str, SettingInfo]:

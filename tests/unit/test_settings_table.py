@@ -39,7 +39,7 @@ def test_every_serve_option_is_a_setting_of_the_table_and_every_setting_an_optio
     assert set(TABLE) - set(options) == set()
     for flat, row in TABLE.items():
         option = options[flat]
-        assert option.opts == [row.option]
+        assert option.opts == [row.option, *row.alias_options]
         assert option.default is None, f"{flat}: the default lives in its section only"
         assert option.help == row.help
     assert options["port"].help == "Port to bind; 0 picks a free one [50051]."

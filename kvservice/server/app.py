@@ -58,6 +58,7 @@ from kvservice.server.settings import (
     setting_aliases,
     settings_table,
 )
+from kvservice.server.vllm_flags import kv_cache_torch_dtype, kv_events_config_settings
 from kvservice.server.zmq_publisher import check_endpoint_exposure
 
 if sys.version_info >= (3, 11):
@@ -115,6 +116,9 @@ class ServerConfig:
     def __init__(self, **values: Any) -> None:
         table, aliases = settings_table(), setting_aliases()
         given = {section.name: values.pop(section.name, None) for section in SECTIONS}
+        values = {aliases.get(name, name): value for name, value in values.items()}
+        if values.get("kv_events_config") is not None:  # vLLM's JSON; a setting given by name wins
+            values = {**kv_events_config_settings(values["kv_events_config"]), **values}
         changes: dict[str, dict[str, Any]] = {}
         for flat, value in values.items():
             row = table.get(aliases.get(flat, flat))
@@ -373,6 +377,9 @@ def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, 
     """
     cache = config.cache
     preset = get_preset(cache.preset)
+    dtype = kv_cache_torch_dtype(cache.kv_cache_dtype)
+    if dtype is not None:  # vLLM's --kv-cache-dtype: the attention layers' KV tensors
+        preset = dataclasses.replace(preset, dtype=dtype)
     device = resolve_device(cache.device)
     groups = preset.kv_cache_groups(cache.block_size)
     kv_cache_config = KVCacheConfig(_resolve_num_blocks(cache, groups, device), groups)

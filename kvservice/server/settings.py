@@ -64,6 +64,7 @@ from typing import Any, ClassVar
 
 from kvservice.core.kv_cache_spec import PRESETS
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
+from kvservice.server.vllm_flags import KV_CACHE_DTYPES, kv_events_config_settings
 from kvservice_client.jetstream import redact_url
 
 __all__ = [
@@ -237,12 +238,16 @@ class CacheSettings(_Section):
     Attributes:
         preset: model KV layout (``kvservice.core.kv_cache_spec.PRESETS``).
         block_size: tokens per block (None: the preset's).
-        num_blocks: blocks in the pool, null block included (None: from the memory budget).
+        num_blocks: blocks in the pool, null block included (None: from the memory budget); vLLM's
+            ``--num-gpu-blocks-override``.
         kv_cache_memory: KV tensor budget, bytes (None: 1 GiB on CPU/meta).
         gpu_memory_utilization: fraction of free CUDA memory for KV tensors (None: 0.9 on CUDA).
         device: "auto" (CUDA when available), "cpu", "cuda", "cuda:N" or "meta" (shapes only).
         max_model_len: longest request, tokens (None: the preset's, lowered to what the pool holds).
-        hash_algorithm, hash_seed: the block-hash rule (vLLM's ``--prefix-caching-hash-algo``).
+        hash_algorithm, hash_seed: the block-hash rule (``hash_algorithm`` is vLLM's
+            ``--prefix-caching-hash-algo``).
+        kv_cache_dtype: KV tensor dtype, vLLM's ``--kv-cache-dtype`` ("auto": the preset's; see
+            ``kvservice.server.vllm_flags``).
         block_hash_format: "int64" (vLLM's published form) or "digest", on events.
         check_invariants: debug: check the cache's invariants after every mutating call (slow).
     """
@@ -250,8 +255,9 @@ class CacheSettings(_Section):
     name: ClassVar[str] = "cache"
     preset: str = setting("llama-3-8b", "Model KV layout.", check=one_of(tuple(PRESETS)), choices=sorted(PRESETS))
     block_size: int | None = setting(None, "Tokens per block.", check=at_least(1), default_text="the preset's")
-    num_blocks: int | None = setting(None, "Blocks in the pool, null block included.", check=at_least(1),
-                                     default_text="from the memory budget")
+    num_blocks: int | None = setting(None, "Blocks in the pool, null block included (vLLM: --num-gpu-blocks-override).",
+                                     check=at_least(1), default_text="from the memory budget",
+                                     aliases=("num_gpu_blocks_override",))
     kv_cache_memory: int | None = setting(None, "KV tensor budget in bytes, e.g. 512MiB.", parse="bytes",
                                           check=at_least(1), default_text="1GiB on CPU")
     gpu_memory_utilization: float | None = setting(None, "Fraction of free CUDA memory for KV tensors.",
@@ -259,8 +265,11 @@ class CacheSettings(_Section):
     device: str = setting("auto", "auto | cpu | cuda[:N] | meta (shapes only).")
     max_model_len: int | None = setting(None, "Longest request in tokens.", check=at_least(1),
                                         default_text="the preset's")
-    hash_algorithm: str = setting(DEFAULT_HASH_ALGORITHM, "Block-hash rule.", check=one_of(HASH_ALGORITHMS),
-                                  choices=HASH_ALGORITHMS)
+    hash_algorithm: str = setting(DEFAULT_HASH_ALGORITHM, "Block-hash rule (vLLM: --prefix-caching-hash-algo).",
+                                  check=one_of(HASH_ALGORITHMS), choices=HASH_ALGORITHMS,
+                                  aliases=("prefix_caching_hash_algo",))
+    kv_cache_dtype: str = setting("auto", "KV tensor dtype, as vLLM's --kv-cache-dtype (auto: the model's).",
+                                  check=one_of(tuple(KV_CACHE_DTYPES)), choices=tuple(KV_CACHE_DTYPES))
     hash_seed: str = setting(DEFAULT_HASH_SEED, "Root seed of the block hashes.")
     block_hash_format: str = setting("int64", "Block hashes on events: int64 (vLLM's) or digest.",
                                      check=lambda v: None if v in ("int64", "digest") else "must be 'int64' or 'digest'",
@@ -390,6 +399,9 @@ class ZmqSettings(_Section):
         replay_endpoint: ROUTER endpoint (bound) answering vLLM replay requests (needs endpoint).
         topic: topic frame of every message ("" is vLLM's default; None is "" too).
         hwm: PUB send high-water mark, messages queued per subscriber before ZMQ drops.
+        kv_events_config: vLLM's ``--kv-events-config`` JSON as given (None: not given); applied
+            by ``ServerConfig`` onto the settings above and ``event_max_batches`` (see
+            ``kvservice.server.vllm_flags``).
     """
 
     name: ClassVar[str] = "zmq"
@@ -403,8 +415,13 @@ class ZmqSettings(_Section):
     topic: str | None = setting("", "Topic frame of every ZMQ message.", flat="zmq_topic", default_text='""')
     hwm: int = setting(100_000, "ZMQ PUB high-water mark, messages per subscriber.", flat="zmq_hwm",
                        check=at_least(1, "messages"))
+    kv_events_config: str | None = setting(
+        None, "vLLM's --kv-events-config JSON, mapped onto the zmq_* settings and event_max_batches.",
+        default_text="unset")
 
     def _check(self) -> None:
+        if self.kv_events_config is not None:
+            kv_events_config_settings(self.kv_events_config)  # raises naming the key
         object.__setattr__(self, "topic", self.topic or "")  # an empty flag or variable gives None: ""
         if self.replay_endpoint is not None and self.endpoint is None:
             raise ValueError("zmq_replay_endpoint needs zmq_endpoint (replays answer what the PUB socket published)")

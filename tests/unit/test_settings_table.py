@@ -126,3 +126,24 @@ def test_log_level_works_before_and_after_the_subcommand(args, monkeypatch):
     result = CliRunner().invoke(main, args, env={"KVSERVICE_LOG_LEVEL": None})
     assert result.exit_code == 0, result.output
     assert seen[0].logging.log_level.upper() == "DEBUG"
+
+
+@pytest.mark.parametrize("command", ["watch", "replay"])
+def test_log_level_after_the_other_subcommands(command):
+    import logging as logging_module
+
+    result = CliRunner().invoke(main, [command, "--log-level", "INFO", "--help"])
+    assert result.exit_code == 0 and "--log-level" in result.output
+    root = logging_module.getLogger()
+    saved = root.level
+    try:
+        from kvservice.cli import _log_level_option
+
+        @click.command()
+        @_log_level_option
+        def probe() -> None:
+            click.echo(logging_module.getLevelName(root.level))
+
+        assert CliRunner().invoke(probe, ["--log-level", "error"]).output == "ERROR\n"
+    finally:
+        root.setLevel(saved)

@@ -179,11 +179,11 @@ def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""
     from pathlib import Path
 
+    _check_replay_options(options)
+    click.echo(_replay_first_line(options))
     if options["instances"] >= 2:
         _replay_instances(options)
         return
-    if options["nats_url"] is not None:
-        raise click.UsageError("--nats-url feeds the router's mirrors of --instances N (N >= 2)")
 
     from kvservice.replay.report import plot_agreement, render_table, write_json
     from kvservice.replay.runner import ReplayConfig, run_replay
@@ -227,6 +227,58 @@ def replay(**options: Any) -> None:
     click.echo(f"wrote {json_path} and {png_path}")
 
 
+def _check_replay_options(options: dict[str, Any]) -> None:
+    """Every check that can be made before anything starts (the embedded servers' settings and
+    bounds included), so a bad option fails at once, not after the first mode ran."""
+    from kvservice.server.settings import CacheSettings, LimitsSettings
+
+    if options["nats_url"] is not None and options["instances"] < 2:
+        raise click.UsageError("--nats-url feeds the router's mirrors of --instances N (N >= 2)")
+    if options["instances"] >= 2:
+        if options["target"] is not None:
+            raise click.UsageError("--instances runs its own servers; it cannot use --target")
+        if options["report_mode"] == "both":
+            raise click.UsageError("--instances compares routing in one report mode: choose incremental or full")
+    if options["target"] is None:
+        try:
+            CacheSettings(preset=options["preset"], block_size=options["block_size"],
+                          num_blocks=options["num_blocks"], device=options["device"])
+        except ValueError as e:
+            raise click.UsageError(f"the embedded server: {e}") from None
+        max_step_tokens = LimitsSettings().max_step_tokens
+        if options["max_num_batched_tokens"] > max_step_tokens:
+            raise click.BadParameter(
+                f"{options['max_num_batched_tokens']} is above the embedded server's max_step_tokens "
+                f"({max_step_tokens} tokens per Step)", param_hint="'--max-num-batched-tokens'")
+        pool = options["num_blocks"] - 1
+        if options["mirror_capacity"] is not None and options["mirror_capacity"] > pool:
+            raise click.BadParameter(f"{options['mirror_capacity']} is above the pool ({pool} blocks; 0: unbounded)",
+                                     param_hint="'--mirror-capacity'")
+
+
+def _replay_first_line(options: dict[str, Any]) -> str:
+    """What the replay is about to do, printed before anything heavy is imported or started."""
+    trace = options["trace"] or "the embedded Mooncake sample"
+    limit = f", first {options['limit']} requests" if options["limit"] else ""
+    block_size = options["block_size"] or PRESETS[options["preset"]].default_block_size
+    pool = options["num_blocks"] - 1
+    mirror = options["mirror_capacity"]
+    if mirror == 0:
+        mirror_text = "unbounded"
+    elif mirror is None and options["target"]:
+        mirror_text = "half the server's pool"
+    else:
+        mirror_text = f"{(pool // 2 if mirror is None else mirror):,} blocks"
+    if options["instances"] >= 2:
+        what = (f"{options['instances']} instances, routed vs round-robin, report mode "
+                f"{options['report_mode'] or 'full'}")
+    else:
+        what = f"report mode {'incremental and full' if options['report_mode'] in (None, 'both') else options['report_mode']}"
+    where = f"server {options['target']}" if options["target"] else f"pool {pool:,} blocks of {block_size} tokens"
+    return (f"replay: {trace}{limit}; preset {options['preset']}, {where}, mirror {mirror_text}; {what}; "
+            f"{options['watchers']} watcher(s){' + a late one' if options['late_watcher'] else ''}")
+
+
 def _replay_instances(options: dict[str, Any]) -> None:
     """``replay --instances N`` (N >= 2): routed against round-robin (kvservice.replay.multi)."""
     from pathlib import Path
@@ -235,10 +287,6 @@ def _replay_instances(options: dict[str, Any]) -> None:
     from kvservice.replay.scheduler import SchedulerConfig
     from kvservice_client.client import KVServiceError
 
-    if options["target"] is not None:
-        raise click.UsageError("--instances runs its own servers; it cannot use --target")
-    if options["report_mode"] == "both":
-        raise click.UsageError("--instances compares routing in one report mode: choose incremental or full")
     try:
         config = MultiReplayConfig(
             trace=options["trace"], trace_format=options["trace_format"], limit=options["limit"],
@@ -257,9 +305,12 @@ def _replay_instances(options: dict[str, Any]) -> None:
         raise click.ClickException(f"an embedded server: {e.code.name}: {e.message}") from None
     except (ValueError, RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    from kvservice.replay.routing_plot import plot_routing
+
     json_path = write_multi_json(report, Path(options["out_dir"]) / "routing.json")
+    png_path = plot_routing(report, Path(options["out_dir"]) / "routing.png")
     click.echo(render_multi_table(report))
-    click.echo(f"wrote {json_path}")
+    click.echo(f"wrote {json_path} and {png_path}")
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

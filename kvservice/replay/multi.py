@@ -66,12 +66,10 @@ import dataclasses
 import io
 import json
 import math
-import multiprocessing
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -86,7 +84,7 @@ from kvservice.replay.report import (
     _pct,
     write_json_with_compact_lists,
 )
-from kvservice.replay.progress import Progress, ProgressCallback, QueueDrain, worker_reporter
+from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
 from kvservice.replay.runner import DEFAULT_NUM_BLOCKS, MirrorWatcher, ReplayConfig, load_requests
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig
 from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits
@@ -566,19 +564,10 @@ def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
     )
 
 
-_PROGRESS_QUEUE: Any = None
-
-
-def _init_worker(queue: Any) -> None:
-    global _PROGRESS_QUEUE
-    _PROGRESS_QUEUE = queue
-
-
 def _replay_policy_in_process(policy: str, config: MultiReplayConfig) -> PolicyReport:
     """Worker-process entry point: one policy, its own event loop and servers; progress goes to
     the parent through the queue the pool was started with."""
-    report = worker_reporter(_PROGRESS_QUEUE) if _PROGRESS_QUEUE is not None else None
-    return asyncio.run(replay_policy(policy, config, progress=report))
+    return asyncio.run(replay_policy(policy, config, progress=worker_progress()))
 
 
 async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] | None = None,
@@ -603,18 +592,7 @@ async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] |
     progress = Progress(policies, len(requests), bar=config.show_progress)
     try:
         if in_workers:
-            context = multiprocessing.get_context("spawn")
-            queue = context.Queue()
-            drain = QueueDrain(queue, progress)
-            loop = asyncio.get_running_loop()
-            try:
-                with ProcessPoolExecutor(len(policies), mp_context=context, initializer=_init_worker,
-                                         initargs=(queue,)) as pool:
-                    reports = list(await asyncio.gather(
-                        *(loop.run_in_executor(pool, _replay_policy_in_process, p, config) for p in policies)
-                    ))
-            finally:
-                drain.stop()
+            reports = await run_in_workers(_replay_policy_in_process, [(p, config) for p in policies], progress)
         else:
             reports = [
                 await replay_policy(p, config, requests=requests, feed_factory=feed_factory, progress=progress.update,

@@ -8,13 +8,16 @@ seconds and when a mode ends, so a log shows the run is alive without a bar's co
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TextIO
 
-__all__ = ["Progress", "ProgressCallback", "QueueDrain", "worker_reporter"]
+__all__ = ["Progress", "ProgressCallback", "QueueDrain", "run_in_workers", "worker_progress", "worker_reporter"]
 
 ProgressCallback = Callable[[str, int], None]
 """``(mode, requests finished so far)``."""
@@ -121,3 +124,35 @@ class QueueDrain:
         """Apply what is queued, then end the thread."""
         self._queue.put(None)
         self._thread.join(timeout=10)
+
+
+_WORKER_QUEUE: Any = None
+
+
+def _init_worker(queue: Any) -> None:
+    global _WORKER_QUEUE
+    _WORKER_QUEUE = queue
+
+
+def worker_progress() -> ProgressCallback | None:
+    """In a worker of :func:`run_in_workers`: the callback that reports to the parent's display
+    (None elsewhere)."""
+    return worker_reporter(_WORKER_QUEUE) if _WORKER_QUEUE is not None else None
+
+
+async def run_in_workers(entry: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], progress: Progress) -> list[Any]:
+    """``entry(*job)`` for each job, each in its own spawned worker process, in parallel; what
+    the workers report through :func:`worker_progress` goes to ``progress``.
+
+    Returns:
+        The results, in job order.
+    """
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    drain = QueueDrain(queue, progress)
+    loop = asyncio.get_running_loop()
+    try:
+        with ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_init_worker, initargs=(queue,)) as pool:
+            return list(await asyncio.gather(*(loop.run_in_executor(pool, entry, *job) for job in jobs)))
+    finally:
+        drain.stop()

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
-from kvservice.replay.progress import Progress, ProgressCallback, QueueDrain, worker_reporter
+from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
 from kvservice.replay.report import AgreementStats, LatencySummary, ModeReport, ReplayReport
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig, SchedulerStats
 from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits, read_trace
@@ -383,19 +381,10 @@ first pays its own start-up (the server and torch imported again: about one ``im
 s here) which a mode this short (about 0.1 s per request on a loaded 2-core machine) does not win
 back; longer replays run one worker per mode, in parallel."""
 
-_PROGRESS_QUEUE: Any = None
-
-
-def _init_worker(queue: Any) -> None:
-    global _PROGRESS_QUEUE
-    _PROGRESS_QUEUE = queue
-
-
 def _replay_mode_in_process(mode: str, config: ReplayConfig) -> ModeResult:
     """Worker-process entry point: one mode, its own event loop and embedded server; progress
     goes to the parent through the queue the pool was started with."""
-    report = worker_reporter(_PROGRESS_QUEUE) if _PROGRESS_QUEUE is not None else None
-    return asyncio.run(replay_mode(mode, config, progress=report))
+    return asyncio.run(replay_mode(mode, config, progress=worker_progress()))
 
 
 async def run_replay(
@@ -422,18 +411,7 @@ async def run_replay(
     try:
         if (parallel and runs is None and config.target is None and len(modes) > 1
                 and len(requests) >= PARALLEL_MIN_REQUESTS and (os.cpu_count() or 1) > 1):
-            context = multiprocessing.get_context("spawn")
-            queue = context.Queue()
-            drain = QueueDrain(queue, progress)
-            loop = asyncio.get_running_loop()
-            try:
-                with ProcessPoolExecutor(len(modes), mp_context=context, initializer=_init_worker,
-                                         initargs=(queue,)) as pool:
-                    results = await asyncio.gather(
-                        *(loop.run_in_executor(pool, _replay_mode_in_process, mode, config) for mode in modes)
-                    )
-            finally:
-                drain.stop()
+            results = await run_in_workers(_replay_mode_in_process, [(mode, config) for mode in modes], progress)
         else:
             results = [
                 await replay_mode(mode, config, requests=requests, progress=progress.update, runs=runs)

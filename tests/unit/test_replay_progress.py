@@ -66,3 +66,25 @@ def test_the_bar_is_one_bar_over_every_mode():
     progress.close()
     last = out.getvalue().split("\r")[-1]
     assert "7/10" in last and "incremental 5/5, full 2/5" in last
+
+
+def _job(mode: str, finished: int) -> str:
+    """A worker job: reports its progress to the parent, returns what it did."""
+    from kvservice.replay.progress import worker_progress
+
+    report = worker_progress()
+    assert report is not None
+    for n in range(1, finished + 1):
+        report(mode, n)
+    return f"{mode} done"
+
+
+async def test_run_in_workers_returns_in_job_order_and_the_parent_draws_their_progress():
+    from kvservice.replay.progress import run_in_workers, worker_progress
+
+    out = io.StringIO()
+    progress = Progress(["incremental", "full"], 3, bar=False, stream=out, clock=Clock())
+    results = await run_in_workers(_job, [("incremental", 3), ("full", 2)], progress)
+    assert results == ["incremental done", "full done"]
+    assert progress.finished == {"incremental": 3, "full": 2}
+    assert worker_progress() is None  # this process is no worker

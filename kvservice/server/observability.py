@@ -33,12 +33,14 @@ from typing import Any
 import grpc
 
 __all__ = [
+    "CallInterceptor",
     "RpcContextInterceptor",
     "TracingInterceptor",
     "configure_logging",
     "current_request_id",
     "current_rpc",
     "default_tracer_provider",
+    "final_code",
     "note_request",
 ]
 
@@ -122,20 +124,32 @@ def configure_logging(level: str, log_format: str = "text", stream: Any = None) 
     return handler
 
 
-def _code_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+def final_code(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a client gets for a handler that returned (``exc`` None) or raised ``exc``:
+    the context's code (OK when unset), the aborted code, CANCELLED (DEADLINE_EXCEEDED once the
+    deadline passed) for a cancelled call, UNKNOWN for an unexpected exception."""
     if exc is None:
         return context.code() or grpc.StatusCode.OK
     if isinstance(exc, grpc.aio.AbortError):
         return context.code() or grpc.StatusCode.UNKNOWN
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
 
-class _WrappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler's behavior with :meth:`around` (begin, end(code))."""
+class CallInterceptor(grpc.aio.ServerInterceptor):
+    """A server interceptor that sees each call begin and end (with its final status code, see
+    :func:`final_code`); a streaming call ends when its stream does. Subclasses define
+    :meth:`begin` and :meth:`end`. Wrapped handlers are cached per method path; past
+    ``max_methods`` paths, calls are wrapped with path None (so made-up method names cannot grow
+    a subclass's labels without bound)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_methods: int = 256) -> None:
+        self._max_methods = max_methods
+        # method path -> (the handler it resolved to, that handler wrapped); handlers are reused.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
@@ -143,6 +157,7 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        """The next handler, wrapped."""
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
@@ -150,25 +165,29 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
         cached = self._wrapped.get(path)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = handler
-        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                wrapped = handler._replace(**{kind: self._wrap(behavior, path.lstrip("/"))})
-                break
-        if len(self._wrapped) < 256:
-            self._wrapped[path] = (handler, wrapped)
+        if cached is None and len(self._wrapped) >= self._max_methods:
+            return self._wrap_handler(handler, None)
+        wrapped = self._wrap_handler(handler, path.lstrip("/"))
+        self._wrapped[path] = (handler, wrapped)
         return wrapped
 
-    def begin(self, path: str, request: Any) -> Any:
-        """Called as the call starts; returns a state passed to :meth:`end`."""
+    def begin(self, path: str | None, request: Any) -> Any:
+        """Called as a call starts (``path``: ``package.Service/Method``); returns the state
+        passed to :meth:`end`."""
         raise NotImplementedError
 
     def end(self, state: Any, code: grpc.StatusCode) -> None:
-        """Called as the call ends with its status."""
+        """Called as the call ends, with its final status."""
         raise NotImplementedError
 
-    def _wrap(self, behavior: Callable[..., Any], path: str) -> Callable[..., Any]:
+    def _wrap_handler(self, handler: grpc.RpcMethodHandler, path: str | None) -> grpc.RpcMethodHandler:
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(**{kind: self._wrap(behavior, path)})
+        return handler
+
+    def _wrap(self, behavior: Callable[..., Any], path: str | None) -> Callable[..., Any]:
         begin, end = self.begin, self.end
         if inspect.isasyncgenfunction(behavior):
 
@@ -178,9 +197,9 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
                     async for response in behavior(request, context):
                         yield response
                 except BaseException as exc:
-                    end(state, _code_of(exc, context))
+                    end(state, final_code(exc, context))
                     raise
-                end(state, _code_of(None, context))
+                end(state, final_code(None, context))
 
             return wrapped_stream
 
@@ -189,9 +208,9 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
             try:
                 response = await behavior(request, context)
             except BaseException as exc:
-                end(state, _code_of(exc, context))
+                end(state, final_code(exc, context))
                 raise
-            end(state, _code_of(None, context))
+            end(state, final_code(None, context))
             return response
 
         return wrapped
@@ -202,15 +221,17 @@ def _request_id(request: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-class RpcContextInterceptor(_WrappingInterceptor):
+class RpcContextInterceptor(CallInterceptor):
     """Sets :data:`current_rpc` and :data:`current_request_id` for each call; at DEBUG logs
     ``rpc done`` with ``code`` and ``duration_ms`` as the call ends."""
 
-    def begin(self, path: str, request: Any) -> Any:
-        rpc = path.rsplit(".", 1)[-1]  # KVCacheService/Step
+    def begin(self, path: str | None, request: Any) -> Any:
+        """Set the call's context variables."""
+        rpc = (path or "other").rsplit(".", 1)[-1]  # KVCacheService/Step
         return (current_rpc.set(rpc), current_request_id.set(None), time.perf_counter())
 
     def end(self, state: Any, code: grpc.StatusCode) -> None:
+        """Log ``rpc done`` (DEBUG) and reset the context variables."""
         rpc_token, request_token, start = state
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("rpc done", extra={"code": code.name, "duration_ms": round(1000 * (time.perf_counter() - start), 3)})
@@ -218,7 +239,7 @@ class RpcContextInterceptor(_WrappingInterceptor):
         current_rpc.reset(rpc_token)
 
 
-class TracingInterceptor(_WrappingInterceptor):
+class TracingInterceptor(CallInterceptor):
     """One OpenTelemetry SERVER span per RPC (see the module docstring).
 
     Args:
@@ -237,7 +258,9 @@ class TracingInterceptor(_WrappingInterceptor):
         self._trace = trace
         self._tracer = trace.get_tracer("kvservice", tracer_provider=tracer_provider)
 
-    def begin(self, path: str, request: Any) -> Any:
+    def begin(self, path: str | None, request: Any) -> Any:
+        """Open the call's span."""
+        path = path or "other"
         service, _, method = path.rpartition("/")
         span = self._tracer.start_span(path, kind=self._trace.SpanKind.SERVER)
         span.set_attribute("rpc.system", "grpc")
@@ -248,6 +271,7 @@ class TracingInterceptor(_WrappingInterceptor):
         return span, _current_span.set(span)
 
     def end(self, state: Any, code: grpc.StatusCode) -> None:
+        """End the call's span with its status."""
         span, token = state
         _current_span.reset(token)
         span.set_attribute("rpc.grpc.status_code", code.value[0])

@@ -562,12 +562,12 @@ def agreement_title(report: ReplayReport) -> str:
 
 
 def error_axis_bound(errors: np.ndarray) -> int:
-    """The error panel's half-height, in blocks: the 99th percentile of ``|error|`` (at least 2),
-    so a few outliers do not flatten every other point (those beyond are drawn at the edge and
-    counted in the panel's title)."""
+    """The error panel's half-height, in blocks: 1.5 x the 95th percentile of ``|error|`` (at
+    least 2), so a few outliers do not flatten every other point (those beyond are drawn at the
+    edge and counted in the panel's title); evenly spread errors are not clipped."""
     if errors.size == 0:
         return 2
-    return max(2, int(np.ceil(np.percentile(np.abs(errors), 99))))
+    return max(2, int(np.ceil(1.5 * np.percentile(np.abs(errors), 95))))
 
 
 def plot_agreement(report: ReplayReport, path: str | Path, *, window: int = 50) -> Path:

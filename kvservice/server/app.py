@@ -610,6 +610,10 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     """Start a server, print where it listens and what it holds, and serve until SIGTERM/SIGINT;
     then stop gracefully (open streams end with UNAVAILABLE naming their last seq)."""
     running = await start_server(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the banner: a signal right after it still drains
+        loop.add_signal_handler(sig, stop.set)
     print(running.describe(), flush=True)
     profile_path = os.environ.get("KVSERVICE_PROFILE")  # a cProfile dump of the serving loop, for benchmarks
     profiler = None
@@ -618,16 +622,12 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready(running)
     await stop.wait()
     bind = running.config.bind
-    print(f"kvservice: stopping (graceful: NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
-          f"{bind.shutdown_grace_s:g} s)", flush=True)
+    print(f"kvservice: stopping (graceful): NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
+          f"{bind.shutdown_grace_s:g} s", flush=True)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)

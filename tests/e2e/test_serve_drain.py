@@ -28,7 +28,7 @@ def test_sigterm_goes_not_ready_keeps_serving_through_the_drain_then_exits():
         http_port = int(out.wait_for("HTTP /healthz /readyz on port").rsplit(" ", 1)[1])
         assert _readyz(http_port) == 200
         serve.send_signal(signal.SIGTERM)
-        assert "stopping (graceful: NOT_SERVING, drain 3 s, then stop within 1 s)" in out.wait_for("stopping")
+        assert "stopping (graceful): NOT_SERVING, drain 3 s, then stop within 1 s" in out.wait_for("stopping")
         while _readyz(http_port) == 200:  # the signal handler runs on the server's loop: wait for it
             pass
         assert _readyz(http_port) == 503

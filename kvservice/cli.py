@@ -11,18 +11,42 @@ from typing import Any
 import click
 
 from kvservice.core.kv_cache_spec import PRESETS
-from kvservice_client.hashing import HASH_ALGORITHMS
 
 __all__ = ["main"]
 
 
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from kvservice.server.build_info import describe_version
+
+    click.echo(describe_version())
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--log-level", default="WARNING", show_default=True, help="Python logging level.",
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the version and build (git commit, Python, grpcio, protobuf) and exit.")
+@click.option("--log-level", default=None, help="Python logging level [WARNING]; `serve --log-level` too.",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False))
-def main(log_level: str) -> None:
+@click.pass_context
+def main(ctx: click.Context, log_level: str | None) -> None:
     """kvservice: a KV-cache control service (vLLM-style prefix caching over gRPC)."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own INFO lines (GOAWAY...) are noise here
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx.obj = {"log_level": log_level}
+    logging.basicConfig(level=(log_level or "WARNING").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _log_level_option(func: Any) -> Any:
+    """``--log-level`` after the subcommand too (``kvservice watch --log-level DEBUG``)."""
+
+    def apply(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        if value is not None:
+            logging.getLogger().setLevel(value.upper())
+
+    return click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                                                         case_sensitive=False),
+                        expose_value=False, callback=apply, help="Python logging level [WARNING].")(func)
 
 
 def _positive_finite(param: click.Parameter, value: float) -> float:
@@ -33,75 +57,29 @@ def _positive_finite(param: click.Parameter, value: float) -> float:
     return value
 
 
+def _server_option(row: Any) -> Any:
+    """The ``kvservice serve`` option of one setting (a row of ``settings_table()``)."""
+    kwargs: dict[str, Any] = {"help": row.help, "default": None}
+    if row.type == "bool":
+        return click.option(f"{row.option}/--no-{row.option[2:]}", row.flat, **kwargs)
+    names = [row.option, *row.alias_options, row.flat]
+    if row.meta.path:
+        kwargs["type"] = click.Path(exists=True, dir_okay=False)
+    elif row.meta.choices is not None:
+        kwargs["type"] = click.Choice(list(row.meta.choices), case_sensitive=row.flat != "log_level")
+    elif row.type in ("int", "float"):
+        kwargs["type"] = {"int": click.INT, "float": click.FLOAT}[row.type]
+    return click.option(*names, **kwargs)
+
+
 def _server_options(func: Any) -> Any:
-    options = [
-        click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="TOML file of settings (keys as the flags, with _)."),
-        click.option("--host", help="Address to bind [127.0.0.1]."),
-        click.option("--port", type=int, help="Port to bind; 0 picks a free one [50051]."),
-        click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Model KV layout [llama-3-8b]."),
-        click.option("--block-size", type=int, help="Tokens per block [the preset's]."),
-        click.option("--num-blocks", type=int, help="Blocks in the pool [from the memory budget]."),
-        click.option("--kv-cache-memory", help="KV tensor budget in bytes, e.g. 512MiB [1GiB on CPU]."),
-        click.option("--gpu-memory-utilization", type=float, help="Fraction of free CUDA memory for KV [0.9 on CUDA]."),
-        click.option("--device", help="auto | cpu | cuda[:N] | meta (shapes only) [auto]."),
-        click.option("--max-model-len", type=int, help="Longest request in tokens [the preset's]."),
-        click.option("--hash-algorithm", type=click.Choice(HASH_ALGORITHMS), help="Block-hash rule [sha256_cbor]."),
-        click.option("--hash-seed", help="Root seed of the block hashes [vllm-none-hash]."),
-        click.option("--block-hash-format", type=click.Choice(["int64", "digest"]), help="Hashes on events [int64]."),
-        click.option("--data-parallel-rank", type=int, help="Rank copied onto every event batch."),
-        click.option("--event-max-batches", type=int, help="Event batches retained for replay [100000]."),
-        click.option("--event-max-bytes", help="Event bytes retained for replay [256MiB]."),
-        click.option("--max-subscriber-lag", type=int, help="Batches a subscriber may fall behind [10000]."),
-        click.option("--check-invariants/--no-check-invariants", default=None,
-                     help="Debug: check the cache's invariants after every mutating call (slow) [off]."),
-        # -- auth options --
-        click.option("--tls-cert-file", type=click.Path(exists=True, dir_okay=False),
-                     help="Server TLS certificate chain, PEM (with --tls-key-file) [plain text]."),
-        click.option("--tls-key-file", type=click.Path(exists=True, dir_okay=False),
-                     help="Server TLS private key, PEM, unencrypted."),
-        click.option("--tls-client-ca-file", type=click.Path(exists=True, dir_okay=False),
-                     help="CA certificates, PEM: require client certificates signed by them (mutual TLS)."),
-        click.option("--auth-tokens-file", type=click.Path(exists=True, dir_okay=False),
-                     help="TOML file of bearer tokens with roles scheduler/watcher [no tokens]."),
-        click.option("--allow-insecure-bind", is_flag=True, default=None,
-                     help="Bind a non-loopback host with neither TLS nor tokens, or a ZMQ endpoint off loopback "
-                          "(no auth there at all; refused otherwise)."),
-        # -- limits and request lifetime options --
-        click.option("--max-num-requests", type=int, help="Registered requests at once [65536]."),
-        click.option("--max-step-ops", type=int, help="Ops per Step [4096]."),
-        click.option("--max-step-tokens", type=int,
-                     help="Tokens per Step, prompt + new over all ops [1048576]."),
-        click.option("--max-message-bytes", help="Largest gRPC message, e.g. 64MiB [64MiB]."),
-        click.option("--max-streams", type=int, help="Open StreamEvents subscriptions [1024]."),
-        click.option("--max-consumers", type=int, help="Named TakeEvents consumers [1024]."),
-        click.option("--consumer-idle-timeout-s", type=float,
-                     help="Drop a TakeEvents consumer that has not taken for this long, seconds [3600]."),
-        click.option("--request-idle-timeout-s", type=float,
-                     help="Free a request not called for this long, seconds [off]."),
-        # -- ZMQ publisher options --
-        click.option("--zmq-endpoint", help="Publish KV events vLLM-style on this ZMQ PUB endpoint, e.g. tcp://*:5557 (bound; off loopback needs --allow-insecure-bind; tcp://host:port connects) [off]."),
-        click.option("--zmq-replay-endpoint", help="ZMQ ROUTER endpoint answering vLLM replay requests, always bound, e.g. tcp://*:5558 (off loopback needs --allow-insecure-bind) [off]."),
-        click.option("--zmq-topic", help="Topic frame of every ZMQ message [\"\"]."),
-        click.option("--zmq-hwm", type=int, help="ZMQ PUB high-water mark, messages per subscriber [100000]."),
-        # -- NATS JetStream options --
-        click.option("--nats-url", help="Publish KV events to NATS JetStream at this URL, e.g. nats://nats:4222 (comma-separated for several) [off]."),
-        click.option("--nats-subject-prefix", help="Subjects are <prefix>.<instance>; the stream takes <prefix>.> [kvservice.events]."),
-        click.option("--nats-stream", help="JetStream stream, created or updated at start [KVSERVICE_EVENTS]."),
-        click.option("--nats-instance", help="This server's subject token, [A-Za-z0-9_-]+ [<hostname>-<port>]."),
-        click.option("--nats-max-age-s", type=float, help="Stream retention by age, seconds; 0 = no limit [3600]."),
-        click.option("--nats-max-msgs", type=int, help="Stream retention by count, messages; 0 = no limit [0]."),
-        click.option("--nats-max-bytes", help="Stream retention by size, e.g. 1GiB; 0 = no limit [1GiB]."),
-        click.option("--nats-duplicate-window-s", type=float, help="Seconds a re-published batch (same Nats-Msg-Id) is dropped [120]."),
-        click.option("--nats-max-pending-batches", type=int, help="Batches queued while NATS is away before new ones are dropped [10000]."),
-        # -- metrics options --
-        click.option("--metrics-port", type=int, help="Prometheus metrics HTTP port; 0 picks a free one [off]."),
-        click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
-        # -- consumer parity options --
-        click.option("--kv-events-medium", help="The medium every KV event names (vLLM's primary pool says GPU) [GPU]."),
-        # -- data plane options --
-        click.option("--uds", help="Also listen on this Unix-domain socket path (mode 0600, removed at stop) [off]."),
-        click.option("--data-chunk-bytes", help="Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB [1MiB]."),
-    ]
+    """Every setting of ``kvservice.server.settings`` as an option (generated from the table, so
+    a setting added there is an option here), and ``--config``."""
+    from kvservice.server.settings import settings_table
+
+    options = [click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+                            help="TOML file of settings (keys as the flags, with _ or -).")]
+    options += [_server_option(row) for row in settings_table().values()]
     for option in reversed(options):
         func = option(func)
     return func
@@ -109,18 +87,25 @@ def _server_options(func: Any) -> Any:
 
 @main.command()
 @_server_options
-def serve(config_file: str | None, **flags: Any) -> None:
+@click.pass_context
+def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
     """Run the service until SIGTERM/SIGINT (flags > KVSERVICE_* env > --config file > defaults)."""
     from kvservice.server.app import load_config, run_server
 
+    if flags.get("log_level") is None:  # `kvservice --log-level X serve` as well as `serve --log-level X`
+        flags["log_level"] = (ctx.obj or {}).get("log_level")
     try:
         config = load_config(config_file, **flags)
+        from kvservice.server.observability import configure_logging
+
+        configure_logging(config.logging.log_level, config.logging.log_format)
         asyncio.run(run_server(config))
     except (ValueError, MemoryError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
 
 
 @main.command()
+@_log_level_option
 @click.argument("target", default="127.0.0.1:50051")
 @click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
 @click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
@@ -167,6 +152,7 @@ def watch(
 
 
 @main.command()
+@_log_level_option
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="Trace file [the embedded Mooncake sample].")
 @click.option("--format", "trace_format", type=click.Choice(["auto", "mooncake", "azure", "tokens"]), default="auto", show_default=True, help="Trace format.")
 @click.option("--limit", type=click.IntRange(min=1), help="Replay only the first N requests (N >= 1).")
@@ -195,13 +181,13 @@ def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""
     from pathlib import Path
 
+    _check_replay_options(options)
+    click.echo(_replay_first_line(options))
     if options["instances"] >= 2:
         if options["kv_data"] not in (None, "off"):
             raise click.UsageError("--kv-data runs with one instance (leave out --instances)")
         _replay_instances(options)
         return
-    if options["nats_url"] is not None:
-        raise click.UsageError("--nats-url feeds the router's mirrors of --instances N (N >= 2)")
 
     from kvservice.replay.report import plot_agreement, render_table, write_json
     from kvservice.replay.runner import ReplayConfig, run_replay
@@ -254,6 +240,58 @@ def replay(**options: Any) -> None:
     click.echo(f"wrote {json_path} and {png_path}")
 
 
+def _check_replay_options(options: dict[str, Any]) -> None:
+    """Every check that can be made before anything starts (the embedded servers' settings and
+    bounds included), so a bad option fails at once, not after the first mode ran."""
+    from kvservice.server.settings import CacheSettings, LimitsSettings
+
+    if options["nats_url"] is not None and options["instances"] < 2:
+        raise click.UsageError("--nats-url feeds the router's mirrors of --instances N (N >= 2)")
+    if options["instances"] >= 2:
+        if options["target"] is not None:
+            raise click.UsageError("--instances runs its own servers; it cannot use --target")
+        if options["report_mode"] == "both":
+            raise click.UsageError("--instances compares routing in one report mode: choose incremental or full")
+    if options["target"] is None:
+        try:
+            CacheSettings(preset=options["preset"], block_size=options["block_size"],
+                          num_blocks=options["num_blocks"], device=options["device"])
+        except ValueError as e:
+            raise click.UsageError(f"the embedded server: {e}") from None
+        max_step_tokens = LimitsSettings().max_step_tokens
+        if options["max_num_batched_tokens"] > max_step_tokens:
+            raise click.BadParameter(
+                f"{options['max_num_batched_tokens']} is above the embedded server's max_step_tokens "
+                f"({max_step_tokens} tokens per Step)", param_hint="'--max-num-batched-tokens'")
+        pool = options["num_blocks"] - 1
+        if options["mirror_capacity"] is not None and options["mirror_capacity"] > pool:
+            raise click.BadParameter(f"{options['mirror_capacity']} is above the pool ({pool} blocks; 0: unbounded)",
+                                     param_hint="'--mirror-capacity'")
+
+
+def _replay_first_line(options: dict[str, Any]) -> str:
+    """What the replay is about to do, printed before anything heavy is imported or started."""
+    trace = options["trace"] or "the embedded Mooncake sample"
+    limit = f", first {options['limit']} requests" if options["limit"] else ""
+    block_size = options["block_size"] or PRESETS[options["preset"]].default_block_size
+    pool = options["num_blocks"] - 1
+    mirror = options["mirror_capacity"]
+    if mirror == 0:
+        mirror_text = "unbounded"
+    elif mirror is None and options["target"]:
+        mirror_text = "half the server's pool"
+    else:
+        mirror_text = f"{(pool // 2 if mirror is None else mirror):,} blocks"
+    if options["instances"] >= 2:
+        what = (f"{options['instances']} instances, routed vs round-robin, report mode "
+                f"{options['report_mode'] or 'full'}")
+    else:
+        what = f"report mode {'incremental and full' if options['report_mode'] in (None, 'both') else options['report_mode']}"
+    where = f"server {options['target']}" if options["target"] else f"pool {pool:,} blocks of {block_size} tokens"
+    return (f"replay: {trace}{limit}; preset {options['preset']}, {where}, mirror {mirror_text}; {what}; "
+            f"{options['watchers']} watcher(s){' + a late one' if options['late_watcher'] else ''}")
+
+
 def _replay_instances(options: dict[str, Any]) -> None:
     """``replay --instances N`` (N >= 2): routed against round-robin (kvservice.replay.multi)."""
     from pathlib import Path
@@ -262,10 +300,6 @@ def _replay_instances(options: dict[str, Any]) -> None:
     from kvservice.replay.scheduler import SchedulerConfig
     from kvservice_client.client import KVServiceError
 
-    if options["target"] is not None:
-        raise click.UsageError("--instances runs its own servers; it cannot use --target")
-    if options["report_mode"] == "both":
-        raise click.UsageError("--instances compares routing in one report mode: choose incremental or full")
     try:
         config = MultiReplayConfig(
             trace=options["trace"], trace_format=options["trace_format"], limit=options["limit"],
@@ -284,9 +318,12 @@ def _replay_instances(options: dict[str, Any]) -> None:
         raise click.ClickException(f"an embedded server: {e.code.name}: {e.message}") from None
     except (ValueError, RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    from kvservice.replay.routing_plot import plot_routing
+
     json_path = write_multi_json(report, Path(options["out_dir"]) / "routing.json")
+    png_path = plot_routing(report, Path(options["out_dir"]) / "routing.png")
     click.echo(render_multi_table(report))
-    click.echo(f"wrote {json_path}")
+    click.echo(f"wrote {json_path} and {png_path}")
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -16,6 +16,7 @@ Output (``clients/python/kvservice_client/_proto/``)::
     kvservice/v1/kv_cache_service_pb2.pyi      mypy-protobuf --mypy_out
     kvservice/v1/kv_cache_service_pb2_grpc.py  grpcio-tools --grpc_python_out
     kvservice/v1/kv_cache_service_pb2_grpc.pyi mypy-protobuf --mypy_grpc_out
+    kvservice/v1/kv_cache_service.proto        a copy of the source (shipped in the client wheel)
 
 How imports come out right without rewriting them: protoc names a generated module after the
 .proto's path below its include root, and the Python path of the stubs is
@@ -249,6 +250,9 @@ def generate(dest: Path) -> list[Path]:
     for package_dir in sorted(package_dirs):
         package = ".".join([PROTO_PACKAGE, *package_dir.parts])
         files[package_dir / "__init__.py"] = _package_init(package, header, descriptor_set)
+    # The sources ship beside their stubs (in the client wheel), for protoc users of other languages.
+    for rel in proto_paths:
+        files[Path(rel)] = (PROTO_ROOT / rel).read_text()
     dest.mkdir(parents=True, exist_ok=True)
     for rel, text in files.items():
         target = dest / rel

@@ -15,6 +15,7 @@ README's test command, which CI runs, passes it) and are skipped otherwise.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -44,3 +45,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, parts[0]))
         if not run_slow and any(item.get_closest_marker(name) for name in OPT_IN):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """``kvservice serve`` (run in-process by CLI tests) configures the root logger for the
+    process; put its handlers and level back after each test."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -59,6 +59,7 @@ import click  # noqa: E402
 import grpc  # noqa: E402
 
 from kvservice.server.app import RunningServer, start_server  # noqa: E402
+from kvservice.server.settings import at_least, check_fields, positive, setting  # noqa: E402
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError, StepBuilder, step_results  # noqa: E402
 from kvservice_client.hashing import block_hash_to_int  # noqa: E402
 from kvservice_client.watcher import EventWatcher, PrefixIndex, RetryPolicy, WatchedBatch  # noqa: E402
@@ -127,33 +128,25 @@ class SoakConfig:
         port: the server's port (0: a free one; restarts reuse it).
     """
 
-    num_schedulers: int = 8
-    num_watchers: int = 8
+    num_schedulers: int = setting(8, check=at_least(1))
+    num_watchers: int = setting(8, check=at_least(1))
     seed: int = 0
-    ops_per_scheduler: int = 300
-    duration_s: float | None = None
-    num_restarts: int = 1
-    num_drain_resets: int = 1
-    num_kills: int = 16
+    ops_per_scheduler: int = setting(300, check=at_least(1))
+    duration_s: float | None = setting(None, check=positive("seconds"))
+    num_restarts: int = setting(1, check=at_least(0))
+    num_drain_resets: int = setting(1, check=at_least(0))
+    num_kills: int = setting(16, check=at_least(0))
     preset: str = "qwen-2.5-0.5b"
-    block_size: int = 4
+    block_size: int = setting(4, check=at_least(1))
     num_blocks: int = 96
     max_model_len: int = 128
-    max_live_requests: int = 3
-    event_max_batches: int = 64
-    max_subscriber_lag: int = 64
-    port: int = 0
+    max_live_requests: int = setting(3, check=at_least(1))
+    event_max_batches: int = setting(64, check=at_least(1))
+    max_subscriber_lag: int = setting(64, check=at_least(1))
+    port: int = setting(0, check=at_least(0))
 
     def __post_init__(self) -> None:
-        for name in ("num_schedulers", "num_watchers", "ops_per_scheduler", "block_size", "max_live_requests",
-                     "event_max_batches", "max_subscriber_lag"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("num_restarts", "num_drain_resets", "num_kills", "port"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
-        if self.duration_s is not None and not self.duration_s > 0:
-            raise ValueError(f"duration_s must be > 0 seconds; got {self.duration_s}")
+        check_fields(self)  # the same checks as the server's settings (kvservice.server.settings)
         if self.max_model_len < 4 * self.block_size:
             raise ValueError(f"max_model_len must be >= 4 blocks ({4 * self.block_size} tokens); got {self.max_model_len}")
 

@@ -66,12 +66,10 @@ import dataclasses
 import io
 import json
 import math
-import multiprocessing
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -86,6 +84,7 @@ from kvservice.replay.report import (
     _pct,
     write_json_with_compact_lists,
 )
+from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
 from kvservice.replay.runner import DEFAULT_NUM_BLOCKS, MirrorWatcher, ReplayConfig, load_requests
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig
 from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits
@@ -400,8 +399,7 @@ async def _drive(instances: list[Instance], router: Router, requests: Sequence[T
             num_admitted[inst.idx] = len(admissions)
         clock_ms += step_ms
         if progress is not None:
-            done = sum(inst.scheduler.stats.num_finished for inst in instances if inst.scheduler is not None)
-            progress.update(done - progress.n)
+            progress(sum(inst.scheduler.stats.num_finished for inst in instances if inst.scheduler is not None))
     return num_skipped
 
 
@@ -425,7 +423,7 @@ async def replay_policy(
     *,
     requests: Sequence[TraceRequest] | None = None,
     feed_factory: FeedFactory | None = None,
-    position: int = 0,
+    progress: ProgressCallback | None = None,
     runs: list[PolicyRun] | None = None,
 ) -> PolicyReport:
     """Replay the trace under one routing policy on ``config.instances`` fresh embedded servers.
@@ -438,7 +436,7 @@ async def replay_policy(
             :class:`~kvservice.replay.jetstream_feed.JetStreamFeeds` of this run with
             ``config.nats_url``, else :func:`grpc_stream_feed`). With ``config.nats_url`` every
             server publishes to a stream of this run, deleted at the end.
-        position: the progress bar's line.
+        progress: told ``(policy, requests finished)`` as the replay goes (it draws nothing itself).
         runs: when given, the raw :class:`PolicyRun` is appended.
 
     Raises:
@@ -461,7 +459,6 @@ async def replay_policy(
     scheduler_config = dataclasses.replace(config.scheduler, kv_cache_report_mode=config.report_mode)
     servers = []
     instances: list[Instance] = []
-    progress = None
     try:
         for i in range(config.instances):
             server = await start_server(
@@ -485,13 +482,9 @@ async def replay_policy(
         for inst in instances:
             assert inst.feed is not None
             await inst.feed.start()
-        if config.show_progress:
-            from tqdm.auto import tqdm
-
-            progress = tqdm(total=len(requests), desc=f"replay {policy:<11}", unit="req", position=position,
-                            dynamic_ncols=True, leave=True)
+        report = None if progress is None else (lambda finished: progress(policy, finished))
         num_skipped = await _drive(instances, router, requests, scheduler_config.step_ms,
-                                   instances[0].metadata.max_model_len, progress)
+                                   instances[0].metadata.max_model_len, report)
         for inst in instances:
             assert inst.feed is not None and inst.scheduler is not None
             await inst.feed.wait_applied(inst.scheduler.head_seq)
@@ -500,8 +493,6 @@ async def replay_policy(
         run = PolicyRun(policy, router.decisions, instances, num_skipped,
                         [server.cached_hashes() for server in servers])
     finally:
-        if progress is not None:
-            progress.close()
         for inst in instances:
             if inst.feed is not None:
                 await inst.feed.close()
@@ -569,12 +560,14 @@ def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
         block_size=bs,
         max_model_len=run.instances[0].metadata.max_model_len,
         assignments=[(d.index, d.instance) for d in run.decisions],
+        hit_series=sorted((a.index, a.num_tokens, a.actual_hit_tokens) for a in firsts),
     )
 
 
-def _replay_policy_in_process(policy: str, config: MultiReplayConfig, position: int) -> PolicyReport:
-    """Worker-process entry point: one policy, its own event loop and servers."""
-    return asyncio.run(replay_policy(policy, config, position=position))
+def _replay_policy_in_process(policy: str, config: MultiReplayConfig) -> PolicyReport:
+    """Worker-process entry point: one policy, its own event loop and servers; progress goes to
+    the parent through the queue the pool was started with."""
+    return asyncio.run(replay_policy(policy, config, progress=worker_progress()))
 
 
 async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] | None = None,
@@ -596,17 +589,18 @@ async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] |
         feed_factory = None  # the default: the workers build it
     in_workers = (parallel and runs is None and feed_factory is None and len(policies) > 1
                   and (os.cpu_count() or 1) > 1)
-    if in_workers:
-        loop = asyncio.get_running_loop()
-        with ProcessPoolExecutor(len(policies), mp_context=multiprocessing.get_context("spawn")) as pool:
-            reports = list(await asyncio.gather(
-                *(loop.run_in_executor(pool, _replay_policy_in_process, p, config, i) for i, p in enumerate(policies))
-            ))
-    else:
-        reports = [
-            await replay_policy(p, config, requests=requests, feed_factory=feed_factory, position=i, runs=runs)
-            for i, p in enumerate(policies)
-        ]
+    progress = Progress(policies, len(requests), bar=config.show_progress)
+    try:
+        if in_workers:
+            reports = await run_in_workers(_replay_policy_in_process, [(p, config) for p in policies], progress)
+        else:
+            reports = [
+                await replay_policy(p, config, requests=requests, feed_factory=feed_factory, progress=progress.update,
+                                    runs=runs)
+                for p in policies
+            ]
+    finally:
+        progress.close()
     block_size = reports[0].block_size
     # The ideal covers the requests the servers accept (a prompt under max_model_len).
     accepted = [requests[i] for i, _ in sorted(reports[0].assignments)]
@@ -680,6 +674,8 @@ class PolicyReport:
         block_size: the servers' block size (group 0), in tokens.
         max_model_len: the servers' longest request, in tokens.
         assignments: per routed request, (trace index, instance), in arrival order.
+        hit_series: per request, (trace index, prompt tokens, hit tokens) at its first admission,
+            in trace order (the routing plot's hit rate over time).
     """
 
     policy: str
@@ -707,6 +703,7 @@ class PolicyReport:
     block_size: int
     max_model_len: int
     assignments: list[tuple[int, int]] = field(default_factory=list)
+    hit_series: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def hit_rate_tokens_pct(self) -> float | None:
@@ -734,6 +731,7 @@ class PolicyReport:
         d["admission_agreement"] = _agreement_to_dict(self.admission_agreement)
         d["rpc_latency"] = {k: getattr(self.rpc_latency, k) for k in _LATENCY_FIELDS}
         d["assignments"] = [list(p) for p in self.assignments]
+        d["hit_series"] = [list(p) for p in self.hit_series]
         return d
 
     @classmethod
@@ -750,6 +748,7 @@ class PolicyReport:
             admission_agreement=_agreement_from_dict(d["admission_agreement"]),
             rpc_latency=LatencySummary(**{k: d["rpc_latency"][k] for k in _LATENCY_FIELDS}),
             assignments=[(int(i), int(j)) for i, j in d.get("assignments", [])],
+            hit_series=[(int(i), int(n), int(h)) for i, n, h in d.get("hit_series", [])],
         )
 
 
@@ -836,7 +835,8 @@ def write_multi_json(report: MultiReport, path: str | Path) -> Path:
     """Writes ``report`` as JSON (indented; each assignment list on one line), creating parent
     folders. Returns the path written."""
     data = report.to_dict()
-    return write_json_with_compact_lists(data, path, [(p, "assignments") for p in data["policies"]])
+    return write_json_with_compact_lists(
+        data, path, [(p, key) for p in data["policies"] for key in ("assignments", "hit_series")])
 
 
 def read_multi_json(path: str | Path) -> MultiReport:

@@ -32,6 +32,8 @@ __all__ = [
     "LatencySummary",
     "ModeReport",
     "ReplayReport",
+    "agreement_title",
+    "error_axis_bound",
     "latency_percentiles",
     "plot_agreement",
     "read_json",
@@ -569,6 +571,26 @@ def rolling_exact_match_pct(
     return points[:, 0], 100.0 * (csum[ends] - csum[starts]) / (ends - starts)
 
 
+def agreement_title(report: ReplayReport) -> str:
+    """The agreement plot's title: the trace, the layout, and the pool and mirror capacity that
+    decide the result."""
+    mirrors = sorted({m.mirror_capacity_blocks for m in report.modes})
+    mirror = ", ".join("unbounded" if c == 0 else f"{c:,} blocks" for c in mirrors) or "?"
+    pool = report.modes[0].pool_size_blocks if report.modes else report.num_blocks - 1
+    return (f"Watcher-predicted vs server prefix-cache hits: {Path(report.trace_path).name}\n"
+            f"preset {report.preset}, block_size {report.block_size} tokens; pool {pool:,} blocks, "
+            f"mirror capacity {mirror}")
+
+
+def error_axis_bound(errors: np.ndarray) -> int:
+    """The error panel's half-height, in blocks: 1.5 x the 95th percentile of ``|error|`` (at
+    least 2), so a few outliers do not flatten every other point (those beyond are drawn at the
+    edge and counted in the panel's title); evenly spread errors are not clipped."""
+    if errors.size == 0:
+        return 2
+    return max(2, int(np.ceil(1.5 * np.percentile(np.abs(errors), 95))))
+
+
 def plot_agreement(report: ReplayReport, path: str | Path, *, window: int = 50) -> Path:
     """Plots predicted-vs-actual agreement over the replay as a PNG.
 
@@ -596,7 +618,11 @@ def plot_agreement(report: ReplayReport, path: str | Path, *, window: int = 50) 
     FigureCanvasAgg(fig)
     ax_rate, ax_err = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     colours = {"incremental": "tab:blue", "full": "tab:orange"}
-    for m in report.modes:
+    errors = [np.asarray(m.series, dtype=np.int64).reshape(-1, 3) for m in report.modes]
+    every_error = np.concatenate([p[:, 1] - p[:, 2] for p in errors]) if errors else np.zeros(0, np.int64)
+    bound = error_axis_bound(every_error)
+    num_clipped = int(np.count_nonzero(np.abs(every_error) > bound))
+    for m, points in zip(report.modes, errors):
         colour = colours.get(m.mode)
         x, rate = rolling_exact_match_pct(m.series, window)
         exact = _fmt_pct(m.agreement.exact_match_pct)
@@ -604,25 +630,22 @@ def plot_agreement(report: ReplayReport, path: str | Path, *, window: int = 50) 
             ax_rate.plot([], [], color=colour, label=f"{m.mode} (no data)")
             continue
         ax_rate.plot(x, rate, color=colour, linewidth=1.5, label=f"{m.mode} (overall {exact})")
-        points = np.asarray(m.series, dtype=np.int64).reshape(-1, 3)
-        ax_err.scatter(
-            points[:, 0], points[:, 1] - points[:, 2], s=6, alpha=0.6, color=colour, label=m.mode
-        )
+        ax_err.scatter(points[:, 0], np.clip(points[:, 1] - points[:, 2], -bound, bound), s=6, alpha=0.6,
+                       color=colour, label=m.mode)
     ax_rate.set_ylim(-2, 102)
-    ax_rate.set_ylabel(f"exact match, rolling {window} requests (%)")
+    ax_rate.set_ylabel(f"exact match, rolling {window} admissions (%)")
     ax_rate.grid(True, alpha=0.3)
     ax_rate.legend(loc="lower left")
     ax_err.axhline(0, color="0.4", linewidth=0.8)
+    ax_err.set_ylim(-1.08 * bound, 1.08 * bound)
+    clipped = f"; {num_clipped} beyond ±{bound} drawn at the edge" if num_clipped else ""
     ax_err.set_ylabel("predicted − actual hit (blocks)")
-    ax_err.set_xlabel("request index (replay order)")
+    ax_err.set_title(f"error per admission{clipped}", fontsize=9, loc="left")
+    ax_err.set_xlabel("admission (replay order)")
     ax_err.grid(True, alpha=0.3)
     if any(m.series for m in report.modes):
         ax_err.legend(loc="best")
-    fig.suptitle(
-        f"Watcher-predicted vs server prefix-cache hits: {Path(report.trace_path).name}\n"
-        f"preset {report.preset}, block_size {report.block_size} tokens, "
-        f"num_blocks {report.num_blocks:,}"
-    )
+    fig.suptitle(agreement_title(report))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=110)
     return path

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
+from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
 from kvservice.replay.report import AgreementStats, LatencySummary, ModeReport, ReplayReport
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig, SchedulerStats
 from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits, read_trace
@@ -36,7 +36,7 @@ from kvservice_client.client import AsyncKVCacheClient
 from kvservice_client.watcher import EventWatcher, HitPredictor, PrefixIndex
 
 __all__ = [
-    "DEFAULT_NUM_BLOCKS", "MirrorWatcher", "ModeResult", "ModeRun", "ReplayConfig", "load_requests", "replay_mode",
+    "DEFAULT_NUM_BLOCKS", "PARALLEL_MIN_REQUESTS", "MirrorWatcher", "ModeResult", "ModeRun", "ReplayConfig", "load_requests", "replay_mode",
     "run_mode", "run_replay",
 ]
 
@@ -199,9 +199,10 @@ async def run_mode(
     config: ReplayConfig,
     address: str,
     *,
-    progress: object | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ModeRun:
-    """Replay ``requests`` in one report mode against the server at ``address``."""
+    """Replay ``requests`` in one report mode against the server at ``address``; ``progress``
+    is told ``(mode, requests finished)`` after every step."""
     async with AsyncKVCacheClient(address, timeout=120.0) as client:
         metadata = await client.get_kv_cache_group_metadata()
         pool_blocks = metadata.groups[0].num_blocks - 1
@@ -234,7 +235,7 @@ async def run_mode(
         async def on_step(stats: SchedulerStats, head_seq: int) -> None:
             nonlocal late, late_join_admission
             if progress is not None:
-                progress.update(stats.num_finished - progress.n)  # type: ignore[attr-defined]  # tqdm's stub lacks the counter n
+                progress(mode, stats.num_finished)
             if config.late_watcher and late is None and len(stats.admissions) >= num_requests // 2:
                 late = MirrorWatcher(client, metadata, capacity_blocks)
                 await late.start()
@@ -337,7 +338,7 @@ async def replay_mode(
     config: ReplayConfig,
     *,
     requests: Sequence[TraceRequest] | None = None,
-    position: int = 0,
+    progress: ProgressCallback | None = None,
     runs: list[ModeRun] | None = None,
 ) -> ModeResult:
     """Replay the trace in one report mode on a fresh embedded server (or ``config.target``).
@@ -346,7 +347,7 @@ async def replay_mode(
         mode: "incremental" or "full".
         config: what to replay.
         requests: the trace (default: loaded from ``config``).
-        position: the progress bar's line.
+        progress: told ``(mode, requests finished)`` as the replay goes (it draws nothing itself).
         runs: when given, the raw :class:`ModeRun` is appended (tests inspect it).
 
     Raises:
@@ -370,20 +371,12 @@ async def replay_mode(
         async with AsyncKVCacheClient(address) as client:
             if not (await client.reset_prefix_cache()).reset:
                 raise RuntimeError(f"{address} holds blocks; replay needs a server whose cache it can reset")
-    progress = None
-    if config.show_progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(requests), desc=f"replay {mode:<11}", unit="req", position=position,
-                        dynamic_ncols=True, leave=True)
     try:
         run = await run_mode(mode, requests, config, address, progress=progress)
         if server is not None:
             server.check_invariants()
             run.server_cached = server.cached_hashes()
     finally:
-        if progress is not None:
-            progress.close()
         if server is not None:
             await server.stop(0)
     if runs is not None:
@@ -406,34 +399,50 @@ async def replay_mode(
     )
 
 
-def _replay_mode_in_process(mode: str, config: ReplayConfig, position: int) -> ModeResult:
-    """Worker-process entry point: one mode, its own event loop and embedded server."""
-    return asyncio.run(replay_mode(mode, config, position=position))
+PARALLEL_MIN_REQUESTS = 200
+"""Below this many requests the modes run one after the other in this process. A worker process
+first pays its own start-up (the server and torch imported again: about one ``import torch``, 2 to 8
+s here) which a mode this short (about 0.1 s per request on a loaded 2-core machine) does not win
+back; longer replays run one worker per mode, in parallel."""
+
+def _replay_mode_in_process(mode: str, config: ReplayConfig) -> ModeResult:
+    """Worker-process entry point: one mode, its own event loop and embedded server; progress
+    goes to the parent through the queue the pool was started with."""
+    return asyncio.run(replay_mode(mode, config, progress=worker_progress()))
 
 
-async def run_replay(config: ReplayConfig, *, runs: list[ModeRun] | None = None, parallel: bool = True) -> ReplayReport:
+async def run_replay(
+    config: ReplayConfig, *, runs: list[ModeRun] | None = None, parallel: bool = True,
+    progress_stream: TextIO | None = None,
+) -> ReplayReport:
     """Run every mode of ``config`` and build the report.
 
-    With several modes on embedded servers, each mode runs in its own worker process (the modes
-    are independent: two fresh servers, same trace), so the replay uses two cores.
+    With several modes on embedded servers and at least :data:`PARALLEL_MIN_REQUESTS` requests,
+    each mode runs in its own worker process (the modes are independent: two fresh servers, same
+    trace), so the replay uses two cores. Progress is one display in this process
+    (:class:`~kvservice.replay.progress.Progress`): a bar with ``show_progress``, else a plain
+    line every 10 s and at the end of each mode.
 
     Args:
         config: what to replay.
         runs: when given, each mode runs in this process and its raw :class:`ModeRun` is appended.
         parallel: allow worker processes.
+        progress_stream: where progress goes (default stdout).
     """
     requests = load_requests(config)
     modes = list(config.report_modes)
-    if parallel and runs is None and config.target is None and len(modes) > 1 and (os.cpu_count() or 1) > 1:
-        loop = asyncio.get_running_loop()
-        with ProcessPoolExecutor(len(modes), mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = await asyncio.gather(
-                *(loop.run_in_executor(pool, _replay_mode_in_process, mode, config, i) for i, mode in enumerate(modes))
-            )
-    else:
-        results = [
-            await replay_mode(mode, config, requests=requests, position=i, runs=runs) for i, mode in enumerate(modes)
-        ]
+    progress = Progress(modes, len(requests), bar=config.show_progress, stream=progress_stream)
+    try:
+        if (parallel and runs is None and config.target is None and len(modes) > 1
+                and len(requests) >= PARALLEL_MIN_REQUESTS and (os.cpu_count() or 1) > 1):
+            results = await run_in_workers(_replay_mode_in_process, [(mode, config) for mode in modes], progress)
+        else:
+            results = [
+                await replay_mode(mode, config, requests=requests, progress=progress.update, runs=runs)
+                for mode in modes
+            ]
+    finally:
+        progress.close()
     metadata: dict[str, str | int | float | bool | None] = {}
     for mode, result in zip(modes, results):
         metadata[f"requests_skipped_longer_than_max_model_len_{mode}"] = result.num_skipped

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
 import logging
 import os
-import re
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,29 @@ from kvservice.memory import (
     num_blocks_from_budget,
     resolve_device,
 )
-from kvservice.server.auth import build_auth, check_auth_settings, is_loopback_host
-from kvservice.server.event_log import EventLog, EventLogConfig
-from kvservice.server.nats_sink import check_nats_settings, start_nats_sink
+from kvservice.server.auth import build_auth, is_loopback_host
+from kvservice.server.event_log import EventLog
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
+from kvservice.server.probes import ProbePort
+from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, start_sinks
+from kvservice.server.settings import (
+    SECTIONS,
+    AuthSettings,
+    BindSettings,
+    CacheSettings,
+    EventsSettings,
+    LimitsSettings,
+    LoggingSettings,
+    MetricsSettings,
+    NatsSettings,
+    ZmqSettings,
+    parse_bytes,
+    setting_aliases,
+    settings_table,
+)
+from kvservice.server.vllm_flags import kv_cache_torch_dtype, kv_events_config_settings
 from kvservice.server.zmq_publisher import check_endpoint_exposure
-from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,278 +73,84 @@ __all__ = ["RunningServer", "ServerConfig", "load_config", "parse_bytes", "run_s
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
+OTHER_ENV_VARS = frozenset({"KVSERVICE_TOKEN", "KVSERVICE_PROFILE"})
+"""``KVSERVICE_*`` variables that are not server settings (the watch token, the bench profiler):
+not warned about by :func:`load_config`."""
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class ServerConfig:
-    """Everything ``kvservice serve`` can be told.
+    """Everything ``kvservice serve`` can be told: one section per concern.
+
+    Build it from sections, from flat settings, or both (flat names are listed by
+    :func:`kvservice.server.settings.settings_table`; each section's docstring says what its
+    settings mean, their units and bounds)::
+
+        ServerConfig(port=0, zmq_endpoint="tcp://127.0.0.1:*")
+        ServerConfig(cache=CacheSettings(preset="qwen-2.5-0.5b"), port=0)
+
+    A flat name reads through to its section (``config.zmq_endpoint is config.zmq.endpoint``);
+    :meth:`replace` and ``dataclasses.replace`` take flat names too.
 
     Attributes:
-        host: address to bind ("127.0.0.1"; "0.0.0.0" or "[::]" for all interfaces).
-        port: port to bind; 0 picks a free one (the bound address is printed).
-        preset: model KV layout (see ``kvservice.core.kv_cache_spec.PRESETS``).
-        block_size: tokens per block (default: the preset's).
-        num_blocks: blocks in the pool, null block included (default: from the memory budget).
-        kv_cache_memory: KV tensor budget in bytes (default 1 GiB on CPU/meta).
-        gpu_memory_utilization: fraction of free CUDA memory for KV tensors (default 0.9 on CUDA).
-        device: "auto" (CUDA when available), "cpu", "cuda", "cuda:N" or "meta" (shapes only).
-        max_model_len: longest request in tokens (default: the preset's).
-        hash_algorithm, hash_seed: the block-hash rule.
-        block_hash_format: "int64" (vLLM's published form) or "digest".
-        data_parallel_rank: copied onto every event batch.
-        event_max_batches, event_max_bytes: event log retention (batches, msgpack bytes).
-        max_subscriber_lag: batches a stream subscriber may fall behind before it is ended.
-        max_consumers: named TakeEvents consumers.
-        snapshot_part_tokens: token ids per snapshot message, about (big snapshots go in parts).
-        stalled_write_timeout_s: an ended subscriber whose client stopped reading is cut off
-            (without a status) after this many seconds.
-        max_num_requests: registered requests at once.
-        max_step_ops: ops per Step.
-        max_step_tokens: tokens per Step (prompt_token_ids + new_token_ids over all its ops);
-            bounds how long one Step holds the event loop.
-        request_idle_timeout_s: a request not called (GetComputedBlocks/AllocateSlots, unary or in
-            a Step) for this many seconds is freed as by Free (None: never, the default).
-        consumer_idle_timeout_s: a named TakeEvents consumer that has not taken for this many
-            seconds is dropped; a later take by its name starts like a new consumer's.
-        max_streams: open StreamEvents subscriptions at once.
-        max_message_bytes: largest gRPC message accepted or sent, in bytes.
-        grace_seconds: how long a graceful stop waits for calls in flight.
-        check_invariants: debug: check the cache's invariants after every mutating call and Step
-            (slow: it walks the whole pool); a failure is logged at ERROR and counted.
-        tls_cert_file, tls_key_file: the server's TLS certificate chain and private key (PEM files;
-            both or neither). Without them the port is plain text.
-        tls_client_ca_file: CA certificates (PEM) that client certificates must chain to: mutual
-            TLS (needs tls_cert_file).
-        auth_tokens_file: TOML file of bearer tokens with roles (scheduler, watcher); see
-            ``kvservice.server.auth``. Without it no token is asked for.
-        allow_insecure_bind: bind a non-loopback host with neither TLS nor tokens (refused
-            otherwise); also bind a ZMQ socket (zmq_endpoint, zmq_replay_endpoint) on a
-            non-loopback address, which has no authentication at all (refused otherwise).
-        zmq_endpoint: publish every event batch on a ZMQ PUB socket in vLLM's framing, e.g.
-            "tcp://*:5557" (None: off, the default). Bound when it has a wildcard or is ipc://,
-            connected otherwise (vLLM's rule); ``RunningServer.zmq_publisher.endpoint`` is the
-            bound one (a wildcard port resolved). A bind off loopback (``tcp://*``) needs
-            allow_insecure_bind: ZMQ has no authentication.
-        zmq_replay_endpoint: ROUTER endpoint (bound) answering vLLM replay requests from the
-            retained event log (None: no replay; needs zmq_endpoint). Off loopback it needs
-            allow_insecure_bind.
-        zmq_topic: topic frame of every ZMQ message ("", vLLM's default; None, as an empty flag or
-            variable gives, is "" too).
-        zmq_hwm: PUB send high-water mark, messages queued per subscriber before ZMQ drops (>= 1).
-        nats_url: publish every event batch to NATS JetStream, e.g. "nats://nats:4222" (several
-            comma-separated; None: off, the default). Credentials go in the userinfo
-            (``nats://user:password@host:4222``, ``nats://token@host:4222``); every note, log line
-            and error shows them as ``***``. A refused credential fails the start at once. See
-            ``kvservice.server.nats_sink``.
-        nats_subject_prefix: batches go to ``<prefix>.<instance>``; the stream captures ``<prefix>.>``.
-        nats_stream: the JetStream stream, created or updated to the retention below at start.
-        nats_instance: this server's subject token, ``[A-Za-z0-9_-]+`` (None: ``<hostname>-<port>``
-            with other characters as ``_``).
-        nats_max_age_s, nats_max_msgs, nats_max_bytes: stream retention in seconds, messages and
-            bytes (0 = no limit; defaults 1 hour, none, 1 GiB).
-        nats_duplicate_window_s: seconds the stream drops a re-published batch (same
-            ``Nats-Msg-Id``, ``<epoch>:<seq>``) in (> 0, <= nats_max_age_s when that is set).
-        nats_max_pending_batches: batches queued while NATS is slow or away before new ones are
-            dropped (logged at ERROR; watchers see the seq gap and resync) (>= 1).
-        metrics_port: serve Prometheus metrics over HTTP on this port (None: off, the default;
-            0 picks a free one; ``RunningServer.metrics_port`` is the bound one).
-        metrics_host: address the metrics endpoint binds ("127.0.0.1").
-        kv_events_medium: the ``medium`` of every event ("GPU", as vLLM's primary pool always says,
-            whatever the device: consumers such as Dynamo's indexer file other media in their
-            host/offload tiers); set "CPU" (or another tier name) for a deployment that wants the
-            tier named otherwise. A non-empty string of at most 64 characters.
-        uds: also listen on this Unix-domain socket path (None: off, the default), with the TCP
-            port's credentials; the socket file is made mode 0600 (only this user connects) and
-            removed at stop. With auth off, AttachKVCache is allowed over it or over loopback only.
-        data_chunk_bytes: largest ``data`` of one WriteBlocks / ReadBlocks chunk, in bytes
-            (1 MiB; 4 KiB .. max_message_bytes - 64 KiB). A read or write holds about one chunk
-            (and one block being written) per call in server memory.
+        bind, cache, limits, events, auth, zmq, nats, metrics, logging: the sections
+            (``kvservice.server.settings``).
+
+    Raises:
+        ValueError: a bad setting (each section checks its own; the message names the flat
+            setting and the bound), or a rule across sections (a ZMQ bind off loopback without
+            allow_insecure_bind).
+        TypeError: an unknown setting name.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    preset: str = "llama-3-8b"
-    block_size: int | None = None
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float | None = None
-    device: str = "auto"
-    max_model_len: int | None = None
-    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
-    hash_seed: str = DEFAULT_HASH_SEED
-    block_hash_format: str = "int64"
-    data_parallel_rank: int | None = None
-    event_max_batches: int = 100_000
-    event_max_bytes: int = 256 * 1024 * 1024
-    max_subscriber_lag: int = 10_000
-    max_consumers: int = 1024
-    snapshot_part_tokens: int = 262_144
-    stalled_write_timeout_s: float = 30.0
-    max_num_requests: int = 65536
-    max_step_ops: int = 4096
-    max_message_bytes: int = 64 * 1024 * 1024
-    grace_seconds: float = 5.0
-    check_invariants: bool = False
-    # -- auth settings --
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None
-    auth_tokens_file: str | None = None
-    allow_insecure_bind: bool = False
-    # -- limits and request lifetime settings --
-    max_step_tokens: int = 1 << 20
-    request_idle_timeout_s: float | None = None
-    consumer_idle_timeout_s: float = 3600.0
-    max_streams: int = 1024
-    # -- ZMQ publisher settings --
-    zmq_endpoint: str | None = None
-    zmq_replay_endpoint: str | None = None
-    zmq_topic: str | None = ""
-    zmq_hwm: int = 100_000
-    # -- NATS JetStream sink settings --
-    nats_url: str | None = field(default=None, repr=False)  # may hold a password or token
-    nats_subject_prefix: str = "kvservice.events"
-    nats_stream: str = "KVSERVICE_EVENTS"
-    nats_instance: str | None = None
-    nats_max_age_s: float = 3600.0
-    nats_max_msgs: int = 0
-    nats_max_bytes: int = 1 << 30
-    nats_duplicate_window_s: float = 120.0
-    nats_max_pending_batches: int = 10_000
-    # -- metrics settings --
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    # -- consumer parity settings (issue 14) --
-    kv_events_medium: str = "GPU"
-    # -- data plane settings (issue 13) --
-    uds: str | None = None
-    data_chunk_bytes: int = 1 << 20
+    bind: BindSettings
+    cache: CacheSettings
+    limits: LimitsSettings
+    events: EventsSettings
+    auth: AuthSettings
+    zmq: ZmqSettings
+    nats: NatsSettings
+    metrics: MetricsSettings
+    logging: LoggingSettings
 
-    def __post_init__(self) -> None:
-        get_preset(self.preset)  # raises naming the known presets
-        if self.hash_algorithm not in HASH_ALGORITHMS:
-            raise ValueError(f"hash_algorithm must be one of {', '.join(HASH_ALGORITHMS)}; got {self.hash_algorithm!r}")
-        if self.block_hash_format not in ("int64", "digest"):
-            raise ValueError(f"block_hash_format must be 'int64' or 'digest'; got {self.block_hash_format!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535; got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in 0..65535; got {self.metrics_port}")
-        for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "event_max_batches",
-                     "event_max_bytes", "max_subscriber_lag", "max_consumers", "max_num_requests", "max_step_ops",
-                     "snapshot_part_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1; got {value}")
-        if not self.stalled_write_timeout_s > 0:
-            raise ValueError(f"stalled_write_timeout_s must be > 0 seconds; got {self.stalled_write_timeout_s}")
-        if not self.grace_seconds >= 0:
-            raise ValueError(f"grace_seconds must be >= 0 seconds; got {self.grace_seconds}")
-        if self.max_message_bytes < 4096:
-            raise ValueError(f"max_message_bytes must be >= 4096 bytes; got {self.max_message_bytes}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
-        # issue 6: limits and request lifetime
-        for name in ("max_step_tokens", "max_streams"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.request_idle_timeout_s is not None and not 0 < self.request_idle_timeout_s < float("inf"):
-            raise ValueError(
-                f"request_idle_timeout_s must be a finite number > 0 seconds (or unset: off); got {self.request_idle_timeout_s}"
-            )
-        if not self.consumer_idle_timeout_s > 0:
-            raise ValueError(f"consumer_idle_timeout_s must be > 0 seconds; got {self.consumer_idle_timeout_s}")
-        # issue 7: ZMQ publisher
-        if self.zmq_replay_endpoint is not None and self.zmq_endpoint is None:
-            raise ValueError("zmq_replay_endpoint needs zmq_endpoint (replays answer what the PUB socket published)")
-        for name in ("zmq_endpoint", "zmq_replay_endpoint"):
-            value = getattr(self, name)
-            if value is not None and "://" not in value:
-                raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://*:5557 or ipc:///path; got {value!r}")
-        if self.zmq_hwm < 1:
-            raise ValueError(f"zmq_hwm must be >= 1 messages; got {self.zmq_hwm}")
-        # ZMQ has no authentication: a non-loopback bind needs allow_insecure_bind (refused here,
-        # before anything is allocated; the start lines carry the warning).
+    def __init__(self, **values: Any) -> None:
+        table, aliases = settings_table(), setting_aliases()
+        given = {section.name: values.pop(section.name, None) for section in SECTIONS}
+        values = {aliases.get(name, name): value for name, value in values.items()}
+        if values.get("kv_events_config") is not None:  # vLLM's JSON; a setting given by name wins
+            values = {**kv_events_config_settings(values["kv_events_config"]), **values}
+        changes: dict[str, dict[str, Any]] = {}
+        for flat, value in values.items():
+            row = table.get(aliases.get(flat, flat))
+            if row is None:
+                raise TypeError(f"ServerConfig got an unknown setting {flat!r}")
+            changes.setdefault(row.section, {})[row.attr] = value
+        for section in SECTIONS:
+            base, change = given[section.name], changes.get(section.name, {})
+            if base is None:
+                value = section(**change)
+            else:
+                value = dataclasses.replace(base, **change) if change else base
+            object.__setattr__(self, section.name, value)
+        # The one rule across sections: ZMQ has no authentication, so a bind off loopback needs
+        # allow_insecure_bind (refused here, before anything is allocated).
         check_endpoint_exposure(
-            self.zmq_endpoint, self.zmq_replay_endpoint, allow_insecure_bind=self.allow_insecure_bind
-        )
-        # issue 14: the events' medium
-        if not isinstance(self.kv_events_medium, str) or not 1 <= len(self.kv_events_medium) <= 64:
-            raise ValueError(f"kv_events_medium must be a non-empty string of at most 64 characters; got {self.kv_events_medium!r}")
-        # issue 13: data plane
-        if not 4096 <= self.data_chunk_bytes <= self.max_message_bytes - 65536:
-            raise ValueError(
-                f"data_chunk_bytes must be in 4096..max_message_bytes - 65536 ({self.max_message_bytes - 65536}) "
-                f"bytes; got {self.data_chunk_bytes}"
-            )
-        if self.uds is not None and not self.uds.strip():
-            raise ValueError("uds must be a socket path (or unset: no Unix-domain listener)")
-        # issue 7: NATS JetStream sink
-        check_nats_settings(self)
-        check_auth_settings(  # issue 6: TLS files go together
-            tls_cert_file=self.tls_cert_file, tls_key_file=self.tls_key_file, tls_client_ca_file=self.tls_client_ca_file
+            self.zmq.endpoint, self.zmq.replay_endpoint, allow_insecure_bind=self.auth.allow_insecure_bind
         )
 
+    def __getattr__(self, name: str) -> Any:
+        row = settings_table().get(setting_aliases().get(name, name))
+        if row is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(getattr(self, row.section), row.attr)
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+    def replace(self, **flat: Any) -> ServerConfig:
+        """A copy with flat settings (or whole sections) replaced, checked again."""
+        return ServerConfig(**{section.name: getattr(self, section.name) for section in SECTIONS}, **flat)
 
-
-def parse_bytes(value: str | int) -> int:
-    """Parse a byte count: an int, or a number with a unit ("512MiB", "1.5GB", "1g").
-
-    Raises:
-        ValueError: not a byte count.
-    """
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a byte count: {value!r} (e.g. 1073741824, 512MiB, 1GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """``value`` (from TOML, the environment or a flag) as the type of setting ``name``.
-
-    Raises:
-        ValueError: it is not one (the message names the expected type).
-    """
-    target = str({f.name: f.type for f in fields(ServerConfig)}[name])
-    if value is None or value == "":
-        if "None" in target:
-            return None
-        raise ValueError("must be set")
-    if name in ("kv_cache_memory", "event_max_bytes", "max_message_bytes", "nats_max_bytes", "data_chunk_bytes"):
-        return parse_bytes(value)
-    if target == "bool":
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"not a boolean: {value!r} (true/false, 1/0, yes/no, on/off)")
-    if "int" in target:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"not an integer: {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"not an integer: {value!r}") from None
-    if "float" in target:
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"not a number: {value!r}") from None
-    return str(value)
-
-
-def _coerced(name: str, value: Any, source: str) -> Any:
-    try:
-        return _coerce(name, value)
-    except ValueError as e:
-        raise ValueError(f"{source}: {name}: {e}") from None
+    def flat(self) -> dict[str, Any]:
+        """Every setting by flat name (what ``ServerConfig(**config.flat())`` rebuilds)."""
+        return {name: getattr(getattr(self, row.section), row.attr) for name, row in settings_table().items()}
 
 
 def load_config(
@@ -337,15 +160,28 @@ def load_config(
 ) -> ServerConfig:
     """Build a :class:`ServerConfig` from a TOML file, ``KVSERVICE_*`` variables and overrides.
 
-    Overrides whose value is None are ignored (flags not given). Precedence: overrides >
-    environment > file > defaults. A relative path in the file (``*_file`` settings) is relative
-    to the file's directory; in the environment and overrides, to the working directory.
+    Every name is a flat setting name (:func:`~kvservice.server.settings.settings_table`): the
+    TOML key (``-`` or ``_``; at the top level or under ``[kvservice]``), the variable
+    ``KVSERVICE_<NAME>``, the override keyword. Overrides whose value is None are ignored (flags
+    not given). Precedence: overrides > environment > file > defaults. A relative path in the file
+    (``*_file`` settings) is relative to the file's directory; in the environment and overrides,
+    to the working directory. A ``KVSERVICE_*`` variable that names no setting is logged as a
+    WARNING (with the nearest setting's variable) and ignored.
 
     Raises:
-        ValueError: an unknown key (file, environment or override) or a bad value, naming it.
+        ValueError: an unknown key (file or override) or a bad value, naming its source and the
+            setting.
     """
-    names = {f.name for f in fields(ServerConfig)}
+    table, aliases = settings_table(), setting_aliases()
     values: dict[str, Any] = {}
+
+    def put(key: str, value: Any, source: str) -> None:
+        key = aliases.get(key, key)
+        try:
+            values[key] = table[key].parse(value)
+        except ValueError as e:
+            raise ValueError(f"{source}: {key}: {e}") from None
+
     if config_file is not None:
         try:
             with open(config_file, "rb") as f:
@@ -355,24 +191,29 @@ def load_config(
         data = data.get("kvservice", data)
         for key, value in data.items():
             key = key.replace("-", "_")
-            if key not in names:
+            if key not in table and key not in aliases:
                 raise ValueError(f"{config_file}: unknown key {key!r}")
-            value = _coerced(key, value, str(config_file))
-            if key.endswith("_file") and isinstance(value, str) and not os.path.isabs(value):
+            put(key, value, str(config_file))
+            key = aliases.get(key, key)
+            if key.endswith("_file") and isinstance(values[key], str) and not os.path.isabs(values[key]):
                 # A path in a config file is relative to that file, not to where the server starts.
-                value = str(Path(config_file).resolve().parent / value)
-            values[key] = value
+                values[key] = str(Path(config_file).resolve().parent / values[key])
     environ = os.environ if environ is None else environ
     for env_key, value in environ.items():
-        if env_key.startswith("KVSERVICE_"):
-            key = env_key[len("KVSERVICE_"):].lower()
-            if key in names:
-                values[key] = _coerced(key, value, env_key)
+        if not env_key.startswith("KVSERVICE_"):
+            continue
+        key = env_key[len("KVSERVICE_"):].lower()
+        if key in table or key in aliases:
+            put(key, value, env_key)
+        elif env_key not in OTHER_ENV_VARS:
+            near = difflib.get_close_matches(key, list(table), n=1)
+            hint = f" (did you mean KVSERVICE_{near[0].upper()}?)" if near else ""
+            logger.warning("ignoring %s: no setting is called %s%s", env_key, key, hint)
     for key, value in overrides.items():
-        if key not in names:
+        if key not in table and key not in aliases:
             raise ValueError(f"unknown setting {key!r}")
         if value is not None:
-            values[key] = _coerced(key, value, f"--{key.replace('_', '-')}")
+            put(key, value, f"--{key.replace('_', '-')}")
     return ServerConfig(**values)
 
 
@@ -404,13 +245,29 @@ class RunningServer:
     the metrics endpoint."""
     reaper: RequestReaper | None = field(default=None, repr=False)
     """The request reaper (with ``request_idle_timeout_s``; None without)."""
-    zmq_publisher: Any = field(default=None, repr=False)
-    """The ZMQ event publisher (``kvservice.server.zmq_publisher.ZmqEventPublisher`` with
-    ``zmq_endpoint``; None without)."""
-    nats_sink: Any = field(default=None, repr=False)
-    """The NATS JetStream sink (``kvservice.server.nats_sink.NatsJetStreamSink`` with ``nats_url``;
-    None without)."""
+    probes: ProbePort = field(default_factory=ProbePort, repr=False)
+    """The probe ports (``health_port``, ``health_http_port``; unbound when off)."""
+    stop_timeline: list[tuple[str, float]] = field(default_factory=list, repr=False)
+    """(step, ``time.monotonic()``) of each step of :meth:`stop`, in order."""
+    sinks: dict[str, EventSink] = field(default_factory=dict, repr=False)
+    """The started event sinks by kind ("zmq", "nats"; see ``kvservice.server.sinks``)."""
     _stopped: bool = field(default=False, repr=False)
+
+    def sink(self, kind: str) -> EventSink:
+        """The started sink of ``kind``, or a :class:`~kvservice.server.sinks.NullEventSink`."""
+        return self.sinks.get(kind) or NullEventSink()
+
+    @property
+    def zmq_publisher(self) -> Any:
+        """The ZMQ sink (``kvservice.server.zmq_publisher.ZmqEventPublisher``; None without
+        ``zmq_endpoint``)."""
+        return self.sinks.get("zmq")
+
+    @property
+    def nats_sink(self) -> Any:
+        """The NATS JetStream sink (``kvservice.server.nats_sink.NatsJetStreamSink``; None without
+        ``nats_url``)."""
+        return self.sinks.get("nats")
 
     @property
     def metrics_port(self) -> int | None:
@@ -447,78 +304,105 @@ class RunningServer:
         form: what a watcher that applied every batch holds (docs/ARCHITECTURE.md §3.4)."""
         return self.event_log.cached_hashes()
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Stop gracefully: mark NOT_SERVING, end open streams with UNAVAILABLE naming their last
-        seq, then let calls in flight finish for ``grace`` seconds."""
+    async def stop(self, grace: float | None = None, *, drain_delay_s: float = 0.0) -> None:
+        """Stop gracefully, in this order (each step's ``time.monotonic()`` goes into
+        :attr:`stop_timeline`):
+
+        1. ``not_serving``: health (main and probe ports) says NOT_SERVING, ``/readyz`` 503;
+        2. ``drained``: after ``drain_delay_s`` seconds in which the port still serves as before
+           (load balancers take the server out meanwhile);
+        3. ``streams_ended``: open streams end with UNAVAILABLE naming their last seq;
+        4. ``stopped``: calls in flight finish, within ``grace`` seconds (default
+           ``shutdown_grace_s``) of step 2 (streams get at least 1 s to end with their status);
+           then the sinks, the reaper and the metrics endpoint close;
+        5. ``probes_closed``: the probe ports close last.
+        """
         if self._stopped:
             return
         self._stopped = True
-        grace = self.config.grace_seconds if grace is None else grace
+        grace = self.config.bind.shutdown_grace_s if grace is None else grace
+        self.probes.ready = False
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
+        self._mark("not_serving")
+        if drain_delay_s > 0:
+            await asyncio.sleep(drain_delay_s)
+        self._mark("drained")
+        started = time.monotonic()
         self.event_log.close()
         # Let each open stream end with its UNAVAILABLE status before the server cancels calls.
         await self.event_log.wait_drained(max(grace, 1.0))
-        await self.server.stop(grace)
+        self._mark("streams_ended")
+        await self.server.stop(max(0.0, grace - (time.monotonic() - started)))
         for close in reversed(self.closers):
             try:
                 await close()
             except Exception:
                 logger.exception("closing %r failed", close)
+        self._mark("stopped")
+        await self.probes.close()
+        self._mark("probes_closed")
+
+    def _mark(self, step: str) -> None:
+        self.stop_timeline.append((step, time.monotonic()))
 
 
 def _kind_name(kind: int) -> str:
     """A KVCacheSpecKind enum value as its lower-case name."""
     from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
-    return pb.KVCacheSpecKind.Name(kind).removeprefix("KV_CACHE_SPEC_KIND_").lower()  # type: ignore[arg-type]  # the kind is a valid enum number, the stub wants its ValueType
+    return pb.KVCacheSpecKind.Name(kind).removeprefix("KV_CACHE_SPEC_KIND_").lower()
 
 
-def _resolve_num_blocks(config: ServerConfig, kv_cache_config_groups: Any, device: Any) -> int:
-    if config.num_blocks is not None:
-        return config.num_blocks
-    if config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
+def _resolve_num_blocks(cache: CacheSettings, kv_cache_config_groups: Any, device: Any) -> int:
+    """Blocks in the pool: ``num_blocks``, else what the KV tensor budget holds."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
     elif device.type == "cuda":
-        budget = cuda_memory_budget(device, config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
+        budget = cuda_memory_budget(device, cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
     else:
-        if config.gpu_memory_utilization is not None:
+        if cache.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization needs a CUDA device; give kv_cache_memory or num_blocks")
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
     return num_blocks_from_budget(kv_cache_config_groups, budget)
 
 
-async def start_server(config: ServerConfig | None = None, **overrides: Any) -> RunningServer:
-    """Build and start a server; the one public start function (the replay starts its embedded
-    server through it).
+@dataclass
+class _Core:
+    """What :func:`start_server` builds before anything listens: the cache and its edges."""
 
-    Args:
-        config: the configuration (default: :class:`ServerConfig` defaults).
-        **overrides: fields replacing the config's.
+    config: ServerConfig
+    engine: KVCacheEngine
+    tensors: KVCacheTensors
+    event_log: EventLog
+    servicer: KVCacheServicer
+    notes: list[str]
+    metrics: Any = None
+    shm: Any = None  # kvservice.shm.SharedMemoryAllocator: the KV memory (CPU) and the control segment
 
-    Returns:
-        The running server; ``await running.stop()`` to stop it.
 
-    Raises:
-        ValueError: a bad setting (naming it).
-        kvservice.memory.KVCacheAllocationError: the KV tensors do not fit (bytes asked and
-            available in the message).
-        RuntimeError: the address cannot be bound.
+def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, list[str]]:
+    """The pool's size and max_model_len resolved (the config says them); the device.
+
+    A request the pool cannot hold would be registered and then never allocated: a preset's
+    max_model_len is lowered to what fits; an explicit one is kept (the engine refuses longer
+    prompts at registration). Either way the start says so in a note.
     """
-    config = dataclasses.replace(config or ServerConfig(), **overrides)
-    preset = get_preset(config.preset)
-    device = resolve_device(config.device)
-    groups = preset.kv_cache_groups(config.block_size)
-    num_blocks = _resolve_num_blocks(config, groups, device)
-    kv_cache_config = KVCacheConfig(num_blocks, groups)
-    # A request the pool cannot hold would be registered and then never allocated: a preset's
-    # max_model_len is lowered to what fits; an explicit one is kept (the engine refuses longer
-    # prompts at registration). Either way the start says so.
+    cache = config.cache
+    preset = get_preset(cache.preset)
+    dtype = kv_cache_torch_dtype(cache.kv_cache_dtype)
+    if dtype is not None:  # vLLM's --kv-cache-dtype: the attention layers' KV tensors
+        preset = dataclasses.replace(preset, dtype=dtype)
+    device = resolve_device(cache.device)
+    groups = preset.kv_cache_groups(cache.block_size)
+    kv_cache_config = KVCacheConfig(_resolve_num_blocks(cache, groups, device), groups)
     fits = max_tokens_in_pool(kv_cache_config)
-    max_model_len = config.max_model_len or preset.max_model_len
+    max_model_len = cache.max_model_len or preset.max_model_len
     notes = []
     if max_model_len > fits:
-        if config.max_model_len is None:
+        if cache.max_model_len is None:
             notes.append(f"max_model_len lowered from the preset's {max_model_len} to {fits} tokens, what the pool holds")
             max_model_len = fits
         else:
@@ -526,8 +410,19 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
                 f"the pool holds one request of at most {fits} tokens, below max_model_len {max_model_len}: "
                 "longer prompts are refused"
             )
-    config = dataclasses.replace(config, num_blocks=num_blocks, max_model_len=max_model_len)
-    # -- data plane: CPU memory in POSIX shared memory (a control segment on CUDA too) --
+    config = config.replace(num_blocks=kv_cache_config.num_blocks, max_model_len=max_model_len)
+    return config, kv_cache_config, device, notes
+
+
+def _build_core(config: ServerConfig) -> _Core:
+    """Allocate the KV tensors, build the cache manager, the engine, the event log, the servicer.
+
+    Raises:
+        ValueError, kvservice.memory.KVCacheAllocationError: as :func:`start_server`.
+    """
+    config, kv_cache_config, device, notes = _size_pool(config)
+    cache = config.cache
+    # The data plane: CPU memory in POSIX shared memory (a control segment on CUDA too).
     shm = None
     if device.type in ("cpu", "cuda"):
         from kvservice.shm import SharedMemoryAllocator, remove_stale_segments
@@ -540,161 +435,237 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         if shm is not None:
             shm.close()
         raise
-    medium = config.kv_events_medium
+    medium = config.events.kv_events_medium
     manager = KVCacheManager(
         kv_cache_config,
-        max_model_len,
-        prefix_caching=PrefixCachingConfig(config.hash_algorithm, config.hash_seed),
-        kv_events=KVEventsConfig(block_hash_format=config.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by ServerConfig
+        cache.max_model_len,
+        prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed),
+        kv_events=KVEventsConfig(block_hash_format=cache.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by CacheSettings
     )
-    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=config.max_num_requests))
+    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=config.limits.max_num_requests))
     meta = manager.get_kv_cache_group_metadata()
+    # An answer always fits what this server may send and what any gRPC client accepts.
+    events = dataclasses.replace(config.events, max_take_bytes=min(4 * 1024 * 1024, config.limits.max_message_bytes - 1024))
     event_log = EventLog(
-        manager.num_groups,
-        [g.kind for g in meta.groups],
-        [g.sliding_window for g in meta.groups],
-        EventLogConfig(
-            max_batches=config.event_max_batches,
-            max_bytes=config.event_max_bytes,
-            max_subscriber_lag=config.max_subscriber_lag,
-            max_consumers=config.max_consumers,
-            snapshot_part_tokens=config.snapshot_part_tokens,
-            stalled_write_timeout_s=config.stalled_write_timeout_s,
-            consumer_idle_timeout_s=config.consumer_idle_timeout_s,
-            max_streams=config.max_streams,
-            # An answer always fits what this server may send and what any gRPC client accepts.
-            max_take_bytes=min(4 * 1024 * 1024, config.max_message_bytes - 1024),
-        ),
-        data_parallel_rank=config.data_parallel_rank,
+        manager.num_groups, [g.kind for g in meta.groups], [g.sliding_window for g in meta.groups], events,
+        data_parallel_rank=events.data_parallel_rank,
     )
     metadata = build_metadata_response(
         engine,
         epoch=event_log.epoch,
         device=str(device),
         dtypes=[tensors.dtype(g) and str(tensors.dtype(g)).removeprefix("torch.") for g in range(manager.num_groups)],  # type: ignore[misc]  # a group without tensors gives None, kept as None
-        preset=config.preset,
-        data_parallel_rank=config.data_parallel_rank,
+        preset=cache.preset,
+        data_parallel_rank=events.data_parallel_rank,
     )
+    limits = config.limits
     servicer = KVCacheServicer(
-        engine, event_log, metadata, max_step_ops=config.max_step_ops, max_message_bytes=config.max_message_bytes,
-        check_invariants=config.check_invariants, max_step_tokens=config.max_step_tokens,
+        engine, event_log, metadata, max_step_ops=limits.max_step_ops, max_message_bytes=limits.max_message_bytes,
+        check_invariants=cache.check_invariants, max_step_tokens=limits.max_step_tokens,
     )
-    closers: list[Callable[[], Awaitable[None]]] = []
+    if device.type != "meta":
+        metadata.max_data_chunk_bytes = limits.data_chunk_bytes
     if shm is not None:
         shm.set_epoch(event_log.epoch)
+        if device.type == "cpu":
+            notes.append(
+                f"KV memory in {len(shm.segments)} POSIX shared-memory segments (mode 0600): workers attach with AttachKVCache"
+            )
+    return _Core(config, engine, tensors, event_log, servicer, notes, shm=shm)
+
+
+def _add_data_plane(core: _Core, auth: Any, closers: list[Callable[[], Awaitable[None]]]) -> None:
+    """AttachKVCache, ReadBlocks and WriteBlocks (``kvservice.server.data_plane``); with auth off,
+    attach only from loopback or the Unix socket. The shared memory is removed at stop."""
+    from kvservice.server.data_plane import DataPlane
+
+    shm = core.shm
+    if shm is not None:
 
         async def close_shm() -> None:
             shm.close()
 
         closers.append(close_shm)
-    interceptors: list[grpc.aio.ServerInterceptor] = []
-    # -- auth: interceptor and credentials --
-    auth = build_auth(
-        host=config.host, tls_cert_file=config.tls_cert_file, tls_key_file=config.tls_key_file,
-        tls_client_ca_file=config.tls_client_ca_file, auth_tokens_file=config.auth_tokens_file,
-        allow_insecure_bind=config.allow_insecure_bind,
+    core.servicer.data_plane = DataPlane(
+        core.engine, core.tensors, epoch=core.event_log.epoch, shm=shm, chunk_bytes=core.config.limits.data_chunk_bytes,
+        attach_requires_local=auth.interceptor is None and core.config.auth.tls_client_ca_file is None,
     )
-    notes.extend(auth.notes)
-    if auth.interceptor is not None:
-        interceptors.append(auth.interceptor)
-    # -- data plane --
-    from kvservice.server.data_plane import DataPlane
 
-    servicer.data_plane = DataPlane(
-        engine, tensors, epoch=event_log.epoch, shm=shm, chunk_bytes=config.data_chunk_bytes,
-        attach_requires_local=auth.interceptor is None and config.tls_client_ca_file is None,
-    )
-    if device.type != "meta":
-        metadata.max_data_chunk_bytes = config.data_chunk_bytes
-    # -- metrics --
-    if config.metrics_port is not None:
-        from kvservice.server.metrics import ServerMetrics
 
-        metrics = ServerMetrics(engine, event_log)
-        # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
-        interceptors.insert(0, metrics.interceptor)
-        metrics_port = metrics.start_http_server(config.metrics_host, config.metrics_port)
-        closers.append(metrics.close)
-        config = dataclasses.replace(config, metrics_port=metrics_port)
-        metrics_host = f"[{config.metrics_host}]" if ":" in config.metrics_host else config.metrics_host
-        notes.append(f"Prometheus metrics on http://{metrics_host}:{metrics_port}/metrics")
-        if not is_loopback_host(config.metrics_host):
-            notes.append(f"metrics on non-loopback {config.metrics_host}: plain HTTP, no auth (usage and counters only)")
+def _add_observability(core: _Core, interceptors: list[Any]) -> None:
+    """The RPC context for JSON logs (``log_format`` json) and a span per RPC (``otel_tracing``),
+    ahead of auth so refused calls are seen too."""
+    settings = core.config.logging
+    if settings.log_format == "json" or settings.log_level.upper() == "DEBUG":
+        from kvservice.server.observability import RpcContextInterceptor
+
+        interceptors.insert(0, RpcContextInterceptor())
+    if settings.otel_tracing:
+        from kvservice.server.observability import TracingInterceptor, default_tracer_provider
+
+        core.notes.append(default_tracer_provider())
+        interceptors.insert(0, TracingInterceptor())
+
+
+def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[[], Awaitable[None]]]) -> None:
+    """Serve Prometheus metrics (with ``metrics_port``); the bound port goes into ``core.config``."""
+    settings = core.config.metrics
+    if settings.port is None:
+        return
+    from kvservice.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(core.engine, core.event_log)
+    core.metrics = metrics
+    # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
+    interceptors.insert(0, metrics.interceptor)
+    port = metrics.start_http_server(settings.host, settings.port)
+    closers.append(metrics.close)
+    core.config = core.config.replace(metrics_port=port)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    core.notes.append(f"Prometheus metrics on http://{host}:{port}/metrics")
+    if not is_loopback_host(settings.host):
+        core.notes.append(f"metrics on non-loopback {settings.host}: plain HTTP, no auth (usage and counters only)")
+
+
+async def _bind(
+    core: _Core, interceptors: list[Any], credentials: grpc.ServerCredentials | None,
+    closers: list[Callable[[], Awaitable[None]]],
+) -> tuple[grpc.aio.Server, Any, str]:
+    """Build the gRPC server (the service, health, reflection), bind and start it; health SERVING.
+
+    Returns:
+        (server, health servicer, "host:port" with the bound port); ``core.config`` gets the port.
+
+    Raises:
+        RuntimeError: the address cannot be bound (what started before is closed first).
+    """
+    max_message_bytes = core.config.limits.max_message_bytes
     options = [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    server.add_generic_rpc_handlers((servicer.generic_handler(),))
+    server.add_generic_rpc_handlers((core.servicer.generic_handler(),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
-    host = config.host
-    bind = f"[{host}]:{config.port}" if ":" in host and not host.startswith("[") else f"{host}:{config.port}"
-    server_credentials: grpc.ServerCredentials | None = None
-    # -- auth: server credentials --
-    server_credentials = auth.credentials
+    host, port = core.config.bind.host, core.config.bind.port
+    bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        if server_credentials is None:
-            port = server.add_insecure_port(bind)
-        else:
-            port = server.add_secure_port(bind, server_credentials)
-        if port == 0:
+        bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+        if bound == 0:
             raise RuntimeError(f"cannot bind {bind}")
-        if config.uds is not None:
-            _add_uds_port(server, config.uds, server_credentials, closers)
+        uds = core.config.bind.uds
+        if uds is not None:
+            _add_uds_port(server, uds, credentials, closers)
         await server.start()
-        if config.uds is not None:
-            os.chmod(config.uds, 0o600)  # only this user connects (the socket is made by bind)
+        if uds is not None:
+            os.chmod(uds, 0o600)  # only this user connects (the socket is made by bind)
+            core.notes.append(f"also listening on unix:{uds} (mode 0600)")
     except BaseException:
         for close in reversed(closers):  # what started before the bind (the metrics endpoint)
             await close()
         raise
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = bind.rsplit(":", 1)[0] + f":{port}"
-    config = dataclasses.replace(config, port=port)
-    if config.uds is not None:
-        notes.append(f"also listening on unix:{config.uds} (mode 0600)")
-    if shm is not None and device.type == "cpu":
-        notes.append(f"KV memory in {len(shm.segments)} POSIX shared-memory segments (mode 0600): workers attach with AttachKVCache")
-    running = RunningServer(
-        address, port, server, engine, event_log, servicer, tensors, config, health, notes=notes,
-        closers=closers,
-    )
-    # -- background tasks started after bind: reapers --
-    if config.request_idle_timeout_s is not None:
-        running.reaper = RequestReaper(engine, servicer.publish, config.request_idle_timeout_s)
-        running.reaper.start()
-        closers.append(running.reaper.stop)
-        notes.append(f"requests not called for {config.request_idle_timeout_s:g} s are freed (request_idle_timeout_s)")
-    # -- event publishers: ZMQ --
-    if config.zmq_endpoint is not None:
-        from kvservice.server.zmq_publisher import ZmqEventPublisher
+    core.config = core.config.replace(port=bound)
+    return server, health, bind.rsplit(":", 1)[0] + f":{bound}"
 
-        try:
-            running.zmq_publisher = await ZmqEventPublisher.start(
-                event_log, endpoint=config.zmq_endpoint, replay_endpoint=config.zmq_replay_endpoint,
-                topic=config.zmq_topic or "", hwm=config.zmq_hwm, allow_insecure_bind=config.allow_insecure_bind,
-            )
-        except BaseException:
-            await running.stop(0)
-            raise
-        closers.append(running.zmq_publisher.close)
-        metadata.zmq_seq_base = running.zmq_publisher.seq_base
-        notes.append(running.zmq_publisher.describe())
-        notes.extend(running.zmq_publisher.notes)
-    # -- event publishers: NATS JetStream --
-    if config.nats_url is not None:
-        try:
-            running.nats_sink = await start_nats_sink(event_log, config)
-        except BaseException:
-            await running.stop(0)
-            raise
-        closers.append(running.nats_sink.close)
-        running.config = config = dataclasses.replace(config, nats_instance=running.nats_sink.config.instance)
-        notes.append(running.nats_sink.describe())
+
+async def _start_probes(running: RunningServer) -> None:
+    """Bind the probe ports (``health_port``, ``health_http_port``) when set; bound ports go into
+    the config. A failure stops the server."""
+    bind = running.config.bind
+    if bind.health_port is None and bind.health_http_port is None:
+        return
+    try:
+        running.probes = await ProbePort.start(
+            running.health, bind.health_host or bind.host, bind.health_port, bind.health_http_port
+        )
+    except BaseException:
+        await running.stop(0)
+        raise
+    running.config = running.config.replace(health_port=running.probes.grpc_port,
+                                            health_http_port=running.probes.http_port)
+    running.notes.append(running.probes.describe())
+
+
+def _start_reaper(running: RunningServer) -> None:
+    """Free requests not called for ``request_idle_timeout_s`` (when set)."""
+    timeout_s = running.config.limits.request_idle_timeout_s
+    if timeout_s is None:
+        return
+    running.reaper = RequestReaper(running.engine, running.servicer.publish, timeout_s)
+    running.reaper.start()
+    running.closers.append(running.reaper.stop)
+    running.notes.append(f"requests not called for {timeout_s:g} s are freed (request_idle_timeout_s)")
+
+
+async def _start_sinks(running: RunningServer) -> None:
+    """Start the event sinks the config turns on (:data:`kvservice.server.sinks.SINKS`); a
+    failure stops the server."""
+    config = running.config
+    ctx = SinkContext(running.event_log, running.port, config.auth.allow_insecure_bind)
+    try:
+        started = await start_sinks({section.name: getattr(config, section.name) for section in SECTIONS}, ctx)
+    except BaseException:
+        await running.stop(0)
+        raise
+    for name, done in started.items():
+        running.sinks[name] = done.sink
+        running.closers.append(done.sink.close)
+        running.notes.append(done.sink.describe())
+        running.notes.extend(done.sink.notes)
+        if done.resolved:
+            running.config = running.config.replace(**done.resolved)
+
+
+async def start_server(config: ServerConfig | None = None, **overrides: Any) -> RunningServer:
+    """Build and start a server; the one public start function (the replay starts its embedded
+    server through it).
+
+    Steps: size the pool and build the cache, the event log and the servicer
+    (:func:`_build_core`); auth and metrics (interceptors, credentials); bind and start with
+    health SERVING (:func:`_bind`); then what needs the bound port: the request reaper and the
+    event sinks.
+
+    Args:
+        config: the configuration (default: :class:`ServerConfig` defaults).
+        **overrides: flat settings replacing the config's (``port=0, zmq_endpoint=...``).
+
+    Returns:
+        The running server; ``await running.stop()`` to stop it. Its ``config`` has the resolved
+        values (num_blocks, max_model_len, port, metrics_port, nats_instance).
+
+    Raises:
+        ValueError: a bad setting (naming it).
+        kvservice.memory.KVCacheAllocationError: the KV tensors do not fit (bytes asked and
+            available in the message).
+        RuntimeError: the address cannot be bound.
+    """
+    config = (config or ServerConfig()).replace(**overrides)
+    core = _build_core(config)
+    auth = build_auth(core.config.bind.host, core.config.auth)
+    core.notes.extend(auth.notes)
+    interceptors: list[grpc.aio.ServerInterceptor] = [] if auth.interceptor is None else [auth.interceptor]
+    _add_observability(core, interceptors)
+    closers: list[Callable[[], Awaitable[None]]] = []
+    _add_data_plane(core, auth, closers)
+    _start_metrics(core, interceptors, closers)
+    server, health, address = await _bind(core, interceptors, auth.credentials, closers)
+    running = RunningServer(
+        address, core.config.port, server, core.engine, core.event_log, core.servicer, core.tensors, core.config,
+        health, notes=core.notes, closers=closers,
+    )
+    await _start_probes(running)
+    _start_reaper(running)
+    await _start_sinks(running)
+    if core.metrics is not None:
+        core.metrics.sinks = running.sinks
+    zmq = running.sinks.get("zmq")
+    if zmq is not None:
+        core.servicer.metadata.zmq_seq_base = zmq.seq_base
     return running
 
 
@@ -737,6 +708,10 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     """Start a server, print where it listens and what it holds, and serve until SIGTERM/SIGINT;
     then stop gracefully (open streams end with UNAVAILABLE naming their last seq)."""
     running = await start_server(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the banner: a signal right after it still drains
+        loop.add_signal_handler(sig, stop.set)
     print(running.describe(), flush=True)
     profile_path = os.environ.get("KVSERVICE_PROFILE")  # a cProfile dump of the serving loop, for benchmarks
     profiler = None
@@ -745,15 +720,13 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready(running)
     await stop.wait()
-    print("kvservice: stopping (graceful)", flush=True)
+    bind = running.config.bind
+    print(f"kvservice: stopping (graceful): NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
+          f"{bind.shutdown_grace_s:g} s", flush=True)
     if profiler is not None:
         profiler.disable()
-        profiler.dump_stats(profile_path)  # type: ignore[arg-type]  # profile_path is set whenever a profiler runs
-    await running.stop()
+        profiler.dump_stats(profile_path)
+    await running.stop(drain_delay_s=bind.drain_delay_s)

@@ -49,7 +49,7 @@ import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
@@ -59,6 +59,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+if TYPE_CHECKING:
+    from kvservice.server.settings import AuthSettings
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,6 @@ __all__ = [
     "WATCHER_METHODS",
     "WORKER_METHODS",
     "build_auth",
-    "check_auth_settings",
     "is_loopback_host",
     "server_credentials",
 ]
@@ -419,21 +421,6 @@ def is_loopback_host(host: str) -> bool:
 # -- server setup ------------------------------------------------------------------------------
 
 
-def check_auth_settings(
-    *, tls_cert_file: str | None, tls_key_file: str | None, tls_client_ca_file: str | None
-) -> None:
-    """Check that the TLS settings go together (files are read later, by :func:`build_auth`).
-
-    Raises:
-        ValueError: a certificate without its key or the reverse, or a client CA without TLS.
-    """
-    if (tls_cert_file is None) != (tls_key_file is None):
-        given, missing = ("tls_cert_file", "tls_key_file") if tls_key_file is None else ("tls_key_file", "tls_cert_file")
-        raise ValueError(f"{given} needs {missing} (TLS takes the certificate chain and its private key)")
-    if tls_client_ca_file is not None and tls_cert_file is None:
-        raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
-
-
 @dataclass
 class AuthSetup:
     """What :func:`build_auth` gives the server.
@@ -449,15 +436,7 @@ class AuthSetup:
     notes: list[str]
 
 
-def build_auth(
-    *,
-    host: str,
-    tls_cert_file: str | None = None,
-    tls_key_file: str | None = None,
-    tls_client_ca_file: str | None = None,
-    auth_tokens_file: str | None = None,
-    allow_insecure_bind: bool = False,
-) -> AuthSetup:
+def build_auth(host: str, settings: AuthSettings) -> AuthSetup:
     """Read the TLS and token files and apply the bind rules.
 
     Rules: unless clients are authenticated (bearer tokens, or client certificates with mutual
@@ -467,17 +446,17 @@ def build_auth(
 
     Args:
         host: the bind address.
-        tls_cert_file, tls_key_file: the server's certificate chain and key (PEM), or None.
-        tls_client_ca_file: CA (PEM) client certificates must chain to (mutual TLS), or None.
-        auth_tokens_file: the TOML token file (see :meth:`TokenTable.from_file`), or None.
-        allow_insecure_bind: bind a non-loopback address without authenticating clients.
+        settings: the auth section (its TLS files already checked to go together; the token
+            file format is :meth:`TokenTable.from_file`).
 
     Raises:
-        ValueError: a bad or missing file (named), mismatched TLS settings, or a non-loopback
+        ValueError: a bad or missing file (named), or a non-loopback
             host without tokens, client certificates or ``allow_insecure_bind`` (the message names
             the flag).
     """
-    check_auth_settings(tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file)
+    tls_cert_file, tls_key_file = settings.tls_cert_file, settings.tls_key_file
+    tls_client_ca_file, auth_tokens_file = settings.tls_client_ca_file, settings.auth_tokens_file
+    allow_insecure_bind = settings.allow_insecure_bind
     loopback = is_loopback_host(host)
     # Server-only TLS encrypts but authenticates no client: it does not count as auth here.
     authenticates = auth_tokens_file is not None or tls_client_ca_file is not None

@@ -33,6 +33,7 @@ from kvservice.core.errors import (
     SeqOutOfRangeError,
     ShuttingDownError,
 )
+from kvservice.server.settings import EventsSettings
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import batch_to_proto
 from kvservice_client.events import (
@@ -54,49 +55,9 @@ MAX_EPOCH_BYTES = 256
 """Longest epoch a request may name, in UTF-8 bytes (an epoch is 32 hex digits)."""
 
 
-@dataclass(frozen=True)
-class EventLogConfig:
-    """Bounds of the event log.
-
-    Attributes:
-        max_batches: batches retained for replay (>= 1).
-        max_bytes: msgpack bytes retained for replay (>= 1); the newest batch is always kept.
-        max_subscriber_lag: batches a stream subscriber may fall behind the head before it is
-            ended with RESOURCE_EXHAUSTED.
-        max_consumers: named TakeEvents consumers tracked at once.
-        max_take_batches: most batches one TakeEvents returns.
-        snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts).
-        stalled_write_timeout_s: once a subscriber is ended, how long its handler may stay blocked
-            in a write (the client stopped reading) before the call is cancelled without a status.
-        max_take_bytes: most bytes of batches one TakeEvents answer carries (default 4 MiB,
-            gRPC's default receive limit, so any client can take it).
-        consumer_idle_timeout_s: a named consumer that has not taken for this many seconds is
-            dropped (applied lazily, at the next take or cursor lookup): it no longer counts against
-            ``max_consumers``, and a later take by its name starts like a new consumer's.
-        max_streams: open StreamEvents subscriptions at once; one more is refused with
-            RESOURCE_EXHAUSTED naming the bound.
-    """
-
-    max_batches: int = 100_000
-    max_bytes: int = 256 * 1024 * 1024
-    max_subscriber_lag: int = 10_000
-    max_consumers: int = 1024
-    max_take_batches: int = 1000
-    snapshot_part_tokens: int = 262_144
-    stalled_write_timeout_s: float = 30.0
-    max_take_bytes: int = 4 * 1024 * 1024
-    consumer_idle_timeout_s: float = 3600.0
-    max_streams: int = 1024
-
-    def __post_init__(self) -> None:
-        if not self.consumer_idle_timeout_s > 0:
-            raise ValueError(f"consumer_idle_timeout_s must be > 0 seconds; got {self.consumer_idle_timeout_s}")
-        for name in ("max_batches", "max_bytes", "max_subscriber_lag", "max_consumers", "max_take_batches",
-                     "snapshot_part_tokens", "max_take_bytes", "max_streams"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if not self.stalled_write_timeout_s > 0:
-            raise ValueError(f"stalled_write_timeout_s must be > 0 seconds; got {self.stalled_write_timeout_s}")
+EventLogConfig = EventsSettings
+"""The event log's bounds: the ``events`` settings section
+(:class:`kvservice.server.settings.EventsSettings`, which documents and checks each)."""
 
 
 class LogEntry:
@@ -227,7 +188,7 @@ class EventLog:
         num_groups: int,
         group_kinds: Sequence[str | None],
         group_windows: Sequence[int | None],
-        config: EventLogConfig = EventLogConfig(),
+        config: EventLogConfig | None = None,
         *,
         data_parallel_rank: int | None = None,
         epoch: str | None = None,
@@ -237,7 +198,7 @@ class EventLog:
         self.num_groups = num_groups
         self.group_kinds = tuple(group_kinds)
         self.group_windows = tuple(group_windows)
-        self.config = config
+        self.config = config or EventLogConfig()
         self.data_parallel_rank = data_parallel_rank
         self.epoch = epoch or uuid.uuid4().hex
         self.head_seq = 0

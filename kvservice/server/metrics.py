@@ -22,20 +22,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    Info,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvservice.core.engine import KVCacheEngine
+from kvservice.server.build_info import build_info
 from kvservice.server.event_log import EventLog, LogEntry
+from kvservice.server.observability import CallInterceptor
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 logger = logging.getLogger(__name__)
@@ -113,6 +122,11 @@ class ServerMetrics:
             ["service", "method", "code"], buckets=RPC_LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.registry.register(_StateCollector(self))
+        self.sinks: Mapping[str, Any] = {}
+        """The server's event sinks by kind (set once they started; read at scrape)."""
+        self.registry.register(_SinkCollector(self))
+        Info("kvservice_build", "The server's version and build (labels; the value is 1).",
+             registry=self.registry).info(build_info())
         ProcessCollector(registry=self.registry)  # process_*: CPU seconds, resident memory, open fds
         GCCollector(registry=self.registry)  # python_gc_*
         self.interceptor = MetricsInterceptor(self.record_rpc)
@@ -229,6 +243,37 @@ class ServerMetrics:
         httpd.server_close()
 
 
+SINK_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("kvservice_event_sink_published", "counter", "num_published",
+     "Event batches a sink published (NATS: acked as stored), by sink."),
+    ("kvservice_event_sink_dropped", "counter", "num_dropped",
+     "Event batches a sink dropped (watchers see the seq gap and resync), by sink."),
+    ("kvservice_event_sink_pending", "gauge", "num_pending", "Event batches queued in a sink, not yet published."),
+    ("kvservice_event_sink_retries", "counter", "num_retries", "Publishes that failed and were retried, by sink."),
+    ("kvservice_event_sink_reconnects", "counter", "num_reconnects", "Reconnects of a sink's client, by sink."),
+    ("kvservice_event_sink_replays", "counter", "num_replays", "Replay requests answered (ZMQ), by sink."),
+)
+"""(metric, type, sink attribute, help): a sink without the attribute has no sample."""
+
+
+class _SinkCollector(Collector):
+    """The event sinks' counters (``kvservice.server.sinks``), read when scraped."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per :data:`SINK_METRICS` row, a sample per sink that has the attribute."""
+        sinks = dict(self._metrics.sinks)
+        for name, kind, attr, doc in SINK_METRICS:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["sink"])
+            for sink_name, sink in sinks.items():
+                value = getattr(sink, attr, None)
+                if isinstance(value, int):
+                    family.add_metric([sink_name], value)
+            yield family
+
+
 class _StateCollector(Collector):
     """Gauges and counters read from the server's state when scraped (nothing per operation)."""
 
@@ -288,7 +333,7 @@ class _StateCollector(Collector):
 RecordRpc = Callable[[str, str, grpc.StatusCode, float], None]
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(CallInterceptor):
     """Times every RPC and records its final status code with ``record(service, method, code, seconds)``.
 
     The code is the one the client gets: OK, the code of ``context.abort`` or ``context.set_code``,
@@ -304,75 +349,18 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, record: RecordRpc, *, max_methods: int = 256) -> None:
+        super().__init__(max_methods=max_methods)
         self._record = record
-        self._max_methods = max_methods
-        # method path -> (the handler it resolved to, that handler wrapped); handlers are reused.
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._clock = time.perf_counter
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],  # type: ignore[override]  # grpc's stub types the continuation generically; we take the same callable
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        """The next handler, wrapped to record the call when it ends."""
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        path = handler_call_details.method
-        cached = self._wrapped.get(path)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        if cached is None and len(self._wrapped) >= self._max_methods:
-            return self._wrap(handler, "", "other")
-        service, _, method = path.lstrip("/").rpartition("/")
-        wrapped = self._wrap(handler, service, method)
-        self._wrapped[path] = (handler, wrapped)
-        return wrapped
+    def begin(self, path: str | None, request: Any) -> Any:
+        """(service, method, start time) of a call (``path`` None: beyond ``max_methods``)."""
+        service, _, method = path.rpartition("/") if path is not None else ("", "", "other")
+        return service, method, self._clock()
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, service: str, method: str) -> grpc.RpcMethodHandler:
-        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return handler._replace(**{kind: self._wrap_behavior(behavior, service, method)})  # type: ignore[attr-defined, no-any-return]  # RpcMethodHandler is a namedtuple at runtime; the stub does not say so
-        return handler
-
-    def _wrap_behavior(self, behavior: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
-        record = self._record
-        clock = time.perf_counter
-        if inspect.isasyncgenfunction(behavior):
-
-            async def wrapped_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                start = clock()
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                except BaseException as exc:
-                    record(service, method, _final_code(exc, context), clock() - start)
-                    raise
-                record(service, method, context.code() or grpc.StatusCode.OK, clock() - start)
-
-            return wrapped_stream
-
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start = clock()
-            try:
-                response = await behavior(request, context)
-            except BaseException as exc:
-                record(service, method, _final_code(exc, context), clock() - start)
-                raise
-            record(service, method, context.code() or grpc.StatusCode.OK, clock() - start)
-            return response
-
-        return wrapped
+    def end(self, state: Any, code: grpc.StatusCode) -> None:
+        """Record the call."""
+        service, method, start = state
+        self._record(service, method, code, self._clock() - start)
 
 
-def _final_code(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-    """The status a client gets for a handler that raised ``exc``."""
-    if isinstance(exc, grpc.aio.AbortError):
-        return context.code() or grpc.StatusCode.UNKNOWN
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return grpc.StatusCode.DEADLINE_EXCEEDED
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.UNKNOWN

@@ -81,6 +81,8 @@ from kvservice_client.jetstream import (
     subject_for,
 )
 
+from kvservice.server.settings import NatsSettings, check_name, check_retention, check_subject_prefix, split_servers
+
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog
 
@@ -90,17 +92,12 @@ __all__ = [
     "NatsJetStreamSink",
     "NatsSinkConfig",
     "check_name",
-    "check_nats_settings",
     "check_retention",
     "check_subject_prefix",
     "default_instance",
     "import_nats",
     "start_nats_sink",
 ]
-
-_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
-_SUBJECT_TOKEN = re.compile(r"[^\s.*>]+")
-
 
 def import_nats() -> Any:
     """Import nats-py.
@@ -125,64 +122,31 @@ def default_instance(hostname: str, port: int) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", f"{hostname}-{port}")
 
 
-def check_name(setting: str, value: str) -> None:
-    """Check an instance or stream name: one or more of ``[A-Za-z0-9_-]`` (a single subject token,
-    and a valid stream name).
-
-    Raises:
-        ValueError: it is not (the message names ``setting``).
-    """
-    if not _TOKEN.fullmatch(value):
-        raise ValueError(f"{setting} must be one or more of A-Z a-z 0-9 _ -; got {value!r}")
-
-
-def check_subject_prefix(value: str) -> None:
-    """Check a subject prefix: dot-separated, non-empty tokens without wildcards or whitespace.
-
-    Raises:
-        ValueError: it is not (the message names ``nats_subject_prefix``).
-    """
-    if not all(_SUBJECT_TOKEN.fullmatch(token) for token in value.split(".")):
-        raise ValueError(
-            f"nats_subject_prefix must be dot-separated non-empty tokens without '*', '>' or whitespace; got {value!r}"
-        )
-
-
 @dataclass(frozen=True)
 class NatsSinkConfig:
-    """Where and how the sink publishes.
+    """Where and how the sink publishes: the ``nats_*`` settings (their meaning, defaults and
+    bounds are :class:`~kvservice.server.settings.NatsSettings`'), the instance resolved, and the
+    sink's own timings.
 
     Attributes:
-        servers: NATS server URLs (e.g. ``["nats://nats:4222"]``); the client reconnects among them.
-        instance: this server's subject token (see :func:`default_instance`).
-        subject_prefix: batches go to ``{subject_prefix}.{instance}``; the stream captures
-            ``{subject_prefix}.>``.
-        stream: the JetStream stream's name.
-        max_age_s: stream retention by age, in seconds (0 = no limit).
-        max_msgs: stream retention by count, in messages (0 = no limit).
-        max_bytes: stream retention by size, in bytes (0 = no limit).
-        duplicate_window_s: how long the stream remembers a ``Nats-Msg-Id``, in seconds (> 0; at
-            most ``max_age_s`` when that is set).
-        max_pending_batches: batches queued for publishing before new ones are dropped (>= 1).
+        settings: the ``nats`` section (``url`` set).
+        instance: this server's subject token (``settings.instance`` or :func:`default_instance`).
         publish_timeout_s: wait for one publish's ack, in seconds, before retrying it.
         connect_timeout_s: how long :meth:`NatsJetStreamSink.start` tries to reach NATS, in seconds.
         reconnect_wait_s: pause between the NATS client's reconnect attempts, in seconds.
         max_backoff_s: longest wait between two tries of a failing publish, in seconds.
         flush_timeout_s: how long :meth:`NatsJetStreamSink.close` waits for queued batches, in seconds.
 
+    The settings read through: ``servers`` (the URLs of ``nats_url``), ``subject_prefix``,
+    ``stream``, ``max_age_s``, ``max_msgs``, ``max_bytes``, ``duplicate_window_s``,
+    ``max_pending_batches``, and ``subject``.
+
     Raises:
-        ValueError: a setting out of its bounds (named).
+        ValueError: ``nats_url`` unset, a bad instance name, or a timing <= 0 (named).
     """
 
-    servers: tuple[str, ...]
+    settings: NatsSettings
     instance: str
-    subject_prefix: str = "kvservice.events"
-    stream: str = "KVSERVICE_EVENTS"
-    max_age_s: float = 3600.0
-    max_msgs: int = 0
-    max_bytes: int = 1 << 30
-    duplicate_window_s: float = 120.0
-    max_pending_batches: int = 10_000
     publish_timeout_s: float = 5.0
     connect_timeout_s: float = 10.0
     reconnect_wait_s: float = 0.5
@@ -190,82 +154,37 @@ class NatsSinkConfig:
     flush_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not self.servers or not all(self.servers):
-            raise ValueError(f"nats_url must name at least one server; got {redact_url(','.join(self.servers))!r}")
+        if self.settings.url is None:
+            raise ValueError("nats_url is not set")
         check_name("nats_instance", self.instance)
-        check_name("nats_stream", self.stream)
-        check_subject_prefix(self.subject_prefix)
-        check_retention(self.max_age_s, self.max_msgs, self.max_bytes, self.duplicate_window_s)
-        if self.max_pending_batches < 1:
-            raise ValueError(f"nats_max_pending_batches must be >= 1; got {self.max_pending_batches}")
         for name in ("publish_timeout_s", "connect_timeout_s", "reconnect_wait_s", "max_backoff_s", "flush_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds; got {getattr(self, name)}")
 
+    @classmethod
+    def from_settings(cls, settings: NatsSettings, *, port: int, hostname: str | None = None) -> NatsSinkConfig:
+        """The sink's config of a server bound on ``port`` (which, with ``hostname``, names the
+        default instance)."""
+        return cls(settings, settings.instance or default_instance(hostname or socket.gethostname(), port))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _FROM_SETTINGS:
+            return getattr(self.settings, name)
+        raise AttributeError(f"'NatsSinkConfig' object has no attribute {name!r}")
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The NATS server URLs of ``nats_url``; the client reconnects among them."""
+        return split_servers(self.settings.url or "")
+
     @property
     def subject(self) -> str:
-        """This instance's subject."""
-        return subject_for(self.subject_prefix, self.instance)
+        """This instance's subject, ``{subject_prefix}.{instance}``."""
+        return subject_for(self.settings.subject_prefix, self.instance)
 
 
-def check_retention(max_age_s: float, max_msgs: int, max_bytes: int, duplicate_window_s: float) -> None:
-    """Check the stream's retention and dedup window (the names are the ServerConfig settings).
-
-    Raises:
-        ValueError: a negative limit, a window <= 0, or a window above a set ``max_age_s``.
-    """
-    for name, value in (("nats_max_age_s", max_age_s), ("nats_max_msgs", max_msgs), ("nats_max_bytes", max_bytes)):
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0 (0 = no limit); got {value}")
-    if not duplicate_window_s > 0:
-        raise ValueError(f"nats_duplicate_window_s must be > 0 seconds; got {duplicate_window_s}")
-    if max_age_s and duplicate_window_s > max_age_s:
-        raise ValueError(
-            f"nats_duplicate_window_s ({duplicate_window_s}) must be <= nats_max_age_s ({max_age_s}) seconds"
-        )
-
-
-class NatsSettings(Protocol):
-    """The ``nats_*`` settings (and the bound ``port``) this module reads; ``ServerConfig`` has them.
-    A protocol, so this module does not import the app that imports it (no import cycle)."""
-
-    @property
-    def nats_url(self) -> str | None: ...
-    @property
-    def nats_subject_prefix(self) -> str: ...
-    @property
-    def nats_stream(self) -> str: ...
-    @property
-    def nats_instance(self) -> str | None: ...
-    @property
-    def nats_max_age_s(self) -> float: ...
-    @property
-    def nats_max_msgs(self) -> int: ...
-    @property
-    def nats_max_bytes(self) -> int: ...
-    @property
-    def nats_duplicate_window_s(self) -> float: ...
-    @property
-    def nats_max_pending_batches(self) -> int: ...
-    @property
-    def port(self) -> int: ...
-
-
-def check_nats_settings(config: NatsSettings) -> None:
-    """Check a ServerConfig's ``nats_*`` settings (whether or not ``nats_url`` is set).
-
-    Raises:
-        ValueError: one is out of its bounds (named).
-    """
-    if config.nats_url is not None and not _split_servers(config.nats_url):
-        raise ValueError(f"nats_url must name at least one server, e.g. nats://127.0.0.1:4222; got {redact_url(config.nats_url)!r}")
-    if config.nats_instance is not None:
-        check_name("nats_instance", config.nats_instance)
-    check_name("nats_stream", config.nats_stream)
-    check_subject_prefix(config.nats_subject_prefix)
-    check_retention(config.nats_max_age_s, config.nats_max_msgs, config.nats_max_bytes, config.nats_duplicate_window_s)
-    if config.nats_max_pending_batches < 1:
-        raise ValueError(f"nats_max_pending_batches must be >= 1; got {config.nats_max_pending_batches}")
+_FROM_SETTINGS = frozenset({"subject_prefix", "stream", "max_age_s", "max_msgs", "max_bytes", "duplicate_window_s",
+                            "max_pending_batches"})
 
 
 def _describe(error: BaseException) -> str:
@@ -274,30 +193,14 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _split_servers(url: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in url.split(",") if part.strip())
-
-
-async def start_nats_sink(event_log: EventLog, config: NatsSettings) -> NatsJetStreamSink:
+async def start_nats_sink(event_log: EventLog, settings: NatsSettings, *, port: int) -> NatsJetStreamSink:
     """Start the sink of a server with ``nats_url`` set (its bound ``port`` names the default
     instance).
 
     Raises:
         RuntimeError: as :meth:`NatsJetStreamSink.start`.
     """
-    assert config.nats_url is not None, "nats_url is not set"
-    sink_config = NatsSinkConfig(
-        servers=_split_servers(config.nats_url),
-        instance=config.nats_instance or default_instance(socket.gethostname(), config.port),
-        subject_prefix=config.nats_subject_prefix,
-        stream=config.nats_stream,
-        max_age_s=config.nats_max_age_s,
-        max_msgs=config.nats_max_msgs,
-        max_bytes=config.nats_max_bytes,
-        duplicate_window_s=config.nats_duplicate_window_s,
-        max_pending_batches=config.nats_max_pending_batches,
-    )
-    return await NatsJetStreamSink.start(event_log, sink_config)
+    return await NatsJetStreamSink.start(event_log, NatsSinkConfig.from_settings(settings, port=port))
 
 
 class NatsJetStreamSink:
@@ -330,9 +233,11 @@ class NatsJetStreamSink:
         self._progress = asyncio.Event()  # set whenever the queue shrinks
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self.notes: list[str] = []  # start-banner lines besides describe() (EventSink)
         self.num_published = 0
         self.num_duplicates = 0
         self.num_retries = 0
+        self.num_reconnects = 0
         self.num_dropped = 0
         self.last_published_seq = 0
 
@@ -354,7 +259,7 @@ class NatsJetStreamSink:
         # The epoch start: seq 0, one AllBlocksCleared, published before the epoch's first batch.
         epoch_start = LogEntry(0, time.time(), [AllBlocksCleared()], event_log.epoch, event_log.data_parallel_rank)
         sink._pending.append((epoch_start, None))
-        event_log.add_listener(sink.enqueue)
+        event_log.add_listener(sink.publish)
         if event_log.head_seq:
             for entry in event_log.entries_from(event_log.oldest_seq):
                 sink.enqueue(entry)
@@ -401,6 +306,9 @@ class NatsJetStreamSink:
         self._pending.append((entry, self._dropped))
         self._dropped = None
         self._wakeup.set()
+
+    publish = enqueue
+    """:meth:`kvservice.server.sinks.EventSink.publish`: :meth:`enqueue`."""
 
     def _drop(self, seq: int, why: str) -> None:
         self.num_dropped += 1
@@ -518,6 +426,7 @@ class NatsJetStreamSink:
                 logger.warning("NATS sink: disconnected from %s; reconnecting", servers)
 
         async def on_reconnected() -> None:
+            self.num_reconnects += 1
             logger.warning("NATS sink: reconnected to %s", redact_url(self._nc.connected_url if self._nc else None))
 
         servers = redact_url(",".join(c.servers))  # never log or print the password or token

@@ -35,7 +35,9 @@ from kvservice.core.errors import (
     ShuttingDownError,
 )
 from kvservice.core.request import KVCacheReportMode
+from kvservice.server.build_info import build_info
 from kvservice.server.event_log import EventLog, Subscriber
+from kvservice.server.observability import note_request
 from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import kv_cache_spec_kind_to_proto
@@ -420,8 +422,8 @@ class KVCacheServicer:
         return response
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
-        """Echo the payload."""
-        return pb.PingResponse(payload=request.payload)
+        """Echo the payload, with the server's build info."""
+        return pb.PingResponse(payload=request.payload, build_info=self.metadata.build_info)
 
     # -- data plane (kvservice.server.data_plane) ---------------------------------------------
 
@@ -505,6 +507,7 @@ def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type
             field = invalid_utf8_field(request_type.DESCRIPTOR, data)
             message = f"{field}: not valid UTF-8 (a string of {name})" if field else f"request: not a valid {name} ({e})"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        note_request(request)
         return await method(request, context)
 
     return handler
@@ -525,6 +528,7 @@ def build_metadata_response(
         medium=meta.medium,
         max_model_len=engine.max_model_len,
         preset=preset,
+        build_info=pb.BuildInfo(**build_info()),
     )
     if data_parallel_rank is not None:
         response.data_parallel_rank = data_parallel_rank

@@ -175,6 +175,19 @@ def test_report_json_round_trips_and_table_names_both_policies(replayed, tmp_pat
     assert data["num_blocks_per_instance"] == 400 and data["instances"] == 3 and data["arrival_rate_scale"] == 1.0
     table = render_multi_table(report)
     assert "routed" in table and "round-robin" in table and "gain, routed over round-robin" in table
+    for policy in report.policies:  # the hit series: every routed request once, in trace order
+        assert [i for i, _, _ in policy.hit_series] == sorted(i for i, _ in policy.assignments)
+        assert sum(h for _, _, h in policy.hit_series) == policy.num_hit_tokens
+
+
+def test_the_routing_plot_and_its_rolling_hit_rate(replayed, tmp_path):
+    from kvservice.replay.routing_plot import plot_routing, rolling_hit_rate_pct, routing_title
+
+    report, _ = replayed
+    assert plot_routing(report, tmp_path / "p" / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "3 instances of 400 blocks" in routing_title(report)
+    x, rate = rolling_hit_rate_pct([(0, 10, 0), (1, 10, 10), (2, 20, 20)], window=2)
+    assert x.tolist() == [1, 2, 3] and rate.tolist() == [0.0, 50.0, 100.0]
 
 
 def test_config_bounds():
@@ -207,6 +220,8 @@ def test_cli_replay_instances_prints_the_comparison(trace, tmp_path):
     data = json.loads((out / "routing.json").read_text())
     assert [p["num_requests"] for p in data["policies"]] == [NUM_REQUESTS, NUM_REQUESTS]
     assert data["report_mode"] == "full" and data["num_blocks_per_instance"] == 400
+    assert (out / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result.stdout.splitlines()[0].startswith("replay: ") and "2 instances, routed vs round-robin" in result.stdout
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -127,7 +127,11 @@ def _pem(cert: x509.Certificate) -> bytes:
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
     """A CA, a server certificate (localhost, 127.0.0.1) and client certificates from the CA and
     from an unknown CA."""
-    out = tmp_path_factory.mktemp("pki")
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def make_pki(out: Path) -> PKI:
+    """The certificates of :func:`pki`, written to ``out``."""
     ca_key, rogue_ca_key = _key(), _key()
     ca = _cert("kvservice test CA", ca_key, None, ca_key, ca=True)
     rogue_ca = _cert("unknown CA", rogue_ca_key, None, rogue_ca_key, ca=True)

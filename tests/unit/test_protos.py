@@ -71,7 +71,7 @@ def test_committed_stubs_are_not_stale() -> None:
         [sys.executable, str(GEN_SCRIPT), "--check"], capture_output=True, text=True, cwd=REPO_ROOT
     )
     assert result.returncode == 0, f"stale stubs:\n{result.stdout}{result.stderr}"
-    assert "up to date (7 files)" in result.stdout
+    assert "up to date (8 files)" in result.stdout  # 4 stubs, 3 __init__.py, the .proto
 
 
 def test_generated_tree_is_exactly_the_expected_files() -> None:
@@ -84,6 +84,7 @@ def test_generated_tree_is_exactly_the_expected_files() -> None:
         "__init__.py",
         "kvservice/__init__.py",
         "kvservice/v1/__init__.py",
+        "kvservice/v1/kv_cache_service.proto",
         "kvservice/v1/kv_cache_service_pb2.py",
         "kvservice/v1/kv_cache_service_pb2.pyi",
         "kvservice/v1/kv_cache_service_pb2_grpc.py",

@@ -219,3 +219,23 @@ def test_plot_agreement_writes_png(tmp_path: Path) -> None:
     assert plot_agreement(empty, tmp_path / "empty.png").read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(ValueError):
         plot_agreement(report, tmp_path / "bad.png", window=0)
+
+
+def test_plot_title_names_the_pool_and_mirror_capacity() -> None:
+    from kvservice.replay.report import agreement_title
+
+    report = _report(modes=[_mode("incremental", SERIES_FULL), _mode("full", SERIES_FULL)])
+    pool, mirror = report.modes[0].pool_size_blocks, report.modes[0].mirror_capacity_blocks
+    title = agreement_title(report)
+    assert title.splitlines()[1].endswith(f"pool {pool:,} blocks, mirror capacity {mirror:,} blocks")
+
+
+def test_the_error_panel_clips_outliers_beyond_the_bulk() -> None:
+    import numpy as np
+
+    from kvservice.replay.report import error_axis_bound
+
+    assert error_axis_bound(np.array([1, -1] * 100 + [500])) == 2  # one outlier: drawn at the edge, counted
+    assert error_axis_bound(np.array([], dtype=np.int64)) == 2
+    assert error_axis_bound(np.array([-32] * 96 + [-455] * 4)) == 48  # the replay's incremental mode, in short
+    assert error_axis_bound(np.arange(-50, 51)) >= 50  # evenly spread: nothing clipped

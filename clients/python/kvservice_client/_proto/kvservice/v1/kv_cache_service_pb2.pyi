@@ -1371,6 +1371,7 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
     ZMQ_SEQ_BASE_FIELD_NUMBER: _builtins.int
     MAX_DATA_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    BUILD_INFO_FIELD_NUMBER: _builtins.int
     hash_algorithm: _builtins.str
     """"sha256_cbor", "sha256", "xxhash" or "xxhash_cbor" (vLLM's --prefix-caching-hash-algo names)."""
     hash_seed: _builtins.str
@@ -1404,6 +1405,10 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroupMetadata]:
         """Every group, in group_idx order."""
 
+    @_builtins.property
+    def build_info(self) -> Global___BuildInfo:
+        """The server's version and build."""
+
     def __init__(
         self,
         *,
@@ -1420,16 +1425,59 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
         head_seq: _builtins.int = ...,
         zmq_seq_base: _builtins.int = ...,
         max_data_chunk_bytes: _builtins.int = ...,
+        build_info: Global___BuildInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "data_parallel_rank", b"data_parallel_rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "max_data_chunk_bytes", b"max_data_chunk_bytes", "max_model_len", b"max_model_len", "medium", b"medium", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "max_data_chunk_bytes", b"max_data_chunk_bytes", "max_model_len", b"max_model_len", "medium", b"medium", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__data_parallel_rank: _TypeAlias = _typing.Literal["data_parallel_rank"]  # noqa: Y015
     _WhichOneofArgType__data_parallel_rank: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__data_parallel_rank) -> _WhichOneofReturnType__data_parallel_rank | None: ...
 
 Global___GetKVCacheGroupMetadataResponse: _TypeAlias = GetKVCacheGroupMetadataResponse  # noqa: Y015
+
+@_typing.final
+class BuildInfo(_message.Message):
+    """What a server was built from and runs on (also the `kvservice_build_info` metric's labels)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    GIT_COMMIT_FIELD_NUMBER: _builtins.int
+    PYTHON_VERSION_FIELD_NUMBER: _builtins.int
+    GRPC_VERSION_FIELD_NUMBER: _builtins.int
+    PROTOBUF_VERSION_FIELD_NUMBER: _builtins.int
+    TORCH_VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """The kvservice package version, e.g. "0.1.0"."""
+    git_commit: _builtins.str
+    """The git commit of a source checkout ("" when not known)."""
+    python_version: _builtins.str
+    """The Python version, e.g. "3.11.7"."""
+    grpc_version: _builtins.str
+    """The grpcio version."""
+    protobuf_version: _builtins.str
+    """The protobuf runtime version."""
+    torch_version: _builtins.str
+    """The torch version ("" when torch is not loaded)."""
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        git_commit: _builtins.str = ...,
+        python_version: _builtins.str = ...,
+        grpc_version: _builtins.str = ...,
+        protobuf_version: _builtins.str = ...,
+        torch_version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["git_commit", b"git_commit", "grpc_version", b"grpc_version", "protobuf_version", b"protobuf_version", "python_version", b"python_version", "torch_version", b"torch_version", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BuildInfo: _TypeAlias = BuildInfo  # noqa: Y015
 
 @_typing.final
 class PingRequest(_message.Message):
@@ -1460,16 +1508,22 @@ class PingResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    BUILD_INFO_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
     """The request's payload."""
+    @_builtins.property
+    def build_info(self) -> Global___BuildInfo:
+        """The server's version and build."""
+
     def __init__(
         self,
         *,
         payload: _builtins.bytes = ...,
+        build_info: Global___BuildInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["build_info", b"build_info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_info", b"build_info", "payload", b"payload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,119 @@
+"""The probe port: plaintext ``grpc.health.v1`` and HTTP ``/healthz`` ``/readyz``, no token.
+
+Kubernetes' gRPC probe speaks plain text and sends no token, so it fails on a main port with TLS
+or bearer tokens. ``health_port`` serves the same health state as the main port on a port of
+its own, without TLS or auth (it says only SERVING or NOT_SERVING); ``health_http_port`` serves
+it over HTTP for probes that speak HTTP:
+
+* ``GET /healthz`` (liveness): 200 ``ok`` while the process serves, draining included (a
+  draining pod must not be restarted);
+* ``GET /readyz`` (readiness): 200 ``ready`` while SERVING, 503 ``draining`` from the moment a
+  stop began (SIGTERM), so the Service stops sending traffic during the drain delay.
+
+Both close last, after the main port stopped, so a probe during the drain sees NOT_SERVING rather
+than a refused connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+__all__ = ["ProbePort"]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    probe: ProbePort
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            code, body = 200, b"ok\n"
+        elif path == "/readyz":
+            code, body = (200, b"ready\n") if self.probe.ready else (503, b"draining\n")
+        else:
+            code, body = 404, b"not found: /healthz (liveness) or /readyz (readiness)\n"
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        """Probes every few seconds are not worth a log line."""
+
+
+class ProbePort:
+    """The probe endpoints of one server (see the module docstring).
+
+    Attributes:
+        grpc_port: the bound plaintext gRPC health port (None: off).
+        http_port: the bound HTTP port (None: off).
+        ready: what ``/readyz`` answers (set False when a stop begins).
+    """
+
+    def __init__(self) -> None:
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self.ready = True
+        self._server: grpc.aio.Server | None = None
+        self._httpd: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    async def start(cls, health: Any, host: str, grpc_port: int | None, http_port: int | None) -> ProbePort:
+        """Bind the probe ports (0 picks a free one) serving ``health`` (the main port's
+        ``grpc_health`` servicer, so both answer the same).
+
+        Raises:
+            RuntimeError: a port cannot be bound (the message names the setting).
+        """
+        probe = cls()
+        try:
+            if grpc_port is not None:
+                server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                health_pb2_grpc.add_HealthServicer_to_server(health, server)
+                address = f"[{host}]:{grpc_port}" if ":" in host and not host.startswith("[") else f"{host}:{grpc_port}"
+                bound = server.add_insecure_port(address)
+                if bound == 0:
+                    raise RuntimeError(f"health_port: cannot bind {address}")
+                await server.start()
+                probe._server, probe.grpc_port = server, bound
+            if http_port is not None:
+                handler = type("ProbeHandler", (_Handler,), {"probe": probe})
+                try:
+                    httpd = http.server.ThreadingHTTPServer((host.strip("[]"), http_port), handler)
+                except OSError as e:
+                    raise RuntimeError(f"health_http_port: cannot bind {host}:{http_port}: {e}") from None
+                httpd.daemon_threads = True
+                probe._httpd, probe.http_port = httpd, httpd.server_address[1]
+                probe._thread = threading.Thread(target=httpd.serve_forever, name="kvservice-probes", daemon=True)
+                probe._thread.start()
+        except BaseException:
+            await probe.close()
+            raise
+        return probe
+
+    def describe(self) -> str:
+        """One line for the start banner."""
+        parts = []
+        if self.grpc_port is not None:
+            parts.append(f"grpc.health.v1 on port {self.grpc_port}")
+        if self.http_port is not None:
+            parts.append(f"HTTP /healthz /readyz on port {self.http_port}")
+        return "probes (plain text, no token): " + ", ".join(parts)
+
+    async def close(self) -> None:
+        """Stop both endpoints (idempotent)."""
+        if self._server is not None:
+            await self._server.stop(0)
+            self._server = None
+        if self._httpd is not None:
+            httpd, self._httpd = self._httpd, None
+            await asyncio.to_thread(httpd.shutdown)  # waits for serve_forever's poll: off the loop
+            httpd.server_close()

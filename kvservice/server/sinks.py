@@ -1,0 +1,154 @@
+"""Event sinks: where the event log's batches go besides the gRPC streams (ZMQ, NATS JetStream).
+
+One protocol, :class:`EventSink`, in the shape of vLLM's ``EventPublisher`` (publish, shutdown)
+with a null object (:class:`NullEventSink`, vLLM's ``NullEventPublisher``), and one table,
+:data:`SINKS`, of the kinds a server can start: :func:`start_sinks` walks it once, starting each
+kind whose settings section turns it on. The data plane and the servicer never touch a sink:
+batches reach them only through the event log (``EventLog.add_listener``).
+
+**Adding a sink**: write a class with ``publish``, ``close``, ``describe`` and ``notes`` (any
+class with them is an :class:`EventSink`; no base class), give it a settings section in
+``kvservice.server.settings`` (a field of ``ServerConfig`` named like the kind), and add a
+:class:`SinkKind` to :data:`SINKS` with a start function. Nothing in ``app.py`` changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from kvservice.server.event_log import EventLog, LogEntry
+    from kvservice.server.settings import NatsSettings, ZmqSettings
+
+__all__ = ["SINKS", "EventSink", "NullEventSink", "SinkContext", "SinkKind", "StartedSink", "start_sinks"]
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """A destination of every event-log batch.
+
+    Its start function registers :meth:`publish` with the event log (``EventLog.add_listener``)
+    before it returns, so no batch of the epoch is missed; from then on the log calls it once per
+    batch, in seq order (gap-free from 1 within an epoch), on the server's event loop.
+
+    Attributes:
+        notes: lines for the start banner (warnings such as a bind off loopback).
+    """
+
+    notes: list[str]
+
+    def publish(self, entry: LogEntry) -> None:
+        """Take one sequenced batch (``entry.seq``, ``entry.msgpack`` in vLLM's layout). Must not
+        block or raise: a sink that cannot keep up queues (bounded) or drops and says so."""
+
+    async def close(self) -> None:
+        """Stop: flush what the sink promises to flush, release sockets and tasks. Idempotent."""
+
+    def describe(self) -> str:
+        """One line for the start banner: where batches go."""
+
+
+class NullEventSink:
+    """The sink that takes every batch and does nothing (a server with no sink configured)."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def publish(self, entry: LogEntry) -> None:
+        """Drop the batch."""
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    def describe(self) -> str:
+        """``"no event sink"``."""
+        return "no event sink"
+
+
+@dataclass(frozen=True)
+class SinkContext:
+    """What a sink's start function gets besides its own settings section.
+
+    Attributes:
+        event_log: the log whose batches it publishes.
+        port: the server's bound gRPC port (names NATS's default instance).
+        allow_insecure_bind: the auth section's rule for a bind off loopback (ZMQ has no auth).
+    """
+
+    event_log: EventLog
+    port: int
+    allow_insecure_bind: bool
+
+
+@dataclass
+class StartedSink:
+    """A started sink and the flat settings it resolved at start (e.g. ``nats_instance``), which
+    the running server's config records."""
+
+    sink: EventSink
+    resolved: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SinkKind:
+    """One kind of sink.
+
+    Attributes:
+        name: the kind, also the name of its settings section on ``ServerConfig`` ("zmq").
+        enabled: whether its section turns it on.
+        start: start it (raises as the sink's own start does; nothing is left open then).
+    """
+
+    name: str
+    enabled: Callable[[Any], bool]
+    start: Callable[[Any, SinkContext], Awaitable[StartedSink]]
+
+
+async def _start_zmq(settings: ZmqSettings, ctx: SinkContext) -> StartedSink:
+    from kvservice.server.zmq_publisher import ZmqEventPublisher
+
+    assert settings.endpoint is not None
+    publisher = await ZmqEventPublisher.start(
+        ctx.event_log, endpoint=settings.endpoint, replay_endpoint=settings.replay_endpoint,
+        topic=settings.topic or "", hwm=settings.hwm, allow_insecure_bind=ctx.allow_insecure_bind,
+    )
+    return StartedSink(publisher)
+
+
+async def _start_nats(settings: NatsSettings, ctx: SinkContext) -> StartedSink:
+    from kvservice.server.nats_sink import start_nats_sink
+
+    sink = await start_nats_sink(ctx.event_log, settings, port=ctx.port)
+    return StartedSink(sink, {"nats_instance": sink.config.instance})
+
+
+SINKS: tuple[SinkKind, ...] = (
+    SinkKind("zmq", lambda s: s.endpoint is not None, _start_zmq),
+    SinkKind("nats", lambda s: s.url is not None, _start_nats),
+)
+"""The kinds a server can start, in start order (closed in reverse)."""
+
+
+async def start_sinks(sections: Mapping[str, Any], ctx: SinkContext) -> dict[str, StartedSink]:
+    """Start every kind of :data:`SINKS` whose section (``sections[kind.name]``) turns it on.
+
+    Returns:
+        The started sinks by kind, in start order.
+
+    Raises:
+        Whatever a sink's start raises (``ValueError`` for a refused bind, ``RuntimeError`` for
+        a missing optional dependency or an unreachable endpoint), after closing the sinks
+        already started.
+    """
+    started: dict[str, StartedSink] = {}
+    try:
+        for kind in SINKS:
+            if kind.enabled(sections[kind.name]):
+                started[kind.name] = await kind.start(sections[kind.name], ctx)
+    except BaseException:
+        for done in reversed(started.values()):
+            await done.sink.close()
+        raise
+    return started

@@ -1,0 +1,97 @@
+"""Probes and drain: a plaintext, token-free grpc.health.v1 port and HTTP /healthz /readyz beside a
+main port with TLS and tokens; stop = NOT_SERVING, drain delay, stop, probes last."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+
+import grpc
+import grpc.aio
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvservice.server.servicer import SERVICE_NAME
+from tests.service.test_auth import make_pki, tls_settings, write_tokens
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET http://127.0.0.1:port/path, on a thread (the loop stays free)."""
+
+    def get() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    return await asyncio.to_thread(get)
+
+
+async def test_probe_ports_answer_plaintext_without_a_token_beside_tls_and_tokens(start_kv_server, tmp_path):
+    pki = make_pki(tmp_path)
+    running = await start_kv_server(
+        **tls_settings(pki), auth_tokens_file=write_tokens(tmp_path / "tokens.toml"), health_port=0,
+        health_http_port=0,
+    )
+    assert running.config.health_port == running.probes.grpc_port not in (None, 0)
+    assert running.config.health_http_port == running.probes.http_port not in (None, 0)
+    assert running.probes.describe() in running.notes
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.probes.grpc_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert response.status == SERVING
+    # The main port: a plaintext probe (the kubelet's) fails on TLS.
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert await http_get(running.probes.http_port, "/healthz") == (200, "ok\n")
+    assert await http_get(running.probes.http_port, "/readyz") == (200, "ready\n")
+    assert (await http_get(running.probes.http_port, "/metrics"))[0] == 404
+
+
+async def test_stop_goes_not_serving_then_drains_then_stops_then_closes_the_probes(start_kv_server, connect):
+    running = await start_kv_server(health_port=0, health_http_port=0, shutdown_grace_s=2.0)
+    client = await connect(running)
+    drain_delay_s = 2.0
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.probes.grpc_port}") as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert (await watch.read()).status == SERVING
+        stopping = asyncio.create_task(running.stop(drain_delay_s=drain_delay_s))
+        assert (await watch.read()).status == NOT_SERVING  # waits for the stop's first step
+        # Draining: probes say so, the main port still answers.
+        assert [step for step, _ in running.stop_timeline] == ["not_serving"]
+        assert await http_get(running.probes.http_port, "/readyz") == (503, "draining\n")
+        assert await http_get(running.probes.http_port, "/healthz") == (200, "ok\n")
+        assert (await client.ping(b"still")).payload == b"still"
+        assert [step for step, _ in running.stop_timeline] == ["not_serving"]
+        watch.cancel()
+        await stopping
+    steps = [step for step, _ in running.stop_timeline]
+    times = [t for _, t in running.stop_timeline]
+    assert steps == ["not_serving", "drained", "streams_ended", "stopped", "probes_closed"]
+    assert times == sorted(times)
+    assert times[1] - times[0] >= drain_delay_s
+    with pytest.raises(OSError):
+        await http_get(running.probes.http_port, "/healthz")
+
+
+def test_drain_and_probe_settings_are_checked():
+    from kvservice.server.app import ServerConfig, load_config
+
+    with pytest.raises(ValueError, match="drain_delay_s must be >= 0 seconds; got -1.0"):
+        ServerConfig(drain_delay_s=-1.0)
+    with pytest.raises(ValueError, match="health_port must be in 0..65535; got 70000"):
+        ServerConfig(health_port=70000)
+    # grace_seconds is the older name of shutdown_grace_s, everywhere.
+    assert ServerConfig(grace_seconds=1.5).bind.shutdown_grace_s == 1.5 == ServerConfig(grace_seconds=1.5).grace_seconds
+    assert load_config(None, {"KVSERVICE_GRACE_SECONDS": "2"}).shutdown_grace_s == 2.0
+    assert load_config(None, {}, grace_seconds=3).shutdown_grace_s == 3.0

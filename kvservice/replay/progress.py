@@ -38,7 +38,7 @@ class Progress:
     def __init__(self, modes: Sequence[str], total: int, *, bar: bool, interval_s: float = 10.0,
                  stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.total = total
-        self.finished = {mode: 0 for mode in modes}
+        self.finished = dict.fromkeys(modes, 0)
         self._interval_s = interval_s
         self._stream = stream or sys.stdout
         self._clock = clock

@@ -64,7 +64,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvservice.server.event_log import LogEntry
 from kvservice_client.events import AllBlocksCleared

@@ -663,9 +663,9 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     await _start_sinks(running)
     if core.metrics is not None:
         core.metrics.sinks = running.sinks
-    zmq = running.sinks.get("zmq")
-    if zmq is not None:
-        core.servicer.metadata.zmq_seq_base = zmq.seq_base
+    seq_base = getattr(running.sinks.get("zmq"), "seq_base", None)
+    if seq_base is not None:
+        core.servicer.metadata.zmq_seq_base = seq_base
     return running
 
 

@@ -311,10 +311,10 @@ class LimitsSettings(_Section):
         check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds (or unset: off)",
         default_text="off")
     data_chunk_bytes: int = setting(1 << 20, "Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB.",
-                                    parse="bytes", check=at_least(4096, "bytes"), default_text="1MiB")
+                                    parse="bytes", default_text="1MiB")
 
     def _check(self) -> None:
-        if self.data_chunk_bytes > self.max_message_bytes - 65536:
+        if not 4096 <= self.data_chunk_bytes <= self.max_message_bytes - 65536:
             raise ValueError(
                 f"data_chunk_bytes must be in 4096..max_message_bytes - 65536 ({self.max_message_bytes - 65536}) "
                 f"bytes; got {self.data_chunk_bytes}"

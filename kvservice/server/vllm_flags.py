@@ -7,8 +7,8 @@ vectors are ``tests/data/vectors/vllm_flags.json``):
 vLLM                                   kvservice
 =====================================  ==========================================================
 ``--kv-events-config JSON``            ``zmq_*`` and ``event_max_batches`` (below)
-``--prefix-caching-hash-algo``         ``hash_algorithm`` (sha256, sha256_cbor, xxhash; vLLM's
-                                       xxhash_cbor is refused, naming the ones served)
+``--prefix-caching-hash-algo``         ``hash_algorithm`` (sha256, sha256_cbor, xxhash, xxhash_cbor:
+                                       all of vLLM's, with vLLM's digests)
 ``--num-gpu-blocks-override``          ``num_blocks`` (both count the null block)
 ``--kv-cache-dtype``                   ``kv_cache_dtype``: auto, float16, bfloat16, fp8 / fp8_e4m3
                                        (float8_e4m3fn), fp8_e5m2; vLLM's quantized formats

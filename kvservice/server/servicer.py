@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvservice.core.engine import AllocateResult, ComputedBlocksResult, KVCacheEngine, Usage
+from kvservice.core.engine import AllocateResult, ComputedBlocksResult, DecodeResult, KVCacheEngine, Usage
 from kvservice.core.errors import (
     CapacityExceededError,
     EpochMismatchError,
@@ -97,6 +97,30 @@ def _allocate_response(result: AllocateResult) -> pb.AllocateSlotsResponse:
     )
 
 
+def _decode_response(result: DecodeResult, num_groups: int) -> pb.DecodeResponse:
+    new_block_ids: list[int] = []
+    counts: list[int] = []
+    for per_group in result.new_block_ids:
+        for ids in per_group:
+            new_block_ids += ids
+            counts.append(len(ids))
+    errors = []
+    error_indices = []
+    for i, exc in result.errors:
+        code, message = status_for(exc)
+        error_indices.append(i)
+        errors.append(pb.OpStatus(code=code.value[0], message=message))
+    return pb.DecodeResponse(
+        changed_indices=result.changed_indices,
+        new_block_ids=new_block_ids,
+        num_new_block_ids=counts,
+        refused_indices=result.refused_indices,
+        error_indices=error_indices,
+        errors=errors,
+        num_groups=num_groups,
+    )
+
+
 def _usage_response(usage: Usage) -> pb.GetUsageResponse:
     return pb.GetUsageResponse(
         usage=usage.usage,
@@ -162,6 +186,7 @@ class KVCacheServicer:
             "free": self._free,
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_usage": self._get_usage,
+            "decode": self._decode,
         }
 
     # -- ops shared by unary calls and Step --------------------------------------------------
@@ -192,6 +217,16 @@ class KVCacheServicer:
             new_token_ids=request.new_token_ids,
         )
         return _allocate_response(result)
+
+    def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        result = self.engine.decode(
+            request.request_ids,
+            request.new_token_ids,
+            num_new_token_ids=request.num_new_token_ids,
+            num_new_tokens=request.num_new_tokens,
+            num_lookahead_tokens=request.num_lookahead_tokens,
+        )
+        return _decode_response(result, self.engine.manager.num_groups)
 
     def _free(self, request: pb.FreeRequest) -> pb.FreeResponse:
         return pb.FreeResponse(num_freed_blocks=self.engine.free(request.request_id))
@@ -267,41 +302,58 @@ class KVCacheServicer:
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         """Run the ops in order; a failed op answers its own OpStatus and the rest go on.
 
-        A Step above ``max_step_ops`` ops or ``max_step_tokens`` tokens is refused whole
-        (INVALID_ARGUMENT naming ``ops`` and the bound); one past its deadline is refused whole
-        (DEADLINE_EXCEEDED). Either way nothing runs.
+        A Step above ``max_step_ops`` ops (each request of a ``decode`` op counts as one op) or
+        ``max_step_tokens`` tokens is refused whole (INVALID_ARGUMENT naming ``ops`` and the
+        bound); one past its deadline is refused whole (DEADLINE_EXCEEDED). Either way nothing
+        runs.
         """
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
-        if len(request.ops) > self.max_step_ops:
+        step_ops = request.ops
+        num_ops = len(step_ops)
+        if num_ops > self.max_step_ops:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"ops: {len(request.ops)} ops, above max_step_ops {self.max_step_ops}"
+                grpc.StatusCode.INVALID_ARGUMENT, f"ops: {num_ops} ops, above max_step_ops {self.max_step_ops}"
             )
-        num_tokens = sum(
-            len(op.get_computed_blocks.prompt_token_ids) + len(op.allocate_slots.new_token_ids) for op in request.ops
-        )
+        kinds = [op.WhichOneof("op") for op in step_ops]
+        num_tokens = 0
+        for which, op in zip(kinds, step_ops):
+            if which == "get_computed_blocks":
+                num_tokens += len(op.get_computed_blocks.prompt_token_ids)
+            elif which == "allocate_slots":
+                num_tokens += len(op.allocate_slots.new_token_ids)
+            elif which == "decode":
+                num_tokens += len(op.decode.new_token_ids)
+                num_ops += len(op.decode.request_ids) - 1
+        if num_ops > self.max_step_ops:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ops: {num_ops} ops (each decode request counts as one), above max_step_ops {self.max_step_ops}",
+            )
         if num_tokens > self.max_step_tokens:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"ops: {num_tokens} tokens (prompt_token_ids + new_token_ids over all ops), above max_step_tokens "
                 f"{self.max_step_tokens}",
             )
-        results = []
+        response = pb.StepResponse()
+        results = response.results
         ops = self._ops
-        for op in request.ops:
-            which = op.WhichOneof("op")
+        for which, op in zip(kinds, step_ops):
             if which is None:
-                results.append(pb.StepOpResult(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set")))
+                results.add(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set"))
                 continue
             try:
-                response = ops[which](getattr(op, which))
+                answer = ops[which](getattr(op, which))
             except Exception as exc:
                 code, message = status_for(exc)
-                results.append(pb.StepOpResult(error=pb.OpStatus(code=code.value[0], message=message)))
+                results.add(error=pb.OpStatus(code=code.value[0], message=message))
                 continue
-            results.append(pb.StepOpResult(**{which: response}))
+            results.add(**{which: answer})
         self._publish()
-        return pb.StepResponse(results=results, head_seq=self.event_log.head_seq, epoch=self.event_log.epoch)
+        response.head_seq = self.event_log.head_seq
+        response.epoch = self.event_log.epoch
+        return response
 
     async def StreamEvents(self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream batches from a seq, a snapshot or the live head (serialized once, shared)."""

@@ -48,6 +48,7 @@ __all__ = [
     "StepBuilder",
     "StepOpResponse",
     "Timeout",
+    "decode_new_block_ids",
     "step_results",
 ]
 
@@ -68,6 +69,7 @@ StepOpResponse = Union[
     pb.FreeResponse,
     pb.ResetPrefixCacheResponse,
     pb.GetUsageResponse,
+    pb.DecodeResponse,
 ]
 
 _STREAMING_METHODS = frozenset({"StreamEvents"})
@@ -148,6 +150,36 @@ def step_results(response: pb.StepResponse) -> list[StepOpResponse | KVServiceEr
         else:
             results.append(getattr(result, which))
     return results
+
+
+def decode_new_block_ids(response: pb.DecodeResponse) -> dict[int, tuple[list[int], ...]]:
+    """Unpack a decode op's new blocks: request index -> per group (group_idx order) the block ids
+    it appended. Requests not in the dict got no new block (or were refused or failed: see
+    ``refused_indices`` and ``error_indices``).
+
+    Raises:
+        ValueError: the counts do not fit ``changed_indices``, ``num_groups`` or ``new_block_ids``.
+    """
+    num_groups = response.num_groups
+    changed = list(response.changed_indices)
+    counts = list(response.num_new_block_ids)
+    ids = list(response.new_block_ids)
+    if len(counts) != len(changed) * num_groups or sum(counts) != len(ids):
+        raise ValueError(
+            f"DecodeResponse: {len(counts)} counts summing to {sum(counts)} for {len(changed)} changed requests of "
+            f"{num_groups} groups and {len(ids)} block ids"
+        )
+    out: dict[int, tuple[list[int], ...]] = {}
+    pos = k = 0
+    for index in changed:
+        per_group = []
+        for _ in range(num_groups):
+            n = counts[k]
+            per_group.append(ids[pos : pos + n])
+            pos += n
+            k += 1
+        out[index] = tuple(per_group)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +295,34 @@ def _allocate_slots_request(
     )
 
 
+def _decode_request(
+    request_ids: Sequence[str] | pb.DecodeRequest,
+    new_token_ids: Iterable[int],
+    num_new_token_ids: Iterable[int],
+    num_new_tokens: Iterable[int],
+    num_lookahead_tokens: Iterable[int],
+) -> pb.DecodeRequest:
+    if isinstance(request_ids, pb.DecodeRequest):
+        _require_no_fields(
+            request_ids,
+            new_token_ids=tuple(new_token_ids),
+            num_new_token_ids=tuple(num_new_token_ids),
+            num_new_tokens=tuple(num_new_tokens),
+            num_lookahead_tokens=tuple(num_lookahead_tokens),
+        )
+        return request_ids
+    if isinstance(request_ids, str):
+        raise TypeError("decode() takes a sequence of request ids, not one string")
+    # Packed repeated fields take any sequence of ints in one C call: no per-request message.
+    return pb.DecodeRequest(
+        request_ids=request_ids,
+        new_token_ids=new_token_ids,
+        num_new_token_ids=num_new_token_ids,
+        num_new_tokens=num_new_tokens,
+        num_lookahead_tokens=num_lookahead_tokens,
+    )
+
+
 def _free_request(request_id: str | pb.FreeRequest) -> pb.FreeRequest:
     if isinstance(request_id, pb.FreeRequest):
         return request_id
@@ -345,6 +405,14 @@ def _step_request(ops: pb.StepRequest | StepBuilder | Iterable[pb.StepOp]) -> pb
     return pb.StepRequest(ops=ops)
 
 
+def _decode_result(response: pb.StepResponse) -> pb.DecodeResponse:
+    """The DecodeResponse of a Step of one decode op, or its error raised."""
+    result = response.results[0]
+    if result.WhichOneof("result") == "error":
+        raise KVServiceError.from_op_status(result.error)
+    return result.decode
+
+
 def _ping_request(payload: bytes | pb.PingRequest) -> pb.PingRequest:
     if isinstance(payload, pb.PingRequest):
         return payload
@@ -407,6 +475,21 @@ class StepBuilder:
         """Add an AllocateSlots op (see :meth:`KVCacheClient.allocate_slots`)."""
         request = _allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
         self._ops.append(pb.StepOp(allocate_slots=request))
+        return self
+
+    def decode(
+        self,
+        request_ids: Sequence[str] | pb.DecodeRequest,
+        new_token_ids: Iterable[int] = (),
+        *,
+        num_new_token_ids: Iterable[int] = (),
+        num_new_tokens: Iterable[int] = (),
+        num_lookahead_tokens: Iterable[int] = (),
+    ) -> StepBuilder:
+        """Add a decode op: many running requests' appended tokens in packed arrays (see
+        :meth:`KVCacheClient.decode`); its result is a ``DecodeResponse``."""
+        request = _decode_request(request_ids, new_token_ids, num_new_token_ids, num_new_tokens, num_lookahead_tokens)
+        self._ops.append(pb.StepOp(decode=request))
         return self
 
     def free(self, request_id: str | pb.FreeRequest) -> StepBuilder:
@@ -794,6 +877,48 @@ class KVCacheClient(_ClientBase):
         """
         return self._rpc("Step", _step_request(ops), timeout, metadata)  # type: ignore[no-any-return]
 
+    def decode(
+        self,
+        request_ids: Sequence[str] | pb.DecodeRequest,
+        new_token_ids: Iterable[int] = (),
+        *,
+        num_new_token_ids: Iterable[int] = (),
+        num_new_tokens: Iterable[int] = (),
+        num_lookahead_tokens: Iterable[int] = (),
+        timeout: Timeout = None,
+        metadata: Metadata = None,
+    ) -> pb.DecodeResponse:
+        """A decode step of many running requests in one Step op (one round trip).
+
+        For each request ``i`` in order, exactly ``allocate_slots(request_ids[i],
+        num_new_tokens[i], num_lookahead_tokens=num_lookahead_tokens[i], new_token_ids=<its
+        slice>)``: same results, refusals, errors and events; only what changed comes back.
+
+        Args:
+            request_ids: running (admitted) requests.
+            new_token_ids: tokens appended since the last call, request after request (request
+                ``i`` owns the next ``num_new_token_ids[i]``; one each when that is empty).
+            num_new_token_ids: tokens each request appends (empty: 1 each).
+            num_new_tokens: most tokens each computes this step (empty: its appended count).
+            num_lookahead_tokens: extra slots per request, in tokens (empty: 0 each).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            ``changed_indices`` (requests that got new blocks; unpack their ids with
+            :func:`decode_new_block_ids`), ``refused_indices`` (too few free blocks: nothing
+            changed for them) and per failed item its index and ``OpStatus`` (NOT_FOUND for an
+            unknown id, INVALID_ARGUMENT for one not running or a bad field).
+
+        Raises:
+            KVServiceError: the whole op failed (INVALID_ARGUMENT: lists that do not fit
+                together, naming the field) or the call did.
+            TypeError: a request message together with field arguments, or one string of ids.
+        """
+        ops = StepBuilder().decode(request_ids, new_token_ids, num_new_token_ids=num_new_token_ids,
+                                   num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        return _decode_result(self.step(ops, timeout=timeout, metadata=metadata))
+
     def stream_events(
         self,
         request: pb.StreamEventsRequest | None = None,
@@ -1085,6 +1210,27 @@ class AsyncKVCacheClient(_ClientBase):
             KVServiceError: the whole call failed (a failed op is an ``error`` result instead).
         """
         return await self._rpc("Step", _step_request(ops), timeout, metadata)  # type: ignore[no-any-return]
+
+    async def decode(
+        self,
+        request_ids: Sequence[str] | pb.DecodeRequest,
+        new_token_ids: Iterable[int] = (),
+        *,
+        num_new_token_ids: Iterable[int] = (),
+        num_new_tokens: Iterable[int] = (),
+        num_lookahead_tokens: Iterable[int] = (),
+        timeout: Timeout = None,
+        metadata: Metadata = None,
+    ) -> pb.DecodeResponse:
+        """A decode step of many running requests in one round trip (see
+        :meth:`KVCacheClient.decode`).
+
+        Raises:
+            KVServiceError: the whole op or the call failed.
+        """
+        ops = StepBuilder().decode(request_ids, new_token_ids, num_new_token_ids=num_new_token_ids,
+                                   num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        return _decode_result(await self.step(ops, timeout=timeout, metadata=metadata))
 
     def stream_events(
         self,

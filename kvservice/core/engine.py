@@ -413,9 +413,16 @@ class KVCacheEngine:
                 "new_token_ids", f"{len(new_token_ids)} ids, but num_new_token_ids adds up to {total}"
             )
         tokens = list(new_token_ids)
+        # One vectorized range check for every id; only when one is out of range does each item
+        # check its own (so that item alone fails, with allocate_slots' message).
+        tokens_ok = not tokens or bool(((ids := np.asarray(tokens, dtype=np.int64)) >= 0).all()
+                                        and (ids <= MAX_TOKEN_ID).all())
         num_new = list(num_new_tokens) if len(num_new_tokens) else None
         lookahead = list(num_lookahead_tokens) if len(num_lookahead_tokens) else None
         requests, running = self.requests, self.running
+        manager = self.manager
+        max_len = self.max_model_len
+        clock, last_call = self.clock, self._last_call
         changed: list[int] = []
         changed_ids: list[tuple[list[int], ...]] = []
         refused: list[int] = []
@@ -436,20 +443,45 @@ class KVCacheEngine:
                         "request_ids",
                         f"request {request_id!r} is not running: admit it with allocate_slots first",
                     )
-                result = self.allocate_slots(
-                    request_id,
-                    num_new[i] if num_new is not None else len(item_tokens),
-                    num_lookahead_tokens=lookahead[i] if lookahead is not None else 0,
-                    new_token_ids=item_tokens,
-                )
+                # allocate_slots of a running request, its checks in the same order and words.
+                n = num_new[i] if num_new is not None else len(item_tokens)
+                if not 1 <= n <= max_len:
+                    raise InvalidArgumentError("num_new_tokens", f"{n} outside 1..{max_len} (max_model_len)")
+                la = lookahead[i] if lookahead is not None else 0
+                if not 0 <= la <= max_len:
+                    raise InvalidArgumentError("num_lookahead_tokens", f"{la} outside 0..{max_len}")
+                if not tokens_ok:
+                    check_token_ids("new_token_ids", item_tokens)
+                request = requests[request_id]
+                num_tokens_before = len(request.all_token_ids)
+                num_tokens = num_tokens_before + len(item_tokens)
+                if num_tokens > max_len:
+                    raise InvalidArgumentError(
+                        "new_token_ids", f"request would hold {num_tokens} tokens, above max_model_len {max_len}"
+                    )
+                if num_tokens == request.num_computed_tokens:
+                    raise InvalidArgumentError(
+                        "num_new_tokens",
+                        f"all {num_tokens} tokens of {request_id!r} are computed; append new_token_ids first",
+                    )
             except KVServiceDomainError as exc:
                 errors.append((i, exc))
                 continue
-            if not result.allocated:
+            if item_tokens:
+                request.append_output_token_ids(item_tokens)
+            num_scheduled = min(n, num_tokens - request.num_computed_tokens)
+            last_call[request_id] = clock()
+            last_call.move_to_end(request_id)
+            new_blocks = manager.allocate_slots(request, num_scheduled, 0, None, la)
+            if new_blocks is None:
+                request.truncate_tokens(num_tokens_before)
+                self.num_failed_allocations += 1
                 refused.append(i)
-            elif any(result.new_block_ids):
+                continue
+            request.num_computed_tokens += num_scheduled
+            if any(new_blocks.blocks):
                 changed.append(i)
-                changed_ids.append(result.new_block_ids)
+                changed_ids.append(new_blocks.get_block_ids())
         return DecodeResult(changed, changed_ids, refused, errors)
 
     def free(self, request_id: str) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvservice_client.hashing import block_event_extra_keys, block_hash_to_int
 
@@ -322,9 +324,17 @@ class BlockPool:
         """
         blocks = self.free_block_queue.popleft_n(num_blocks)
         removed: dict[int, list[bytes]] | None = None
+        index = self.cached_block_hash_to_block
         for block in blocks:
-            if block.block_hash is not None:
-                last = self._uncache(block)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                # The common case inline: the block is its hash's only copy (else the map's pop).
+                hash_map = index[block.group_idx]
+                if hash_map._map.get(block_hash) is block:
+                    del hash_map._map[block_hash]
+                    last = True
+                else:
+                    last = hash_map.pop(block_hash, block.block_id)
                 if last and self.enable_kv_cache_events:
                     if removed is None:
                         removed = {}
@@ -402,6 +412,7 @@ class BlockPool:
         if num_full_blocks <= num_cached_blocks:
             return
         hash_map = self.cached_block_hash_to_block[group_idx]
+        raw_map = hash_map._map
         events = self.enable_kv_cache_events
         run_start = -1
         for i in range(num_cached_blocks, num_full_blocks):
@@ -415,7 +426,11 @@ class BlockPool:
             block_hash = block_hashes[i]
             block.block_hash = block_hash
             block.group_idx = group_idx
-            newly_present = hash_map.insert(block_hash, block)
+            if block_hash not in raw_map:  # the common case inline: the first copy of its hash
+                raw_map[block_hash] = block
+                newly_present = True
+            else:
+                newly_present = hash_map.insert(block_hash, block)
             if not events:
                 continue
             if newly_present:
@@ -516,11 +531,25 @@ class BlockPool:
     def _uncache(self, block: KVCacheBlock) -> bool:
         return self.cached_block_hash_to_block[block.group_idx].pop(block.block_hash, block.block_id)  # type: ignore[arg-type]
 
-    def _emit_removed(self, removed: dict[int, list[bytes]]) -> None:
+    def _encode_hashes(self, hashes: Sequence[bytes]) -> list[int | bytes]:
+        """``[block_hash_encoder(h) for h in hashes]``; for the default encoder (the last 8 bytes
+        as a big-endian uint64) one vectorized pass when every hash has the same length, a
+        multiple of 8 bytes (always, for one algorithm at one block size)."""
         encode = self.block_hash_encoder
+        n = len(hashes)
+        if encode is block_hash_to_int and n > 4:
+            width = len(hashes[0])
+            if width % 8 == 0 and width:
+                joined = b"".join(hashes)
+                if len(joined) == n * width:
+                    words = width // 8
+                    return np.frombuffer(joined, dtype=">u8")[words - 1 :: words].tolist()  # type: ignore[no-any-return]
+        return [encode(h) for h in hashes]
+
+    def _emit_removed(self, removed: dict[int, list[bytes]]) -> None:
         for group_idx, hashes in removed.items():
             self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[encode(h) for h in hashes], medium=self.medium, group_idx=group_idx)
+                BlockRemoved(block_hashes=self._encode_hashes(hashes), medium=self.medium, group_idx=group_idx)
             )
 
     def _emit_stored(
@@ -548,7 +577,7 @@ class BlockPool:
                 extra_keys = per_block
         self.kv_event_queue.append(
             BlockStored(
-                block_hashes=[encode(h) for h in block_hashes[start:end]],
+                block_hashes=self._encode_hashes(block_hashes[start:end]),
                 parent_block_hash=encode(block_hashes[start - 1]) if start > 0 else None,
                 token_ids=request.all_token_ids[start * block_size : end * block_size],
                 block_size=block_size,

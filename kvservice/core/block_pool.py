@@ -148,6 +148,21 @@ class FreeKVCacheBlockQueue:
         self.fake_tail.prev_free_block = block
         self.num_free_blocks += 1
 
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the tail in order (the first of them is evicted first among them):
+        ``append`` of each, in one pass."""
+        if not blocks:
+            return
+        tail = self.fake_tail
+        last = tail.prev_free_block
+        for block in blocks:
+            last.next_free_block = block  # type: ignore[union-attr]
+            block.prev_free_block = last
+            last = block
+        last.next_free_block = tail  # type: ignore[union-attr]
+        tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the head (evicted first)."""
         first = self.fake_head.next_free_block
@@ -325,6 +340,8 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         removed: dict[int, list[bytes]] | None = None
         index = self.cached_block_hash_to_block
+        events = self.enable_kv_cache_events
+        num_evictions = 0
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
@@ -335,13 +352,18 @@ class BlockPool:
                     last = True
                 else:
                     last = hash_map.pop(block_hash, block.block_id)
-                if last and self.enable_kv_cache_events:
+                if last and events:
                     if removed is None:
                         removed = {}
-                    removed.setdefault(block.group_idx, []).append(block.block_hash)
+                    group_removed = removed.get(block.group_idx)
+                    if group_removed is None:
+                        removed[block.group_idx] = [block_hash]
+                    else:
+                        group_removed.append(block_hash)
                 block.block_hash = None
-                self.num_evictions += 1
+                num_evictions += 1
             block.ref_cnt = 1
+        self.num_evictions += num_evictions
         if removed:
             self._emit_removed(removed)
         return blocks
@@ -366,18 +388,21 @@ class BlockPool:
         """
         queue = self.free_block_queue
         uncached: list[KVCacheBlock] = []
+        cached: list[KVCacheBlock] = []
         num_freed = 0
         for block in ordered_blocks:
             if block.is_null:
                 continue
             num_freed += 1
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} freed more often than held"
-            if block.ref_cnt == 0:
+            ref_cnt = block.ref_cnt - 1
+            assert ref_cnt >= 0, f"{block} freed more often than held"
+            block.ref_cnt = ref_cnt
+            if ref_cnt == 0:
                 if block.block_hash is None:
                     uncached.append(block)
                 else:
-                    queue.append(block)
+                    cached.append(block)
+        queue.append_n(cached)  # in the given order, as one append each would
         for block in reversed(uncached):
             queue.appendleft(block)
         return num_freed

@@ -8,13 +8,14 @@ code and message), every step's event batch, and the final state must be equal.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
 import pytest
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.client import KVServiceError, StepBuilder, decode_new_block_ids, step_results
+from kvservice_client.client import KVCacheClient, KVServiceError, StepBuilder, decode_new_block_ids, step_results
 from kvservice_client.events import BlockStored
 from tests.service.helpers import flat_events
 from tests.service.test_step_equivalence import server_state
@@ -148,3 +149,22 @@ def test_decode_new_block_ids_checks_counts():
     ok = pb.DecodeResponse(changed_indices=[0, 3], new_block_ids=[7, 8, 9], num_new_block_ids=[1, 0, 1, 1],
                            num_groups=2)
     assert decode_new_block_ids(ok) == {0: ([7], []), 3: ([8], [9])}
+
+
+async def test_sync_client_decode_and_its_errors(kv_server):
+    def run() -> tuple[pb.DecodeResponse, KVServiceError]:
+        with KVCacheClient(kv_server.address) as sync_client:
+            sync_client.step(StepBuilder().get_computed_blocks("a", [1, 2, 3]).allocate_slots("a", 3))
+            response = sync_client.decode(["a", "ghost"], [4, 5])
+            with pytest.raises(KVServiceError) as info:
+                sync_client.decode(["a"], [4, 5])
+            with pytest.raises(TypeError, match="a sequence of request ids, not one string"):
+                sync_client.decode("a", [4])
+            return response, info.value
+
+    response, error = await asyncio.to_thread(run)
+    assert list(response.changed_indices) == [] and list(response.error_indices) == [1]
+    assert response.errors[0].code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.message == "new_token_ids: 2 ids, but num_new_token_ids adds up to 1"
+    assert kv_server.engine.requests["a"].num_computed_tokens == 4

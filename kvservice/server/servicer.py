@@ -81,6 +81,12 @@ def _groups(block_ids: tuple[list[int], ...]) -> list[pb.GroupBlockIds]:
     return [pb.GroupBlockIds(block_ids=ids) for ids in block_ids]
 
 
+def _fill_groups(field: Any, block_ids: tuple[list[int], ...]) -> None:
+    """Append one GroupBlockIds per group to a repeated field (index = group_idx)."""
+    for ids in block_ids:
+        field.add().block_ids.extend(ids)
+
+
 def _computed_blocks_response(result: ComputedBlocksResult) -> pb.GetComputedBlocksResponse:
     return pb.GetComputedBlocksResponse(num_computed_tokens=result.num_computed_tokens, block_ids=_groups(result.block_ids))
 
@@ -188,10 +194,37 @@ class KVCacheServicer:
             "get_usage": self._get_usage,
             "decode": self._decode,
         }
+        # Step ops whose answer is written straight into the StepResponse (no message per op, no copy).
+        self._step_fills: dict[str, Callable[[Any, Any], None]] = {
+            "get_computed_blocks": self._fill_get_computed_blocks,
+            "allocate_slots": self._fill_allocate_slots,
+        }
 
     # -- ops shared by unary calls and Step --------------------------------------------------
 
     def _get_computed_blocks(self, request: pb.GetComputedBlocksRequest) -> pb.GetComputedBlocksResponse:
+        return _computed_blocks_response(self._run_get_computed_blocks(request))
+
+    def _fill_get_computed_blocks(self, request: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse) -> None:
+        """As :meth:`_get_computed_blocks`, written into a Step result's own message (no copy)."""
+        result = self._run_get_computed_blocks(request)
+        out.SetInParent()
+        out.num_computed_tokens = result.num_computed_tokens
+        _fill_groups(out.block_ids, result.block_ids)
+
+    def _fill_allocate_slots(self, request: pb.AllocateSlotsRequest, out: pb.AllocateSlotsResponse) -> None:
+        """As :meth:`_allocate_slots`, written into a Step result's own message (no copy)."""
+        result = self._run_allocate_slots(request)
+        out.SetInParent()
+        out.allocated = result.allocated
+        _fill_groups(out.new_block_ids, result.new_block_ids)
+        out.num_new_computed_tokens = result.num_new_computed_tokens
+        out.num_scheduled_tokens = result.num_scheduled_tokens
+        out.num_computed_tokens = result.num_computed_tokens
+        out.num_tokens = result.num_tokens
+        _fill_groups(out.computed_block_ids, result.computed_block_ids)
+
+    def _run_get_computed_blocks(self, request: pb.GetComputedBlocksRequest) -> ComputedBlocksResult:
         mode = _REPORT_MODES.get(request.kv_cache_report_mode)
         if mode is None:
             raise InvalidArgumentError("kv_cache_report_mode", f"unknown value {request.kv_cache_report_mode}")
@@ -207,16 +240,18 @@ class KVCacheServicer:
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features],
         )
-        return _computed_blocks_response(result)
+        return result
 
     def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
-        result = self.engine.allocate_slots(
+        return _allocate_response(self._run_allocate_slots(request))
+
+    def _run_allocate_slots(self, request: pb.AllocateSlotsRequest) -> AllocateResult:
+        return self.engine.allocate_slots(
             request.request_id,
             request.num_new_tokens,
             num_lookahead_tokens=request.num_lookahead_tokens,
             new_token_ids=request.new_token_ids,
         )
-        return _allocate_response(result)
 
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         result = self.engine.decode(
@@ -338,10 +373,20 @@ class KVCacheServicer:
             )
         response = pb.StepResponse()
         results = response.results
-        ops = self._ops
+        ops, fills = self._ops, self._step_fills
         for which, op in zip(kinds, step_ops):
             if which is None:
                 results.add(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set"))
+                continue
+            fill = fills.get(which)
+            if fill is not None:
+                result = results.add()
+                try:
+                    fill(getattr(op, which), getattr(result, which))  # raises before writing anything
+                except Exception as exc:
+                    code, message = status_for(exc)
+                    result.error.code = code.value[0]  # setting error clears the oneof's other member
+                    result.error.message = message
                 continue
             try:
                 answer = ops[which](getattr(op, which))

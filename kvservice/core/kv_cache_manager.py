@@ -342,7 +342,6 @@ class KVCacheManager:
         the request has no table yet (the general path handles it)."""
         request_id = request.request_id
         managers = self.coordinator.managers
-        tables = []
         num_computed_tokens = request.num_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_blocks_to_allocate = 0
@@ -350,7 +349,6 @@ class KVCacheManager:
             blocks = m.req_to_blocks.get(request_id)
             if blocks is None:
                 return False
-            tables.append(blocks)
             num_new = -(-num_tokens_need_slot // m.block_size) - len(blocks)
             if num_new > 0:
                 num_blocks_to_allocate += num_new

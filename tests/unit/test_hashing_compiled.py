@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -104,11 +105,14 @@ def test_compiled_pickle_layout_is_pickles():
 
 def test_package_installs_and_hashes_without_a_compiler(tmp_path):
     target = tmp_path / "site"
-    client_dir = os.path.join(os.path.dirname(__file__), "..", "..", "clients", "python")
+    # A clean copy of the sources: a build/ folder left by an earlier build would be reused as is.
+    client_dir = tmp_path / "src"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "clients", "python"), client_dir,
+                    ignore=shutil.ignore_patterns("build", "*.so", "*.egg-info", "__pycache__"))
     env = {**os.environ, "CC": "/bin/false", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
-         "--target", str(target), client_dir],
+         "--target", str(target), str(client_dir)],
         check=True, env=env, capture_output=True,
     )
     assert not list(target.rglob("_hashchain*.so"))

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvservice_client.hashing import block_event_extra_keys, block_hash_to_int
 
@@ -145,6 +147,21 @@ class FreeKVCacheBlockQueue:
         block.next_free_block = self.fake_tail
         self.fake_tail.prev_free_block = block
         self.num_free_blocks += 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the tail in order (the first of them is evicted first among them):
+        ``append`` of each, in one pass."""
+        if not blocks:
+            return
+        tail = self.fake_tail
+        last = tail.prev_free_block
+        for block in blocks:
+            last.next_free_block = block  # type: ignore[union-attr]
+            block.prev_free_block = last
+            last = block
+        last.next_free_block = tail  # type: ignore[union-attr]
+        tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the head (evicted first)."""
@@ -322,16 +339,31 @@ class BlockPool:
         """
         blocks = self.free_block_queue.popleft_n(num_blocks)
         removed: dict[int, list[bytes]] | None = None
+        index = self.cached_block_hash_to_block
+        events = self.enable_kv_cache_events
+        num_evictions = 0
         for block in blocks:
-            if block.block_hash is not None:
-                last = self._uncache(block)
-                if last and self.enable_kv_cache_events:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                # The common case inline: the block is its hash's only copy (else the map's pop).
+                hash_map = index[block.group_idx]
+                if hash_map._map.get(block_hash) is block:
+                    del hash_map._map[block_hash]
+                    last = True
+                else:
+                    last = hash_map.pop(block_hash, block.block_id)
+                if last and events:
                     if removed is None:
                         removed = {}
-                    removed.setdefault(block.group_idx, []).append(block.block_hash)
+                    group_removed = removed.get(block.group_idx)
+                    if group_removed is None:
+                        removed[block.group_idx] = [block_hash]
+                    else:
+                        group_removed.append(block_hash)
                 block.block_hash = None
-                self.num_evictions += 1
+                num_evictions += 1
             block.ref_cnt = 1
+        self.num_evictions += num_evictions
         if removed:
             self._emit_removed(removed)
         return blocks
@@ -356,18 +388,21 @@ class BlockPool:
         """
         queue = self.free_block_queue
         uncached: list[KVCacheBlock] = []
+        cached: list[KVCacheBlock] = []
         num_freed = 0
         for block in ordered_blocks:
             if block.is_null:
                 continue
             num_freed += 1
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} freed more often than held"
-            if block.ref_cnt == 0:
+            ref_cnt = block.ref_cnt - 1
+            assert ref_cnt >= 0, f"{block} freed more often than held"
+            block.ref_cnt = ref_cnt
+            if ref_cnt == 0:
                 if block.block_hash is None:
                     uncached.append(block)
                 else:
-                    queue.append(block)
+                    cached.append(block)
+        queue.append_n(cached)  # in the given order, as one append each would
         for block in reversed(uncached):
             queue.appendleft(block)
         return num_freed
@@ -402,6 +437,7 @@ class BlockPool:
         if num_full_blocks <= num_cached_blocks:
             return
         hash_map = self.cached_block_hash_to_block[group_idx]
+        raw_map = hash_map._map
         events = self.enable_kv_cache_events
         run_start = -1
         for i in range(num_cached_blocks, num_full_blocks):
@@ -415,7 +451,11 @@ class BlockPool:
             block_hash = block_hashes[i]
             block.block_hash = block_hash
             block.group_idx = group_idx
-            newly_present = hash_map.insert(block_hash, block)
+            if block_hash not in raw_map:  # the common case inline: the first copy of its hash
+                raw_map[block_hash] = block
+                newly_present = True
+            else:
+                newly_present = hash_map.insert(block_hash, block)
             if not events:
                 continue
             if newly_present:
@@ -516,11 +556,25 @@ class BlockPool:
     def _uncache(self, block: KVCacheBlock) -> bool:
         return self.cached_block_hash_to_block[block.group_idx].pop(block.block_hash, block.block_id)  # type: ignore[arg-type]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
 
-    def _emit_removed(self, removed: dict[int, list[bytes]]) -> None:
+    def _encode_hashes(self, hashes: Sequence[bytes]) -> list[int | bytes]:
+        """``[block_hash_encoder(h) for h in hashes]``; for the default encoder (the last 8 bytes
+        as a big-endian uint64) one vectorized pass when every hash has the same length, a
+        multiple of 8 bytes (always, for one algorithm at one block size)."""
         encode = self.block_hash_encoder
+        n = len(hashes)
+        if encode is block_hash_to_int and n > 4:
+            width = len(hashes[0])
+            if width % 8 == 0 and width:
+                joined = b"".join(hashes)
+                if len(joined) == n * width:
+                    words = width // 8
+                    return np.frombuffer(joined, dtype=">u8")[words - 1 :: words].tolist()  # type: ignore[no-any-return]
+        return [encode(h) for h in hashes]
+
+    def _emit_removed(self, removed: dict[int, list[bytes]]) -> None:
         for group_idx, hashes in removed.items():
             self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[encode(h) for h in hashes], medium=self.medium, group_idx=group_idx)
+                BlockRemoved(block_hashes=self._encode_hashes(hashes), medium=self.medium, group_idx=group_idx)
             )
 
     def _emit_stored(
@@ -548,7 +602,7 @@ class BlockPool:
                 extra_keys = per_block
         self.kv_event_queue.append(
             BlockStored(
-                block_hashes=[encode(h) for h in block_hashes[start:end]],
+                block_hashes=self._encode_hashes(block_hashes[start:end]),
                 parent_block_hash=encode(block_hashes[start - 1]) if start > 0 else None,
                 token_ids=request.all_token_ids[start * block_size : end * block_size],
                 block_size=block_size,

@@ -21,14 +21,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvservice.core.errors import InvalidArgumentError, RequestAlreadyExistsError, RequestNotFoundError, CapacityExceededError
+from kvservice.core.errors import (
+    CapacityExceededError,
+    InvalidArgumentError,
+    KVServiceDomainError,
+    RequestAlreadyExistsError,
+    RequestNotFoundError,
+)
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_cache_spec import max_tokens_in_pool, min_blocks_for_request
 from kvservice.core.request import KVCacheReportMode, Request
 from kvservice_client.events import KVCacheEvent
 from kvservice_client.hashing import LoRA, MultiModalFeature
 
-__all__ = ["AllocateResult", "ComputedBlocksResult", "EngineLimits", "KVCacheEngine", "Usage"]
+__all__ = ["AllocateResult", "ComputedBlocksResult", "DecodeResult", "EngineLimits", "KVCacheEngine", "Usage"]
 
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -83,6 +89,23 @@ class AllocateResult:
     num_scheduled_tokens: int
     num_computed_tokens: int
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    """What one :meth:`KVCacheEngine.decode` changed (indices are into its ``request_ids``).
+
+    Attributes:
+        changed_indices: requests that got new blocks, ascending.
+        new_block_ids: per changed request (same order), per group, the block ids appended.
+        refused_indices: requests answered ``allocated=False`` (nothing changed for them).
+        errors: (index, error) of each item that raised, ascending; nothing changed for them.
+    """
+
+    changed_indices: list[int]
+    new_block_ids: list[tuple[list[int], ...]]
+    refused_indices: list[int]
+    errors: list[tuple[int, KVServiceDomainError]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +363,126 @@ class KVCacheEngine:
             request.num_computed_tokens,
             num_tokens,
         )
+
+    def decode(
+        self,
+        request_ids: Sequence[str],
+        new_token_ids: Sequence[int],
+        *,
+        num_new_token_ids: Sequence[int] = (),
+        num_new_tokens: Sequence[int] = (),
+        num_lookahead_tokens: Sequence[int] = (),
+    ) -> DecodeResult:
+        """A decode step of many running requests: for each ``i`` in order, exactly
+        ``allocate_slots(request_ids[i], num_new_tokens[i], num_lookahead_tokens=...,
+        new_token_ids=<request i's slice>)``, answering only what changed.
+
+        Args:
+            request_ids: running requests, in the order they run.
+            new_token_ids: tokens appended, request after request (request ``i`` owns the next
+                ``num_new_token_ids[i]``).
+            num_new_token_ids: tokens each request appends; empty = 1 each.
+            num_new_tokens: most tokens each computes this step; empty = its appended count.
+            num_lookahead_tokens: extra slots per request, in tokens; empty = 0 each.
+
+        An item fails alone (its error is in ``errors``; nothing changed for it), as a Step op
+        does: an unknown id (RequestNotFoundError), a request that is not running (not admitted:
+        InvalidArgumentError naming ``request_ids``), or any error ``allocate_slots`` raises.
+
+        Raises:
+            InvalidArgumentError: the lists do not fit together (a per-request list whose length
+                is not ``len(request_ids)``, or counts that do not add up to
+                ``len(new_token_ids)``); then nothing ran.
+        """
+        num_requests = len(request_ids)
+        for field, values in (
+            ("num_new_token_ids", num_new_token_ids),
+            ("num_new_tokens", num_new_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
+            if len(values) and len(values) != num_requests:
+                raise InvalidArgumentError(field, f"{len(values)} entries for {num_requests} request_ids (give one each or none)")
+        if len(num_new_token_ids):
+            counts = list(num_new_token_ids)
+            total = sum(counts)
+        else:
+            counts = None
+            total = num_requests
+        if total != len(new_token_ids):
+            raise InvalidArgumentError(
+                "new_token_ids", f"{len(new_token_ids)} ids, but num_new_token_ids adds up to {total}"
+            )
+        tokens = list(new_token_ids)
+        # One vectorized range check for every id; only when one is out of range does each item
+        # check its own (so that item alone fails, with allocate_slots' message).
+        tokens_ok = not tokens or bool(((ids := np.asarray(tokens, dtype=np.int64)) >= 0).all()
+                                        and (ids <= MAX_TOKEN_ID).all())
+        num_new = list(num_new_tokens) if len(num_new_tokens) else None
+        lookahead = list(num_lookahead_tokens) if len(num_lookahead_tokens) else None
+        requests, running = self.requests, self.running
+        manager = self.manager
+        max_len = self.max_model_len
+        clock, last_call = self.clock, self._last_call
+        changed: list[int] = []
+        changed_ids: list[tuple[list[int], ...]] = []
+        refused: list[int] = []
+        errors: list[tuple[int, KVServiceDomainError]] = []
+        offset = 0
+        for i, request_id in enumerate(request_ids):
+            if counts is None:
+                item_tokens = tokens[i : i + 1]
+            else:
+                item_tokens = tokens[offset : offset + counts[i]]
+                offset += counts[i]
+            try:
+                if request_id not in running:
+                    if request_id not in requests:
+                        self._check_request_id(request_id)
+                        raise RequestNotFoundError(request_id)
+                    raise InvalidArgumentError(
+                        "request_ids",
+                        f"request {request_id!r} is not running: admit it with allocate_slots first",
+                    )
+                # allocate_slots of a running request, its checks in the same order and words.
+                n = num_new[i] if num_new is not None else len(item_tokens)
+                if not 1 <= n <= max_len:
+                    raise InvalidArgumentError("num_new_tokens", f"{n} outside 1..{max_len} (max_model_len)")
+                la = lookahead[i] if lookahead is not None else 0
+                if not 0 <= la <= max_len:
+                    raise InvalidArgumentError("num_lookahead_tokens", f"{la} outside 0..{max_len}")
+                if not tokens_ok:
+                    check_token_ids("new_token_ids", item_tokens)
+                request = requests[request_id]
+                num_tokens_before = len(request.all_token_ids)
+                num_tokens = num_tokens_before + len(item_tokens)
+                if num_tokens > max_len:
+                    raise InvalidArgumentError(
+                        "new_token_ids", f"request would hold {num_tokens} tokens, above max_model_len {max_len}"
+                    )
+                if num_tokens == request.num_computed_tokens:
+                    raise InvalidArgumentError(
+                        "num_new_tokens",
+                        f"all {num_tokens} tokens of {request_id!r} are computed; append new_token_ids first",
+                    )
+            except KVServiceDomainError as exc:
+                errors.append((i, exc))
+                continue
+            if item_tokens:
+                request.append_output_token_ids(item_tokens)
+            num_scheduled = min(n, num_tokens - request.num_computed_tokens)
+            last_call[request_id] = clock()
+            last_call.move_to_end(request_id)
+            new_blocks = manager.allocate_slots(request, num_scheduled, 0, None, la)
+            if new_blocks is None:
+                request.truncate_tokens(num_tokens_before)
+                self.num_failed_allocations += 1
+                refused.append(i)
+                continue
+            request.num_computed_tokens += num_scheduled
+            if any(new_blocks.blocks):
+                changed.append(i)
+                changed_ids.append(new_blocks.get_block_ids())
+        return DecodeResult(changed, changed_ids, refused, errors)
 
     def free(self, request_id: str) -> int:
         """Free the request's blocks (tail first) and forget it.

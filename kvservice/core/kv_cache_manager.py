@@ -25,6 +25,7 @@ from kvservice.core.kv_cache_spec import (
     get_kv_cache_spec_sliding_window,
 )
 from kvservice.core.request import Request
+from kvservice.core.single_type_managers import SingleTypeKVCacheManager
 from kvservice_client.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvservice_client.hashing import (
     DEFAULT_HASH_ALGORITHM,
@@ -218,6 +219,11 @@ class KVCacheManager:
         self.metadata = self._build_metadata()
         self._no_hit: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
         """Read-only: the empty hit of a running request (never mutated)."""
+        self._has_skip_rule = any(
+            type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
+            for m in self.coordinator.managers
+        )
+        """Whether some group frees positions it stops needing (sliding window, chunked local)."""
         self._group_kind = tuple(g.kind for g in self.metadata.groups)
         self._group_window = tuple(g.sliding_window for g in self.metadata.groups)
 
@@ -288,6 +294,10 @@ class KVCacheManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1; got {num_new_tokens}")
+        if new_computed_blocks is None and not num_new_computed_tokens:
+            running = self._allocate_running(request, num_new_tokens, num_lookahead_tokens)
+            if running is not False:
+                return running
         hit = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hit
         coordinator = self.coordinator
         request_id = request.request_id
@@ -321,6 +331,51 @@ class KVCacheManager:
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         if self.enable_caching:
             coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+        return KVCacheBlocks(new_blocks)
+
+    def _allocate_running(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> KVCacheBlocks | None | Literal[False]:
+        """:meth:`allocate_slots` of a request that has a block table in every group and takes no
+        hit (a running request's decode or next chunk), with the same effects in the same order,
+        minus the work an empty hit makes (no touch, no report, no table to start). False when
+        the request has no table yet (the general path handles it)."""
+        request_id = request.request_id
+        managers = self.coordinator.managers
+        num_computed_tokens = request.num_computed_tokens
+        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_blocks_to_allocate = 0
+        for m in managers:
+            blocks = m.req_to_blocks.get(request_id)
+            if blocks is None:
+                return False
+            num_new = -(-num_tokens_need_slot // m.block_size) - len(blocks)
+            if num_new > 0:
+                num_blocks_to_allocate += num_new
+        coordinator = self.coordinator
+        if num_blocks_to_allocate:
+            num_free_blocks = self.block_pool.get_num_free_blocks()
+            if num_blocks_to_allocate > num_free_blocks:
+                freeable = coordinator.get_num_freeable_skipped_blocks(request_id, num_computed_tokens)
+                if num_blocks_to_allocate > num_free_blocks + freeable:
+                    return None
+        if self._has_skip_rule:
+            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+        if num_blocks_to_allocate:
+            new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+        else:
+            new_blocks = tuple([] for _ in managers)
+        if self.enable_caching:
+            num_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            block_hashes = request.block_hashes
+            hash_block_size = self.hash_block_size
+            for i, m in enumerate(managers):
+                if m.block_size == hash_block_size:
+                    # cache_blocks returns at once unless a block became full.
+                    num_full = min(num_tokens // hash_block_size, len(block_hashes))
+                    if num_full <= m.num_cached_block[request_id]:
+                        continue
+                m.cache_blocks(request, coordinator.group_block_hashes(request, i), num_tokens)
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request | str) -> int:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvservice.core.engine import AllocateResult, ComputedBlocksResult, KVCacheEngine, Usage
+from kvservice.core.engine import AllocateResult, ComputedBlocksResult, DecodeResult, KVCacheEngine, Usage
 from kvservice.core.errors import (
     CapacityExceededError,
     EpochMismatchError,
@@ -86,6 +86,12 @@ def _groups(block_ids: tuple[list[int], ...]) -> list[pb.GroupBlockIds]:
     return [pb.GroupBlockIds(block_ids=ids) for ids in block_ids]
 
 
+def _fill_groups(field: Any, block_ids: tuple[list[int], ...]) -> None:
+    """Append one GroupBlockIds per group to a repeated field (index = group_idx)."""
+    for ids in block_ids:
+        field.add().block_ids.extend(ids)
+
+
 def _computed_blocks_response(result: ComputedBlocksResult) -> pb.GetComputedBlocksResponse:
     return pb.GetComputedBlocksResponse(num_computed_tokens=result.num_computed_tokens, block_ids=_groups(result.block_ids))
 
@@ -99,6 +105,30 @@ def _allocate_response(result: AllocateResult) -> pb.AllocateSlotsResponse:
         num_computed_tokens=result.num_computed_tokens,
         num_tokens=result.num_tokens,
         computed_block_ids=_groups(result.computed_block_ids),
+    )
+
+
+def _decode_response(result: DecodeResult, num_groups: int) -> pb.DecodeResponse:
+    new_block_ids: list[int] = []
+    counts: list[int] = []
+    for per_group in result.new_block_ids:
+        for ids in per_group:
+            new_block_ids += ids
+            counts.append(len(ids))
+    errors = []
+    error_indices = []
+    for i, exc in result.errors:
+        code, message = status_for(exc)
+        error_indices.append(i)
+        errors.append(pb.OpStatus(code=code.value[0], message=message))
+    return pb.DecodeResponse(
+        changed_indices=result.changed_indices,
+        new_block_ids=new_block_ids,
+        num_new_block_ids=counts,
+        refused_indices=result.refused_indices,
+        error_indices=error_indices,
+        errors=errors,
+        num_groups=num_groups,
     )
 
 
@@ -170,18 +200,46 @@ class KVCacheServicer:
             "free": self._free,
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_usage": self._get_usage,
+            "decode": self._decode,
+        }
+        # Step ops whose answer is written straight into the StepResponse (no message per op, no copy).
+        self._step_fills: dict[str, Callable[[Any, Any], None]] = {
+            "get_computed_blocks": self._fill_get_computed_blocks,
+            "allocate_slots": self._fill_allocate_slots,
         }
 
     # -- ops shared by unary calls and Step --------------------------------------------------
 
     def _get_computed_blocks(self, request: pb.GetComputedBlocksRequest) -> pb.GetComputedBlocksResponse:
+        return _computed_blocks_response(self._run_get_computed_blocks(request))
+
+    def _fill_get_computed_blocks(self, request: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse) -> None:
+        """As :meth:`_get_computed_blocks`, written into a Step result's own message (no copy)."""
+        result = self._run_get_computed_blocks(request)
+        out.SetInParent()
+        out.num_computed_tokens = result.num_computed_tokens
+        _fill_groups(out.block_ids, result.block_ids)
+
+    def _fill_allocate_slots(self, request: pb.AllocateSlotsRequest, out: pb.AllocateSlotsResponse) -> None:
+        """As :meth:`_allocate_slots`, written into a Step result's own message (no copy)."""
+        result = self._run_allocate_slots(request)
+        out.SetInParent()
+        out.allocated = result.allocated
+        _fill_groups(out.new_block_ids, result.new_block_ids)
+        out.num_new_computed_tokens = result.num_new_computed_tokens
+        out.num_scheduled_tokens = result.num_scheduled_tokens
+        out.num_computed_tokens = result.num_computed_tokens
+        out.num_tokens = result.num_tokens
+        _fill_groups(out.computed_block_ids, result.computed_block_ids)
+
+    def _run_get_computed_blocks(self, request: pb.GetComputedBlocksRequest) -> ComputedBlocksResult:
         mode = _REPORT_MODES.get(request.kv_cache_report_mode)
         if mode is None:
             raise InvalidArgumentError("kv_cache_report_mode", f"unknown value {request.kv_cache_report_mode}")
         lora = None
         if request.HasField("lora"):
             lora = LoRA(request.lora.lora_id, request.lora.lora_name, request.lora.lora_path or None)
-        result = self.engine.get_computed_blocks(
+        return self.engine.get_computed_blocks(
             request.request_id,
             request.prompt_token_ids,
             session_id=request.session_id if request.HasField("session_id") else None,
@@ -190,9 +248,11 @@ class KVCacheServicer:
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features],
         )
-        return _computed_blocks_response(result)
 
     def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
+        return _allocate_response(self._run_allocate_slots(request))
+
+    def _run_allocate_slots(self, request: pb.AllocateSlotsRequest) -> AllocateResult:
         result = self.engine.allocate_slots(
             request.request_id,
             request.num_new_tokens,
@@ -201,7 +261,20 @@ class KVCacheServicer:
         )
         if result.allocated and self.data_plane is not None:
             self.data_plane.note_allocated(request.request_id, result.new_block_ids)  # who may write them
-        return _allocate_response(result)
+        return result
+
+    def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        result = self.engine.decode(
+            request.request_ids,
+            request.new_token_ids,
+            num_new_token_ids=request.num_new_token_ids,
+            num_new_tokens=request.num_new_tokens,
+            num_lookahead_tokens=request.num_lookahead_tokens,
+        )
+        if self.data_plane is not None:  # who may write the decode's new blocks
+            for index, new_block_ids in zip(result.changed_indices, result.new_block_ids):
+                self.data_plane.note_allocated(request.request_ids[index], new_block_ids)
+        return _decode_response(result, self.engine.manager.num_groups)
 
     def _free(self, request: pb.FreeRequest) -> pb.FreeResponse:
         return pb.FreeResponse(num_freed_blocks=self.engine.free(request.request_id))
@@ -277,41 +350,68 @@ class KVCacheServicer:
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         """Run the ops in order; a failed op answers its own OpStatus and the rest go on.
 
-        A Step above ``max_step_ops`` ops or ``max_step_tokens`` tokens is refused whole
-        (INVALID_ARGUMENT naming ``ops`` and the bound); one past its deadline is refused whole
-        (DEADLINE_EXCEEDED). Either way nothing runs.
+        A Step above ``max_step_ops`` ops (each request of a ``decode`` op counts as one op) or
+        ``max_step_tokens`` tokens is refused whole (INVALID_ARGUMENT naming ``ops`` and the
+        bound); one past its deadline is refused whole (DEADLINE_EXCEEDED). Either way nothing
+        runs.
         """
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
-        if len(request.ops) > self.max_step_ops:
+        step_ops = request.ops
+        num_ops = len(step_ops)
+        if num_ops > self.max_step_ops:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"ops: {len(request.ops)} ops, above max_step_ops {self.max_step_ops}"
+                grpc.StatusCode.INVALID_ARGUMENT, f"ops: {num_ops} ops, above max_step_ops {self.max_step_ops}"
             )
-        num_tokens = sum(
-            len(op.get_computed_blocks.prompt_token_ids) + len(op.allocate_slots.new_token_ids) for op in request.ops
-        )
+        kinds = [op.WhichOneof("op") for op in step_ops]
+        num_tokens = 0
+        for which, op in zip(kinds, step_ops):
+            if which == "get_computed_blocks":
+                num_tokens += len(op.get_computed_blocks.prompt_token_ids)
+            elif which == "allocate_slots":
+                num_tokens += len(op.allocate_slots.new_token_ids)
+            elif which == "decode":
+                num_tokens += len(op.decode.new_token_ids)
+                num_ops += len(op.decode.request_ids) - 1
+        if num_ops > self.max_step_ops:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ops: {num_ops} ops (each decode request counts as one), above max_step_ops {self.max_step_ops}",
+            )
         if num_tokens > self.max_step_tokens:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"ops: {num_tokens} tokens (prompt_token_ids + new_token_ids over all ops), above max_step_tokens "
                 f"{self.max_step_tokens}",
             )
-        results = []
-        ops = self._ops
-        for op in request.ops:
-            which = op.WhichOneof("op")
+        response = pb.StepResponse()
+        results = response.results
+        ops, fills = self._ops, self._step_fills
+        for which, op in zip(kinds, step_ops):
             if which is None:
-                results.append(pb.StepOpResult(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set")))
+                results.add(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set"))
+                continue
+            fill = fills.get(which)
+            if fill is not None:
+                result = results.add()
+                try:
+                    fill(getattr(op, which), getattr(result, which))  # raises before writing anything
+                except Exception as exc:
+                    code, message = status_for(exc)
+                    result.error.code = code.value[0]  # setting error clears the oneof's other member
+                    result.error.message = message
                 continue
             try:
-                response = ops[which](getattr(op, which))
+                answer = ops[which](getattr(op, which))
             except Exception as exc:
                 code, message = status_for(exc)
-                results.append(pb.StepOpResult(error=pb.OpStatus(code=code.value[0], message=message)))
+                results.add(error=pb.OpStatus(code=code.value[0], message=message))
                 continue
-            results.append(pb.StepOpResult(**{which: response}))
+            results.add(**{which: answer})
         self._publish()
-        return pb.StepResponse(results=results, head_seq=self.event_log.head_seq, epoch=self.event_log.epoch)
+        response.head_seq = self.event_log.head_seq
+        response.epoch = self.event_log.epoch
+        return response
 
     async def StreamEvents(self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream batches from a seq, a snapshot or the live head (serialized once, shared)."""

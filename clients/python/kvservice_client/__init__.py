@@ -55,6 +55,7 @@ __all__ = [
     "WatchedBatch",
     "batch_to_proto",
     "decode_event_batch",
+    "decode_new_block_ids",
     "encode_event_batch",
     "event_to_proto",
     "proto_to_batch",
@@ -78,6 +79,7 @@ _NAME_TO_MODULE: dict[str, str] = {
     "TLSConfig": "kvservice_client.tls",
     "StepBuilder": "kvservice_client.step",
     "step_results": "kvservice_client.step",
+    "decode_new_block_ids": "kvservice_client.step",
     "EventWatcher": "kvservice_client.watcher",
     "HitPredictor": "kvservice_client.watcher",
     "PrefixIndex": "kvservice_client.watcher",
@@ -108,7 +110,7 @@ if TYPE_CHECKING:
     from kvservice_client.hashing import BlockHasher
     from kvservice_client.errors import KVServiceError, StatusCode
     from kvservice_client.jetstream import InstanceMirror, JetStreamWatcher, MirrorState, ResyncNeededError
-    from kvservice_client.step import StepBuilder, step_results
+    from kvservice_client.step import StepBuilder, decode_new_block_ids, step_results
     from kvservice_client.tls import TLSConfig
     from kvservice_client.watcher import EventWatcher, HitPredictor, PrefixIndex, RetryPolicy, WatchedBatch
 

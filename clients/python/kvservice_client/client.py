@@ -57,7 +57,14 @@ from kvservice_client.request_builders import (  # noqa: F401 (their old names h
     _report_mode_value,
     _require_no_fields,
 )
-from kvservice_client.step import StepBuilder, StepOpResponse, step_request, step_results
+from kvservice_client.step import (
+    StepBuilder,
+    StepOpResponse,
+    decode_new_block_ids,
+    decode_result,
+    step_request,
+    step_results,
+)
 from kvservice_client.tls import TLSConfig, resolve_channel_security
 
 if TYPE_CHECKING:
@@ -76,6 +83,7 @@ __all__ = [
     "StepOpResponse",
     "TLSConfig",
     "Timeout",
+    "decode_new_block_ids",
     "step_results",
 ]
 
@@ -454,6 +462,48 @@ class KVCacheClient(_ClientBase):
         """
         return self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
+    def decode(
+        self,
+        request_ids: Sequence[str] | pb.DecodeRequest,
+        new_token_ids: Iterable[int] = (),
+        *,
+        num_new_token_ids: Iterable[int] = (),
+        num_new_tokens: Iterable[int] = (),
+        num_lookahead_tokens: Iterable[int] = (),
+        timeout: Timeout = None,
+        metadata: Metadata = None,
+    ) -> pb.DecodeResponse:
+        """A decode step of many running requests in one Step op (one round trip).
+
+        For each request ``i`` in order, exactly ``allocate_slots(request_ids[i],
+        num_new_tokens[i], num_lookahead_tokens=num_lookahead_tokens[i], new_token_ids=<its
+        slice>)``: same results, refusals, errors and events; only what changed comes back.
+
+        Args:
+            request_ids: running (admitted) requests.
+            new_token_ids: tokens appended since the last call, request after request (request
+                ``i`` owns the next ``num_new_token_ids[i]``; one each when that is empty).
+            num_new_token_ids: tokens each request appends (empty: 1 each).
+            num_new_tokens: most tokens each computes this step (empty: its appended count).
+            num_lookahead_tokens: extra slots per request, in tokens (empty: 0 each).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            ``changed_indices`` (requests that got new blocks; unpack their ids with
+            :func:`decode_new_block_ids`), ``refused_indices`` (too few free blocks: nothing
+            changed for them) and per failed item its index and ``OpStatus`` (NOT_FOUND for an
+            unknown id, INVALID_ARGUMENT for one not running or a bad field).
+
+        Raises:
+            KVServiceError: the whole op failed (INVALID_ARGUMENT: lists that do not fit
+                together, naming the field) or the call did.
+            TypeError: a request message together with field arguments, or one string of ids.
+        """
+        ops = StepBuilder().decode(request_ids, new_token_ids, num_new_token_ids=num_new_token_ids,
+                                   num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        return decode_result(self.step(ops, timeout=timeout, metadata=metadata))
+
     def stream_events(
         self,
         request: pb.StreamEventsRequest | None = None,
@@ -768,6 +818,48 @@ class AsyncKVCacheClient(_ClientBase):
             KVServiceError: the whole call failed (e.g. INVALID_ARGUMENT for too many ops).
         """
         return await self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+
+    async def decode(
+        self,
+        request_ids: Sequence[str] | pb.DecodeRequest,
+        new_token_ids: Iterable[int] = (),
+        *,
+        num_new_token_ids: Iterable[int] = (),
+        num_new_tokens: Iterable[int] = (),
+        num_lookahead_tokens: Iterable[int] = (),
+        timeout: Timeout = None,
+        metadata: Metadata = None,
+    ) -> pb.DecodeResponse:
+        """A decode step of many running requests in one Step op (one round trip).
+
+        For each request ``i`` in order, exactly ``allocate_slots(request_ids[i],
+        num_new_tokens[i], num_lookahead_tokens=num_lookahead_tokens[i], new_token_ids=<its
+        slice>)``: same results, refusals, errors and events; only what changed comes back.
+
+        Args:
+            request_ids: running (admitted) requests.
+            new_token_ids: tokens appended since the last call, request after request (request
+                ``i`` owns the next ``num_new_token_ids[i]``; one each when that is empty).
+            num_new_token_ids: tokens each request appends (empty: 1 each).
+            num_new_tokens: most tokens each computes this step (empty: its appended count).
+            num_lookahead_tokens: extra slots per request, in tokens (empty: 0 each).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            ``changed_indices`` (requests that got new blocks; unpack their ids with
+            :func:`decode_new_block_ids`), ``refused_indices`` (too few free blocks: nothing
+            changed for them) and per failed item its index and ``OpStatus`` (NOT_FOUND for an
+            unknown id, INVALID_ARGUMENT for one not running or a bad field).
+
+        Raises:
+            KVServiceError: the whole op failed (INVALID_ARGUMENT: lists that do not fit
+                together, naming the field) or the call did.
+            TypeError: a request message together with field arguments, or one string of ids.
+        """
+        ops = StepBuilder().decode(request_ids, new_token_ids, num_new_token_ids=num_new_token_ids,
+                                   num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        return decode_result(await self.step(ops, timeout=timeout, metadata=metadata))
 
     def stream_events(
         self,

@@ -214,6 +214,13 @@ class BlockHasher:
         parent = block_hashes[-1] if start else self.root_hash
         lora_key = ("lora", lora.lora_name, lora.lora_path) if lora is not None else None
         simple = lora_key is None and not mm_features and (not cache_salt or start > 0)
+        if simple and _hashchain is not None and self.algorithm in _COMPILED_LAYOUTS:
+            try:
+                _hashchain.extend(block_hashes, token_ids, start, end, block_size, parent,
+                                  _COMPILED_LAYOUTS[self.algorithm])
+                return end - start
+            except (ValueError, TypeError):  # ids or a shape it does not cover: the rule below does
+                pass
         if simple and self.algorithm in _CBOR_DIGESTS:
             extend_cbor = _extend_cbor_vectorized if end - start >= _VECTORIZED_MIN_BLOCKS else _extend_cbor_cached
             try:
@@ -244,6 +251,21 @@ class BlockHasher:
         block_hashes: list[bytes] = []
         self.extend(block_hashes, token_ids, lora=lora, cache_salt=cache_salt, mm_features=mm_features)
         return block_hashes
+
+
+try:  # the compiled chain (setup.py builds it when a compiler and OpenSSL's headers are there)
+    from kvservice_client import _hashchain  # type: ignore[attr-defined]
+except ImportError:  # no compiler at install time: the pure-Python rule is used throughout
+    _hashchain = None
+
+_COMPILED_LAYOUTS: dict[str, int] = {"sha256_cbor": 0}
+if pickle.HIGHEST_PROTOCOL == 5:  # the compiled pickle layout is protocol 5's
+    _COMPILED_LAYOUTS["sha256"] = 1
+"""Algorithms the compiled chain covers, blocks without extra keys only: ``_hashchain.extend``
+encodes ``(parent, tuple(block_tokens), None)`` as canonical CBOR (0) or as pickle protocol 5 (1),
+byte-identical to ``cbor2.dumps(..., canonical=True)`` / ``pickle.dumps(..., protocol=5)``, and
+hashes with OpenSSL's SHA-256; it raises ValueError (appending nothing) for a token id or parent it
+does not cover, and the pure-Python rule below, the reference, takes over."""
 
 
 def _sha256_digest(data: bytes) -> bytes:

@@ -9,7 +9,7 @@ field.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from google.protobuf.message import Message
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ReportMode",
     "allocate_slots_request",
+    "decode_request",
     "free_request",
     "get_computed_blocks_request",
     "ping_request",
@@ -147,6 +148,39 @@ def allocate_slots_request(
         num_new_tokens=num_new_tokens,
         num_lookahead_tokens=num_lookahead_tokens,
         new_token_ids=new_token_ids,
+    )
+
+
+def decode_request(
+    request_ids: Sequence[str] | pb.DecodeRequest,
+    new_token_ids: Iterable[int],
+    num_new_token_ids: Iterable[int],
+    num_new_tokens: Iterable[int],
+    num_lookahead_tokens: Iterable[int],
+) -> pb.DecodeRequest:
+    """A ``DecodeRequest`` (packed arrays; see ``KVCacheClient.decode``), or the one given.
+
+    Raises:
+        TypeError: a request message together with field arguments, or one string of ids.
+    """
+    if isinstance(request_ids, pb.DecodeRequest):
+        _require_no_fields(
+            request_ids,
+            new_token_ids=tuple(new_token_ids),
+            num_new_token_ids=tuple(num_new_token_ids),
+            num_new_tokens=tuple(num_new_tokens),
+            num_lookahead_tokens=tuple(num_lookahead_tokens),
+        )
+        return request_ids
+    if isinstance(request_ids, str):
+        raise TypeError("decode() takes a sequence of request ids, not one string")
+    # Packed repeated fields take any sequence of ints in one C call: no per-request message.
+    return pb.DecodeRequest(
+        request_ids=request_ids,
+        new_token_ids=new_token_ids,
+        num_new_token_ids=num_new_token_ids,
+        num_new_tokens=num_new_tokens,
+        num_lookahead_tokens=num_lookahead_tokens,
     )
 
 

@@ -3,7 +3,7 @@ its ops, :func:`step_results` unpacks its answer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Union
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
@@ -11,6 +11,7 @@ from kvservice_client.errors import KVServiceError
 from kvservice_client.request_builders import (
     ReportMode,
     allocate_slots_request,
+    decode_request,
     free_request,
     get_computed_blocks_request,
 )
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from kvservice_client.hashing import LoRA as HashingLoRA
     from kvservice_client.hashing import MultiModalFeature as HashingMultiModalFeature
 
-__all__ = ["StepBuilder", "StepOpResponse", "step_request", "step_results"]
+__all__ = ["StepBuilder", "StepOpResponse", "decode_new_block_ids", "decode_result", "step_request", "step_results"]
 
 StepOpResponse = Union[
     pb.GetComputedBlocksResponse,
@@ -27,6 +28,7 @@ StepOpResponse = Union[
     pb.FreeResponse,
     pb.ResetPrefixCacheResponse,
     pb.GetUsageResponse,
+    pb.DecodeResponse,
 ]
 """The response of one Step op that succeeded."""
 
@@ -50,6 +52,48 @@ def step_results(response: pb.StepResponse) -> list[StepOpResponse | KVServiceEr
         else:
             results.append(getattr(result, which))
     return results
+
+
+def decode_new_block_ids(response: pb.DecodeResponse) -> dict[int, tuple[list[int], ...]]:
+    """Unpack a decode op's new blocks: request index -> per group (group_idx order) the block ids
+    it appended. Requests not in the dict got no new block (or were refused or failed: see
+    ``refused_indices`` and ``error_indices``).
+
+    Raises:
+        ValueError: the counts do not fit ``changed_indices``, ``num_groups`` or ``new_block_ids``.
+    """
+    num_groups = response.num_groups
+    changed = list(response.changed_indices)
+    counts = list(response.num_new_block_ids)
+    ids = list(response.new_block_ids)
+    if len(counts) != len(changed) * num_groups or sum(counts) != len(ids):
+        raise ValueError(
+            f"DecodeResponse: {len(counts)} counts summing to {sum(counts)} for {len(changed)} changed requests of "
+            f"{num_groups} groups and {len(ids)} block ids"
+        )
+    out: dict[int, tuple[list[int], ...]] = {}
+    pos = k = 0
+    for index in changed:
+        per_group = []
+        for _ in range(num_groups):
+            n = counts[k]
+            per_group.append(ids[pos : pos + n])
+            pos += n
+            k += 1
+        out[index] = tuple(per_group)
+    return out
+
+
+def decode_result(response: pb.StepResponse) -> pb.DecodeResponse:
+    """The ``DecodeResponse`` of a Step of one decode op.
+
+    Raises:
+        KVServiceError: the op failed (its status).
+    """
+    result = response.results[0]
+    if result.WhichOneof("result") == "error":
+        raise KVServiceError.from_op_status(result.error)
+    return result.decode
 
 
 class StepBuilder:
@@ -123,6 +167,21 @@ class StepBuilder:
     def get_usage(self) -> StepBuilder:
         """Add a GetUsage op."""
         self._ops.append(pb.StepOp(get_usage=pb.GetUsageRequest()))
+        return self
+
+    def decode(
+        self,
+        request_ids: Sequence[str] | pb.DecodeRequest,
+        new_token_ids: Iterable[int] = (),
+        *,
+        num_new_token_ids: Iterable[int] = (),
+        num_new_tokens: Iterable[int] = (),
+        num_lookahead_tokens: Iterable[int] = (),
+    ) -> StepBuilder:
+        """Add a decode op: many running requests' appended tokens in packed arrays (see
+        ``KVCacheClient.decode``); its result is a ``DecodeResponse``."""
+        request = decode_request(request_ids, new_token_ids, num_new_token_ids, num_new_tokens, num_lookahead_tokens)
+        self._ops.append(pb.StepOp(decode=request))
         return self
 
     def build(self) -> pb.StepRequest:

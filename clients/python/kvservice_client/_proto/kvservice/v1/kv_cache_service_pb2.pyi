@@ -610,6 +610,7 @@ class StepOp(_message.Message):
     FREE_FIELD_NUMBER: _builtins.int
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     GET_USAGE_FIELD_NUMBER: _builtins.int
+    DECODE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def get_computed_blocks(self) -> Global___GetComputedBlocksRequest: ...
     @_builtins.property
@@ -620,6 +621,8 @@ class StepOp(_message.Message):
     def reset_prefix_cache(self) -> Global___ResetPrefixCacheRequest: ...
     @_builtins.property
     def get_usage(self) -> Global___GetUsageRequest: ...
+    @_builtins.property
+    def decode(self) -> Global___DecodeRequest: ...
     def __init__(
         self,
         *,
@@ -628,12 +631,13 @@ class StepOp(_message.Message):
         free: Global___FreeRequest | None = ...,
         reset_prefix_cache: Global___ResetPrefixCacheRequest | None = ...,
         get_usage: Global___GetUsageRequest | None = ...,
+        decode: Global___DecodeRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "op", b"op", "reset_prefix_cache", b"reset_prefix_cache"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "decode", b"decode", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "op", b"op", "reset_prefix_cache", b"reset_prefix_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "op", b"op", "reset_prefix_cache", b"reset_prefix_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "decode", b"decode", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "op", b"op", "reset_prefix_cache", b"reset_prefix_cache"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["get_computed_blocks", "allocate_slots", "free", "reset_prefix_cache", "get_usage"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["get_computed_blocks", "allocate_slots", "free", "reset_prefix_cache", "get_usage", "decode"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -677,6 +681,7 @@ class StepOpResult(_message.Message):
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     GET_USAGE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    DECODE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def get_computed_blocks(self) -> Global___GetComputedBlocksResponse: ...
     @_builtins.property
@@ -689,6 +694,8 @@ class StepOpResult(_message.Message):
     def get_usage(self) -> Global___GetUsageResponse: ...
     @_builtins.property
     def error(self) -> Global___OpStatus: ...
+    @_builtins.property
+    def decode(self) -> Global___DecodeResponse: ...
     def __init__(
         self,
         *,
@@ -698,16 +705,145 @@ class StepOpResult(_message.Message):
         reset_prefix_cache: Global___ResetPrefixCacheResponse | None = ...,
         get_usage: Global___GetUsageResponse | None = ...,
         error: Global___OpStatus | None = ...,
+        decode: Global___DecodeResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "error", b"error", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "decode", b"decode", "error", b"error", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "error", b"error", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "decode", b"decode", "error", b"error", "free", b"free", "get_computed_blocks", b"get_computed_blocks", "get_usage", b"get_usage", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["get_computed_blocks", "allocate_slots", "free", "reset_prefix_cache", "get_usage", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["get_computed_blocks", "allocate_slots", "free", "reset_prefix_cache", "get_usage", "error", "decode"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
 Global___StepOpResult: _TypeAlias = StepOpResult  # noqa: Y015
+
+@_typing.final
+class DecodeRequest(_message.Message):
+    """A decode step of many running requests in one op: for each request i, in order, exactly
+    AllocateSlotsRequest(request_id=request_ids[i], num_new_tokens=num_new_tokens[i],
+    num_lookahead_tokens=num_lookahead_tokens[i], new_token_ids=<its slice of new_token_ids>), with
+    the same results, refusals, errors and events. Every list is packed; a per-request list left
+    empty takes its default for every request. A request that is not running (not admitted yet) fails
+    its item with INVALID_ARGUMENT: admit with allocate_slots, which reports the prefix-cache hit.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    NEW_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The running requests (each as AllocateSlotsRequest.request_id), in the order they run."""
+
+    @_builtins.property
+    def new_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids appended since the last call (decode outputs), request after request: request i's
+        are the next num_new_token_ids[i] of them (one each when num_new_token_ids is empty). Each
+        0 <= id < 2^31.
+        """
+
+    @_builtins.property
+    def num_new_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per request, how many of new_token_ids are its (tokens). Empty = 1 each; else one per request
+        and their sum = len(new_token_ids).
+        """
+
+    @_builtins.property
+    def num_new_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per request, most tokens to compute this step (as AllocateSlotsRequest.num_new_tokens). Empty
+        = each request's number of new_token_ids (1 each for a plain decode step).
+        """
+
+    @_builtins.property
+    def num_lookahead_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per request, extra slots to reserve (speculative decoding), in tokens. Empty = 0 each."""
+
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        new_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_new_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_new_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        num_lookahead_tokens: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_token_ids", b"new_token_ids", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_token_ids", b"num_new_token_ids", "num_new_tokens", b"num_new_tokens", "request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
+
+@_typing.final
+class DecodeResponse(_message.Message):
+    """What a DecodeRequest changed: only the requests that got new blocks, the refusals and the
+    errors. Every other request was allocated with no new block (its num_computed_tokens advanced by
+    the tokens scheduled, as AllocateSlotsResponse would say).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGED_INDICES_FIELD_NUMBER: _builtins.int
+    NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    REFUSED_INDICES_FIELD_NUMBER: _builtins.int
+    ERROR_INDICES_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    NUM_GROUPS_FIELD_NUMBER: _builtins.int
+    num_groups: _builtins.int
+    """Number of KV cache groups (the stride of num_new_block_ids)."""
+    @_builtins.property
+    def changed_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices into request_ids of the requests that got new blocks, ascending."""
+
+    @_builtins.property
+    def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Their new block ids, request after request (changed_indices order) and within a request group
+        after group (group_idx order); the counts are in num_new_block_ids.
+        """
+
+    @_builtins.property
+    def num_new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """For each changed request, one count per group (len = len(changed_indices) * number of groups,
+        request-major): how many of new_block_ids that group appended, in blocks.
+        """
+
+    @_builtins.property
+    def refused_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices of the requests refused for too few free blocks (AllocateSlotsResponse.allocated =
+        false: nothing changed for them, their new tokens were not appended), ascending.
+        """
+
+    @_builtins.property
+    def error_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices of the requests whose item failed (as AllocateSlots would have failed), ascending."""
+
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___OpStatus]:
+        """The status of each failed item, in error_indices order."""
+
+    def __init__(
+        self,
+        *,
+        changed_indices: _abc.Iterable[_builtins.int] | None = ...,
+        new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        refused_indices: _abc.Iterable[_builtins.int] | None = ...,
+        error_indices: _abc.Iterable[_builtins.int] | None = ...,
+        errors: _abc.Iterable[Global___OpStatus] | None = ...,
+        num_groups: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_indices", b"changed_indices", "error_indices", b"error_indices", "errors", b"errors", "new_block_ids", b"new_block_ids", "num_groups", b"num_groups", "num_new_block_ids", b"num_new_block_ids", "refused_indices", b"refused_indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeResponse: _TypeAlias = DecodeResponse  # noqa: Y015
 
 @_typing.final
 class StepRequest(_message.Message):

@@ -1,0 +1,129 @@
+"""The compiled block-hash chain (``kvservice_client._hashchain``) against the pure-Python rule.
+
+The compiled path is optional: without a compiler the package installs without it and hashes
+with the rule alone (checked here by installing it with ``CC=/bin/false``). Where it is built,
+it must give byte-identical hashes: on vLLM's vectors and on random prompts, both algorithms
+it covers, every token-size class and out-of-range ids (which fall back to the rule).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvservice_client.hashing as hashing
+from kvservice_client.hashing import BlockHasher, LoRA
+from tests.conftest import VECTORS_DIR
+
+VECTORS = json.loads((VECTORS_DIR / "vllm_sha256_cbor_block_hashes.json").read_text())
+compiled = pytest.mark.skipif(hashing._hashchain is None, reason="the compiled chain is not built here")
+
+
+@pytest.fixture(params=["compiled", "rule"])
+def path(request, monkeypatch):
+    """Run a test with the compiled chain, and again with the pure-Python rule alone."""
+    if request.param == "compiled" and hashing._hashchain is None:
+        pytest.skip("the compiled chain is not built here")
+    if request.param == "rule":
+        monkeypatch.setattr(hashing, "_hashchain", None)
+    return request.param
+
+
+def reference(hasher: BlockHasher, tokens: list[int]) -> list[bytes]:
+    """The rule block by block: ``hash_fn((parent, tuple(tokens), None))`` (cbor2 / pickle)."""
+    out: list[bytes] = []
+    parent = None
+    for i in range(len(tokens) // hasher.block_size):
+        parent = hasher.hash_block(parent, tokens[i * hasher.block_size : (i + 1) * hasher.block_size], None)
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda c: c["name"])
+def test_vllm_vectors_on_both_paths(path, case):
+    hasher = BlockHasher(case["block_size"])
+    lora = LoRA(1, case["lora"]["name"], case["lora"]["path"]) if case["lora"] else None
+    hashes = hasher.hash_prompt(case["token_ids"], lora=lora, cache_salt=case["cache_salt"])
+    assert [h.hex() for h in hashes] == case["block_hashes_hex"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    algorithm=st.sampled_from(["sha256_cbor", "sha256"]),
+    block_size=st.sampled_from([1, 2, 3, 4, 5, 16, 23, 24, 300]),
+    tokens=st.lists(
+        st.one_of(st.integers(0, 30), st.integers(0, 300), st.integers(0, 70000), st.integers(0, 2**31 - 1),
+                  st.integers(2**31 - 2, 2**32 + 1), st.integers(-(2**40), 2**40)),
+        max_size=1500,
+    ),
+    split=st.integers(0, 1500),
+)
+def test_random_prompts_equal_the_rule(algorithm, block_size, tokens, split):
+    hasher = BlockHasher(block_size, algorithm)
+    expected = reference(hasher, tokens)
+    assert hasher.hash_prompt(tokens) == expected
+    # Incrementally (a decode's appends), from any point: the same chain.
+    grown: list[bytes] = []
+    hasher.extend(grown, tokens[:split])
+    hasher.extend(grown, tokens)
+    assert grown == expected
+
+
+@compiled
+@pytest.mark.parametrize(("layout", "bad"), [(0, 2**32), (0, -1), (1, 2**31), (1, -1), (0, True), (1, 2.0)])
+def test_compiled_chain_refuses_what_it_does_not_cover_and_appends_nothing(layout, bad):
+    hashes = [b"x"]
+    with pytest.raises(ValueError):
+        hashing._hashchain.extend(hashes, [1, 2, 3, bad, 5, 6, 7, 8], 0, 2, 4, b"\0" * 32, layout)
+    assert hashes == [b"x"]
+    with pytest.raises(ValueError):
+        hashing._hashchain.extend(hashes, [1, 2, 3, 4], 0, 1, 4, b"\0" * 8, layout)  # not a 32-byte parent
+    assert hashes == [b"x"]
+
+
+@compiled
+def test_compiled_pickle_layout_is_pickles():
+    # The digest of the pickle layout is the digest of pickle.dumps itself, for every tuple form.
+    import hashlib
+
+    parent = bytes(range(32))
+    for block_size in (1, 2, 3, 4, 9):
+        tokens = [0, 255, 256, 65535, 65536, 2**31 - 1, 7, 8, 9][:block_size]
+        hashes: list[bytes] = []
+        hashing._hashchain.extend(hashes, tokens, 0, 1, block_size, parent, 1)
+        assert hashes == [hashlib.sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5)).digest()]
+
+
+def test_package_installs_and_hashes_without_a_compiler(tmp_path):
+    target = tmp_path / "site"
+    # A clean copy of the sources: a build/ folder left by an earlier build would be reused as is.
+    client_dir = tmp_path / "src"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "clients", "python"), client_dir,
+                    ignore=shutil.ignore_patterns("build", "*.so", "*.egg-info", "__pycache__"))
+    env = {**os.environ, "CC": "/bin/false", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
+         "--target", str(target), str(client_dir)],
+        check=True, env=env, capture_output=True,
+    )
+    assert not list(target.rglob("_hashchain*.so"))
+    case = next(c for c in VECTORS["cases"] if not c["lora"] and not c["cache_salt"])
+    script = (
+        "import json, sys; import kvservice_client.hashing as h; assert h._hashchain is None, h._hashchain;"
+        f"print(json.dumps([x.hex() for x in h.BlockHasher({case['block_size']}).hash_prompt({case['token_ids']!r})]))"
+    )
+    # -S: no .pth files, so the editable install of this checkout (and its built module) stays out;
+    # the venv's site-packages come after the fresh install for numpy, cbor2 and xxhash.
+    path = os.pathsep.join([str(target), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    out = subprocess.run([sys.executable, "-S", "-c", script], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path}, cwd=str(tmp_path))
+    assert json.loads(out.stdout) == case["block_hashes_hex"]

@@ -46,6 +46,12 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+# C extensions (``kvservice_client/_hashchain.c``): leaves that import nothing of ours.
+EXTENSIONS = {
+    _module_name(path, package, package_dir)
+    for package, package_dir in PACKAGE_DIRS.items()
+    for path in package_dir.rglob("*.c")
+}
 
 
 def _resolve(module: str, level: int, importer: str, is_package: bool) -> str:
@@ -81,14 +87,14 @@ def _imports(importer: str, path: Path) -> Iterator[Import]:
 def _internal(module: str) -> str | None:
     """The module of the two packages that ``import module`` loads (None: a third-party one)."""
     while module:
-        if module in MODULES:
+        if module in MODULES or module in EXTENSIONS:
             return module
         module = module.rpartition(".")[0]
     return None
 
 
 IMPORTS = [imp for name, path in MODULES.items() for imp in _imports(name, path)]
-EDGES: dict[str, set[str]] = {name: set() for name in MODULES}
+EDGES: dict[str, set[str]] = {name: set() for name in [*MODULES, *EXTENSIONS]}
 for _imp in IMPORTS:
     _target = _internal(_imp.imported)
     if _target is not None and _target != _imp.importer:

@@ -253,8 +253,9 @@ class BlockHasher:
         return block_hashes
 
 
+_hashchain: Any
 try:  # the compiled chain (setup.py builds it when a compiler and OpenSSL's headers are there)
-    from kvservice_client import _hashchain  # type: ignore[attr-defined]
+    import kvservice_client._hashchain as _hashchain  # a C extension: no stub, so typed Any above
 except ImportError:  # no compiler at install time: the pure-Python rule is used throughout
     _hashchain = None
 

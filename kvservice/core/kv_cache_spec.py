@@ -16,6 +16,10 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvservice.core.kv_cache_planning import KVCacheTensor
 
 logger = logging.getLogger(__name__)
 
@@ -109,16 +113,34 @@ class AttentionSpec(KVCacheSpec):
         num_kv_heads: KV heads per layer.
         head_size: elements per head.
         dtype: element dtype name (see :data:`DTYPE_SIZE_BYTES`).
+        page_size_padded: bytes one block of the layer occupies when its page is padded up to
+            another layer's (vLLM 0.33's ``unify_kv_cache_spec_page_size``); None: unpadded.
     """
 
     num_kv_heads: int
     head_size: int
     dtype: str = "bfloat16"
+    page_size_padded: int | None = field(default=None, kw_only=True)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``2 (K and V) * block_size * num_kv_heads * head_size * dtype bytes`` (no padding)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
 
     @property
     def page_size_bytes(self) -> int:
-        """``2 (K and V) * block_size * num_kv_heads * head_size * dtype bytes``."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
+        """Bytes one block of one layer occupies: ``page_size_padded`` when set, else
+        :attr:`real_page_size_bytes`."""
+        return _padded(self.page_size_padded, self.real_page_size_bytes)
+
+
+def _padded(page_size_padded: int | None, real_page_size_bytes: int) -> int:
+    if page_size_padded is None:
+        return real_page_size_bytes
+    assert page_size_padded >= real_page_size_bytes, (
+        f"page_size_padded {page_size_padded} is below the real page size {real_page_size_bytes}"
+    )
+    return page_size_padded
 
 
 @dataclass(frozen=True)
@@ -137,7 +159,7 @@ class MLAAttentionSpec(FullAttentionSpec):
         _check_mla(self)
 
     @property
-    def page_size_bytes(self) -> int:
+    def real_page_size_bytes(self) -> int:
         """``block_size * head_size * dtype bytes`` (one latent per token: no K/V factor 2)."""
         return _mla_page_size_bytes(self)
 
@@ -178,7 +200,7 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
         _check_mla(self)
 
     @property
-    def page_size_bytes(self) -> int:
+    def real_page_size_bytes(self) -> int:
         """As :class:`MLAAttentionSpec`."""
         return _mla_page_size_bytes(self)
 
@@ -212,15 +234,23 @@ class MambaSpec(KVCacheSpec):
     Attributes:
         shapes: the state tensors' shapes (e.g. conv state, SSM state).
         dtypes: one dtype name per state tensor.
+        page_size_padded: bytes one block occupies when padded up to the attention layers' page
+            (vLLM 0.33 pads Mamba pages, which do not scale with block size); None: unpadded.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
+    page_size_padded: int | None = field(default=None, kw_only=True)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Sum over state tensors of ``prod(shape) * dtype bytes`` (no padding)."""
+        return sum(math.prod(s) * dtype_size_bytes(d) for s, d in zip(self.shapes, self.dtypes, strict=True))
 
     @property
     def page_size_bytes(self) -> int:
-        """Sum over state tensors of ``prod(shape) * dtype bytes``."""
-        return sum(math.prod(s) * dtype_size_bytes(d) for s, d in zip(self.shapes, self.dtypes, strict=True))
+        """``page_size_padded`` when set, else :attr:`real_page_size_bytes`."""
+        return _padded(self.page_size_padded, self.real_page_size_bytes)
 
 
 @dataclass(frozen=True)
@@ -313,7 +343,8 @@ class KVCacheGroupSpec:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """What a block pool holds: ``num_blocks`` block ids shared by all groups.
+    """What a block pool holds: ``num_blocks`` block ids shared by all groups, and one pool of
+    ``num_blocks * block_bytes`` bytes all groups view (a block id is owned by one group at a time).
 
     Attributes:
         num_blocks: blocks in the pool, block 0 (the null block) included.
@@ -331,8 +362,24 @@ class KVCacheConfig:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block id occupies across all groups (each group has its own tensors)."""
-        return sum(group.block_bytes for group in self.kv_cache_groups)
+        """Bytes one block id costs in the pool all groups view: the largest group's
+        :attr:`KVCacheGroupSpec.block_bytes` (vLLM 0.33; see ``kv_cache_planning``)."""
+        from kvservice.core.kv_cache_planning import get_kv_cache_bytes_per_block
+
+        return get_kv_cache_bytes_per_block(self.kv_cache_groups)
+
+    @property
+    def kv_cache_tensors(self) -> tuple[KVCacheTensor, ...]:
+        """The KV cache tensors placing every group's layers in the shared pool, in group order
+        (see :func:`kvservice.core.kv_cache_planning.get_kv_cache_tensors`)."""
+        from kvservice.core.kv_cache_planning import get_kv_cache_tensors
+
+        return get_kv_cache_tensors(self.kv_cache_groups, self.num_blocks)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the pool: ``num_blocks * block_bytes``."""
+        return self.num_blocks * self.block_bytes
 
 
 def min_blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:

@@ -39,7 +39,7 @@ def _server_options(func: Any) -> Any:
         click.option("--host", help="Address to bind [127.0.0.1]."),
         click.option("--port", type=int, help="Port to bind; 0 picks a free one [50051]."),
         click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Model KV layout [llama-3-8b]."),
-        click.option("--block-size", type=int, help="Tokens per block [the preset's]."),
+        click.option("--block-size", type=int, help="Tokens per block [16, vLLM 0.33's on H100/H200]."),
         click.option("--num-blocks", type=int, help="Blocks in the pool [from the memory budget]."),
         click.option("--kv-cache-memory", help="KV tensor budget in bytes, e.g. 512MiB [1GiB on CPU]."),
         click.option("--gpu-memory-utilization", type=float, help="Fraction of free CUDA memory for KV [0.9 on CUDA]."),
@@ -96,6 +96,15 @@ def _server_options(func: Any) -> Any:
         # -- metrics options --
         click.option("--metrics-port", type=int, help="Prometheus metrics HTTP port; 0 picks a free one [off]."),
         click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
+        # -- KV cache layout options --
+        click.option("--model-config", type=click.Path(exists=True),
+                     help="A Hugging Face config.json (or its folder), read locally: the KV layout as vLLM 0.33 "
+                          "derives it, instead of --preset."),
+        click.option("--kv-cache-layout", type=click.Path(exists=True, dir_okay=False),
+                     help="TOML file of layers (kind and parameters per layer or run), instead of --preset."),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "float16", "half", "fp8", "fp8_e4m3",
+                                                            "fp8_e5m2"]),
+                     help="KV dtype; auto takes the model's as vLLM does [auto]."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -167,8 +176,9 @@ def watch(
 @click.option("--limit", type=click.IntRange(min=1), help="Replay only the first N requests (N >= 1).")
 @click.option("--target", help="An existing server HOST:PORT (its prefix cache is reset before each mode).")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama-3-8b", show_default=True, help="Embedded server's model KV layout.")
-@click.option("--block-size", type=int, help="Embedded server's block size in tokens [the preset's].")
+@click.option("--block-size", type=int, help="Embedded server's block size in tokens [16].")
 @click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
+@click.option("--kv-cache-memory", help="Size the embedded server's pool from a KV cache budget instead, e.g. 64GiB (vLLM's sizing).")
 @click.option("--device", default="meta", show_default=True, help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N].")
 @click.option("--report-mode", type=click.Choice(["incremental", "full", "both"]), help="kv_cache_report_mode to replay (both: two fresh servers, same trace) [both; full with --instances].")
 @click.option("--watchers", type=click.IntRange(min=1), default=1, show_default=True, help="Watchers per mode (each mirrors and predicts).")
@@ -207,6 +217,7 @@ def replay(**options: Any) -> None:
         preset=options["preset"],
         block_size=options["block_size"],
         num_blocks=options["num_blocks"],
+        kv_cache_memory=_parse_kv_cache_memory(options["kv_cache_memory"]),
         device=options["device"],
         report_modes=modes,
         watchers=options["watchers"],
@@ -236,6 +247,17 @@ def replay(**options: Any) -> None:
     click.echo(f"wrote {json_path} and {png_path}")
 
 
+def _parse_kv_cache_memory(value: str | None) -> int | None:
+    if value is None:
+        return None
+    from kvservice.server.app import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--kv-cache-memory") from None
+
+
 def _replay_instances(options: dict[str, Any]) -> None:
     """``replay --instances N`` (N >= 2): routed against round-robin (kvservice.replay.multi)."""
     from pathlib import Path
@@ -246,6 +268,8 @@ def _replay_instances(options: dict[str, Any]) -> None:
 
     if options["target"] is not None:
         raise click.UsageError("--instances runs its own servers; it cannot use --target")
+    if options["kv_cache_memory"] is not None:
+        raise click.UsageError("--kv-cache-memory sizes the one embedded server; give --num-blocks with --instances")
     if options["report_mode"] == "both":
         raise click.UsageError("--instances compares routing in one report mode: choose incremental or full")
     try:

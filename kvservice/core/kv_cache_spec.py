@@ -36,8 +36,6 @@ __all__ = [
     "KVCacheSpecKind",
     "MLAAttentionSpec",
     "MambaSpec",
-    "ModelPreset",
-    "PRESETS",
     "SinkFullAttentionSpec",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
@@ -45,7 +43,6 @@ __all__ = [
     "dtype_size_bytes",
     "get_kv_cache_spec_kind",
     "get_kv_cache_spec_sliding_window",
-    "get_preset",
     "max_tokens_in_pool",
     "min_blocks_for_request",
 ]
@@ -424,109 +421,11 @@ def max_tokens_in_pool(config: KVCacheConfig) -> int:
     return lo
 
 
-@dataclass(frozen=True)
-class ModelPreset:
-    """A named real-model KV layout.
+def __getattr__(name: str) -> object:
+    """Presets are named model configs now (``kvservice.core.model_config``); the old names stay
+    importable from here."""
+    if name in ("ModelPreset", "PRESETS", "get_preset"):
+        from kvservice.core import model_config
 
-    Attributes:
-        name: the preset's name (``--preset``).
-        description: the model it mimics.
-        max_model_len: the longest request, in tokens.
-        groups: per group, (kind of spec class, number of layers, extra spec kwargs).
-        num_kv_heads, head_size, dtype: shared by the attention layers.
-    """
-
-    name: str
-    description: str
-    max_model_len: int
-    groups: tuple[tuple[type[KVCacheSpec], int, Mapping[str, object]], ...]
-    num_kv_heads: int
-    head_size: int
-    dtype: str = "bfloat16"
-    default_block_size: int = 16
-
-    def kv_cache_groups(self, block_size: int | None = None) -> tuple[KVCacheGroupSpec, ...]:
-        """The preset's groups at ``block_size`` tokens per block (default: the preset's)."""
-        block_size = block_size or self.default_block_size
-        groups = []
-        for group_idx, (spec_cls, num_layers, kwargs) in enumerate(self.groups):
-            if issubclass(spec_cls, MambaSpec):
-                spec: KVCacheSpec = spec_cls(block_size=block_size, **kwargs)  # type: ignore[arg-type]
-            else:
-                spec = spec_cls(  # type: ignore[call-arg]
-                    block_size=block_size,
-                    num_kv_heads=self.num_kv_heads,
-                    head_size=self.head_size,
-                    dtype=self.dtype,
-                    **kwargs,
-                )
-            names = tuple(f"group{group_idx}.layer{i}" for i in range(num_layers))
-            groups.append(KVCacheGroupSpec(names, spec))
-        return tuple(groups)
-
-    def kv_cache_config(self, num_blocks: int, block_size: int | None = None) -> KVCacheConfig:
-        """A :class:`KVCacheConfig` of ``num_blocks`` blocks for this preset."""
-        return KVCacheConfig(num_blocks, self.kv_cache_groups(block_size))
-
-
-PRESETS: Mapping[str, ModelPreset] = {
-    p.name: p
-    for p in (
-        ModelPreset(
-            "llama-3-8b",
-            "Llama-3.1-8B: 32 full-attention layers, 8 KV heads x 128, bf16, 128k context",
-            131072,
-            ((FullAttentionSpec, 32, {}),),
-            num_kv_heads=8,
-            head_size=128,
-        ),
-        ModelPreset(
-            "qwen-2.5-0.5b",
-            "Qwen2.5-0.5B: 24 full-attention layers, 2 KV heads x 64, bf16, 32k context",
-            32768,
-            ((FullAttentionSpec, 24, {}),),
-            num_kv_heads=2,
-            head_size=64,
-        ),
-        ModelPreset(
-            "gemma-3-27b",
-            "Gemma-3-27B: 10 full-attention + 52 sliding-window (1024 tokens) layers, "
-            "16 KV heads x 128, bf16, 128k context",
-            131072,
-            ((FullAttentionSpec, 10, {}), (SlidingWindowSpec, 52, {"sliding_window": 1024})),
-            num_kv_heads=16,
-            head_size=128,
-        ),
-        ModelPreset(
-            "llama-4-scout",
-            "Llama-4-Scout: 12 full-attention + 36 chunked-local (8192 tokens) layers, "
-            "8 KV heads x 128, bf16, 128k context",
-            131072,
-            ((FullAttentionSpec, 12, {}), (ChunkedLocalAttentionSpec, 36, {"attention_chunk_size": 8192})),
-            num_kv_heads=8,
-            head_size=128,
-        ),
-        ModelPreset(
-            "deepseek-v3",
-            "DeepSeek-V3: 61 MLA layers, latent 512 + rope 64, bf16, 128k context, block size 64",
-            131072,
-            ((MLAAttentionSpec, 61, {}),),
-            num_kv_heads=1,
-            head_size=576,
-            default_block_size=64,
-        ),
-    )
-}
-"""Named presets for real model KV layouts (``--preset``)."""
-
-
-def get_preset(name: str) -> ModelPreset:
-    """The preset called ``name``.
-
-    Raises:
-        ValueError: unknown name (lists the known ones).
-    """
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {name!r}") from None
+        return getattr(model_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

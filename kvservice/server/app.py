@@ -28,7 +28,15 @@ from grpc_reflection.v1alpha import reflection
 
 from kvservice.core.engine import EngineLimits, KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig
-from kvservice.core.kv_cache_spec import KVCacheConfig, get_preset, max_tokens_in_pool
+from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
+from kvservice.core.model_config import (
+    KV_CACHE_DTYPES,
+    ModelKVLayout,
+    get_preset,
+    load_kv_cache_layout,
+    load_model_config,
+    model_kv_layout,
+)
 from kvservice.memory import (
     KVCacheTensors,
     allocate_kv_cache_tensors,
@@ -131,6 +139,13 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics over HTTP on this port (None: off, the default;
             0 picks a free one; ``RunningServer.metrics_port`` is the bound one).
         metrics_host: address the metrics endpoint binds ("127.0.0.1").
+        model_config: a Hugging Face ``config.json`` (or its folder), read locally: the KV layout
+            is derived from it as vLLM 0.33 does (``kvservice.core.model_config``) instead of
+            ``preset`` (None: use ``preset``).
+        kv_cache_layout: a TOML layout file (per layer or run of layers: kind and parameters;
+            ``kvservice.core.model_config.load_kv_cache_layout``) instead of ``preset`` (None: off).
+        kv_cache_dtype: KV dtype, ``auto`` (the model's, as vLLM resolves it) or bfloat16, float16,
+            fp8, fp8_e4m3, fp8_e5m2.
     """
 
     host: str = "127.0.0.1"
@@ -186,9 +201,17 @@ class ServerConfig:
     # -- metrics settings --
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # -- KV cache layout settings --
+    model_config: str | None = None
+    kv_cache_layout: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # raises naming the known presets
+        if self.model_config is not None and self.kv_cache_layout is not None:
+            raise ValueError("give model_config or kv_cache_layout, not both")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.hash_algorithm not in HASH_ALGORITHMS:
             raise ValueError(f"hash_algorithm must be one of {', '.join(HASH_ALGORITHMS)}; got {self.hash_algorithm!r}")
         if self.block_hash_format not in ("int64", "digest"):
@@ -332,7 +355,8 @@ def load_config(
             if key not in names:
                 raise ValueError(f"{config_file}: unknown key {key!r}")
             value = _coerced(key, value, str(config_file))
-            if key.endswith("_file") and isinstance(value, str) and not os.path.isabs(value):
+            if (key.endswith("_file") or key in ("model_config", "kv_cache_layout")) and isinstance(
+                    value, str) and not os.path.isabs(value):
                 # A path in a config file is relative to that file, not to where the server starts.
                 value = str(Path(config_file).resolve().parent / value)
             values[key] = value
@@ -401,7 +425,7 @@ class RunningServer:
         )
         return (
             f"kvservice listening on {self.address} (epoch {self.event_log.epoch})\n"
-            f"preset {self.config.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
+            f"preset {meta.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
             f"{self.config.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
             f"{self.tensors.describe()}"
             + "".join(f"\nnote: {note}" for note in self.notes)
@@ -432,6 +456,23 @@ def _kind_name(kind: int) -> str:
     from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
     return pb.KVCacheSpecKind.Name(kind).removeprefix("KV_CACHE_SPEC_KIND_").lower()
+
+
+def _model_kv_layout(config: ServerConfig) -> ModelKVLayout:
+    """The per-layer KV specs the settings name: ``model_config``, ``kv_cache_layout`` or ``preset``.
+
+    Raises:
+        ValueError: a bad config or layout file (the message names the file and the field).
+    """
+    if config.model_config is not None:
+        return model_kv_layout(
+            load_model_config(config.model_config), name=config.model_config, block_size=config.block_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+    if config.kv_cache_layout is not None:
+        return load_kv_cache_layout(config.kv_cache_layout, block_size=config.block_size,
+                                    kv_cache_dtype=config.kv_cache_dtype)
+    return get_preset(config.preset).kv_layout(config.block_size, config.kv_cache_dtype)
 
 
 def _resolve_num_blocks(config: ServerConfig, kv_cache_config_groups: Any, device: Any) -> int:
@@ -466,20 +507,21 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         RuntimeError: the address cannot be bound.
     """
     config = dataclasses.replace(config or ServerConfig(), **overrides)
-    preset = get_preset(config.preset)
+    layout = _model_kv_layout(config)
     device = resolve_device(config.device)
-    groups = preset.kv_cache_groups(config.block_size)
+    groups = layout.kv_cache_groups()
     num_blocks = _resolve_num_blocks(config, groups, device)
     kv_cache_config = KVCacheConfig(num_blocks, groups)
     # A request the pool cannot hold would be registered and then never allocated: a preset's
     # max_model_len is lowered to what fits; an explicit one is kept (the engine refuses longer
     # prompts at registration). Either way the start says so.
     fits = max_tokens_in_pool(kv_cache_config)
-    max_model_len = config.max_model_len or preset.max_model_len
+    max_model_len = config.max_model_len or layout.max_model_len
     notes = []
     if max_model_len > fits:
         if config.max_model_len is None:
-            notes.append(f"max_model_len lowered from the preset's {max_model_len} to {fits} tokens, what the pool holds")
+            whose = "preset's" if config.model_config is None and config.kv_cache_layout is None else "model's"
+            notes.append(f"max_model_len lowered from the {whose} {max_model_len} to {fits} tokens, what the pool holds")
             max_model_len = fits
         else:
             notes.append(
@@ -520,7 +562,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         epoch=event_log.epoch,
         device=str(device),
         dtypes=[tensors.dtype(g) and str(tensors.dtype(g)).removeprefix("torch.") for g in range(manager.num_groups)],
-        preset=config.preset,
+        preset=layout.name,
         data_parallel_rank=config.data_parallel_rank,
     )
     servicer = KVCacheServicer(

@@ -161,12 +161,12 @@ async def test_group_metadata_of_a_two_group_hybrid(start_kv_server, connect):
         pb.KVCacheGroupMetadata(
             group_idx=0, kind=pb.KV_CACHE_SPEC_KIND_FULL_ATTENTION, block_size=4, num_blocks=17,
             dtype="bfloat16", bytes_per_block=10 * page_size_bytes, device="meta", num_layers=10,
-            page_size_bytes=page_size_bytes,
+            page_size_bytes=page_size_bytes, layer_names=[f"layers.{i}" for i in range(10)],
         ),
         pb.KVCacheGroupMetadata(
             group_idx=1, kind=pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW, block_size=4, sliding_window=1024,
             num_blocks=17, dtype="bfloat16", bytes_per_block=10 * page_size_bytes, device="meta",
-            num_layers=10, page_size_bytes=page_size_bytes,
+            num_layers=10, page_size_bytes=page_size_bytes, layer_names=[f"layers.{i}" for i in range(10, 20)],
         ),
     ]
     assert (meta.groups[0].bytes_per_block, meta.groups[1].bytes_per_block) == (327680, 327680)

@@ -60,3 +60,20 @@ async def test_model_config_and_layout_file_exclude_each_other(start_kv_server, 
         await start_kv_server(model_config=str(CONFIGS / "qwen3-8b"), kv_cache_layout=str(tmp_path / "x.toml"))
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto"):
         await start_kv_server(kv_cache_dtype="int4")
+
+
+async def test_metadata_names_each_groups_layers_and_each_kv_cache_tensor(start_kv_server, connect):
+    running = await start_kv_server(model_config=str(CONFIGS / "gemma-3-27b"), num_blocks=100)
+    meta = await (await connect(running)).get_kv_cache_group_metadata()
+    page = 2 * 4 * 16 * 128 * 2  # block size 4 (the test server's)
+    sliding = [i for i in range(62) if (i + 1) % 6]
+    assert list(meta.groups[0].layer_names) == [f"language_model.model.layers.{i}.self_attn.attn" for i in sliding[::6]]
+    assert list(meta.groups[6].layer_names) == [
+        f"language_model.model.layers.{i}.self_attn.attn" for i in range(5, 62, 6)]
+    assert [len(g.layer_names) for g in meta.groups] == [g.num_layers for g in meta.groups] == [9, 9, 9, 9, 8, 8, 10]
+    assert meta.pool_bytes_per_block == 10 * page
+    assert [(t.group_idx, len(t.layer_names), t.size_bytes, t.offset_bytes, t.layer_stride_bytes,
+             t.block_stride_bytes, t.page_size_bytes, t.dtype) for t in meta.kv_cache_tensors] == [
+        (g, n, 100 * 10 * page, 0, 100 * page, page, page, "bfloat16")
+        for g, n in enumerate([9, 9, 9, 9, 8, 8, 10])]
+    assert [list(t.layer_names) for t in meta.kv_cache_tensors] == [list(g.layer_names) for g in meta.groups]

@@ -103,3 +103,13 @@ def test_serve_with_a_bad_model_config_names_the_field(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4}')
     proc = _run("serve", "--port", "0", "--device", "meta", "--model-config", str(tmp_path))
     _assert_clean_error(proc, "missing field 'num_attention_heads'")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--kv-cache-memory", "lots"], "not a byte count: 'lots'"),
+    (["--kv-cache-memory", "1MiB", "--preset", "gemma-3-27b"], "holds 0 blocks"),
+    (["--kv-cache-memory", "1GiB", "--instances", "2"], "--kv-cache-memory sizes the one embedded server"),
+])
+def test_replay_kv_cache_memory_errors_are_clean(tmp_path, args, needle):
+    proc = _run("replay", "--limit", "3", "--no-progress", "--out", str(tmp_path), *args)
+    _assert_clean_error(proc, needle)

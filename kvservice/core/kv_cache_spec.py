@@ -1,9 +1,13 @@
-"""KV cache specs, their kinds, KV cache groups and named model presets.
+"""KV cache specs, their kinds and KV cache groups.
 
 A *KV cache spec* describes one attention layer's KV cache page: its block size (tokens per block)
-and the bytes one block of that layer occupies (``page_size_bytes``). Layers with the same spec form
-a *KV cache group*; all groups of a model share one block pool (block ids are global), and each
-group has its own single-type manager (see ``single_type_managers.py``).
+and the bytes one block of that layer occupies (``page_size_bytes``). Layers are grouped into *KV
+cache groups* as vLLM 0.33 groups them (``kv_cache_planning``: equal layer counts, one page size);
+all groups of a model share one block pool (block ids are global) and one pool of memory (a block
+id costs one group's page), and each group has its own single-type manager (see
+``single_type_managers.py``). Per-layer specs come from a model's config, a layout file or a named
+preset (``model_config``; ``ModelPreset``, ``PRESETS`` and ``get_preset`` are importable from here
+too).
 
 The class hierarchy mirrors vLLM's ``vllm/v1/kv_cache_interface.py``; dtypes are names (strings),
 since the core does not import torch (``kvservice.memory`` maps them to torch dtypes).

@@ -158,8 +158,9 @@ def watch(
 @click.option("--limit", type=click.IntRange(min=1), help="Replay only the first N requests (N >= 1).")
 @click.option("--target", help="An existing server HOST:PORT (its prefix cache is reset before each mode).")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama-3-8b", show_default=True, help="Embedded server's model KV layout.")
-@click.option("--block-size", type=int, help="Embedded server's block size in tokens [the preset's].")
+@click.option("--block-size", type=int, help="Embedded server's block size in tokens [16].")
 @click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
+@click.option("--kv-cache-memory", help="Size the embedded server's pool from a KV cache budget instead, e.g. 64GiB (vLLM's sizing).")
 @click.option("--device", help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N] [meta; cpu with --kv-data shm|grpc].")
 @click.option("--kv-data", type=click.Choice(["shm", "grpc", "off"]), help="A worker writes every newly computed block (shm: through the attached memory; grpc: WriteBlocks) and checks every hit's blocks at admission [shm when the device has memory, off on meta].")
 @click.option("--kv-data-sample", type=click.IntRange(min=1), default=1, show_default=True, help="Move and check only blocks whose hash is 0 mod N (the same blocks every time: a hash decides).")
@@ -212,6 +213,7 @@ def replay(**options: Any) -> None:
         device=device,
         kv_data=kv_data,
         kv_data_sample=options["kv_data_sample"],
+        kv_cache_memory=_parse_kv_cache_memory(options["kv_cache_memory"]),
         report_modes=modes,
         watchers=options["watchers"],
         late_watcher=options["late_watcher"],
@@ -252,10 +254,12 @@ def _check_replay_options(options: dict[str, Any]) -> None:
             raise click.UsageError("--instances runs its own servers; it cannot use --target")
         if options["report_mode"] == "both":
             raise click.UsageError("--instances compares routing in one report mode: choose incremental or full")
+        if options["kv_cache_memory"] is not None:
+            raise click.UsageError("--kv-cache-memory sizes the one embedded server; give --num-blocks with --instances")
     if options["target"] is None:
         try:
             CacheSettings(preset=options["preset"], block_size=options["block_size"],
-                          num_blocks=options["num_blocks"], device=options["device"])
+                          num_blocks=options["num_blocks"], device=options["device"] or "meta")
         except ValueError as e:
             raise click.UsageError(f"the embedded server: {e}") from None
         max_step_tokens = LimitsSettings().max_step_tokens
@@ -287,9 +291,26 @@ def _replay_first_line(options: dict[str, Any]) -> str:
                 f"{options['report_mode'] or 'full'}")
     else:
         what = f"report mode {'incremental and full' if options['report_mode'] in (None, 'both') else options['report_mode']}"
-    where = f"server {options['target']}" if options["target"] else f"pool {pool:,} blocks of {block_size} tokens"
+    if options["target"]:
+        where = f"server {options['target']}"
+    elif options["kv_cache_memory"] is not None:
+        where = f"pool sized from a {options['kv_cache_memory']} KV cache budget, blocks of {block_size} tokens"
+    else:
+        where = f"pool {pool:,} blocks of {block_size} tokens"
     return (f"replay: {trace}{limit}; preset {options['preset']}, {where}, mirror {mirror_text}; {what}; "
             f"{options['watchers']} watcher(s){' + a late one' if options['late_watcher'] else ''}")
+
+
+def _parse_kv_cache_memory(value: str | None) -> int | None:
+    """``--kv-cache-memory`` in bytes (None: not given)."""
+    if value is None:
+        return None
+    from kvservice.server.app import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--kv-cache-memory") from None
 
 
 def _replay_instances(options: dict[str, Any]) -> None:

@@ -1,19 +1,12 @@
 """KV cache tensors in device memory, sized from a :class:`~kvservice.core.kv_cache_spec.KVCacheConfig`.
 
 This module and the server are the only places that import torch. The core hands out block ids;
-this module holds the memory those ids name: for every KV cache group, tensors with a
-``num_blocks`` dimension that a block id indexes (block 0, the null block, is allocated like any
-other block and never written by a model).
-
-Layouts (``L`` = the group's ``num_layers``, ``N`` = ``num_blocks``, ``B`` = ``block_size`` in
-tokens, ``H`` = ``num_kv_heads``, ``D`` = ``head_size`` in elements; :class:`KVCacheTensors` has the
-details):
-
-- attention kinds (full, sink full, sliding window, chunked local, cross, encoder-only):
-  ``[L, 2, N, B, H, D]`` (axis 1: 0 = K, 1 = V; block axis 2);
-- MLA kinds: ``[L, N, B, D]`` (one latent per token; block axis 1);
-- Mamba: per state tensor ``i``, ``[L, N, *shapes[i]]`` in ``dtypes[i]`` (block axis 1);
-- ``UniformTypeKVCacheSpecs``: one tensor per inner (per-layer) spec, each in its layout with ``L = 1``.
+this module holds the memory those ids name: one flat pool of ``num_blocks * bytes_per_block``
+bytes that every KV cache group views, as vLLM 0.33's hybrid allocator lays it out (placement from
+:mod:`kvservice.core.kv_cache_planning`; block 0, the null block, is allocated like any other block
+and never written by a model). Every byte comes from one allocator call
+(:func:`allocate_kv_cache_tensors`'s ``allocator``); the per-group views are strided views of that
+flat tensor (:class:`KVCacheTensors` gives their shapes).
 
 Sizing: :func:`num_blocks_from_budget` turns a byte budget (for CUDA, :func:`cuda_memory_budget`,
 ``--gpu-memory-utilization``-style) into ``num_blocks``; :func:`allocate_kv_cache_tensors` checks the
@@ -22,13 +15,12 @@ total fits before allocating and fails at start with :class:`KVCacheAllocationEr
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from kvservice.core.kv_cache_planning import KVCacheTensor, get_num_blocks
 from kvservice.core.kv_cache_spec import (
     AttentionSpec,
     KVCacheConfig,
@@ -37,26 +29,21 @@ from kvservice.core.kv_cache_spec import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
-    UniformTypeKVCacheSpecs,
     dtype_size_bytes,
     get_kv_cache_spec_kind,
 )
 
 __all__ = [
-    "Allocator",
     "KVCacheAllocationError",
+    "KVCacheAllocator",
     "KVCacheTensors",
     "allocate_kv_cache_tensors",
+    "allocate_zeroed",
     "cuda_memory_budget",
     "num_blocks_from_budget",
     "resolve_device",
     "torch_dtype",
 ]
-
-Allocator = Callable[[int, torch.device], torch.Tensor]
-"""Where raw KV memory comes from: ``(num_bytes, device) -> a flat uint8 tensor of num_bytes bytes``
-on ``device`` (e.g. :class:`kvservice.shm.SharedMemoryAllocator`: POSIX shared memory). Its
-contents need not be zero; :func:`allocate_kv_cache_tensors` zero-fills what it gets."""
 
 _DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, meta"
 _CUDA_INDEX_RE = re.compile(r"cuda:(\d+)")
@@ -161,71 +148,52 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------------
-# Layouts: the tensors a group needs, before any memory is touched
+# Views: one strided view per KV cache tensor over the shared pool
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _TensorLayout:
-    """One tensor's shape, dtype and the axis a block id indexes."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    block_dim: int
-
-    @property
-    def num_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def block_bytes(self) -> int:
-        """Bytes one block id occupies in this tensor."""
-        per_block_shape = self.shape[: self.block_dim] + self.shape[self.block_dim + 1 :]
-        return math.prod(per_block_shape) * self.dtype.itemsize
-
-
-def _spec_layouts(spec: KVCacheSpec, num_layers: int, num_blocks: int) -> list[_TensorLayout]:
-    """The tensors ``num_layers`` layers of ``spec`` need for ``num_blocks`` blocks."""
-    # MLA classes come first: MLAAttentionSpec and SlidingWindowMLASpec are AttentionSpecs too.
+def _page_shape(spec: KVCacheSpec) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype of one layer's page of ``spec`` (one block), padding excluded."""
     if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
         if spec.num_kv_heads != 1:
             raise ValueError(
                 f"an MLA spec holds one latent per token, so num_kv_heads must be 1; got {spec.num_kv_heads}"
             )
-        shape = (num_layers, num_blocks, spec.block_size, spec.head_size)
-        return [_TensorLayout(shape, torch_dtype(spec.dtype), block_dim=1)]
+        return (spec.block_size, spec.head_size), torch_dtype(spec.dtype)
     if isinstance(spec, AttentionSpec):
-        # Encoder-only attention gets the attention layout too: the spec charges page_size_bytes for
-        # it and the manager hands out its block ids, so the memory must exist (see KVCacheTensors).
-        shape = (num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)  # type: ignore[assignment]  # the Mamba/attention shapes differ in rank; the tuple's length is the layout's
-        return [_TensorLayout(shape, torch_dtype(spec.dtype), block_dim=2)]
+        # vLLM 0.33's LBNHC page: per token, per KV head, K (head_size) then V (head_size).
+        return (spec.block_size, spec.num_kv_heads, 2 * spec.head_size), torch_dtype(spec.dtype)
     if isinstance(spec, MambaSpec):
         if len(spec.shapes) != len(spec.dtypes):
             raise ValueError(
                 f"a MambaSpec needs one dtype per state shape; got {len(spec.shapes)} shapes "
                 f"and {len(spec.dtypes)} dtypes"
             )
-        return [
-            _TensorLayout((num_layers, num_blocks, *state_shape), torch_dtype(dtype), block_dim=1)
-            for state_shape, dtype in zip(spec.shapes, spec.dtypes)
-        ]
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        # The inner specs are per layer (layer name -> spec): one layer each, never times num_layers.
-        layouts: list[_TensorLayout] = []
-        for inner in spec.kv_cache_specs.values():
-            layouts.extend(_spec_layouts(inner, 1, num_blocks))
-        return layouts
+        return (spec.real_page_size_bytes,), torch.uint8
     raise ValueError(f"no tensor layout for KV cache spec {type(spec).__name__}")
 
 
-def _group_layouts(group: KVCacheGroupSpec, num_blocks: int) -> list[_TensorLayout]:
-    """The tensors ``group`` needs for ``num_blocks`` blocks; their bytes per block are checked."""
-    layouts = _spec_layouts(group.kv_cache_spec, group.num_layers, num_blocks)
-    layout_block_bytes = sum(layout.block_bytes() for layout in layouts)
-    assert layout_block_bytes == group.block_bytes, (
-        f"tensor layout of {type(group.kv_cache_spec).__name__} gives {layout_block_bytes} bytes per block, "
-        f"the spec says {group.block_bytes}"
-    )
-    return layouts
+def _tensor_view(raw: torch.Tensor, tensor: KVCacheTensor, num_blocks: int) -> torch.Tensor:
+    """``[L, num_blocks, *page shape]`` over ``raw`` (a flat byte tensor) as ``tensor`` places it."""
+    page_shape, dtype = _page_shape(tensor.kv_cache_spec)
+    itemsize = dtype.itemsize
+    for what, value in (("offset", tensor.offset), ("layer_stride", tensor.layer_stride),
+                        ("block_stride", tensor.block_stride)):
+        if value % itemsize:
+            raise ValueError(
+                f"KV cache tensor of {tensor.layer_names[0]}: {what} {value} bytes is not a multiple of "
+                f"its dtype's {itemsize} bytes"
+            )
+    usable = raw.numel() - raw.numel() % itemsize
+    typed = raw[:usable].view(dtype)
+    inner_strides = []
+    stride = 1
+    for dim in reversed(page_shape):
+        inner_strides.append(stride)
+        stride *= dim
+    strides = (tensor.layer_stride // itemsize, tensor.block_stride // itemsize, *reversed(inner_strides))
+    shape = (tensor.num_layers, num_blocks, *page_shape)
+    return typed.as_strided(shape, strides, typed.storage_offset() + tensor.offset // itemsize)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,59 +202,55 @@ def _group_layouts(group: KVCacheGroupSpec, num_blocks: int) -> list[_TensorLayo
 
 
 class KVCacheTensors:
-    """The KV cache tensors of every KV cache group, indexed by block id.
+    """The KV cache memory: one flat pool that every KV cache group views (vLLM 0.33's hybrid
+    allocator), indexed by block id.
 
-    Each group has its own tensors (groups share block *ids*, not memory), so one block id costs
-    the sum of all groups' bytes per block. Per group ``g`` (``L`` = ``num_layers``, ``N`` =
-    ``num_blocks``, ``B`` = ``block_size`` in tokens, ``H`` = ``num_kv_heads``, ``D`` =
-    ``head_size``), :meth:`tensors` gives:
+    The pool holds ``num_blocks * bytes_per_block()`` bytes, ``bytes_per_block()`` being the largest
+    group's sum of per-layer pages (``KVCacheConfig.block_bytes``), so one block id costs one
+    group's page. Every group's layers alias the pool from byte 0: a block id is owned by one group
+    at a time, and a group's view of block ``b`` never overlaps another group's view of a different
+    block. Placement (strides, offsets) comes from
+    :func:`kvservice.core.kv_cache_planning.get_kv_cache_tensors`; per KV cache tensor (a run of
+    same-spec layers of one group; ``L`` = its layers, ``N`` = ``num_blocks``, ``B`` = block size in
+    tokens, ``H`` = KV heads, ``D`` = head size in elements), :meth:`tensors` gives one strided view:
 
-    - Attention kinds (full, sink full, sliding window, chunked local, cross, encoder-only): one
-      tensor ``[L, 2, N, B, H, D]``; axis 1 is K (0) and V (1); the block axis is 2.
-    - MLA kinds (``MLAAttentionSpec``, ``SlidingWindowMLASpec``): one tensor ``[L, N, B, D]``, one
-      latent of ``D`` elements per token (``num_kv_heads`` must be 1); the block axis is 1.
-    - Mamba: one tensor per state ``i``, ``[L, N, *shapes[i]]`` in ``dtypes[i]``; the block axis is 1
-      (a block holds one request's whole recurrent state; ``block_size`` does not enter the shape).
-    - ``UniformTypeKVCacheSpecs``: the inner specs are one per layer, so one tensor per inner spec
-      (several for an inner Mamba spec), in the inner spec's layout above with ``L = 1``, in the
-      inner mapping's order.
+    - attention kinds (full, sink full, sliding window, chunked local, cross, encoder-only):
+      ``[L, N, B, H, 2 * D]``; the last axis holds K (``[:D]``) then V (``[D:]``) (vLLM's
+      ``LBNHC`` page: token, head, K|V);
+    - MLA kinds: ``[L, N, B, D]`` (one latent of ``D`` elements per token);
+    - Mamba: ``[L, N, page bytes]`` in ``uint8`` (the state tensors packed in the spec's order).
 
-    Encoder-only attention keeps no KV across steps, so vLLM gives it no paged cache at all. Here
-    it gets the full attention layout anyway: its spec charges ``page_size_bytes`` per block, the
-    manager hands out block ids for it, and :func:`num_blocks_from_budget` counts those bytes, so
-    allocating them keeps "bytes per block == the spec's bytes" true for every group. A zero-size
-    tensor would be the leaner choice once the spec charges 0 bytes for encoder-only layers.
-
-    Block ids from the manager index the ``N`` axis directly; block 0 is the null block.
+    The block axis is 1 everywhere; block 0 is the null block. Padding (``page_size_padded``) is
+    in the stride, not in the view.
 
     Args:
-        config: the config the tensors were sized from.
-        group_tensors: per group (outer index = ``group_idx``), that group's tensors in the layouts
-            above. :func:`allocate_kv_cache_tensors` builds them; pass your own to wrap memory
-            allocated elsewhere.
+        config: the config the pool was sized from.
+        raw_tensors: the flat backing allocation(s): one 1-D ``uint8`` (or ``int8``) tensor of at
+            least ``config.total_bytes`` bytes (every KV cache tensor of vLLM 0.33's plan shares
+            one). :func:`allocate_kv_cache_tensors` makes it; pass your own to wrap memory
+            allocated elsewhere (e.g. shared memory).
 
     Raises:
-        ValueError: ``group_tensors`` does not match ``config`` (group count, shapes, dtypes) or
-            its tensors are on more than one device.
+        ValueError: ``raw_tensors`` is not one flat byte tensor of at least the pool's size, or a
+            spec has no tensor layout.
     """
 
-    def __init__(self, config: KVCacheConfig, group_tensors: Sequence[Sequence[torch.Tensor]]) -> None:
-        if len(group_tensors) != len(config.kv_cache_groups):
-            raise ValueError(
-                f"group_tensors has {len(group_tensors)} groups; the config has {len(config.kv_cache_groups)}"
-            )
+    def __init__(self, config: KVCacheConfig, raw_tensors: Sequence[torch.Tensor]) -> None:
+        raw_tensors = tuple(raw_tensors)
+        if len(raw_tensors) != 1:
+            raise ValueError(f"raw_tensors must hold one flat pool tensor; got {len(raw_tensors)}")
+        [raw] = raw_tensors
+        if raw.dim() != 1 or raw.dtype not in (torch.uint8, torch.int8):
+            raise ValueError(f"the pool tensor must be 1-D uint8 or int8; got {raw.dtype} of shape {list(raw.shape)}")
+        if raw.numel() < config.total_bytes:
+            raise ValueError(f"the pool tensor has {raw.numel()} bytes; the config needs {config.total_bytes}")
         self._config = config
-        self._layouts = [_group_layouts(group, config.num_blocks) for group in config.kv_cache_groups]
-        self._tensors = tuple(tuple(tensors) for tensors in group_tensors)
-        devices = {t.device for tensors in self._tensors for t in tensors}
-        if len(devices) > 1:
-            raise ValueError(f"KV cache tensors must share one device; got {sorted(map(str, devices))}")
-        for group_idx, (layouts, tensors) in enumerate(zip(self._layouts, self._tensors)):
-            expected = [(layout.shape, layout.dtype) for layout in layouts]
-            got = [(tuple(t.shape), t.dtype) for t in tensors]
-            if expected != got:
-                raise ValueError(f"group {group_idx}: expected tensors (shape, dtype) {expected}; got {got}")
-        self._device = devices.pop() if devices else torch.device("cpu")
+        self._raw = raw.view(torch.uint8)
+        self._kv_cache_tensors = config.kv_cache_tensors
+        views: list[list[torch.Tensor]] = [[] for _ in config.kv_cache_groups]
+        for tensor in self._kv_cache_tensors:
+            views[tensor.group_idx].append(_tensor_view(self._raw, tensor, config.num_blocks))
+        self._views = tuple(tuple(v) for v in views)
 
     @property
     def config(self) -> KVCacheConfig:
@@ -294,69 +258,75 @@ class KVCacheTensors:
         return self._config
 
     @property
+    def raw_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The flat ``uint8`` backing allocation(s) every view aliases (one: the pool)."""
+        return (self._raw,)
+
+    @property
+    def kv_cache_tensors(self) -> tuple[KVCacheTensor, ...]:
+        """Per KV cache tensor: its group, layers, spec, size, strides and offset in the pool."""
+        return self._kv_cache_tensors
+
+    @property
     def num_groups(self) -> int:
-        """KV cache groups (one tensor tuple each)."""
-        return len(self._tensors)
+        """KV cache groups."""
+        return len(self._views)
 
     @property
     def num_blocks(self) -> int:
-        """Blocks per group (the size of every tensor's block axis), block 0 included."""
+        """Blocks in the pool (the size of every view's block axis), block 0 included."""
         return self._config.num_blocks
 
     @property
     def device(self) -> torch.device:
-        """The device every tensor lives on."""
-        return self._device
+        """The device the pool lives on."""
+        return self._raw.device
 
     def _check_group_idx(self, group_idx: int) -> None:
-        if not 0 <= group_idx < len(self._tensors):
-            raise IndexError(f"group_idx must be in [0, {len(self._tensors)}); got {group_idx}")
+        if not 0 <= group_idx < len(self._views):
+            raise IndexError(f"group_idx must be in [0, {len(self._views)}); got {group_idx}")
 
     def tensors(self, group_idx: int) -> tuple[torch.Tensor, ...]:
-        """Group ``group_idx``'s tensors, in the layouts of the class docstring.
+        """Group ``group_idx``'s views, one per KV cache tensor of the group (layouts in the class
+        docstring).
 
         Raises:
             IndexError: no such group.
         """
         self._check_group_idx(group_idx)
-        return self._tensors[group_idx]
+        return self._views[group_idx]
 
     def block_dims(self, group_idx: int) -> tuple[int, ...]:
-        """Per tensor of group ``group_idx``, the axis a block id indexes.
+        """Per view of group ``group_idx``, the axis a block id indexes (1 for every view).
 
         Raises:
             IndexError: no such group.
         """
-        self._check_group_idx(group_idx)
-        return tuple(layout.block_dim for layout in self._layouts[group_idx])
+        return tuple(1 for _ in self.tensors(group_idx))
 
     def bytes_per_block(self, group_idx: int | None = None) -> int:
-        """Bytes one block id occupies.
+        """Bytes of one block id.
 
         Args:
-            group_idx: the group; None for the total over all groups (what a block id costs).
-
-        Returns:
-            Bytes per block; equals the spec's ``KVCacheGroupSpec.block_bytes`` (summed over groups
-            for the total).
+            group_idx: a group: the bytes its layers use of a block (``KVCacheGroupSpec.block_bytes``);
+                None: what a block id costs in the pool (the largest group's, ``KVCacheConfig.block_bytes``).
 
         Raises:
             IndexError: no such group.
         """
         if group_idx is None:
-            return sum(self.bytes_per_block(g) for g in range(len(self._tensors)))
+            return self._config.block_bytes
         self._check_group_idx(group_idx)
-        return sum(layout.block_bytes() for layout in self._layouts[group_idx])
+        return self._config.kv_cache_groups[group_idx].block_bytes
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of all tensors (``num_blocks * bytes_per_block()``); on ``meta``, the nominal size,
+        """Bytes of the pool (``num_blocks * bytes_per_block()``); on ``meta``, the nominal size,
         none of it allocated."""
-        return sum(layout.num_bytes for layouts in self._layouts for layout in layouts)
+        return self._config.total_bytes
 
     def dtype(self, group_idx: int) -> torch.dtype | None:
-        """The dtype of group ``group_idx``'s tensors; None when they differ (e.g. a Mamba group
-        whose states have different dtypes; see :meth:`dtypes`).
+        """The dtype of group ``group_idx``'s views; None when they differ.
 
         Raises:
             IndexError: no such group.
@@ -365,7 +335,7 @@ class KVCacheTensors:
         return dtypes.pop() if len(dtypes) == 1 else None
 
     def dtypes(self, group_idx: int) -> tuple[torch.dtype, ...]:
-        """The dtype of each of group ``group_idx``'s tensors.
+        """The dtype of each of group ``group_idx``'s views.
 
         Raises:
             IndexError: no such group.
@@ -373,32 +343,33 @@ class KVCacheTensors:
         return tuple(t.dtype for t in self.tensors(group_idx))
 
     def block_view(self, group_idx: int, block_id: int) -> tuple[torch.Tensor, ...]:
-        """Views of block ``block_id`` in each of group ``group_idx``'s tensors (for tests and
-        debugging).
+        """Block ``block_id``'s memory in group ``group_idx``'s layers: one view per KV cache tensor
+        of the group, shaped as :meth:`tensors` without the block axis (``[L, B, H, 2 * D]``,
+        ``[L, B, D]`` or ``[L, page bytes]``).
 
-        The views share memory with the cache: writing them writes the block. Shapes are the
-        tensors' without the block axis: ``[L, 2, B, H, D]`` (attention), ``[L, B, D]`` (MLA),
-        ``[L, *shapes[i]]`` (Mamba state ``i``).
+        The views share memory with the pool: writing them writes the block. Views of another
+        group's block ``block_id`` alias the same bytes (a block id is one group's at a time).
 
         Raises:
             IndexError: no such group, or ``block_id`` is not in ``[0, num_blocks)``.
         """
-        tensors = self.tensors(group_idx)
+        views = self.tensors(group_idx)
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block_id must be in [0, {self.num_blocks}); got {block_id}")
-        return tuple(t.select(layout.block_dim, block_id) for t, layout in zip(tensors, self._layouts[group_idx]))
+        return tuple(view[:, block_id] for view in views)
 
     def describe(self) -> str:
-        """A short human summary: the device and totals, then per group its kind, shapes, dtypes and
+        """A short human summary: the device and pool size, then per group its kind, layers and
         bytes per block."""
-        storage = " (meta: shapes only, nothing allocated)" if self._device.type == "meta" else ""
+        storage = " (meta: shapes only, nothing allocated)" if self.device.type == "meta" else ""
         lines = [
-            f"KV cache on {self._device}{storage}: {self.num_blocks} blocks x "
-            f"{_format_bytes(self.bytes_per_block())} = {_format_bytes(self.total_bytes)}"
+            f"KV cache on {self.device}{storage}: one pool of {self.num_blocks} blocks x "
+            f"{_format_bytes(self.bytes_per_block())} = {_format_bytes(self.total_bytes)}, "
+            f"{self.num_groups} groups viewing it"
         ]
-        for group_idx, (group, tensors) in enumerate(zip(self._config.kv_cache_groups, self._tensors)):
+        for group_idx, (group, views) in enumerate(zip(self._config.kv_cache_groups, self._views)):
             kind = get_kv_cache_spec_kind(group.kv_cache_spec).value
-            shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+            shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in views)
             lines.append(
                 f"  group {group_idx} {kind} ({group.num_layers} layers): {shapes or 'no tensors'}; "
                 f"{_format_bytes(self.bytes_per_block(group_idx))}/block"
@@ -407,7 +378,7 @@ class KVCacheTensors:
 
     def __repr__(self) -> str:
         return (
-            f"KVCacheTensors(device={self._device}, num_groups={self.num_groups}, "
+            f"KVCacheTensors(device={self.device}, num_groups={self.num_groups}, "
             f"num_blocks={self.num_blocks}, total_bytes={self.total_bytes})"
         )
 
@@ -418,36 +389,15 @@ class KVCacheTensors:
 
 
 def num_blocks_from_budget(groups: Sequence[KVCacheGroupSpec], budget_bytes: int) -> int:
-    """How many block ids fit in ``budget_bytes``.
-
-    Each block id costs the sum of all groups' bytes per block (each group has its own tensors),
-    and block 0 (the null block) is one of them.
-
-    Args:
-        groups: the KV cache groups (``KVCacheConfig.kv_cache_groups``).
-        budget_bytes: bytes the KV cache may occupy.
-
-    Returns:
-        ``budget_bytes // bytes per block id``, at least 2.
+    """How many block ids fit in ``budget_bytes``: ``budget_bytes // bytes per block id``, one block
+    id costing the largest group's pages (vLLM 0.33's sizing; see
+    :func:`kvservice.core.kv_cache_planning.get_num_blocks`), block 0 (the null block) included.
 
     Raises:
-        ValueError: no groups, the groups occupy 0 bytes per block, or fewer than 2 blocks (the null
-            block and one usable block) fit; the message names the budget, the bytes per block and
-            the minimum budget.
+        ValueError: no groups, the groups occupy 0 bytes per block, or fewer than 2 blocks fit; the
+            message names the budget, the bytes per block and the minimum budget.
     """
-    if not groups:
-        raise ValueError("groups must hold at least one KV cache group")
-    block_bytes = sum(group.block_bytes for group in groups)
-    if block_bytes <= 0:
-        raise ValueError("the KV cache groups occupy 0 bytes per block; a budget cannot size them")
-    num_blocks = budget_bytes // block_bytes
-    if num_blocks < 2:
-        raise ValueError(
-            f"memory budget of {_format_bytes(budget_bytes)} holds {max(num_blocks, 0)} blocks of "
-            f"{_format_bytes(block_bytes)} each (all groups); at least 2 blocks "
-            f"({_format_bytes(2 * block_bytes)}) are needed, block 0 being the null block"
-        )
-    return num_blocks
+    return get_num_blocks(groups, budget_bytes)
 
 
 def cuda_memory_budget(device: torch.device | str, fraction: float) -> int:
@@ -516,70 +466,69 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
-def _allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, allocator: Allocator | None) -> torch.Tensor:
-    """A zero-filled tensor of ``shape`` and ``dtype``: ``torch.zeros``, or raw bytes from
-    ``allocator`` viewed as it and zero-filled."""
-    if allocator is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * dtype.itemsize
-    raw = allocator(num_bytes, device)
-    assert raw.dtype == torch.uint8 and raw.numel() == num_bytes and raw.device == device, (
-        f"the allocator gave {raw.numel()} {raw.dtype} on {raw.device}; asked {num_bytes} uint8 on {device}"
-    )
-    return raw.view(dtype).view(shape).zero_()
+KVCacheAllocator = Callable[[int, torch.device], torch.Tensor]
+"""Makes a KV cache pool: ``(num_bytes, device) -> 1-D uint8 (or int8) tensor of num_bytes bytes``
+(:func:`allocate_zeroed`, or :class:`kvservice.shm.SharedMemoryAllocator`: POSIX shared memory,
+zero-filled by the kernel)."""
+
+
+def allocate_zeroed(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """The default :data:`KVCacheAllocator`: ``torch.zeros(num_bytes, dtype=uint8)`` on ``device``
+    (``torch.empty`` on ``meta``, which has no storage).
+
+    Zeroing, not ``torch.empty`` (what vLLM uses), touches every page, so the memory is really
+    committed (host RSS shows it) and an over-commit fails here, at start, rather than later under
+    load or through the kernel's OOM killer. It costs one pass over the memory at start.
+    """
+    if device.type == "meta":
+        return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
 
 
 def allocate_kv_cache_tensors(
-    config: KVCacheConfig, device: torch.device | str, *, allocator: Allocator | None = None
+    config: KVCacheConfig, device: torch.device | str, *, allocator: KVCacheAllocator | None = None
 ) -> KVCacheTensors:
-    """Allocate the KV cache tensors of ``config`` on ``device``, zero-filled.
+    """Allocate the KV cache pool of ``config`` on ``device`` and view it per group.
 
-    The total (``config.num_blocks * bytes per block id``) is checked against the device's free
-    memory before anything is allocated (CPU: psutil or /proc/meminfo ``MemAvailable``; CUDA:
-    ``torch.cuda.mem_get_info``; ``meta``: always fits, since nothing is allocated). An allocator
-    failure that still happens is re-raised as the same error.
-
-    The tensors are created with ``torch.zeros``, not ``torch.empty`` (what vLLM uses): zeroing
-    touches every page, so the memory is really committed (host RSS shows it) and an over-commit
-    fails here, at start, rather than later under load or through the kernel's OOM killer. It
-    costs one pass over the memory at start.
+    Every byte of the KV cache comes from one call of ``allocator`` (the pool all groups view);
+    the views are built from that flat tensor, so another allocator (e.g. POSIX shared memory)
+    changes where the memory lives and nothing else. The total (``config.total_bytes``) is checked
+    against the device's free memory before anything is allocated (CPU: psutil or /proc/meminfo
+    ``MemAvailable``; CUDA: ``torch.cuda.mem_get_info``; ``meta``: always fits, since nothing is
+    allocated). An allocator failure that still happens is re-raised as the same error.
 
     Args:
-        config: the block count and groups to size the tensors from.
+        config: the block count and groups to size the pool from.
         device: a torch device or a :func:`resolve_device` value (``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"cuda:N"``, ``"meta"``).
-        allocator: where the raw bytes of each tensor come from (:data:`Allocator`; None:
-            ``torch.zeros``). Not called on ``meta``.
+        allocator: makes the flat pool tensor (default :func:`allocate_zeroed`).
 
     Returns:
         The tensors, laid out as :class:`KVCacheTensors` documents.
 
     Raises:
-        KVCacheAllocationError: the tensors do not fit; the message gives the bytes asked and the
+        KVCacheAllocationError: the pool does not fit; the message gives the bytes asked and the
             bytes available.
-        ValueError: a bad ``device`` value, or a spec with no tensor layout.
+        ValueError: a bad ``device`` value, a spec with no tensor layout, or an allocator that
+            returned something other than a 1-D byte tensor of at least the pool's size.
     """
     resolved = resolve_device(device) if isinstance(device, str) else device
-    layouts = [_group_layouts(group, config.num_blocks) for group in config.kv_cache_groups]
-    bytes_asked = sum(layout.num_bytes for group_layouts in layouts for layout in group_layouts)
+    allocator = allocator or allocate_zeroed
+    bytes_asked = config.total_bytes
+    for tensor in config.kv_cache_tensors:  # a spec with no layout fails before any allocation
+        _page_shape(tensor.kv_cache_spec)
     bytes_available = _available_memory_bytes(resolved)
     if bytes_available is not None and bytes_asked > bytes_available:
         raise KVCacheAllocationError(bytes_asked, bytes_available, resolved)
     try:
-        group_tensors = [
-            [
-                _allocate_zeroed(layout.shape, layout.dtype, resolved, None if resolved.type == "meta" else allocator)
-                for layout in group_layouts
-            ]
-            for group_layouts in layouts
-        ]
+        raw = allocator(bytes_asked, resolved)
     except Exception as exc:  # torch raises OutOfMemoryError on CUDA, RuntimeError on CPU
         if not _is_out_of_memory(exc):
             raise
         if resolved.type == "cuda":
             torch.cuda.empty_cache()  # hand back what the partial allocation cached
         raise KVCacheAllocationError(bytes_asked, _available_memory_bytes(resolved), resolved) from exc
-    return KVCacheTensors(config, group_tensors)
+    return KVCacheTensors(config, [raw])
 
 
 def _format_bytes(num_bytes: int) -> str:

@@ -1,9 +1,13 @@
-"""KV cache specs, their kinds, KV cache groups and named model presets.
+"""KV cache specs, their kinds and KV cache groups.
 
 A *KV cache spec* describes one attention layer's KV cache page: its block size (tokens per block)
-and the bytes one block of that layer occupies (``page_size_bytes``). Layers with the same spec form
-a *KV cache group*; all groups of a model share one block pool (block ids are global), and each
-group has its own single-type manager (see ``single_type_managers.py``).
+and the bytes one block of that layer occupies (``page_size_bytes``). Layers are grouped into *KV
+cache groups* as vLLM 0.33 groups them (``kv_cache_planning``: equal layer counts, one page size);
+all groups of a model share one block pool (block ids are global) and one pool of memory (a block
+id costs one group's page), and each group has its own single-type manager (see
+``single_type_managers.py``). Per-layer specs come from a model's config, a layout file or a named
+preset (``model_config``; ``ModelPreset``, ``PRESETS`` and ``get_preset`` are importable from here
+too).
 
 The class hierarchy mirrors vLLM's ``vllm/v1/kv_cache_interface.py``; dtypes are names (strings),
 since the core does not import torch (``kvservice.memory`` maps them to torch dtypes).
@@ -16,6 +20,10 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvservice.core.kv_cache_planning import KVCacheTensor
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +40,6 @@ __all__ = [
     "KVCacheSpecKind",
     "MLAAttentionSpec",
     "MambaSpec",
-    "ModelPreset",
-    "PRESETS",
     "SinkFullAttentionSpec",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
@@ -41,7 +47,6 @@ __all__ = [
     "dtype_size_bytes",
     "get_kv_cache_spec_kind",
     "get_kv_cache_spec_sliding_window",
-    "get_preset",
     "max_tokens_in_pool",
     "min_blocks_for_request",
 ]
@@ -109,16 +114,34 @@ class AttentionSpec(KVCacheSpec):
         num_kv_heads: KV heads per layer.
         head_size: elements per head.
         dtype: element dtype name (see :data:`DTYPE_SIZE_BYTES`).
+        page_size_padded: bytes one block of the layer occupies when its page is padded up to
+            another layer's (vLLM 0.33's ``unify_kv_cache_spec_page_size``); None: unpadded.
     """
 
     num_kv_heads: int
     head_size: int
     dtype: str = "bfloat16"
+    page_size_padded: int | None = field(default=None, kw_only=True)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``2 (K and V) * block_size * num_kv_heads * head_size * dtype bytes`` (no padding)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
 
     @property
     def page_size_bytes(self) -> int:
-        """``2 (K and V) * block_size * num_kv_heads * head_size * dtype bytes``."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_size_bytes(self.dtype)
+        """Bytes one block of one layer occupies: ``page_size_padded`` when set, else
+        :attr:`real_page_size_bytes`."""
+        return _padded(self.page_size_padded, self.real_page_size_bytes)
+
+
+def _padded(page_size_padded: int | None, real_page_size_bytes: int) -> int:
+    if page_size_padded is None:
+        return real_page_size_bytes
+    assert page_size_padded >= real_page_size_bytes, (
+        f"page_size_padded {page_size_padded} is below the real page size {real_page_size_bytes}"
+    )
+    return page_size_padded
 
 
 @dataclass(frozen=True)
@@ -137,7 +160,7 @@ class MLAAttentionSpec(FullAttentionSpec):
         _check_mla(self)
 
     @property
-    def page_size_bytes(self) -> int:
+    def real_page_size_bytes(self) -> int:
         """``block_size * head_size * dtype bytes`` (one latent per token: no K/V factor 2)."""
         return _mla_page_size_bytes(self)
 
@@ -178,7 +201,7 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
         _check_mla(self)
 
     @property
-    def page_size_bytes(self) -> int:
+    def real_page_size_bytes(self) -> int:
         """As :class:`MLAAttentionSpec`."""
         return _mla_page_size_bytes(self)
 
@@ -212,15 +235,23 @@ class MambaSpec(KVCacheSpec):
     Attributes:
         shapes: the state tensors' shapes (e.g. conv state, SSM state).
         dtypes: one dtype name per state tensor.
+        page_size_padded: bytes one block occupies when padded up to the attention layers' page
+            (vLLM 0.33 pads Mamba pages, which do not scale with block size); None: unpadded.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
+    page_size_padded: int | None = field(default=None, kw_only=True)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Sum over state tensors of ``prod(shape) * dtype bytes`` (no padding)."""
+        return sum(math.prod(s) * dtype_size_bytes(d) for s, d in zip(self.shapes, self.dtypes, strict=True))
 
     @property
     def page_size_bytes(self) -> int:
-        """Sum over state tensors of ``prod(shape) * dtype bytes``."""
-        return sum(math.prod(s) * dtype_size_bytes(d) for s, d in zip(self.shapes, self.dtypes, strict=True))
+        """``page_size_padded`` when set, else :attr:`real_page_size_bytes`."""
+        return _padded(self.page_size_padded, self.real_page_size_bytes)
 
 
 @dataclass(frozen=True)
@@ -313,7 +344,8 @@ class KVCacheGroupSpec:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """What a block pool holds: ``num_blocks`` block ids shared by all groups.
+    """What a block pool holds: ``num_blocks`` block ids shared by all groups, and one pool of
+    ``num_blocks * block_bytes`` bytes all groups view (a block id is owned by one group at a time).
 
     Attributes:
         num_blocks: blocks in the pool, block 0 (the null block) included.
@@ -331,8 +363,24 @@ class KVCacheConfig:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block id occupies across all groups (each group has its own tensors)."""
-        return sum(group.block_bytes for group in self.kv_cache_groups)
+        """Bytes one block id costs in the pool all groups view: the largest group's
+        :attr:`KVCacheGroupSpec.block_bytes` (vLLM 0.33; see ``kv_cache_planning``)."""
+        from kvservice.core.kv_cache_planning import get_kv_cache_bytes_per_block
+
+        return get_kv_cache_bytes_per_block(self.kv_cache_groups)
+
+    @property
+    def kv_cache_tensors(self) -> tuple[KVCacheTensor, ...]:
+        """The KV cache tensors placing every group's layers in the shared pool, in group order
+        (see :func:`kvservice.core.kv_cache_planning.get_kv_cache_tensors`)."""
+        from kvservice.core.kv_cache_planning import get_kv_cache_tensors
+
+        return get_kv_cache_tensors(self.kv_cache_groups, self.num_blocks)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the pool: ``num_blocks * block_bytes``."""
+        return self.num_blocks * self.block_bytes
 
 
 def min_blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:
@@ -377,109 +425,11 @@ def max_tokens_in_pool(config: KVCacheConfig) -> int:
     return lo
 
 
-@dataclass(frozen=True)
-class ModelPreset:
-    """A named real-model KV layout.
+def __getattr__(name: str) -> object:
+    """Presets are named model configs now (``kvservice.core.model_config``); the old names stay
+    importable from here."""
+    if name in ("ModelPreset", "PRESETS", "get_preset"):
+        from kvservice.core import model_config
 
-    Attributes:
-        name: the preset's name (``--preset``).
-        description: the model it mimics.
-        max_model_len: the longest request, in tokens.
-        groups: per group, (kind of spec class, number of layers, extra spec kwargs).
-        num_kv_heads, head_size, dtype: shared by the attention layers.
-    """
-
-    name: str
-    description: str
-    max_model_len: int
-    groups: tuple[tuple[type[KVCacheSpec], int, Mapping[str, object]], ...]
-    num_kv_heads: int
-    head_size: int
-    dtype: str = "bfloat16"
-    default_block_size: int = 16
-
-    def kv_cache_groups(self, block_size: int | None = None) -> tuple[KVCacheGroupSpec, ...]:
-        """The preset's groups at ``block_size`` tokens per block (default: the preset's)."""
-        block_size = block_size or self.default_block_size
-        groups = []
-        for group_idx, (spec_cls, num_layers, kwargs) in enumerate(self.groups):
-            if issubclass(spec_cls, MambaSpec):
-                spec: KVCacheSpec = spec_cls(block_size=block_size, **kwargs)  # type: ignore[arg-type]  # spec_cls is chosen by kind; kwargs are that class's fields
-            else:
-                spec = spec_cls(  # type: ignore[call-arg]  # spec_cls is chosen by kind; kwargs are that class's fields
-                    block_size=block_size,
-                    num_kv_heads=self.num_kv_heads,
-                    head_size=self.head_size,
-                    dtype=self.dtype,
-                    **kwargs,
-                )
-            names = tuple(f"group{group_idx}.layer{i}" for i in range(num_layers))
-            groups.append(KVCacheGroupSpec(names, spec))
-        return tuple(groups)
-
-    def kv_cache_config(self, num_blocks: int, block_size: int | None = None) -> KVCacheConfig:
-        """A :class:`KVCacheConfig` of ``num_blocks`` blocks for this preset."""
-        return KVCacheConfig(num_blocks, self.kv_cache_groups(block_size))
-
-
-PRESETS: Mapping[str, ModelPreset] = {
-    p.name: p
-    for p in (
-        ModelPreset(
-            "llama-3-8b",
-            "Llama-3.1-8B: 32 full-attention layers, 8 KV heads x 128, bf16, 128k context",
-            131072,
-            ((FullAttentionSpec, 32, {}),),
-            num_kv_heads=8,
-            head_size=128,
-        ),
-        ModelPreset(
-            "qwen-2.5-0.5b",
-            "Qwen2.5-0.5B: 24 full-attention layers, 2 KV heads x 64, bf16, 32k context",
-            32768,
-            ((FullAttentionSpec, 24, {}),),
-            num_kv_heads=2,
-            head_size=64,
-        ),
-        ModelPreset(
-            "gemma-3-27b",
-            "Gemma-3-27B: 10 full-attention + 52 sliding-window (1024 tokens) layers, "
-            "16 KV heads x 128, bf16, 128k context",
-            131072,
-            ((FullAttentionSpec, 10, {}), (SlidingWindowSpec, 52, {"sliding_window": 1024})),
-            num_kv_heads=16,
-            head_size=128,
-        ),
-        ModelPreset(
-            "llama-4-scout",
-            "Llama-4-Scout: 12 full-attention + 36 chunked-local (8192 tokens) layers, "
-            "8 KV heads x 128, bf16, 128k context",
-            131072,
-            ((FullAttentionSpec, 12, {}), (ChunkedLocalAttentionSpec, 36, {"attention_chunk_size": 8192})),
-            num_kv_heads=8,
-            head_size=128,
-        ),
-        ModelPreset(
-            "deepseek-v3",
-            "DeepSeek-V3: 61 MLA layers, latent 512 + rope 64, bf16, 128k context, block size 64",
-            131072,
-            ((MLAAttentionSpec, 61, {}),),
-            num_kv_heads=1,
-            head_size=576,
-            default_block_size=64,
-        ),
-    )
-}
-"""Named presets for real model KV layouts (``--preset``)."""
-
-
-def get_preset(name: str) -> ModelPreset:
-    """The preset called ``name``.
-
-    Raises:
-        ValueError: unknown name (lists the known ones).
-    """
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {name!r}") from None
+        return getattr(model_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -57,6 +57,9 @@ class ReplayConfig:
             None = start an embedded server per mode.
         preset, block_size, num_blocks, device, hash_algorithm: the embedded server's settings
             (device "meta": real tensor shapes, no memory, as no model runs in a replay).
+        kv_cache_memory: size the embedded server's pool from this many bytes of KV cache (as
+            vLLM sizes it: ``bytes // the largest group's bytes per block``) instead of
+            ``num_blocks`` (None: use ``num_blocks``).
         report_modes: the modes to run, in order.
         watchers: watchers per mode (each predicts; watcher 0 is reported).
         late_watcher: add a watcher that joins from a snapshot halfway through.
@@ -76,6 +79,7 @@ class ReplayConfig:
     preset: str = "llama-3-8b"
     block_size: int | None = None
     num_blocks: int = DEFAULT_NUM_BLOCKS
+    kv_cache_memory: int | None = None
     device: str = "meta"
     hash_algorithm: str = "sha256_cbor"
     report_modes: tuple[str, ...] = ("incremental", "full")
@@ -362,8 +366,9 @@ async def replay_mode(
     server = None
     if config.target is None:
         server = await start_server(
-            port=0, preset=config.preset, block_size=config.block_size, num_blocks=config.num_blocks,
-            device=config.device, hash_algorithm=config.hash_algorithm, grace_seconds=1.0,
+            port=0, preset=config.preset, block_size=config.block_size,
+            num_blocks=None if config.kv_cache_memory is not None else config.num_blocks,
+            kv_cache_memory=config.kv_cache_memory, device=config.device, hash_algorithm=config.hash_algorithm, grace_seconds=1.0,
         )
         address = server.address
     else:

@@ -29,7 +29,14 @@ from grpc_reflection.v1alpha import reflection
 
 from kvservice.core.engine import EngineLimits, KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig
-from kvservice.core.kv_cache_spec import KVCacheConfig, get_preset, max_tokens_in_pool
+from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
+from kvservice.core.model_config import (
+    ModelKVLayout,
+    get_preset,
+    load_kv_cache_layout,
+    load_model_config,
+    model_kv_layout,
+)
 from kvservice.memory import (
     KVCacheTensors,
     allocate_kv_cache_tensors,
@@ -58,7 +65,7 @@ from kvservice.server.settings import (
     setting_aliases,
     settings_table,
 )
-from kvservice.server.vllm_flags import kv_cache_torch_dtype, kv_events_config_settings
+from kvservice.server.vllm_flags import kv_events_config_settings
 from kvservice.server.zmq_publisher import check_endpoint_exposure
 
 if sys.version_info >= (3, 11):
@@ -195,7 +202,7 @@ def load_config(
                 raise ValueError(f"{config_file}: unknown key {key!r}")
             put(key, value, str(config_file))
             key = aliases.get(key, key)
-            if key.endswith("_file") and isinstance(values[key], str) and not os.path.isabs(values[key]):
+            if (key.endswith("_file") or key in ("model_config", "kv_cache_layout")) and isinstance(values[key], str) and not os.path.isabs(values[key]):
                 # A path in a config file is relative to that file, not to where the server starts.
                 values[key] = str(Path(config_file).resolve().parent / values[key])
     environ = os.environ if environ is None else environ
@@ -284,7 +291,7 @@ class RunningServer:
         )
         return (
             f"kvservice listening on {self.address} (epoch {self.event_log.epoch})\n"
-            f"preset {self.config.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
+            f"preset {meta.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
             f"{self.config.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
             f"{self.tensors.describe()}"
             + "".join(f"\nnote: {note}" for note in self.notes)
@@ -354,6 +361,23 @@ def _kind_name(kind: int) -> str:
     return pb.KVCacheSpecKind.Name(kind).removeprefix("KV_CACHE_SPEC_KIND_").lower()
 
 
+def _model_kv_layout(cache: CacheSettings) -> ModelKVLayout:
+    """The per-layer KV specs the settings name: ``model_config``, ``kv_cache_layout`` or ``preset``.
+
+    Raises:
+        ValueError: a bad config or layout file (the message names the file and the field).
+    """
+    if cache.model_config is not None:
+        return model_kv_layout(
+            load_model_config(cache.model_config), name=cache.model_config, block_size=cache.block_size,
+            kv_cache_dtype=cache.kv_cache_dtype,
+        )
+    if cache.kv_cache_layout is not None:
+        return load_kv_cache_layout(cache.kv_cache_layout, block_size=cache.block_size,
+                                    kv_cache_dtype=cache.kv_cache_dtype)
+    return get_preset(cache.preset).kv_layout(cache.block_size, cache.kv_cache_dtype)
+
+
 def _resolve_num_blocks(cache: CacheSettings, kv_cache_config_groups: Any, device: Any) -> int:
     """Blocks in the pool: ``num_blocks``, else what the KV tensor budget holds."""
     if cache.num_blocks is not None:
@@ -383,7 +407,7 @@ class _Core:
     shm: Any = None  # kvservice.shm.SharedMemoryAllocator: the KV memory (CPU) and the control segment
 
 
-def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, list[str]]:
+def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, list[str], str]:
     """The pool's size and max_model_len resolved (the config says them); the device.
 
     A request the pool cannot hold would be registered and then never allocated: a preset's
@@ -391,19 +415,17 @@ def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, 
     prompts at registration). Either way the start says so in a note.
     """
     cache = config.cache
-    preset = get_preset(cache.preset)
-    dtype = kv_cache_torch_dtype(cache.kv_cache_dtype)
-    if dtype is not None:  # vLLM's --kv-cache-dtype: the attention layers' KV tensors
-        preset = dataclasses.replace(preset, dtype=dtype)
+    layout = _model_kv_layout(cache)
     device = resolve_device(cache.device)
-    groups = preset.kv_cache_groups(cache.block_size)
+    groups = layout.kv_cache_groups()
     kv_cache_config = KVCacheConfig(_resolve_num_blocks(cache, groups, device), groups)
     fits = max_tokens_in_pool(kv_cache_config)
-    max_model_len = cache.max_model_len or preset.max_model_len
+    max_model_len = cache.max_model_len or layout.max_model_len
     notes = []
     if max_model_len > fits:
         if cache.max_model_len is None:
-            notes.append(f"max_model_len lowered from the preset's {max_model_len} to {fits} tokens, what the pool holds")
+            whose = "preset's" if cache.model_config is None and cache.kv_cache_layout is None else "model's"
+            notes.append(f"max_model_len lowered from the {whose} {max_model_len} to {fits} tokens, what the pool holds")
             max_model_len = fits
         else:
             notes.append(
@@ -411,7 +433,7 @@ def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, 
                 "longer prompts are refused"
             )
     config = config.replace(num_blocks=kv_cache_config.num_blocks, max_model_len=max_model_len)
-    return config, kv_cache_config, device, notes
+    return config, kv_cache_config, device, notes, layout.name
 
 
 def _build_core(config: ServerConfig) -> _Core:
@@ -420,7 +442,7 @@ def _build_core(config: ServerConfig) -> _Core:
     Raises:
         ValueError, kvservice.memory.KVCacheAllocationError: as :func:`start_server`.
     """
-    config, kv_cache_config, device, notes = _size_pool(config)
+    config, kv_cache_config, device, notes, layout_name = _size_pool(config)
     cache = config.cache
     # The data plane: CPU memory in POSIX shared memory (a control segment on CUDA too).
     shm = None
@@ -455,7 +477,7 @@ def _build_core(config: ServerConfig) -> _Core:
         epoch=event_log.epoch,
         device=str(device),
         dtypes=[tensors.dtype(g) and str(tensors.dtype(g)).removeprefix("torch.") for g in range(manager.num_groups)],  # type: ignore[misc]  # a group without tensors gives None, kept as None
-        preset=cache.preset,
+        preset=layout_name,
         data_parallel_rank=events.data_parallel_rank,
     )
     limits = config.limits

@@ -648,4 +648,17 @@ def build_metadata_response(
             group.sliding_window = g.sliding_window
         if g.attention_chunk_size is not None:
             group.attention_chunk_size = g.attention_chunk_size
+    # Issue 12: the layers of each group and where each KV cache tensor places them in the pool.
+    kv_cache_config = engine.manager.kv_cache_config
+    for group, spec_group in zip(response.groups, kv_cache_config.kv_cache_groups, strict=True):
+        group.layer_names.extend(spec_group.layer_names)
+    for tensor in kv_cache_config.kv_cache_tensors:
+        spec = tensor.kv_cache_spec
+        response.kv_cache_tensors.add(
+            group_idx=tensor.group_idx, layer_names=tensor.layer_names, size_bytes=tensor.size,
+            offset_bytes=tensor.offset, layer_stride_bytes=tensor.layer_stride, block_stride_bytes=tensor.block_stride,
+            page_size_bytes=getattr(spec, "real_page_size_bytes", spec.page_size_bytes),
+            dtype=getattr(spec, "dtype", "uint8"),
+        )
+    response.pool_bytes_per_block = kv_cache_config.block_bytes
     return response

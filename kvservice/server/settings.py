@@ -257,6 +257,11 @@ class CacheSettings(_Section):
             ``kvservice.server.vllm_flags``).
         block_hash_format: "int64" (vLLM's published form) or "digest", on events.
         check_invariants: debug: check the cache's invariants after every mutating call (slow).
+        model_config: a Hugging Face ``config.json`` (or its folder), read locally: the KV layout
+            is derived from it as vLLM 0.33 does (``kvservice.core.model_config``) instead of
+            ``preset`` (None: use ``preset``).
+        kv_cache_layout: a TOML layout file (per layer or run of layers: kind and parameters;
+            ``kvservice.core.model_config.load_kv_cache_layout``) instead of ``preset`` (None: off).
     """
 
     name: ClassVar[str] = "cache"
@@ -282,6 +287,15 @@ class CacheSettings(_Section):
                                      check=lambda v: None if v in ("int64", "digest") else "must be 'int64' or 'digest'",
                                      choices=("int64", "digest"))
     check_invariants: bool = setting(False, "Debug: check the cache's invariants after every mutating call (slow).")
+    model_config: str | None = setting(
+        None, "A model's config.json (or its folder), read locally: the KV layout as vLLM derives it.",
+        default_text="the preset")
+    kv_cache_layout: str | None = setting(
+        None, "A TOML KV layout file (per layer or run of layers) instead of the preset.", default_text="off")
+
+    def _check(self) -> None:
+        if self.model_config is not None and self.kv_cache_layout is not None:
+            raise ValueError("give model_config or kv_cache_layout, not both")
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,13 @@ def test_serve_rejects_a_bad_setting_naming_it():
     )
     assert result.returncode == 1
     assert "num_blocks must be >= 2" in result.stderr
+
+
+def test_replay_sizes_the_embedded_pool_from_a_memory_budget(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "3", "--no-progress", "--report-mode", "full",
+         "--no-late-watcher", "--kv-cache-memory", "64GiB", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "preset llama-3-8b, block_size 16 tokens, num_blocks 32,768" in result.stdout  # 64 GiB // 2 MiB

@@ -98,3 +98,19 @@ def test_replay_rejects_out_of_range_options_quickly(tmp_path, args):
     except subprocess.TimeoutExpired:
         pytest.fail(f"replay {' '.join(args)} hung")
     _assert_clean_error(proc, args[0].removeprefix("--").replace("-", "_").split("_")[0])
+
+
+def test_serve_with_a_bad_model_config_names_the_field(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4}')
+    proc = _run("serve", "--port", "0", "--device", "meta", "--model-config", str(tmp_path))
+    _assert_clean_error(proc, "missing field 'num_attention_heads'")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--kv-cache-memory", "lots"], "not a byte count: 'lots'"),
+    (["--kv-cache-memory", "1MiB", "--preset", "gemma-3-27b"], "holds 0 blocks"),
+    (["--kv-cache-memory", "1GiB", "--instances", "2"], "--kv-cache-memory sizes the one embedded server"),
+])
+def test_replay_kv_cache_memory_errors_are_clean(tmp_path, args, needle):
+    proc = _run("replay", "--limit", "3", "--no-progress", "--out", str(tmp_path), *args)
+    _assert_clean_error(proc, needle)

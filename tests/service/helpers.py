@@ -8,6 +8,7 @@ batch starts at an explicit seq (``head_seq + 1``), which the server replays fro
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,9 @@ from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored,
 from kvservice_client.hashing import BlockHasher, block_hash_to_int
 
 BLOCK_SIZE = 4
+FULL_SLIDING = {"kv_cache_layout": str(Path(__file__).resolve().parents[1] / "data" / "layouts" / "full-sliding.toml")}
+"""Server settings for a two-group hybrid: group 0 full attention, group 1 a 1024-token sliding
+window (10 layers each, Gemma-3-27B's shape): the hybrid the old two-group gemma-3-27b preset was."""
 READ_TIMEOUT_S = 5.0
 """Deadline of one read of a stream: a hang fails the test instead of blocking the suite."""
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
-from tests.service.helpers import H, READERS, StreamReader, events_of, hashes, removed, stored
+from tests.service.helpers import FULL_SLIDING, H, READERS, StreamReader, events_of, hashes, removed, stored
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -109,7 +109,7 @@ async def test_msgpack_and_protobuf_payloads_carry_the_same_events(kv_server, co
     assert events_of(m) == events_of(p) == [stored(H[:3], None, range(1, 13), session="s")]
 
 
-GEMMA = {"preset": "gemma-3-27b", "num_blocks": 17, "max_model_len": 64}
+GEMMA = {**FULL_SLIDING, "num_blocks": 17, "max_model_len": 64}
 FULL = {"group": 0, "kind": "full_attention", "window": None}
 SLIDING = {"group": 1, "kind": "sliding_window", "window": 1024}
 
@@ -148,7 +148,7 @@ async def test_hybrid_groups_put_kind_and_window_on_every_event(start_kv_server,
     running.engine.check_invariants()
 
 
-async def test_group_metadata_of_the_gemma_preset(start_kv_server, connect):
+async def test_group_metadata_of_a_two_group_hybrid(start_kv_server, connect):
     running = await start_kv_server(**GEMMA)
     client = await connect(running)
     reader = await StreamReader.open(client, running)
@@ -161,15 +161,15 @@ async def test_group_metadata_of_the_gemma_preset(start_kv_server, connect):
         pb.KVCacheGroupMetadata(
             group_idx=0, kind=pb.KV_CACHE_SPEC_KIND_FULL_ATTENTION, block_size=4, num_blocks=17,
             dtype="bfloat16", bytes_per_block=10 * page_size_bytes, device="meta", num_layers=10,
-            page_size_bytes=page_size_bytes,
+            page_size_bytes=page_size_bytes, layer_names=[f"layers.{i}" for i in range(10)],
         ),
         pb.KVCacheGroupMetadata(
             group_idx=1, kind=pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW, block_size=4, sliding_window=1024,
-            num_blocks=17, dtype="bfloat16", bytes_per_block=52 * page_size_bytes, device="meta",
-            num_layers=52, page_size_bytes=page_size_bytes,
+            num_blocks=17, dtype="bfloat16", bytes_per_block=10 * page_size_bytes, device="meta",
+            num_layers=10, page_size_bytes=page_size_bytes, layer_names=[f"layers.{i}" for i in range(10, 20)],
         ),
     ]
-    assert (meta.groups[0].bytes_per_block, meta.groups[1].bytes_per_block) == (327680, 1703936)
+    assert (meta.groups[0].bytes_per_block, meta.groups[1].bytes_per_block) == (327680, 327680)
     assert not meta.groups[0].HasField("sliding_window")
     assert not any(g.HasField("attention_chunk_size") for g in meta.groups)
     assert (meta.hash_algorithm, meta.hash_seed) == (DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED) == (
@@ -177,7 +177,7 @@ async def test_group_metadata_of_the_gemma_preset(start_kv_server, connect):
     assert meta.hash_block_size == 4
     assert meta.epoch == batch.epoch == running.event_log.epoch
     assert meta.block_hash_format == pb.BLOCK_HASH_FORMAT_INT64
-    assert (meta.medium, meta.max_model_len, meta.preset, meta.head_seq) == ("GPU", 64, "gemma-3-27b", 1)
+    assert (meta.medium, meta.max_model_len, meta.preset, meta.head_seq) == ("GPU", 64, "full-sliding", 1)
     assert not meta.HasField("data_parallel_rank")
 
 

@@ -35,7 +35,7 @@ from kvservice_client.jetstream import (
     ResyncNeededError,
     redact_url,
 )
-from tests.service.helpers import pool_hashes
+from tests.service.helpers import FULL_SLIDING, pool_hashes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,7 +230,7 @@ async def test_each_batch_is_one_message_with_its_position_in_headers(nats_serve
 
 
 async def test_durable_watcher_mirrors_the_cached_set(nats_server, start_kv_server, connect):
-    running = await start_kv_server(**nats_settings(nats_server, "node-a"), preset="gemma-3-27b", num_blocks=24)
+    running = await start_kv_server(**nats_settings(nats_server, "node-a"), **FULL_SLIDING, num_blocks=24)
     assert running.engine.manager.num_groups == 2
     client = await connect(running)
     await run_requests(running, client, prompts_of(1, 6), "early")  # in the stream before the watcher

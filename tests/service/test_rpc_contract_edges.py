@@ -4,6 +4,7 @@ epoch of another server is FAILED_PRECONDITION, a prompt the pool can never hold
 registration, and a preset's max_model_len is lowered to what the pool holds."""
 
 from __future__ import annotations
+from tests.service.helpers import FULL_SLIDING
 
 import grpc
 import pytest
@@ -61,7 +62,7 @@ async def test_allocate_slots_answering_not_allocated_changes_nothing(start_kv_s
     """proto: AllocateSlotsResponse.allocated 'False when the pool has too few free blocks; then
     nothing changed'. With a sliding-window group, today the blocks outside the window are freed
     anyway (num_free_blocks and the block table change). Either keep the contract or document it."""
-    running = await start_kv_server(preset="gemma-3-27b", block_size=16, num_blocks=400, max_model_len=131072)
+    running = await start_kv_server(**FULL_SLIDING, block_size=16, num_blocks=400, max_model_len=131072)
     client = await connect(running)
     await client.get_computed_blocks("a", list(range(1, 3001)))
     assert (await client.allocate_slots("a", 3000)).allocated

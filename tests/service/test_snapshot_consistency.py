@@ -14,7 +14,7 @@ import pytest
 
 from kvservice_client.client import KVServiceError, StepBuilder, step_results
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tests.service.helpers import Mirror, events_of, next_batch, pool_hashes
+from tests.service.helpers import FULL_SLIDING, Mirror, events_of, next_batch, pool_hashes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,10 +85,11 @@ def assert_mirror_is_the_server_cache(mirror: Mirror, running) -> None:
     assert mirror.groups == running.event_log.cached_hashes() == pool_hashes(running)
 
 
-@pytest.mark.parametrize("preset", ["qwen-2.5-0.5b", "gemma-3-27b"])
+@pytest.mark.parametrize("preset", ["qwen-2.5-0.5b", "full-sliding"])
 @pytest.mark.parametrize("seed", [7, 8])
 async def test_snapshot_plus_live_equals_the_cached_set(start_kv_server, connect, preset, seed):
-    running = await start_kv_server(preset=preset, num_blocks=24)
+    layout = FULL_SLIDING if preset == "full-sliding" else {"preset": preset}
+    running = await start_kv_server(**layout, num_blocks=24)
     num_groups = running.engine.manager.num_groups
     scheduler, early_client, late_client, taker = [await connect(running) for _ in range(4)]
 

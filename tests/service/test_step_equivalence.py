@@ -15,7 +15,7 @@ import pytest
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import KVServiceError
 from kvservice_client.events import BlockRemoved
-from tests.service.helpers import flat_events, pool_hashes
+from tests.service.helpers import FULL_SLIDING, flat_events, pool_hashes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -118,12 +118,13 @@ async def server_state(running, client) -> dict:
     }
 
 
-@pytest.mark.parametrize(("preset", "num_blocks"), [("qwen-2.5-0.5b", 24), ("gemma-3-27b", 40)])
+@pytest.mark.parametrize(("preset", "num_blocks"), [("qwen-2.5-0.5b", 24), ("full-sliding", 40)])
 async def test_step_equals_the_same_ops_one_by_one(start_kv_server, connect, preset, num_blocks):
     ops = build_ops(seed=3)
     assert len(ops) == NUM_OPS
-    stepped = await start_kv_server(preset=preset, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
-    single = await start_kv_server(preset=preset, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
+    layout = FULL_SLIDING if preset == "full-sliding" else {"preset": preset}
+    stepped = await start_kv_server(**layout, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
+    single = await start_kv_server(**layout, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
     step_client, single_client = await connect(stepped), await connect(single)
     for client in (step_client, single_client):
         await client.take_events("all")

@@ -7,7 +7,7 @@ import pytest
 
 from kvservice_client.client import KVServiceError
 from kvservice_client.events import AllBlocksCleared
-from tests.service.helpers import H, StreamReader, events_of, hashes, snapshot_presence_events, stored
+from tests.service.helpers import FULL_SLIDING, H, StreamReader, events_of, hashes, snapshot_presence_events, stored
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -122,7 +122,7 @@ SLIDING = {"group": 1, "kind": "sliding_window", "window": 1024}
 
 
 async def test_group_filter_on_take_and_stream(start_kv_server, connect):
-    running = await start_kv_server(preset="gemma-3-27b", num_blocks=17)
+    running = await start_kv_server(**FULL_SLIDING, num_blocks=17)
     scheduler, watcher = await connect(running), await connect(running)
     only_sliding = await StreamReader.open(watcher, running, group_idxs=[1])
     await watcher.take_events("g0", group_idxs=[0])

@@ -101,14 +101,17 @@ def test_presets_are_real_layouts():
     assert llama.kv_cache_groups[0].num_layers == 32
     assert llama.block_bytes == 32 * 2 * 16 * 8 * 128 * 2  # 2 MiB per block id
     gemma = get_preset("gemma-3-27b").kv_cache_config(100)
-    assert [(get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
-            for g in gemma.kv_cache_groups] == [("full_attention", None), ("sliding_window", 1024)]
+    # vLLM 0.33's grouping: 6 sliding window groups (52 layers) and 1 full attention group (10).
+    assert [(get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+             g.num_layers) for g in gemma.kv_cache_groups] == [("sliding_window", 1024, n) for n in (9, 9, 9, 9, 8, 8)] + [
+        ("full_attention", None, 10)]
+    assert gemma.block_bytes == 10 * 2 * 16 * 16 * 128 * 2
     llama4 = get_preset("llama-4-scout").kv_cache_config(100)
     assert [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in llama4.kv_cache_groups] == [
-        "full_attention", "chunked_local_attention"]
+        "chunked_local_attention"] * 3 + ["full_attention"]
     assert llama4.kv_cache_groups[1].kv_cache_spec.attention_chunk_size == 8192
     ds = get_preset("deepseek-v3").kv_cache_config(100)
     assert get_kv_cache_spec_kind(ds.kv_cache_groups[0].kv_cache_spec) is KVCacheSpecKind.MLA_ATTENTION
-    assert ds.kv_cache_groups[0].kv_cache_spec.block_size == 64
+    assert ds.kv_cache_groups[0].kv_cache_spec.block_size == 16  # vLLM 0.33 on H100/H200
     assert get_preset("llama-3-8b").kv_cache_config(100, block_size=32).kv_cache_groups[0].kv_cache_spec.block_size == 32
     assert set(PRESETS) >= {"llama-3-8b", "gemma-3-27b", "llama-4-scout"}

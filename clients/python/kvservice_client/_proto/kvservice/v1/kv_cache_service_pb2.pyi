@@ -1436,6 +1436,7 @@ class KVCacheGroupMetadata(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    LAYER_NAMES_FIELD_NUMBER: _builtins.int
     group_idx: _builtins.int
     """Index of the group (its position in GetKVCacheGroupMetadataResponse.groups)."""
     kind: Global___KVCacheSpecKind.ValueType
@@ -1458,6 +1459,10 @@ class KVCacheGroupMetadata(_message.Message):
     """Chunk size in tokens (chunked local attention only)."""
     page_size_bytes: _builtins.int
     """Bytes one block of one layer occupies."""
+    @_builtins.property
+    def layer_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The group's layers (num_layers of them), in the order its KV cache tensors stack them."""
+
     def __init__(
         self,
         *,
@@ -1472,10 +1477,11 @@ class KVCacheGroupMetadata(_message.Message):
         num_layers: _builtins.int = ...,
         attention_chunk_size: _builtins.int | None = ...,
         page_size_bytes: _builtins.int = ...,
+        layer_names: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "sliding_window", b"sliding_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "group_idx", b"group_idx", "kind", b"kind", "num_blocks", b"num_blocks", "num_layers", b"num_layers", "page_size_bytes", b"page_size_bytes", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "group_idx", b"group_idx", "kind", b"kind", "layer_names", b"layer_names", "num_blocks", b"num_blocks", "num_layers", b"num_layers", "page_size_bytes", b"page_size_bytes", "sliding_window", b"sliding_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attention_chunk_size: _TypeAlias = _typing.Literal["attention_chunk_size"]  # noqa: Y015
     _WhichOneofArgType__attention_chunk_size: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size"]  # noqa: Y015
@@ -1487,6 +1493,63 @@ class KVCacheGroupMetadata(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sliding_window) -> _WhichOneofReturnType__sliding_window | None: ...
 
 Global___KVCacheGroupMetadata: _TypeAlias = KVCacheGroupMetadata  # noqa: Y015
+
+@_typing.final
+class KVCacheTensorMetadata(_message.Message):
+    """One KV cache tensor: a run of same-spec layers of one group placed in the pool every group
+    views (vLLM 0.33's KVCacheTensor). Layer layer_names[l]'s page for block b is the
+    page_size_bytes bytes at offset_bytes + l * layer_stride_bytes + b * block_stride_bytes of the
+    backing allocation of size_bytes. Tensors of different groups alias the same bytes: a block id
+    belongs to one group at a time.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    LAYER_NAMES_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    LAYER_STRIDE_BYTES_FIELD_NUMBER: _builtins.int
+    BLOCK_STRIDE_BYTES_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    group_idx: _builtins.int
+    """The group whose layers these are."""
+    size_bytes: _builtins.int
+    """Bytes of the backing allocation (the whole pool: num_blocks * pool_bytes_per_block)."""
+    offset_bytes: _builtins.int
+    """Bytes from the start of the allocation to layer_names[0]'s block 0."""
+    layer_stride_bytes: _builtins.int
+    """Bytes between consecutive layers' pages of one block."""
+    block_stride_bytes: _builtins.int
+    """Bytes between consecutive blocks' pages of one layer."""
+    page_size_bytes: _builtins.int
+    """Bytes of one layer's page of one block, padding excluded."""
+    dtype: _builtins.str
+    """Element dtype of the page (torch name; "uint8" for Mamba state pages)."""
+    @_builtins.property
+    def layer_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The layers sharing this tensor, in L order."""
+
+    def __init__(
+        self,
+        *,
+        group_idx: _builtins.int = ...,
+        layer_names: _abc.Iterable[_builtins.str] | None = ...,
+        size_bytes: _builtins.int = ...,
+        offset_bytes: _builtins.int = ...,
+        layer_stride_bytes: _builtins.int = ...,
+        block_stride_bytes: _builtins.int = ...,
+        page_size_bytes: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_stride_bytes", b"block_stride_bytes", "dtype", b"dtype", "group_idx", b"group_idx", "layer_names", b"layer_names", "layer_stride_bytes", b"layer_stride_bytes", "offset_bytes", b"offset_bytes", "page_size_bytes", b"page_size_bytes", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVCacheTensorMetadata: _TypeAlias = KVCacheTensorMetadata  # noqa: Y015
 
 @_typing.final
 class GetKVCacheGroupMetadataResponse(_message.Message):
@@ -1508,6 +1571,8 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     ZMQ_SEQ_BASE_FIELD_NUMBER: _builtins.int
     MAX_DATA_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     BUILD_INFO_FIELD_NUMBER: _builtins.int
+    KV_CACHE_TENSORS_FIELD_NUMBER: _builtins.int
+    POOL_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     hash_algorithm: _builtins.str
     """"sha256_cbor", "sha256", "xxhash" or "xxhash_cbor" (vLLM's --prefix-caching-hash-algo names)."""
     hash_seed: _builtins.str
@@ -1537,6 +1602,8 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     """Largest `data` a WriteBlocks / ReadBlocks chunk carries, in bytes (the server's
     data_chunk_bytes); 0 when the device has no memory (meta).
     """
+    pool_bytes_per_block: _builtins.int
+    """Bytes one block id costs in the pool: the largest group's bytes_per_block."""
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroupMetadata]:
         """Every group, in group_idx order."""
@@ -1544,6 +1611,10 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     @_builtins.property
     def build_info(self) -> Global___BuildInfo:
         """The server's version and build."""
+
+    @_builtins.property
+    def kv_cache_tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheTensorMetadata]:
+        """Every KV cache tensor, in group order, then by first layer."""
 
     def __init__(
         self,
@@ -1562,10 +1633,12 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
         zmq_seq_base: _builtins.int = ...,
         max_data_chunk_bytes: _builtins.int = ...,
         build_info: Global___BuildInfo | None = ...,
+        kv_cache_tensors: _abc.Iterable[Global___KVCacheTensorMetadata] | None = ...,
+        pool_bytes_per_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "max_data_chunk_bytes", b"max_data_chunk_bytes", "max_model_len", b"max_model_len", "medium", b"medium", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "kv_cache_tensors", b"kv_cache_tensors", "max_data_chunk_bytes", b"max_data_chunk_bytes", "max_model_len", b"max_model_len", "medium", b"medium", "pool_bytes_per_block", b"pool_bytes_per_block", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__data_parallel_rank: _TypeAlias = _typing.Literal["data_parallel_rank"]  # noqa: Y015
     _WhichOneofArgType__data_parallel_rank: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank"]  # noqa: Y015

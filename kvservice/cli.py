@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from kvservice.core.kv_cache_spec import PRESETS
+from kvservice.core.model_config import PRESETS
 
 __all__ = ["main"]
 

@@ -18,13 +18,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvservice.core.kv_cache_planning import KVCacheTensor
-
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -38,6 +33,7 @@ __all__ = [
     "KVCacheGroupSpec",
     "KVCacheSpec",
     "KVCacheSpecKind",
+    "KVCacheTensor",
     "MLAAttentionSpec",
     "MambaSpec",
     "SinkFullAttentionSpec",
@@ -45,8 +41,11 @@ __all__ = [
     "SlidingWindowSpec",
     "UniformTypeKVCacheSpecs",
     "dtype_size_bytes",
+    "get_kv_cache_bytes_per_block",
     "get_kv_cache_spec_kind",
     "get_kv_cache_spec_sliding_window",
+    "get_kv_cache_tensors",
+    "get_per_layer_specs",
     "max_tokens_in_pool",
     "min_blocks_for_request",
 ]
@@ -364,17 +363,13 @@ class KVCacheConfig:
     @property
     def block_bytes(self) -> int:
         """Bytes one block id costs in the pool all groups view: the largest group's
-        :attr:`KVCacheGroupSpec.block_bytes` (vLLM 0.33; see ``kv_cache_planning``)."""
-        from kvservice.core.kv_cache_planning import get_kv_cache_bytes_per_block
-
+        :attr:`KVCacheGroupSpec.block_bytes` (vLLM 0.33; see :func:`get_kv_cache_bytes_per_block`)."""
         return get_kv_cache_bytes_per_block(self.kv_cache_groups)
 
     @property
     def kv_cache_tensors(self) -> tuple[KVCacheTensor, ...]:
         """The KV cache tensors placing every group's layers in the shared pool, in group order
-        (see :func:`kvservice.core.kv_cache_planning.get_kv_cache_tensors`)."""
-        from kvservice.core.kv_cache_planning import get_kv_cache_tensors
-
+        (see :func:`get_kv_cache_tensors`)."""
         return get_kv_cache_tensors(self.kv_cache_groups, self.num_blocks)
 
     @property
@@ -425,11 +420,98 @@ def max_tokens_in_pool(config: KVCacheConfig) -> int:
     return lo
 
 
-def __getattr__(name: str) -> object:
-    """Presets are named model configs now (``kvservice.core.model_config``); the old names stay
-    importable from here."""
-    if name in ("ModelPreset", "PRESETS", "get_preset"):
-        from kvservice.core import model_config
+# --------------------------------------------------------------------------------------------------
+# Where a config's groups lie in the pool (the placement the planner and the memory share)
+# --------------------------------------------------------------------------------------------------
 
-        return getattr(model_config, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One KV cache tensor: a run of same-spec layers of one group placed in the shared pool.
+
+    Layer ``layer_names[l]``'s page for block ``b`` is the ``kv_cache_spec.real_page_size_bytes``
+    bytes starting at ``offset + l * layer_stride + b * block_stride`` bytes into the pool
+    allocation of ``size`` bytes (vLLM 0.33's ``KVCacheTensor``; earlier releases listed the
+    layers as ``shared_by``). Tensors of different groups overlap: they alias the same bytes.
+
+    Attributes:
+        group_idx: the KV cache group whose layers these are.
+        layer_names: the layers, in the L order of the strides.
+        kv_cache_spec: the per-layer spec every one of them has.
+        size: bytes of the backing allocation (the whole pool: ``num_blocks * bytes_per_block``).
+        layer_stride: bytes between consecutive layers' pages of one block.
+        block_stride: bytes between consecutive blocks' pages of one layer.
+        offset: bytes from the start of the allocation to ``layer_names[0]``'s block 0.
+    """
+
+    group_idx: int
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+    size: int
+    layer_stride: int
+    block_stride: int
+    offset: int
+
+    @property
+    def num_layers(self) -> int:
+        """Layers sharing this tensor."""
+        return len(self.layer_names)
+
+
+def get_per_layer_specs(group: KVCacheGroupSpec) -> list[tuple[str, KVCacheSpec]]:
+    """(layer name, that layer's spec) for every layer of ``group``, in order."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [(name, spec.kv_cache_specs[name]) for name in group.layer_names]
+    return [(name, spec) for name in group.layer_names]
+
+
+def get_kv_cache_bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
+    """Bytes one block id costs in the shared pool: the largest group's sum of per-layer pages
+    (vLLM 0.33's ``_get_kv_cache_bytes_per_block``; no backend here asks for a stride alignment).
+
+    Raises:
+        ValueError: no groups.
+    """
+    if not groups:
+        raise ValueError("groups must hold at least one KV cache group")
+    return max(sum(spec.page_size_bytes for _, spec in get_per_layer_specs(group)) for group in groups)
+
+
+def _is_block_outermost(groups: Sequence[KVCacheGroupSpec]) -> bool:
+    """Block-outermost packing only where layer-outermost cannot alias safely: several groups and
+    pages of more than one size."""
+    page_sizes = {spec.page_size_bytes for group in groups for _, spec in get_per_layer_specs(group)}
+    return len(groups) > 1 and len(page_sizes) > 1
+
+
+def get_kv_cache_tensors(groups: Sequence[KVCacheGroupSpec], num_blocks: int) -> tuple[KVCacheTensor, ...]:
+    """The KV cache tensors of ``groups`` in a pool of ``num_blocks`` blocks, in group order and,
+    within a group, by first layer (placement rules in the module docstring).
+
+    Raises:
+        ValueError: no groups, or ``num_blocks`` < 1.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
+    bytes_per_block = get_kv_cache_bytes_per_block(groups)
+    size = bytes_per_block * num_blocks
+    block_outermost = _is_block_outermost(groups)
+    tensors: list[KVCacheTensor] = []
+    for group_idx, group in enumerate(groups):
+        layers_by_spec: dict[KVCacheSpec, list[str]] = {}
+        for name, spec in get_per_layer_specs(group):
+            layers_by_spec.setdefault(spec, []).append(name)
+        offset = 0
+        for spec, names in layers_by_spec.items():
+            page = spec.page_size_bytes
+            if block_outermost:
+                layer_stride, block_stride = page, bytes_per_block
+                next_offset = offset + len(names) * page
+            else:
+                layer_stride, block_stride = page * num_blocks, page
+                next_offset = offset + len(names) * layer_stride
+            tensors.append(KVCacheTensor(group_idx, tuple(names), spec, size, layer_stride, block_stride, offset))
+            offset = next_offset
+        assert offset <= size, f"group {group_idx} needs {offset} bytes of a {size}-byte pool"
+    return tuple(tensors)

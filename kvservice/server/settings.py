@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvservice.core.kv_cache_spec import PRESETS
+from kvservice.core.model_config import PRESETS
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 from kvservice.server.vllm_flags import KV_CACHE_DTYPES, kv_events_config_settings
 from kvservice_client.jetstream import redact_url
@@ -243,7 +243,7 @@ class CacheSettings(_Section):
     """The model KV layout, the pool, the KV tensors and the block-hash rule.
 
     Attributes:
-        preset: model KV layout (``kvservice.core.kv_cache_spec.PRESETS``).
+        preset: model KV layout (``kvservice.core.model_config.PRESETS``).
         block_size: tokens per block (None: the preset's).
         num_blocks: blocks in the pool, null block included (None: from the memory budget); vLLM's
             ``--num-gpu-blocks-override``.

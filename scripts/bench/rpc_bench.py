@@ -11,7 +11,7 @@ import time
 
 from kvservice.core.engine import KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig
-from kvservice.core.kv_cache_spec import get_preset
+from kvservice.core.model_config import get_preset
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import KVCacheClient
 

@@ -5,25 +5,42 @@ from __future__ import annotations
 import pytest
 
 from kvservice.core.kv_cache_spec import (
-    PRESETS,
+
     AttentionSpec,
+
     ChunkedLocalAttentionSpec,
+
     CrossAttentionSpec,
+
     EncoderOnlyAttentionSpec,
+
     FullAttentionSpec,
+
     KVCacheConfig,
+
     KVCacheSpec,
+
     KVCacheSpecKind,
+
     MambaSpec,
+
     MLAAttentionSpec,
+
     SinkFullAttentionSpec,
+
     SlidingWindowMLASpec,
+
     SlidingWindowSpec,
+
     UniformTypeKVCacheSpecs,
+
     get_kv_cache_spec_kind,
+
     get_kv_cache_spec_sliding_window,
-    get_preset,
+
 )
+
+from kvservice.core.model_config import PRESETS, get_preset
 
 ATTN = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
 

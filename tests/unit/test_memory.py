@@ -28,8 +28,8 @@ from kvservice.core.kv_cache_spec import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
-    get_preset,
 )
+from kvservice.core.model_config import get_preset
 from kvservice.core.kv_cache_planning import get_kv_cache_config
 from kvservice.memory import (
     KVCacheAllocationError,

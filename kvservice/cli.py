@@ -96,6 +96,8 @@ def _server_options(func: Any) -> Any:
         # -- metrics options --
         click.option("--metrics-port", type=int, help="Prometheus metrics HTTP port; 0 picks a free one [off]."),
         click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
+        # -- bounded cost options (issue 15) --
+        click.option("--max-snapshot-cuts", type=int, help="Snapshots cut at once; callers at one head share a cut [2]."),
     ]
     for option in reversed(options):
         func = option(func)

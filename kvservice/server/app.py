@@ -41,6 +41,7 @@ from kvservice.server.event_log import EventLog, EventLogConfig
 from kvservice.server.nats_sink import check_nats_settings, start_nats_sink
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
+from kvservice.server.snapshot import SnapshotSource
 from kvservice.server.zmq_publisher import check_endpoint_exposure
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 
@@ -131,6 +132,9 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics over HTTP on this port (None: off, the default;
             0 picks a free one; ``RunningServer.metrics_port`` is the bound one).
         metrics_host: address the metrics endpoint binds ("127.0.0.1").
+        max_snapshot_cuts: snapshots cut at once (>= 1; default 2). Callers asking at the same
+            head share one cut; at the bound a caller joins the newest cut of its group filter in
+            production, or waits for one to finish.
     """
 
     host: str = "127.0.0.1"
@@ -186,6 +190,8 @@ class ServerConfig:
     # -- metrics settings --
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # -- bounded cost settings (issue 15) --
+    max_snapshot_cuts: int = 2
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # raises naming the known presets
@@ -221,6 +227,9 @@ class ServerConfig:
             )
         if not self.consumer_idle_timeout_s > 0:
             raise ValueError(f"consumer_idle_timeout_s must be > 0 seconds; got {self.consumer_idle_timeout_s}")
+        # issue 15: bounded cost
+        if self.max_snapshot_cuts < 1:
+            raise ValueError(f"max_snapshot_cuts must be >= 1; got {self.max_snapshot_cuts}")
         # issue 7: ZMQ publisher
         if self.zmq_replay_endpoint is not None and self.zmq_endpoint is None:
             raise ValueError("zmq_replay_endpoint needs zmq_endpoint (replays answer what the PUB socket published)")
@@ -359,6 +368,7 @@ class RunningServer:
         port: the bound port.
         server: the grpc.aio server.
         engine, event_log, servicer: its parts (tests and the replay's invariant checks use them).
+        snapshots: where every snapshot is cut (``StreamEvents``, ``TakeEvents``, other wires).
         tensors: the KV tensors.
         config: the effective configuration (num_blocks resolved).
     """
@@ -372,6 +382,7 @@ class RunningServer:
     tensors: KVCacheTensors
     config: ServerConfig
     health: Any = field(repr=False, default=None)
+    snapshots: SnapshotSource | None = field(repr=False, default=None)
     notes: list[str] = field(default_factory=list)
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list, repr=False)
     """Async callables run (in reverse order) after the gRPC server stopped: publishers, reapers,
@@ -515,6 +526,10 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         ),
         data_parallel_rank=config.data_parallel_rank,
     )
+    # First listener: the mirror a snapshot is cut from is up to date when any other listener runs.
+    snapshots = SnapshotSource.attach(
+        event_log, part_tokens=config.snapshot_part_tokens, max_concurrent_cuts=config.max_snapshot_cuts
+    )
     metadata = build_metadata_response(
         engine,
         epoch=event_log.epoch,
@@ -525,9 +540,9 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     )
     servicer = KVCacheServicer(
         engine, event_log, metadata, max_step_ops=config.max_step_ops, max_message_bytes=config.max_message_bytes,
-        check_invariants=config.check_invariants, max_step_tokens=config.max_step_tokens,
+        check_invariants=config.check_invariants, max_step_tokens=config.max_step_tokens, snapshots=snapshots,
     )
-    closers: list[Callable[[], Awaitable[None]]] = []
+    closers: list[Callable[[], Awaitable[None]]] = [snapshots.close]
     interceptors: list[grpc.aio.ServerInterceptor] = []
     # -- auth: interceptor and credentials --
     auth = build_auth(
@@ -542,7 +557,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     if config.metrics_port is not None:
         from kvservice.server.metrics import ServerMetrics
 
-        metrics = ServerMetrics(engine, event_log)
+        metrics = ServerMetrics(engine, event_log, snapshots=snapshots)
         # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
         interceptors.insert(0, metrics.interceptor)
         metrics_port = metrics.start_http_server(config.metrics_host, config.metrics_port)
@@ -584,8 +599,8 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     address = bind.rsplit(":", 1)[0] + f":{port}"
     config = dataclasses.replace(config, port=port)
     running = RunningServer(
-        address, port, server, engine, event_log, servicer, tensors, config, health, notes=notes,
-        closers=closers,
+        address, port, server, engine, event_log, servicer, tensors, config, health, snapshots=snapshots,
+        notes=notes, closers=closers,
     )
     # -- background tasks started after bind: reapers --
     if config.request_idle_timeout_s is not None:

@@ -16,7 +16,6 @@ from kvservice.core.errors import CapacityExceededError, InvalidArgumentError
 from kvservice.server.app import ServerConfig, load_config
 from kvservice.server.event_log import EventLog, EventLogConfig
 from kvservice.server.reaper import RequestReaper
-from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvservice_client.hashing import BlockHasher, block_hash_to_int
 from tests.unit.core_helpers import free_ids, make_manager
@@ -134,10 +133,9 @@ def test_the_reaper_refuses_a_bad_timeout(bad):
 
 
 def take(log: EventLog, consumer: str, **kwargs) -> tuple[list[int], int]:
-    options = {"max_batches": 0, "snapshot": False, "start_seq": 0, "epoch": "",
-               "payload_format": pb.PAYLOAD_FORMAT_PROTOBUF, "group_idxs": None, **kwargs}
-    batches, next_seq = log.take(consumer, **options)
-    return [b.seq for b in batches], next_seq
+    options = {"max_batches": 0, "start_seq": 0, "epoch": "", **kwargs}
+    entries, next_seq = log.take(consumer, **options)
+    return [e.seq for e in entries], next_seq
 
 
 def test_consumers_expire_after_their_idle_timeout():

@@ -98,6 +98,10 @@ def _server_options(func: Any) -> Any:
         click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
         # -- bounded cost options (issue 15) --
         click.option("--max-snapshot-cuts", type=int, help="Snapshots cut at once; callers at one head share a cut [2]."),
+        click.option("--keepalive-time-s", type=float, help="Seconds between HTTP/2 keepalive pings to a client [30]."),
+        click.option("--keepalive-timeout-s", type=float, help="Seconds a keepalive ping may go unanswered [10]."),
+        click.option("--keepalive-min-client-interval-s", type=float,
+                     help="Most often a client may ping on a quiet connection, seconds [5]."),
     ]
     for option in reversed(options):
         func = option(func)

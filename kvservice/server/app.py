@@ -132,6 +132,14 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics over HTTP on this port (None: off, the default;
             0 picks a free one; ``RunningServer.metrics_port`` is the bound one).
         metrics_host: address the metrics endpoint binds ("127.0.0.1").
+        keepalive_time_s: seconds between HTTP/2 keepalive pings the server sends on a connection
+            (> 0; default 30), so a client that vanished without closing (a dead host, a NAT or a
+            load balancer that dropped the flow) is found and its streams end.
+        keepalive_timeout_s: seconds a ping may go unanswered before the connection is closed
+            (> 0; default 10).
+        keepalive_min_client_interval_s: the most often (seconds) a client may ping on a quiet
+            connection before it is told "too many pings" (> 0; default 5, below the client's
+            default of 30 s).
         max_snapshot_cuts: snapshots cut at once (>= 1; default 2). Callers asking at the same
             head share one cut; at the bound a caller joins the newest cut of its group filter in
             production, or waits for one to finish.
@@ -192,6 +200,9 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     # -- bounded cost settings (issue 15) --
     max_snapshot_cuts: int = 2
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    keepalive_min_client_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # raises naming the known presets
@@ -230,6 +241,10 @@ class ServerConfig:
         # issue 15: bounded cost
         if self.max_snapshot_cuts < 1:
             raise ValueError(f"max_snapshot_cuts must be >= 1; got {self.max_snapshot_cuts}")
+        for name in ("keepalive_time_s", "keepalive_timeout_s", "keepalive_min_client_interval_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0 seconds; got {value}")
         # issue 7: ZMQ publisher
         if self.zmq_replay_endpoint is not None and self.zmq_endpoint is None:
             raise ValueError("zmq_replay_endpoint needs zmq_endpoint (replays answer what the PUB socket published)")
@@ -571,6 +586,13 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # HTTP/2 keepalive: find connections that died without a word, accept clients' pings.
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_s * 1000)),  # what grpcio 1.85 applies
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(config.keepalive_min_client_interval_s * 1000)),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((servicer.generic_handler(),))

@@ -64,8 +64,10 @@ class EventLogConfig:
         max_consumers: named TakeEvents consumers tracked at once.
         max_take_batches: most batches one TakeEvents returns.
         snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts).
-        stalled_write_timeout_s: once a subscriber is ended, how long its handler may stay blocked
-            in a write (the client stopped reading) before the call is cancelled without a status.
+        stalled_write_timeout_s: the longest one stream write may take (the client stopped reading,
+            or its connection died silently) before the call is cancelled without a status, whether
+            the stream is behind or not; also how long an ended subscriber's handler may stay
+            blocked in a write.
         max_take_bytes: most bytes of batches one TakeEvents answer carries (default 4 MiB,
             gRPC's default receive limit, so any client can take it).
         consumer_idle_timeout_s: a named consumer that has not taken for this many seconds is
@@ -156,6 +158,7 @@ class Subscriber:
     group_idxs: tuple[int, ...] | None
     handler: asyncio.Task | None = None
     stalled_write_timeout_s: float = 30.0
+    num_write_timeouts: int = 0
     ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
@@ -178,6 +181,17 @@ class Subscriber:
     def _abandon(self) -> None:
         if self.handler is not None and not self.handler.done():
             logger.warning("cancelled a stream whose client stopped reading (next seq %d)", self.next_seq)
+            self.handler.cancel()
+
+    def write_timed_out(self) -> None:
+        """One write took longer than ``stalled_write_timeout_s``: cancel the handler (the call
+        ends without a status; nothing more can be sent to a client that does not read)."""
+        self.num_write_timeouts += 1
+        if self.handler is not None and not self.handler.done():
+            logger.warning(
+                "cancelled a stream: a write took over %g s (client not reading, or its connection is dead); "
+                "next seq %d", self.stalled_write_timeout_s, self.next_seq,
+            )
             self.handler.cancel()
 
     def raise_if_ended(self) -> None:

@@ -139,6 +139,7 @@ class KVCacheServicer:
 
     Attributes:
         num_deadline_exceeded: calls refused with DEADLINE_EXCEEDED before they ran.
+        num_stream_write_timeouts: streams cut because one write took over ``stalled_write_timeout_s``.
         num_invariant_checks: invariant checks run (with ``check_invariants``).
         num_invariant_failures: checks that failed.
         invariant_failures: the first 100 failures' messages.
@@ -162,6 +163,7 @@ class KVCacheServicer:
         self.snapshots = snapshots
         self.max_step_tokens = max_step_tokens
         self.num_deadline_exceeded = 0
+        self.num_stream_write_timeouts = 0
         self.max_message_bytes = max_message_bytes
         self.check_invariants = check_invariants
         self.num_invariant_checks = 0
@@ -376,15 +378,19 @@ class KVCacheServicer:
             await context.abort(code, message)
         finally:
             log.unsubscribe(sub)
+            if sub.num_write_timeouts:
+                self.num_stream_write_timeouts += 1
 
     async def _write(self, context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes, seq: int) -> None:
         """Write one message unless the subscription was ended (then raise its error).
 
         A message handed to gRPC cannot be taken back and no status can follow while it is in
         flight, so an ended subscriber's pending write is left to finish (a reading client
-        finishes it) and the status then names that message's seq as the last delivered; a client
-        that stops reading altogether is cut off by the event log's watchdog (see
-        ``EventLogConfig.stalled_write_timeout_s``).
+        finishes it) and the status then names that message's seq as the last delivered. Every
+        write has ``EventLogConfig.stalled_write_timeout_s`` to complete, behind or not: a client
+        that stops reading, or whose connection died without a word, is cut off then (the call is
+        cancelled). A stream so holds at most one message (``max_message_bytes``) in the server
+        beyond gRPC's HTTP/2 flow-control window.
         """
         sub.raise_if_ended()
         if len(data) > self.max_message_bytes:
@@ -392,7 +398,11 @@ class KVCacheServicer:
                 f"batch seq {seq} is {len(data)} bytes, above max_message_bytes {self.max_message_bytes}; "
                 f"last seq delivered {sub.last_seq}: raise max_message_bytes to read it"
             )
-        await context.write(data)
+        timer = asyncio.get_running_loop().call_later(sub.stalled_write_timeout_s, sub.write_timed_out)
+        try:
+            await context.write(data)
+        finally:
+            timer.cancel()
 
     async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
         """Pull batches after a named consumer's cursor."""

@@ -50,7 +50,7 @@ def _server_options(func: Any) -> Any:
         click.option("--block-hash-format", type=click.Choice(["int64", "digest"]), help="Hashes on events [int64]."),
         click.option("--data-parallel-rank", type=int, help="Rank copied onto every event batch."),
         click.option("--event-max-batches", type=int, help="Event batches retained for replay [100000]."),
-        click.option("--event-max-bytes", help="Event bytes retained for replay [256MiB]."),
+        click.option("--event-max-bytes", help="Bytes the event log holds for replay (msgpack, cached encodings, overhead) [256MiB]."),
         click.option("--max-subscriber-lag", type=int, help="Batches a subscriber may fall behind [10000]."),
         click.option("--check-invariants/--no-check-invariants", default=None,
                      help="Debug: check the cache's invariants after every mutating call (slow) [off]."),
@@ -98,6 +98,8 @@ def _server_options(func: Any) -> Any:
         click.option("--metrics-host", help="Address the metrics endpoint binds [127.0.0.1]."),
         # -- bounded cost options (issue 15) --
         click.option("--max-snapshot-cuts", type=int, help="Snapshots cut at once; callers at one head share a cut [2]."),
+        click.option("--max-waiting-tokens", type=int,
+                     help="Prompt tokens held by waiting (not yet admitted) requests; 0 = no bound [8388608]."),
         click.option("--keepalive-time-s", type=float, help="Seconds between HTTP/2 keepalive pings to a client [30]."),
         click.option("--keepalive-timeout-s", type=float, help="Seconds a keepalive ping may go unanswered [10]."),
         click.option("--keepalive-min-client-interval-s", type=float,

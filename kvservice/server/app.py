@@ -75,7 +75,9 @@ class ServerConfig:
         hash_algorithm, hash_seed: the block-hash rule.
         block_hash_format: "int64" (vLLM's published form) or "digest".
         data_parallel_rank: copied onto every event batch.
-        event_max_batches, event_max_bytes: event log retention (batches, msgpack bytes).
+        event_max_batches, event_max_bytes: event log retention: batches, and bytes the log holds
+            for them (msgpack bytes, the wire encodings cached for subscribers, a fixed overhead per
+            batch: within 1.5x of the Python memory it takes).
         max_subscriber_lag: batches a stream subscriber may fall behind before it is ended.
         max_consumers: named TakeEvents consumers.
         snapshot_part_tokens: token ids per snapshot message, about (big snapshots go in parts).
@@ -140,6 +142,9 @@ class ServerConfig:
         keepalive_min_client_interval_s: the most often (seconds) a client may ping on a quiet
             connection before it is told "too many pings" (> 0; default 5, below the client's
             default of 30 s).
+        max_waiting_tokens: prompt tokens held by waiting requests (registered, not yet admitted)
+            at once (default 8,388,608, about 370 MiB of server memory; 0: no bound). One more is
+            refused with RESOURCE_EXHAUSTED naming max_waiting_tokens.
         max_snapshot_cuts: snapshots cut at once (>= 1; default 2). Callers asking at the same
             head share one cut; at the bound a caller joins the newest cut of its group filter in
             production, or waits for one to finish.
@@ -200,6 +205,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     # -- bounded cost settings (issue 15) --
     max_snapshot_cuts: int = 2
+    max_waiting_tokens: int = 8 * 1024 * 1024
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     keepalive_min_client_interval_s: float = 5.0
@@ -241,6 +247,8 @@ class ServerConfig:
         # issue 15: bounded cost
         if self.max_snapshot_cuts < 1:
             raise ValueError(f"max_snapshot_cuts must be >= 1; got {self.max_snapshot_cuts}")
+        if self.max_waiting_tokens < 0:
+            raise ValueError(f"max_waiting_tokens must be >= 0 (0: no bound); got {self.max_waiting_tokens}")
         for name in ("keepalive_time_s", "keepalive_timeout_s", "keepalive_min_client_interval_s"):
             value = getattr(self, name)
             if not 0 < value < float("inf"):
@@ -521,7 +529,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         prefix_caching=PrefixCachingConfig(config.hash_algorithm, config.hash_seed),
         kv_events=KVEventsConfig(block_hash_format=config.block_hash_format, medium=medium),  # type: ignore[arg-type]
     )
-    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=config.max_num_requests))
+    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=config.max_num_requests, max_waiting_tokens=config.max_waiting_tokens or None))
     meta = manager.get_kv_cache_group_metadata()
     event_log = EventLog(
         manager.num_groups,

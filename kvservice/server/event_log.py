@@ -40,12 +40,15 @@ from kvservice_client.events import AllBlocksCleared, KVCacheEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENTRY_OVERHEAD_BYTES", "EventLog", "EventLogConfig", "LogEntry", "Subscriber", "filter_events"]
+__all__ = ["ENCODING_OVERHEAD_BYTES", "ENTRY_OVERHEAD_BYTES", "EventLog", "EventLogConfig", "LogEntry", "Subscriber", "filter_events"]
 
 ENTRY_OVERHEAD_BYTES = 400
 """Bytes a retained batch costs beyond its msgpack bytes and encodings (the entry object, its
 encodings table, the bytes objects' headers, its slot in the window), as measured with tracemalloc
 (tests/unit/test_event_log_memory.py)."""
+
+ENCODING_OVERHEAD_BYTES = 200
+"""Bytes a cached encoding costs beyond its length (its key, its slot in the entry's table)."""
 
 MAX_EPOCH_BYTES = 256
 """Longest epoch a request may name, in UTF-8 bytes (an epoch is 32 hex digits)."""
@@ -58,7 +61,8 @@ class EventLogConfig:
     Attributes:
         max_batches: batches retained for replay (>= 1).
         max_bytes: bytes retained for replay (>= 1): each batch's msgpack bytes, the wire encodings
-            cached on it and ``ENTRY_OVERHEAD_BYTES``; the newest batch is always kept.
+            cached on it (each plus ``ENCODING_OVERHEAD_BYTES``) and ``ENTRY_OVERHEAD_BYTES``; the
+            newest batch is always kept.
         max_subscriber_lag: batches a stream subscriber may fall behind the head before it is
             ended with RESOURCE_EXHAUSTED.
         max_consumers: named TakeEvents consumers tracked at once.
@@ -302,8 +306,9 @@ class EventLog:
         (while the entry is retained; retention is applied at the next append). Returns ``data``."""
         entry.encodings[key] = data
         if entry.seq >= self.oldest_seq:
-            entry.num_bytes += len(data)
-            self._bytes += len(data)
+            size = len(data) + ENCODING_OVERHEAD_BYTES
+            entry.num_bytes += size
+            self._bytes += size
         return data
 
     def _check_subscribers(self) -> None:

@@ -43,6 +43,7 @@ from kvservice.server.encoding import (
     snapshot_part_message,
 )
 from kvservice.server.event_log import EventLog, LogEntry, Subscriber
+from kvservice.server.heap import HeapTrimmer
 from kvservice.server.snapshot import SnapshotSource
 from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
@@ -161,6 +162,7 @@ class KVCacheServicer:
             assert event_log.head_seq == 0, "attach the snapshot source before the first batch"
             snapshots = SnapshotSource.attach(event_log, part_tokens=event_log.config.snapshot_part_tokens)
         self.snapshots = snapshots
+        self.heap_trimmer = HeapTrimmer(lambda: engine.num_freed_tokens)
         self.max_step_tokens = max_step_tokens
         self.num_deadline_exceeded = 0
         self.num_stream_write_timeouts = 0
@@ -226,6 +228,7 @@ class KVCacheServicer:
 
     def _publish(self) -> None:
         self.event_log.append(self.engine.take_events())
+        self.heap_trimmer.maybe_trim()
         if self.check_invariants:
             self._check_invariants()
 

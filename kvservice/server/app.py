@@ -81,8 +81,9 @@ class ServerConfig:
         max_subscriber_lag: batches a stream subscriber may fall behind before it is ended.
         max_consumers: named TakeEvents consumers.
         snapshot_part_tokens: token ids per snapshot message, about (big snapshots go in parts).
-        stalled_write_timeout_s: an ended subscriber whose client stopped reading is cut off
-            (without a status) after this many seconds.
+        stalled_write_timeout_s: the longest one StreamEvents write may take, in seconds (a client
+            that stopped reading, or whose connection died silently): then the stream is ended with
+            DEADLINE_EXCEEDED naming the bound, behind or not (default 30).
         max_num_requests: registered requests at once.
         max_step_ops: ops per Step.
         max_step_tokens: tokens per Step (prompt_token_ids + new_token_ids over all its ops);

@@ -69,7 +69,7 @@ class EventLogConfig:
         max_take_batches: most batches one TakeEvents returns.
         snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts).
         stalled_write_timeout_s: the longest one stream write may take (the client stopped reading,
-            or its connection died silently) before the call is cancelled without a status, whether
+            or its connection died silently) before the call is ended (DEADLINE_EXCEEDED), whether
             the stream is behind or not; also how long an ended subscriber's handler may stay
             blocked in a write.
         max_take_bytes: most bytes of batches one TakeEvents answer carries (default 4 MiB,
@@ -163,6 +163,7 @@ class Subscriber:
     handler: asyncio.Task | None = None
     stalled_write_timeout_s: float = 30.0
     num_write_timeouts: int = 0
+    abandoned: bool = False
     ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
@@ -174,7 +175,7 @@ class Subscriber:
         """Mark the subscription ended; ``make_error(last_seq)`` is raised to its handler.
 
         A handler that is not back within ``stalled_write_timeout_s`` (blocked in a write to a
-        client that stopped reading) is cancelled: the call ends without a status.
+        client that stopped reading) is cancelled: the call ends with this status then.
         """
         if self.ended.done():
             return
@@ -184,12 +185,13 @@ class Subscriber:
 
     def _abandon(self) -> None:
         if self.handler is not None and not self.handler.done():
+            self.abandoned = True
             logger.warning("cancelled a stream whose client stopped reading (next seq %d)", self.next_seq)
             self.handler.cancel()
 
     def write_timed_out(self) -> None:
-        """One write took longer than ``stalled_write_timeout_s``: cancel the handler (the call
-        ends without a status; nothing more can be sent to a client that does not read)."""
+        """One write took longer than ``stalled_write_timeout_s``: cancel the handler, which ends
+        the call with DEADLINE_EXCEEDED naming the bound and the last seq delivered."""
         self.num_write_timeouts += 1
         if self.handler is not None and not self.handler.done():
             logger.warning(

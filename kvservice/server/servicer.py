@@ -379,10 +379,28 @@ class KVCacheServicer:
         except KVServiceDomainError as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
-        finally:
-            log.unsubscribe(sub)
+        except asyncio.CancelledError:
+            if sub.num_write_timeouts == 0 and not sub.abandoned:
+                raise  # the client went away
+            # We cut it (a write timed out): end the call with a status, or it would stay open on
+            # the wire, its pending message buffered, until the connection closes.
             if sub.num_write_timeouts:
                 self.num_stream_write_timeouts += 1
+            log.unsubscribe(sub)
+            if sub.num_write_timeouts:
+                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, (
+                    f"stream cut: a write took over stalled_write_timeout_s {sub.stalled_write_timeout_s:g} s (the "
+                    f"client is not reading); last seq delivered {sub.last_seq} of epoch {log.epoch}"
+                )
+            else:  # ended (fell behind, shutdown) while blocked in a write: that status
+                code, message = status_for(sub.ended.result()(sub.last_seq))
+            abort = context.abort(code, message)
+            try:
+                await asyncio.wait_for(abort, sub.stalled_write_timeout_s)
+            except asyncio.TimeoutError:
+                raise asyncio.CancelledError from None
+        finally:
+            log.unsubscribe(sub)
 
     async def _write(self, context: grpc.aio.ServicerContext, sub: Subscriber, data: bytes, seq: int) -> None:
         """Write one message unless the subscription was ended (then raise its error).
@@ -391,8 +409,8 @@ class KVCacheServicer:
         flight, so an ended subscriber's pending write is left to finish (a reading client
         finishes it) and the status then names that message's seq as the last delivered. Every
         write has ``EventLogConfig.stalled_write_timeout_s`` to complete, behind or not: a client
-        that stops reading, or whose connection died without a word, is cut off then (the call is
-        cancelled). A stream so holds at most one message (``max_message_bytes``) in the server
+        that stops reading, or whose connection died without a word, is cut off then
+        (DEADLINE_EXCEEDED naming ``stalled_write_timeout_s`` and the last seq delivered). A stream so holds at most one message (``max_message_bytes``) in the server
         beyond gRPC's HTTP/2 flow-control window.
         """
         sub.raise_if_ended()

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
-from kvservice_client.client import AsyncKVCacheClient
+from kvservice_client.client import AsyncKVCacheClient, KVServiceError
 from kvservice_client.watcher import EventWatcher, RetryPolicy
 from tests.service.helpers import next_batch, wait_until
 from tests.service.test_stream_resume import MAX_STALL_BATCHES, STALL_TOKENS, publish
@@ -40,6 +41,12 @@ async def test_a_stream_that_never_reads_is_cut_by_its_write_timeout_though_not_
     assert sub.num_write_timeouts == 1 and running.servicer.num_stream_write_timeouts == 1
     assert running.event_log.head_seq - sub.last_seq < running.config.max_subscriber_lag  # never behind
     assert not sub.ended.done() or sub.ended.cancelled()  # not ended for lag: cut by the timer
+    # The call really ended: reading on, the client gets what was in flight, then the status.
+    with pytest.raises(KVServiceError) as err:
+        while True:
+            await next_batch(stalled)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "stream cut: a write took over stalled_write_timeout_s 1 s (the client is not reading)" in str(err.value)
 
 
 class FreezingProxy:

@@ -60,7 +60,7 @@ def snapshot_part_message(
     """Part ``i`` of a snapshot as an ``EventBatch``: ``seq`` the watermark, ``snapshot`` set,
     ``snapshot_more`` on every part but the last."""
     msg = batch_to_proto(
-        KVEventBatch(snap.ts, snap.parts[i], data_parallel_rank), seq=snap.seq, epoch=epoch, snapshot=True,
+        KVEventBatch(snap.ts, snap.part_events(i), data_parallel_rank), seq=snap.seq, epoch=epoch, snapshot=True,
         payload_format=payload_format,
     )
     msg.snapshot_more = more

@@ -15,7 +15,7 @@ Cost rules (issue 15):
   use it; so can any other wire). Every caller that asks for the same group filter at the same
   mirror seq shares one cut (:attr:`SnapshotSource.num_cuts` counts cuts, exported as
   ``kvservice_snapshot_cuts``). A cut copies the mirror's table (one C-level dict copy, the only
-  step that holds the loop in proportion to the cache: about 20 ms per million blocks here) and is
+  step that holds the loop in proportion to the cache: about 50 ms per million blocks here) and is
   then produced by a task in parts of about ``part_tokens`` token ids that yields to the loop every
   ``YIELD_EVERY_TOKENS`` tokens; callers read parts as they are produced.
 * At most ``max_concurrent_cuts`` cuts are produced at once; a caller that would start one more
@@ -36,15 +36,19 @@ import asyncio
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
-from typing import Any
+from typing import Any, Union
 
+from kvservice.core.errors import ShuttingDownError
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["CachedSetMirror", "MirroredBlock", "Snapshot", "SnapshotSource", "YIELD_EVERY_TOKENS"]
+__all__ = [
+    "CachedSetMirror", "MirroredBlock", "Snapshot", "SnapshotSource", "YIELD_EVERY_TOKENS", "materialize",
+    "snapshot_runs",
+]
 
-YIELD_EVERY_TOKENS = 16_384
+YIELD_EVERY_TOKENS = 8_192
 """A cut in production yields to the loop after about this many token ids of events (and at every
-part boundary), so one cut holds the loop for about 1,000 blocks' worth of work at a time."""
+part boundary), so one cut holds the loop for about 500 blocks' worth of work at a time."""
 
 _Key = tuple[int, Any]  # (group_idx, block hash)
 
@@ -164,15 +168,19 @@ class CachedSetMirror:
     def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVCacheEvent]:
         """The whole snapshot's events at once (tests and small caches; servers use a
         :class:`SnapshotSource`)."""
-        return list(snapshot_events(self.view(), group_idxs, self.group_kinds, self.group_windows))
+        view = self.view()
+        return [materialize(view, item, self.group_kinds, self.group_windows) for item in snapshot_runs(view, group_idxs)]
 
 
-def snapshot_events(
-    view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None, group_kinds: Sequence[str | None],
-    group_windows: Sequence[int | None],
-) -> Iterator[KVCacheEvent]:
-    """The snapshot of ``view``, one event at a time: AllBlocksCleared; BlockStored for every block,
-    parents before children; then the same blocks re-announced in recency order (``reused``).
+_Run = Union[None, tuple[list[_Key], bool]]
+"""One snapshot event as the cut holds it: None is AllBlocksCleared; (run, reused) is a
+BlockStored of those blocks (parent first), materialized from the view only when encoded."""
+
+
+def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
+    """The snapshot of ``view``, one event (as a :data:`_Run`) at a time: AllBlocksCleared;
+    BlockStored for every block, parents before children; then the same blocks re-announced in
+    recency order (``reused``).
 
     The first half gives the cached set (a consumer building a tree meets every parent before its
     children). The second half, like a reuse report, changes no presence; a consumer that bounds
@@ -194,32 +202,7 @@ def snapshot_events(
             and block.has_extra_keys == before.has_extra_keys
         )
 
-    def stored(run: list[_Key], reused: bool) -> BlockStored:
-        g = run[0][0]
-        first = view[run[0]]
-        token_ids: list[int] = []
-        extra_keys: list | None = [] if first.has_extra_keys else None
-        for key in run:
-            block = view[key]
-            token_ids.extend(block.token_ids)
-            if extra_keys is not None:
-                extra_keys.append(block.extra_keys)
-        return BlockStored(
-            block_hashes=[h for _, h in run],
-            parent_block_hash=first.parent,
-            token_ids=token_ids,
-            block_size=first.block_size,
-            lora_id=first.lora_id,
-            medium=first.medium,
-            lora_name=first.lora_name,
-            extra_keys=extra_keys,
-            group_idx=g,
-            kv_cache_spec_kind=group_kinds[g],
-            kv_cache_spec_sliding_window=group_windows[g],
-            reused=reused,
-        )
-
-    yield AllBlocksCleared()
+    yield None
     # Half 1: parents first. Walk each block's ancestors up to an emitted (or absent) one.
     emitted: set = set()
     run: list[_Key] | None = None
@@ -238,10 +221,10 @@ def snapshot_events(
             run.extend(chain)
         else:
             if run is not None:
-                yield stored(run, False)
+                yield run, False
             run = chain
     if run is not None:
-        yield stored(run, False)
+        yield run, False
     del emitted
     # Half 2: recency order, least recent first; a run is a chain listed child first.
     run = None
@@ -252,10 +235,52 @@ def snapshot_events(
             run.append(key)
         else:
             if run is not None:
-                yield stored(run[::-1], True)
+                run.reverse()
+                yield run, True
             run = [key]
     if run is not None:
-        yield stored(run[::-1], True)
+        run.reverse()
+        yield run, True
+
+
+def materialize(
+    view: dict[_Key, MirroredBlock], item: _Run, group_kinds: Sequence[str | None],
+    group_windows: Sequence[int | None],
+) -> KVCacheEvent:
+    """The event a :data:`_Run` stands for."""
+    if item is None:
+        return AllBlocksCleared()
+    run, reused = item
+    g = run[0][0]
+    first = view[run[0]]
+    token_ids: list[int] = []
+    extra_keys: list | None = [] if first.has_extra_keys else None
+    for key in run:
+        block = view[key]
+        token_ids.extend(block.token_ids)
+        if extra_keys is not None:
+            extra_keys.append(block.extra_keys)
+    return BlockStored(
+        block_hashes=[h for _, h in run],
+        parent_block_hash=first.parent,
+        token_ids=token_ids,
+        block_size=first.block_size,
+        lora_id=first.lora_id,
+        medium=first.medium,
+        lora_name=first.lora_name,
+        extra_keys=extra_keys,
+        group_idx=g,
+        kv_cache_spec_kind=group_kinds[g],
+        kv_cache_spec_sliding_window=group_windows[g],
+        reused=reused,
+    )
+
+
+def _run_tokens(view: dict[_Key, MirroredBlock], item: _Run) -> int:
+    if item is None:
+        return 0
+    run = item[0]
+    return len(run) * view[run[0]].block_size
 
 
 class Snapshot:
@@ -265,24 +290,36 @@ class Snapshot:
         seq: the watermark (the mirror's seq when cut); continue from ``seq + 1``.
         ts: wall-clock time of the cut, in seconds.
         group_idxs: the group filter (None: all groups).
-        parts: the parts produced so far (lists of events, each about ``part_tokens`` token ids;
-            an event is never split).
+        parts: the parts produced so far, each about ``part_tokens`` token ids (an event is never
+            split), as runs of the cut's view (compact: a key reference per block); read one with
+            :meth:`part_events`.
         done: all parts produced.
         num_tokens: token ids in the parts produced so far.
     """
 
-    def __init__(self, seq: int, group_idxs: tuple[int, ...] | None) -> None:
+    def __init__(
+        self, seq: int, group_idxs: tuple[int, ...] | None, view: dict[_Key, MirroredBlock] | None = None,
+        group_kinds: Sequence[str | None] = (), group_windows: Sequence[int | None] = (),
+    ) -> None:
         self.seq = seq
         self.ts = time.time()
         self.group_idxs = group_idxs
-        self.parts: list[list[KVCacheEvent]] = []
+        self.view = view if view is not None else {}
+        self.group_kinds = tuple(group_kinds)
+        self.group_windows = tuple(group_windows)
+        self.parts: list[list[_Run]] = []
         self.done = False
         self.num_tokens = 0
         self.error: BaseException | None = None
         self._changed = asyncio.Event()
         self._encodings: dict[Hashable, list[bytes | None]] = {}
 
-    def _add_part(self, part: list[KVCacheEvent], num_tokens: int) -> None:
+    def part_events(self, i: int) -> list[KVCacheEvent]:
+        """Part ``i``'s events (made now from the view: the caller encodes and drops them)."""
+        view, kinds, windows = self.view, self.group_kinds, self.group_windows
+        return [materialize(view, item, kinds, windows) for item in self.parts[i]]
+
+    def _add_part(self, part: list[_Run], num_tokens: int) -> None:
         self.parts.append(part)
         self.num_tokens += num_tokens
         self._changed.set()
@@ -409,31 +446,30 @@ class SnapshotSource:
 
     def _cut(self, group_idxs: tuple[int, ...] | None) -> Snapshot:
         mirror = self.mirror
-        snap = Snapshot(mirror.seq, group_idxs)
-        view = mirror.view()
+        snap = Snapshot(mirror.seq, group_idxs, mirror.view(), mirror.group_kinds, mirror.group_windows)
         self.num_cuts += 1
         self._latest[group_idxs] = snap
         self._in_production.add(snap)
-        task = asyncio.get_running_loop().create_task(self._produce(snap, view))
+        task = asyncio.get_running_loop().create_task(self._produce(snap))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return snap
 
-    async def _produce(self, snap: Snapshot, view: dict[_Key, MirroredBlock]) -> None:
-        mirror = self.mirror
+    async def _produce(self, snap: Snapshot) -> None:
         limit = self.part_tokens
+        view = snap.view
         error: BaseException | None = None
         try:
-            part: list[KVCacheEvent] = []
+            part: list[_Run] = []
             part_tokens = 0
             since_yield = 0
-            for event in snapshot_events(view, snap.group_idxs, mirror.group_kinds, mirror.group_windows):
-                size = len(event.token_ids) if type(event) is BlockStored else 0  # type: ignore[union-attr]
+            for item in snapshot_runs(view, snap.group_idxs):
+                size = _run_tokens(view, item)
                 if part and part_tokens + size > limit:
                     snap._add_part(part, part_tokens)
                     part, part_tokens = [], 0
                     since_yield = YIELD_EVERY_TOKENS
-                part.append(event)
+                part.append(item)
                 part_tokens += size
                 since_yield += size
                 if since_yield >= YIELD_EVERY_TOKENS:
@@ -441,11 +477,10 @@ class SnapshotSource:
                     await asyncio.sleep(0)
             snap._add_part(part, part_tokens)
         except BaseException as exc:  # a failed cut fails its callers, never the loop
-            error = exc if isinstance(exc, Exception) else RuntimeError("snapshot cut cancelled")
+            error = exc if isinstance(exc, Exception) else ShuttingDownError("snapshot cut cancelled: shutting down")
             if not isinstance(exc, Exception):
                 raise
         finally:
-            del view
             snap._finish(error)
             self._in_production.discard(snap)
             if self._slot_freed is not None:

@@ -70,7 +70,7 @@ def _server_options(func: Any) -> Any:
         click.option("--max-num-requests", type=int, help="Registered requests at once [65536]."),
         click.option("--max-step-ops", type=int, help="Ops per Step [4096]."),
         click.option("--max-step-tokens", type=int,
-                     help="Tokens per Step, prompt + new over all ops [1048576]."),
+                     help="Tokens per Step, prompt + new over all ops; bounds how long a Step holds the loop [262144]."),
         click.option("--max-message-bytes", help="Largest gRPC message, e.g. 64MiB [64MiB]."),
         click.option("--max-streams", type=int, help="Open StreamEvents subscriptions [1024]."),
         click.option("--max-consumers", type=int, help="Named TakeEvents consumers [1024]."),

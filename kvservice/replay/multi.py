@@ -498,7 +498,7 @@ async def replay_policy(
         for server in servers:
             server.engine.check_invariants()
         run = PolicyRun(policy, router.decisions, instances, num_skipped,
-                        [server.event_log.cached_hashes() for server in servers])
+                        [server.snapshots.mirror.cached_hashes() for server in servers])
     finally:
         if progress is not None:
             progress.close()

@@ -356,7 +356,7 @@ async def replay_mode(
         run = await run_mode(mode, requests, config, address, progress=progress)
         if server is not None:
             server.engine.check_invariants()
-            run.server_cached = server.event_log.cached_hashes()
+            run.server_cached = server.snapshots.mirror.cached_hashes()
     finally:
         if progress is not None:
             progress.close()

@@ -155,7 +155,7 @@ class KVCacheServicer:
         max_step_ops: int = 4096,
         max_message_bytes: int = 64 * 1024 * 1024,
         check_invariants: bool = False,
-        max_step_tokens: int = 1 << 20,
+        max_step_tokens: int = 1 << 18,
         snapshots: SnapshotSource | None = None,
     ) -> None:
         if snapshots is None:

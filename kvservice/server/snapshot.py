@@ -8,7 +8,8 @@ server's cached set and misses nothing.
 Cost rules (issue 15):
 
 * The mirror (:class:`CachedSetMirror`) keeps, per cached (group_idx, block hash), only that
-  block's own ``block_size`` token ids (an ``array('q')``), its parent hash and its keys; never the
+  block's own ``block_size`` token ids (8 bytes each), its parent hash and its keys, in a
+  plain tuple the cycle collector stops tracking; never the
   BlockStored that announced it, so one surviving block does not pin a whole prompt. It is fed by
   an event-log listener; its ``seq`` is the last batch applied.
 * :meth:`SnapshotSource.get` is the one entry point (gRPC ``StreamEvents`` and ``TakeEvents``
@@ -53,31 +54,16 @@ part boundary), so one cut holds the loop for about 500 blocks' worth of work at
 _Key = tuple[int, Any]  # (group_idx, block hash)
 
 
-class MirroredBlock:
-    """One cached block as the mirror holds it (immutable once made: a cut may share it).
+MirroredBlock = tuple
+"""One cached block as the mirror holds it: a plain tuple (immutable, so a cut may share it; and
+untracked by CPython's cycle collector once it has looked at it, since it holds only ints,
+strings, None and bytes: a million of them add nothing to a collection's pause), indexed by:"""
 
-    Attributes:
-        parent: the parent block hash (None at block 0).
-        token_ids: this block's own ``block_size`` token ids (``array('q')``).
-        block_size, lora_id, lora_name, medium: from the BlockStored that announced it.
-        has_extra_keys: whether that BlockStored carried ``extra_keys`` at all.
-        extra_keys: this block's own entry of them (None when it had none).
-    """
-
-    __slots__ = ("parent", "token_ids", "block_size", "lora_id", "lora_name", "medium", "has_extra_keys", "extra_keys")
-
-    def __init__(
-        self, parent: Any, token_ids: array, block_size: int, lora_id: int | None, lora_name: str | None,
-        medium: str | None, has_extra_keys: bool, extra_keys: Any,
-    ) -> None:
-        self.parent = parent
-        self.token_ids = token_ids
-        self.block_size = block_size
-        self.lora_id = lora_id
-        self.lora_name = lora_name
-        self.medium = medium
-        self.has_extra_keys = has_extra_keys
-        self.extra_keys = extra_keys
+PARENT, TOKEN_IDS, BLOCK_SIZE, LORA_ID, LORA_NAME, MEDIUM, HAS_EXTRA_KEYS, EXTRA_KEYS = range(8)
+"""Fields of a :data:`MirroredBlock`: the parent block hash (None at block 0); this block's own
+``block_size`` token ids (int64 in native byte order, as ``array('q').tobytes()``); block_size, lora_id, lora_name, medium of the
+BlockStored that announced it; whether that event carried ``extra_keys`` at all; this block's own
+entry of them (None when it had none)."""
 
 
 class CachedSetMirror:
@@ -122,8 +108,9 @@ class CachedSetMirror:
                             blocks[key] = block
                     continue
                 bs = event.block_size  # type: ignore[union-attr]
-                # One C-level conversion per event, then a slice (its own array) per block.
-                all_tokens = array("q", event.token_ids)  # type: ignore[union-attr]
+                # One C-level conversion per event, then a slice (its own bytes) per block.
+                all_tokens = array("q", event.token_ids).tobytes()  # type: ignore[union-attr]
+                width = 8 * bs
                 extra = event.extra_keys  # type: ignore[union-attr]
                 lora_id, lora_name, medium = event.lora_id, event.lora_name, event.medium  # type: ignore[union-attr]
                 for i in range(len(hashes) - 1, -1, -1):
@@ -131,9 +118,9 @@ class CachedSetMirror:
                     key = (g, hashes[i])
                     old = blocks.pop(key, None)
                     if old is not None:
-                        tokens[g] -= old.block_size
-                    blocks[key] = MirroredBlock(
-                        parent, all_tokens[i * bs : (i + 1) * bs], bs, lora_id, lora_name, medium,
+                        tokens[g] -= old[BLOCK_SIZE]
+                    blocks[key] = (
+                        parent, all_tokens[i * width : (i + 1) * width], bs, lora_id, lora_name, medium,
                         extra is not None, extra[i] if extra is not None else None,
                     )
                     tokens[g] += bs
@@ -142,7 +129,7 @@ class CachedSetMirror:
                 for h in event.block_hashes:  # type: ignore[union-attr]
                     old = blocks.pop((g, h), None)
                     if old is not None:
-                        tokens[g] -= old.block_size
+                        tokens[g] -= old[BLOCK_SIZE]
             elif kind is AllBlocksCleared:
                 blocks.clear()
                 self.num_tokens_per_group = tokens = [0] * self.num_groups
@@ -194,12 +181,12 @@ def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] |
             return False
         block, before = view[key], view[prev]
         return (
-            block.parent == prev[1]
-            and block.block_size == before.block_size
-            and block.lora_id == before.lora_id
-            and block.lora_name == before.lora_name
-            and block.medium == before.medium
-            and block.has_extra_keys == before.has_extra_keys
+            block[PARENT] == prev[1]
+            and block[BLOCK_SIZE] == before[BLOCK_SIZE]
+            and block[LORA_ID] == before[LORA_ID]
+            and block[LORA_NAME] == before[LORA_NAME]
+            and block[MEDIUM] == before[MEDIUM]
+            and block[HAS_EXTRA_KEYS] == before[HAS_EXTRA_KEYS]
         )
 
     yield None
@@ -211,10 +198,10 @@ def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] |
             continue
         g = key[0]
         chain = [key]
-        parent = view[key].parent
+        parent = view[key][PARENT]
         while parent is not None and (g, parent) in view and (g, parent) not in emitted:
             chain.append((g, parent))
-            parent = view[(g, parent)].parent
+            parent = view[(g, parent)][PARENT]
         chain.reverse()
         emitted.update(chain)
         if run is not None and continues(run[-1], chain[0]):
@@ -254,20 +241,20 @@ def materialize(
     g = run[0][0]
     first = view[run[0]]
     token_ids: list[int] = []
-    extra_keys: list | None = [] if first.has_extra_keys else None
+    extra_keys: list | None = [] if first[HAS_EXTRA_KEYS] else None
     for key in run:
         block = view[key]
-        token_ids.extend(block.token_ids)
+        token_ids.extend(memoryview(block[TOKEN_IDS]).cast("q"))
         if extra_keys is not None:
-            extra_keys.append(block.extra_keys)
+            extra_keys.append(block[EXTRA_KEYS])
     return BlockStored(
         block_hashes=[h for _, h in run],
-        parent_block_hash=first.parent,
+        parent_block_hash=first[PARENT],
         token_ids=token_ids,
-        block_size=first.block_size,
-        lora_id=first.lora_id,
-        medium=first.medium,
-        lora_name=first.lora_name,
+        block_size=first[BLOCK_SIZE],
+        lora_id=first[LORA_ID],
+        medium=first[MEDIUM],
+        lora_name=first[LORA_NAME],
         extra_keys=extra_keys,
         group_idx=g,
         kv_cache_spec_kind=group_kinds[g],
@@ -280,7 +267,7 @@ def _run_tokens(view: dict[_Key, MirroredBlock], item: _Run) -> int:
     if item is None:
         return 0
     run = item[0]
-    return len(run) * view[run[0]].block_size
+    return len(run) * view[run[0]][BLOCK_SIZE]
 
 
 class Snapshot:

@@ -206,7 +206,7 @@ def test_limit_settings_come_from_flags_env_and_files(tmp_path):
     assert (config.max_streams, config.consumer_idle_timeout_s, config.request_idle_timeout_s,
             config.max_step_tokens) == (16, 60.0, 30.0, 4096)
     assert (ServerConfig().request_idle_timeout_s, ServerConfig().consumer_idle_timeout_s,
-            ServerConfig().max_streams, ServerConfig().max_step_tokens) == (None, 3600.0, 1024, 1 << 20)
+            ServerConfig().max_streams, ServerConfig().max_step_tokens) == (None, 3600.0, 1024, 1 << 18)
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
     for flag in ("--request-idle-timeout-s", "--consumer-idle-timeout-s", "--max-streams", "--max-step-tokens",
                  "--max-num-requests", "--max-step-ops", "--max-consumers", "--max-message-bytes"):

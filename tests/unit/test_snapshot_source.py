@@ -7,7 +7,9 @@ import sys
 from array import array
 
 from kvservice.server.event_log import EventLog
-from kvservice.server.snapshot import YIELD_EVERY_TOKENS, CachedSetMirror, SnapshotSource
+import gc
+
+from kvservice.server.snapshot import PARENT, TOKEN_IDS, YIELD_EVERY_TOKENS, CachedSetMirror, SnapshotSource
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -25,8 +27,10 @@ def test_the_mirror_keeps_each_block_s_own_tokens_not_the_announcing_event():
     mirror.apply(1, [event])
     mirror.apply(2, [BlockRemoved(block_hashes=[12, 13], medium="CPU", group_idx=0)])
     (block,) = mirror.view().values()
-    assert isinstance(block.token_ids, array) and list(block.token_ids) == [1000, 1001, 1002, 1003]
-    assert block.parent is None and mirror.num_tokens_per_group == [4] and mirror.seq == 2
+    assert block[TOKEN_IDS] == array("q", [1000, 1001, 1002, 1003]).tobytes()
+    assert block[PARENT] is None and mirror.num_tokens_per_group == [4] and mirror.seq == 2
+    gc.collect()
+    assert not gc.is_tracked(block)  # a million cached blocks cost a GC pause nothing
     refs_before = sys.getrefcount(event.token_ids)
     del event  # nothing in the mirror refers to the event or its token list
     assert refs_before == 2  # the local name and getrefcount's argument

@@ -81,7 +81,8 @@ class ServerConfig:
             batch: within 1.5x of the Python memory it takes).
         max_subscriber_lag: batches a stream subscriber may fall behind before it is ended.
         max_consumers: named TakeEvents consumers.
-        snapshot_part_tokens: token ids per snapshot message, about (big snapshots go in parts).
+        snapshot_part_tokens: token ids per snapshot message, about (big snapshots go in parts;
+            default 32,768: encoding one part holds the loop about 15 ms here).
         stalled_write_timeout_s: the longest one StreamEvents write may take, in seconds (a client
             that stopped reading, or whose connection died silently): then the stream is ended with
             DEADLINE_EXCEEDED naming the bound, behind or not (default 30).
@@ -170,7 +171,7 @@ class ServerConfig:
     event_max_bytes: int = 256 * 1024 * 1024
     max_subscriber_lag: int = 10_000
     max_consumers: int = 1024
-    snapshot_part_tokens: int = 262_144
+    snapshot_part_tokens: int = 32_768
     stalled_write_timeout_s: float = 30.0
     max_num_requests: int = 65536
     max_step_ops: int = 4096

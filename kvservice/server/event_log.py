@@ -67,7 +67,8 @@ class EventLogConfig:
             ended with RESOURCE_EXHAUSTED.
         max_consumers: named TakeEvents consumers tracked at once.
         max_take_batches: most batches one TakeEvents returns.
-        snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts).
+        snapshot_part_tokens: token ids per snapshot message, about (a snapshot is sent in parts;
+            each part is encoded in one go on the loop, so this bounds that hold too).
         stalled_write_timeout_s: the longest one stream write may take (the client stopped reading,
             or its connection died silently) before the call is ended (DEADLINE_EXCEEDED), whether
             the stream is behind or not; also how long an ended subscriber's handler may stay
@@ -86,7 +87,7 @@ class EventLogConfig:
     max_subscriber_lag: int = 10_000
     max_consumers: int = 1024
     max_take_batches: int = 1000
-    snapshot_part_tokens: int = 262_144
+    snapshot_part_tokens: int = 32_768
     stalled_write_timeout_s: float = 30.0
     max_take_bytes: int = 4 * 1024 * 1024
     consumer_idle_timeout_s: float = 3600.0

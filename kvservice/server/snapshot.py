@@ -370,7 +370,7 @@ class SnapshotSource:
         num_cuts: cuts made (a burst of callers at one head makes one).
     """
 
-    def __init__(self, mirror: CachedSetMirror, *, part_tokens: int = 262_144, max_concurrent_cuts: int = 2) -> None:
+    def __init__(self, mirror: CachedSetMirror, *, part_tokens: int = 32_768, max_concurrent_cuts: int = 2) -> None:
         if part_tokens < 1:
             raise ValueError(f"part_tokens must be >= 1; got {part_tokens}")
         if max_concurrent_cuts < 1:
@@ -386,7 +386,7 @@ class SnapshotSource:
 
     @classmethod
     def attach(
-        cls, event_log: Any, *, part_tokens: int = 262_144, max_concurrent_cuts: int = 2
+        cls, event_log: Any, *, part_tokens: int = 32_768, max_concurrent_cuts: int = 2
     ) -> SnapshotSource:
         """A source whose mirror follows ``event_log`` (a :class:`~kvservice.server.event_log.EventLog`):
         call before any batch is appended, and before other listeners are added."""

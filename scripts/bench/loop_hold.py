@@ -4,8 +4,8 @@
 
 Measured with the server's own handlers on its loop (no network, so the figure is the hold alone):
 
-* a Step at ``max_step_tokens`` (default 1,048,576): 128 admissions of 8,192-token prompts
-  (GetComputedBlocks + AllocateSlots each), block size 16;
+* a Step at ``max_step_tokens`` (default 262,144): 32 admissions of 8,192-token prompts
+  (GetComputedBlocks + AllocateSlots each), block size 16 (``--step-tokens`` for another size);
 * one 131,072-token prompt (GetComputedBlocks, then AllocateSlots), max_model_len 131,072;
 * a snapshot of 1,048,576 cached blocks (16 tokens each) cut and encoded for a stream, part by part
   as StreamEvents does: the longest gap between two turns of a ticker task on the loop.
@@ -150,12 +150,13 @@ class _Entry:
         self.seq, self.events = seq, events
 
 
-async def main(quick: bool) -> list[dict]:
+async def main(quick: bool, step_tokens: int = 1 << 18) -> list[dict]:
     rounds = 1 if quick else 3
     rows = []
-    step_s, usage_s = await step_hold(rounds, 16 if quick else 128, 8192)
-    rows.append({"figure": f"Step of {16 if quick else 128} x 8,192-token admissions ({(16 if quick else 128) * 8192:,} "
-                 "tokens): loop held", "value_ms": step_s * 1e3, "baseline": "GetUsage", "baseline_ms": usage_s * 1e3})
+    n = (16 * 8192 if quick else step_tokens) // 8192
+    step_s, usage_s = await step_hold(rounds, n, 8192)
+    rows.append({"figure": f"Step of {n} x 8,192-token admissions ({n * 8192:,} tokens): loop held",
+                 "value_ms": step_s * 1e3, "baseline": "GetUsage", "baseline_ms": usage_s * 1e3})
     long_len = 16_384 if quick else 131_072
     prompt_s, usage_s = await prompt_hold(rounds, long_len)
     rows.append({"figure": f"one {long_len:,}-token prompt (GetComputedBlocks or AllocateSlots): loop held",
@@ -174,8 +175,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--step-tokens", type=int, default=1 << 18)
     args = parser.parse_args()
-    result = asyncio.run(main(args.quick))
+    result = asyncio.run(main(args.quick, args.step_tokens))
     for row in result:
         print(f"{row['figure']:<80} {row['value_ms']:>10.1f} ms   ({row['baseline']}: {row['baseline_ms']:.2f} ms)")
     if args.json:

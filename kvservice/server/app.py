@@ -89,7 +89,8 @@ class ServerConfig:
         max_num_requests: registered requests at once.
         max_step_ops: ops per Step.
         max_step_tokens: tokens per Step (prompt_token_ids + new_token_ids over all its ops);
-            bounds how long one Step holds the event loop (default 262,144: about 0.75 s here; a
+            bounds how long one Step holds the event loop (default 262,144: about 0.1 s here, 0.8 s
+            under heavy load; a
             Step runs whole, without yielding, so its events are one batch).
         request_idle_timeout_s: a request not called (GetComputedBlocks/AllocateSlots, unary or in
             a Step) for this many seconds is freed as by Free (None: never, the default).

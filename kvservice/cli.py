@@ -117,11 +117,19 @@ def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False),
               help="Client certificate chain, PEM, for mutual TLS (with --tls-key).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="Client private key, PEM (with --tls-cert).")
+@click.option("--reconnect/--no-reconnect", default=True,
+              help="Reopen an ended stream and resume in the same epoch (after a restart: a line says so, and "
+                   "--snapshot resyncs) [reconnect]; --no-reconnect exits at the first end.")
 def watch(
     target: str, snapshot: bool, from_seq: int | None, group_idxs: tuple[int, ...], token: str | None,
-    use_tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
+    use_tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, reconnect: bool,
 ) -> None:
-    """Print the live KV event stream of TARGET (host:port), one line per event."""
+    """Print the live KV event stream of TARGET (host:port), one line per event.
+
+    A stream that ends is reopened and resumes from the next seq in the same epoch; after a server
+    restart (a new epoch) a line starting "# epoch changed" says so, and with --snapshot a snapshot
+    of the new cached set follows. --no-reconnect: exit (status 1) when the stream ends.
+    """
     from pathlib import Path
 
     import grpc
@@ -142,7 +150,8 @@ def watch(
         )
     try:
         asyncio.run(watch_events(
-            target, snapshot=snapshot, start_seq=from_seq, group_idxs=group_idxs, token=token, credentials=credentials
+            target, snapshot=snapshot, start_seq=from_seq, group_idxs=group_idxs, token=token, credentials=credentials,
+            reconnect=reconnect,
         ))
     except KeyboardInterrupt:
         pass

@@ -1042,7 +1042,7 @@ async def _final_check(harness: Harness, lineages: list[Lineage]) -> None:
         await lineage.wait_caught_up(epoch, head_seq)
     assert (log.epoch, log.head_seq) == (epoch, head_seq), "the server moved while the run was quiet"
     running.engine.check_invariants()
-    cached = log.cached_hashes()
+    cached = running.snapshots.mirror.cached_hashes()
     pool = _pool_hashes(running)
     if cached != pool:
         harness.problem(f"the event log's mirror ({sum(map(len, cached))} blocks) != the pool's ({sum(map(len, pool))})")

@@ -47,11 +47,16 @@ class EngineLimits:
         max_request_id_bytes: longest request id, in UTF-8 bytes.
         max_num_requests: registered requests (waiting + running) at once.
         max_string_bytes: longest session id, cache salt, LoRA name/path or multimodal identifier.
+        max_waiting_tokens: prompt tokens held by waiting requests (registered by
+            GetComputedBlocks, not yet admitted by AllocateSlots) at once; None: no bound. Running
+            requests are bounded by the pool; waiting ones only by this (about 46 bytes of server
+            memory per token: a Python list of ints).
     """
 
     max_request_id_bytes: int = 256
     max_num_requests: int = 65536
     max_string_bytes: int = 1024
+    max_waiting_tokens: int | None = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +189,10 @@ class KVCacheEngine:
         self._max_tokens_in_pool = max_tokens_in_pool(manager.kv_cache_config)
         self.num_failed_allocations = 0
         self.num_freed_requests = 0
+        self.num_waiting_tokens = 0
+        """Prompt tokens held by waiting requests (bounded by ``limits.max_waiting_tokens``)."""
+        self.num_freed_tokens = 0
+        """Tokens of every request freed so far (the server returns heap memory after many)."""
 
     @property
     def max_model_len(self) -> int:
@@ -213,7 +222,8 @@ class KVCacheEngine:
                 0..2^31-1; bad report mode, LoRA, salt, session or multimodal placeholder: empty,
                 outside the prompt, or not after the previous one's end).
             RequestAlreadyExistsError: the id is running, or waiting with another prompt/options.
-            CapacityExceededError: max_num_requests requests are registered.
+            CapacityExceededError: max_num_requests requests are registered, or registering this
+                prompt would put waiting requests above max_waiting_tokens tokens.
         """
         self._check_request_id(request_id)
         n = len(prompt_token_ids)
@@ -276,6 +286,12 @@ class KVCacheEngine:
                 raise CapacityExceededError(
                     f"max_num_requests: {self.limits.max_num_requests} requests are registered; free some first"
                 )
+            max_waiting = self.limits.max_waiting_tokens
+            if max_waiting is not None and self.num_waiting_tokens + n > max_waiting:
+                raise CapacityExceededError(
+                    f"max_waiting_tokens: waiting requests hold {self.num_waiting_tokens} prompt tokens; {n} more would "
+                    f"be above {max_waiting}: admit (AllocateSlots) or free waiting requests first"
+                )
             request = self.manager.new_request(
                 request_id,
                 prompt_token_ids,
@@ -286,6 +302,7 @@ class KVCacheEngine:
                 mm_features=mm_features,
             )
             self.requests[request_id] = request
+            self.num_waiting_tokens += request.num_prompt_tokens
         self._touch(request_id)
         blocks, num_computed_tokens = self.manager.get_computed_blocks(request)
         return ComputedBlocksResult(num_computed_tokens, blocks.get_block_ids())
@@ -353,6 +370,8 @@ class KVCacheEngine:
                 False, self._no_blocks, 0, self._no_blocks, 0, request.num_computed_tokens, request.num_tokens
             )
         request.num_computed_tokens += hit_tokens + num_scheduled
+        if not admitted:
+            self.num_waiting_tokens -= request.num_prompt_tokens
         self.running.add(request_id)
         return AllocateResult(
             True,
@@ -495,9 +514,14 @@ class KVCacheEngine:
             InvalidArgumentError: malformed request id.
         """
         self._check_request_id(request_id)
-        if self.requests.pop(request_id, None) is None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
             raise RequestNotFoundError(request_id)
-        self.running.discard(request_id)
+        if request_id in self.running:
+            self.running.discard(request_id)
+        else:
+            self.num_waiting_tokens -= request.num_prompt_tokens
+        self.num_freed_tokens += request.num_tokens
         del self._last_call[request_id]
         self.num_freed_requests += 1
         return self.manager.free(request_id)
@@ -570,7 +594,8 @@ class KVCacheEngine:
         * a held block that is cached sits, in every holder's table, at the position whose hash it
           carries in that group (requests share a block only where their prefixes agree);
         * a block held by two or more requests is a shared cached block (it carries a hash; its
-          ref count was matched to its holders above).
+          ref count was matched to its holders above);
+        * ``num_waiting_tokens`` is the prompt tokens of the requests not running.
 
         A held block loses its hash only through ``KVCacheManager.evict_blocks``, which no RPC
         reaches; after such a direct call a shared block may fail the last check.
@@ -608,6 +633,10 @@ class KVCacheEngine:
                 assert manager.block_pool.blocks[block_id].block_hash is not None, (
                     f"block {block_id} held by {sorted(request_ids)} at once but not cached"
                 )
+        waiting_tokens = sum(r.num_prompt_tokens for rid, r in self.requests.items() if rid not in self.running)
+        assert self.num_waiting_tokens == waiting_tokens, (
+            f"num_waiting_tokens {self.num_waiting_tokens} != {waiting_tokens} held by waiting requests"
+        )
 
     def _touch(self, request_id: str) -> None:
         """Record a call of ``request_id`` now (it becomes the most recently called)."""

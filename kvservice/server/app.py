@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
+import gc
 import logging
 import os
 import signal
@@ -66,6 +67,7 @@ from kvservice.server.settings import (
     settings_table,
 )
 from kvservice.server.vllm_flags import kv_events_config_settings
+from kvservice.server.snapshot import SnapshotSource
 from kvservice.server.zmq_publisher import check_endpoint_exposure
 
 if sys.version_info >= (3, 11):
@@ -233,6 +235,7 @@ class RunningServer:
         port: the bound port.
         server: the grpc.aio server.
         engine, event_log, servicer: its parts (tests and the replay's invariant checks use them).
+        snapshots: where every snapshot is cut (``StreamEvents``, ``TakeEvents``, other wires).
         tensors: the KV tensors.
         config: the effective configuration (num_blocks resolved).
     """
@@ -246,6 +249,7 @@ class RunningServer:
     tensors: KVCacheTensors
     config: ServerConfig
     health: Any = field(repr=False, default=None)
+    snapshots: SnapshotSource | None = field(repr=False, default=None)
     notes: list[str] = field(default_factory=list)
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list, repr=False)
     """Async callables run (in reverse order) after the gRPC server stopped: publishers, reapers,
@@ -309,7 +313,8 @@ class RunningServer:
     def cached_hashes(self) -> list[set[int | bytes]]:
         """Per KV cache group (index = group_idx), the block hashes cached now, in their published
         form: what a watcher that applied every batch holds (docs/ARCHITECTURE.md §3.4)."""
-        return self.event_log.cached_hashes()
+        assert self.snapshots is not None
+        return self.snapshots.mirror.cached_hashes()
 
     async def stop(self, grace: float | None = None, *, drain_delay_s: float = 0.0) -> None:
         """Stop gracefully, in this order (each step's ``time.monotonic()`` goes into
@@ -405,6 +410,7 @@ class _Core:
     notes: list[str]
     metrics: Any = None
     shm: Any = None  # kvservice.shm.SharedMemoryAllocator: the KV memory (CPU) and the control segment
+    snapshots: SnapshotSource | None = None  # where every snapshot is cut
 
 
 def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, list[str], str]:
@@ -464,13 +470,19 @@ def _build_core(config: ServerConfig) -> _Core:
         prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed),
         kv_events=KVEventsConfig(block_hash_format=cache.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by CacheSettings
     )
-    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=config.limits.max_num_requests))
+    limits = config.limits
+    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=limits.max_num_requests,
+                                                 max_waiting_tokens=limits.max_waiting_tokens or None))
     meta = manager.get_kv_cache_group_metadata()
     # An answer always fits what this server may send and what any gRPC client accepts.
     events = dataclasses.replace(config.events, max_take_bytes=min(4 * 1024 * 1024, config.limits.max_message_bytes - 1024))
     event_log = EventLog(
         manager.num_groups, [g.kind for g in meta.groups], [g.sliding_window for g in meta.groups], events,
         data_parallel_rank=events.data_parallel_rank,
+    )
+    # First listener: the mirror a snapshot is cut from is up to date when any other listener runs.
+    snapshots = SnapshotSource.attach(
+        event_log, part_tokens=events.snapshot_part_tokens, max_concurrent_cuts=events.max_snapshot_cuts
     )
     metadata = build_metadata_response(
         engine,
@@ -480,10 +492,9 @@ def _build_core(config: ServerConfig) -> _Core:
         preset=layout_name,
         data_parallel_rank=events.data_parallel_rank,
     )
-    limits = config.limits
     servicer = KVCacheServicer(
         engine, event_log, metadata, max_step_ops=limits.max_step_ops, max_message_bytes=limits.max_message_bytes,
-        check_invariants=cache.check_invariants, max_step_tokens=limits.max_step_tokens,
+        check_invariants=cache.check_invariants, max_step_tokens=limits.max_step_tokens, snapshots=snapshots,
     )
     if device.type != "meta":
         metadata.max_data_chunk_bytes = limits.data_chunk_bytes
@@ -493,7 +504,7 @@ def _build_core(config: ServerConfig) -> _Core:
             notes.append(
                 f"KV memory in {len(shm.segments)} POSIX shared-memory segments (mode 0600): workers attach with AttachKVCache"
             )
-    return _Core(config, engine, tensors, event_log, servicer, notes, shm=shm)
+    return _Core(config, engine, tensors, event_log, servicer, notes, shm=shm, snapshots=snapshots)
 
 
 def _add_data_plane(core: _Core, auth: Any, closers: list[Callable[[], Awaitable[None]]]) -> None:
@@ -536,7 +547,7 @@ def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[
         return
     from kvservice.server.metrics import ServerMetrics
 
-    metrics = ServerMetrics(core.engine, core.event_log)
+    metrics = ServerMetrics(core.engine, core.event_log, snapshots=core.snapshots)
     core.metrics = metrics
     # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
     interceptors.insert(0, metrics.interceptor)
@@ -562,10 +573,18 @@ async def _bind(
         RuntimeError: the address cannot be bound (what started before is closed first).
     """
     max_message_bytes = core.config.limits.max_message_bytes
+    keepalive = core.config.bind
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # HTTP/2 keepalive: find connections that died without a word, accept clients' pings.
+        ("grpc.keepalive_time_ms", int(keepalive.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive.keepalive_timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(keepalive.keepalive_timeout_s * 1000)),  # what grpcio 1.85 applies
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive.keepalive_min_client_interval_s * 1000)),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((core.servicer.generic_handler(),))
@@ -628,7 +647,7 @@ async def _start_sinks(running: RunningServer) -> None:
     """Start the event sinks the config turns on (:data:`kvservice.server.sinks.SINKS`); a
     failure stops the server."""
     config = running.config
-    ctx = SinkContext(running.event_log, running.port, config.auth.allow_insecure_bind)
+    ctx = SinkContext(running.event_log, running.port, config.auth.allow_insecure_bind, running.snapshots)
     try:
         started = await start_sinks({section.name: getattr(config, section.name) for section in SECTIONS}, ctx)
     except BaseException:
@@ -672,13 +691,14 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     core.notes.extend(auth.notes)
     interceptors: list[grpc.aio.ServerInterceptor] = [] if auth.interceptor is None else [auth.interceptor]
     _add_observability(core, interceptors)
-    closers: list[Callable[[], Awaitable[None]]] = []
+    assert core.snapshots is not None
+    closers: list[Callable[[], Awaitable[None]]] = [core.snapshots.close]
     _add_data_plane(core, auth, closers)
     _start_metrics(core, interceptors, closers)
     server, health, address = await _bind(core, interceptors, auth.credentials, closers)
     running = RunningServer(
         address, core.config.port, server, core.engine, core.event_log, core.servicer, core.tensors, core.config,
-        health, notes=core.notes, closers=closers,
+        health, snapshots=core.snapshots, notes=core.notes, closers=closers,
     )
     await _start_probes(running)
     _start_reaper(running)
@@ -730,6 +750,11 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     """Start a server, print where it listens and what it holds, and serve until SIGTERM/SIGINT;
     then stop gracefully (open streams end with UNAVAILABLE naming their last seq)."""
     running = await start_server(config)
+    # Everything built so far (the pool's blocks, the imported modules) lives as long as the
+    # process: keep it out of the cycle collector's full passes, which would otherwise hold the
+    # loop for about 300 ms each here (a process-wide choice, so only the serving process makes it).
+    gc.collect()
+    gc.freeze()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the banner: a signal right after it still drains

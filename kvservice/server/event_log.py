@@ -1,15 +1,18 @@
-"""The sequenced, bounded KV event log and its fan-out to subscribers and named consumers.
+"""The sequenced, bounded KV event log: batches, retention, stream cursors and named consumers.
 
 Each mutating call's events become one batch with the next sequence number (gap-free from 1 within
-an epoch; the epoch is a random instance id that changes on restart). A batch is encoded once per
-payload format (and group filter) and the same bytes go to every subscriber. The log keeps:
+an epoch; the epoch is a random instance id that changes on restart). The log keeps a bounded
+window of recent batches (``max_batches`` and ``max_bytes``), from which ``StreamEvents(start_seq)``
+replays and ``TakeEvents`` consumers read. A batch is held as its msgpack bytes (vLLM's layout)
+plus whatever wire encodings the servicer cached on it (:meth:`EventLog.cache_encoding`, made once
+per payload format and group filter, the same bytes for every subscriber); its Python events are
+kept only while it is the newest batch and decoded from the msgpack bytes when asked for later.
+``max_bytes`` and :attr:`EventLog.retained_bytes` count all of that: msgpack bytes, encodings and
+a fixed per-batch overhead (:data:`ENTRY_OVERHEAD_BYTES`).
 
-* a bounded window of recent batches (``max_batches`` and ``max_bytes``, of msgpack size), from
-  which ``StreamEvents(start_seq)`` replays and ``TakeEvents`` consumers read;
-* a mirror of the cached set built only from the batches (hash -> block info per group), from which
-  a snapshot is cut: AllBlocksCleared, then BlockStored for every cached block, parents first, with
-  the watermark seq, so a subscriber that starts from a snapshot and then follows live batches from
-  watermark + 1 misses nothing and sees nothing twice.
+Nothing here knows protobuf or the cached set: the servicer edge (``kvservice.server.encoding``)
+turns entries into ``EventBatch`` messages, and snapshots come from ``kvservice.server.snapshot``
+(fed by a listener of this log).
 
 Subscribers are cursors into the window, not queues. A subscriber more than
 ``max_subscriber_lag`` batches behind the head (or whose next batch left the window) is ended with
@@ -34,22 +37,19 @@ from kvservice.core.errors import (
     ShuttingDownError,
 )
 from kvservice.server.settings import EventsSettings
-from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.convert import batch_to_proto
-from kvservice_client.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-    KVEventBatch,
-    encode_event_batch,
-)
+from kvservice_client.events import AllBlocksCleared, KVCacheEvent, KVEventBatch, decode_event_batch, encode_event_batch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EventLog", "EventLogConfig", "LogEntry", "Subscriber"]
+__all__ = ["ENCODING_OVERHEAD_BYTES", "ENTRY_OVERHEAD_BYTES", "EventLog", "EventLogConfig", "LogEntry", "Subscriber", "filter_events"]
 
-_FORMATS = (pb.PAYLOAD_FORMAT_UNSPECIFIED, pb.PAYLOAD_FORMAT_PROTOBUF, pb.PAYLOAD_FORMAT_MSGPACK)
+ENTRY_OVERHEAD_BYTES = 400
+"""Bytes a retained batch costs beyond its msgpack bytes and encodings (the entry object, its
+encodings table, the bytes objects' headers, its slot in the window), as measured with tracemalloc
+(tests/unit/test_event_log_memory.py)."""
+
+ENCODING_OVERHEAD_BYTES = 200
+"""Bytes a cached encoding costs beyond its length (its key, its slot in the entry's table)."""
 
 MAX_EPOCH_BYTES = 256
 """Longest epoch a request may name, in UTF-8 bytes (an epoch is 32 hex digits)."""
@@ -61,41 +61,43 @@ EventLogConfig = EventsSettings
 
 
 class LogEntry:
-    """One batch of the log: its seq, time, events and encodings (made once, on first use)."""
+    """One batch of the log.
 
-    __slots__ = ("seq", "ts", "events", "msgpack", "_encoded", "_epoch", "_rank")
+    Attributes:
+        seq, ts: its seq and wall-clock time (seconds).
+        epoch, data_parallel_rank: copied onto every encoding of it.
+        msgpack: the batch in vLLM's msgpack layout (``[ts, events, data_parallel_rank]``).
+        encodings: wire encodings cached by the servicer edge, by (payload format, group filter);
+            add through :meth:`EventLog.cache_encoding` so the log counts them.
+        num_bytes: what the log counts for it (msgpack, encodings, ``ENTRY_OVERHEAD_BYTES``).
+    """
+
+    __slots__ = ("seq", "ts", "msgpack", "encodings", "epoch", "data_parallel_rank", "num_bytes", "_events")
 
     def __init__(self, seq: int, ts: float, events: list[KVCacheEvent], epoch: str, rank: int | None) -> None:
         self.seq = seq
         self.ts = ts
-        self.events = events
-        self._epoch = epoch
-        self._rank = rank
-        self.msgpack = encode_event_batch(KVEventBatch(ts, events, rank))  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
-        self._encoded: dict[tuple[int, tuple[int, ...] | None], bytes] = {}
+        self.epoch = epoch
+        self.data_parallel_rank = rank
+        self._events: list[KVCacheEvent] | None = events
+        self.msgpack = encode_event_batch(KVEventBatch(ts, events, rank))
+        self.encodings: dict[tuple[int, tuple[int, ...] | None], bytes] = {}
+        self.num_bytes = len(self.msgpack) + ENTRY_OVERHEAD_BYTES
 
-    def encoded(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> bytes:
-        """The serialized ``EventBatch`` for a payload format and group filter (cached)."""
-        key = (payload_format, group_idxs)
-        data = self._encoded.get(key)
-        if data is None:
-            data = self.to_proto(payload_format, group_idxs).SerializeToString()
-            self._encoded[key] = data
-        return data
+    @property
+    def events(self) -> list[KVCacheEvent]:
+        """The batch's events (the originals while it is the newest batch, else decoded from
+        :attr:`msgpack`: equal values, new objects)."""
+        if self._events is not None:
+            return self._events
+        return decode_event_batch(self.msgpack).events
 
-    def to_proto(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> pb.EventBatch:
-        """The ``EventBatch`` message for a payload format and group filter."""
-        events = _filter_events(self.events, group_idxs)
-        if payload_format == pb.PAYLOAD_FORMAT_MSGPACK and group_idxs is None:
-            msg = pb.EventBatch(seq=self.seq, epoch=self._epoch, ts=self.ts, msgpack=self.msgpack)
-            if self._rank is not None:
-                msg.data_parallel_rank = self._rank
-            return msg
-        batch = KVEventBatch(self.ts, events, self._rank)  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
-        return batch_to_proto(batch, seq=self.seq, epoch=self._epoch, payload_format=payload_format)
+    def _release_events(self) -> None:
+        self._events = None
 
 
-def _filter_events(events: list[KVCacheEvent], group_idxs: tuple[int, ...] | None) -> list[KVCacheEvent]:
+def filter_events(events: list[KVCacheEvent], group_idxs: tuple[int, ...] | None) -> list[KVCacheEvent]:
+    """The events of the groups in ``group_idxs`` (None: all), AllBlocksCleared always."""
     if group_idxs is None:
         return events
     return [e for e in events if type(e) is AllBlocksCleared or e.group_idx in group_idxs]  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
@@ -117,6 +119,8 @@ class Subscriber:
     group_idxs: tuple[int, ...] | None
     handler: asyncio.Task | None = None
     stalled_write_timeout_s: float = 30.0
+    num_write_timeouts: int = 0
+    abandoned: bool = False
     ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
@@ -128,7 +132,7 @@ class Subscriber:
         """Mark the subscription ended; ``make_error(last_seq)`` is raised to its handler.
 
         A handler that is not back within ``stalled_write_timeout_s`` (blocked in a write to a
-        client that stopped reading) is cancelled: the call ends without a status.
+        client that stopped reading) is cancelled: the call ends with this status then.
         """
         if self.ended.done():
             return
@@ -138,7 +142,19 @@ class Subscriber:
 
     def _abandon(self) -> None:
         if self.handler is not None and not self.handler.done():
+            self.abandoned = True
             logger.warning("cancelled a stream whose client stopped reading (next seq %d)", self.next_seq)
+            self.handler.cancel()
+
+    def write_timed_out(self) -> None:
+        """One write took longer than ``stalled_write_timeout_s``: cancel the handler, which ends
+        the call with DEADLINE_EXCEEDED naming the bound and the last seq delivered."""
+        self.num_write_timeouts += 1
+        if self.handler is not None and not self.handler.done():
+            logger.warning(
+                "cancelled a stream: a write took over %g s (client not reading, or its connection is dead); "
+                "next seq %d", self.stalled_write_timeout_s, self.next_seq,
+            )
             self.handler.cancel()
 
     def raise_if_ended(self) -> None:
@@ -151,32 +167,13 @@ class Subscriber:
             raise self.ended.result()(self.last_seq)
 
 
-class _CachedBlock:
-    """A cached hash in the mirror: the BlockStored that announced it and its position there."""
-
-    __slots__ = ("parent", "event", "index")
-
-    def __init__(self, parent: object, event: BlockStored, index: int) -> None:
-        self.parent = parent
-        self.event = event
-        self.index = index
-
-    def token_ids(self) -> list[int]:
-        bs = self.event.block_size
-        return self.event.token_ids[self.index * bs : (self.index + 1) * bs]
-
-    def extra_keys(self) -> object:
-        extra = self.event.extra_keys
-        return extra[self.index] if extra is not None else None
-
-
 class EventLog:
-    """Sequenced batches, retention, the cached-set mirror, subscribers and consumers.
+    """Sequenced batches, retention, stream subscribers and named consumers.
 
     Args:
-        num_groups: KV cache groups (for filters and the mirror).
-        group_kinds: per group, the kind string put on snapshot events.
-        group_windows: per group, the sliding window put on snapshot events.
+        num_groups: KV cache groups (for filters).
+        group_kinds: per group, the kind string (for a snapshot source attached to the log).
+        group_windows: per group, the sliding window (likewise).
         config: bounds.
         data_parallel_rank: copied onto every batch.
         epoch: this instance's epoch (default: a fresh random id).
@@ -204,11 +201,7 @@ class EventLog:
         self.head_seq = 0
         self._entries: list[LogEntry] = []
         self._start = 0  # index of the oldest retained entry in _entries
-        self._bytes = 0
-        # (group_idx, hash) -> its block, least recently announced first. Within one BlockStored
-        # the first block counts as the most recent (hashes are applied last to first), as the
-        # server's free queue evicts a request's deepest block first; reuse reports refresh.
-        self._mirror: OrderedDict[tuple[int, object], _CachedBlock] = OrderedDict()
+        self._bytes = 0  # sum of num_bytes of the retained entries
         self._subscribers: set[Subscriber] = set()
         self._consumers: dict[str, int] = {}
         # consumer -> clock() at its last take, least recent first (for consumer_idle_timeout_s).
@@ -230,17 +223,18 @@ class EventLog:
     def append(self, events: list[KVCacheEvent], ts: float | None = None) -> LogEntry | None:
         """Append one call's events as the next batch; no batch for no events.
 
-        Applies the events to the mirror, trims retention, ends subscribers that fell too far
-        behind and wakes the rest.
+        Trims retention, ends subscribers that fell too far behind, wakes the rest, then calls the
+        listeners. The previous batch's Python events are released (it keeps its bytes).
         """
         if not events:
             return None
         self.head_seq += 1
         entry = LogEntry(self.head_seq, time.time() if ts is None else ts, events, self.epoch, self.data_parallel_rank)
+        if self._start < len(self._entries):
+            self._entries[-1]._release_events()
         self._entries.append(entry)
-        self._bytes += len(entry.msgpack)
+        self._bytes += entry.num_bytes
         self.num_events += len(events)
-        self._apply_to_mirror(events)
         self._trim()
         self._check_subscribers()
         if self._waiter is not None:
@@ -259,12 +253,22 @@ class EventLog:
         while len(entries) - self._start > 1 and (
             len(entries) - self._start > cfg.max_batches or self._bytes > cfg.max_bytes
         ):
-            self._bytes -= len(entries[self._start].msgpack)
+            self._bytes -= entries[self._start].num_bytes
             entries[self._start] = None  # type: ignore[call-overload]  # a retired slot is None until the ring reuses it
             self._start += 1
         if self._start > 1024 and self._start * 2 > len(entries):
             del entries[: self._start]
             self._start = 0
+
+    def cache_encoding(self, entry: LogEntry, key: tuple[int, tuple[int, ...] | None], data: bytes) -> bytes:
+        """Keep a wire encoding of ``entry`` under ``key`` and count its bytes against ``max_bytes``
+        (while the entry is retained; retention is applied at the next append). Returns ``data``."""
+        entry.encodings[key] = data
+        if entry.seq >= self.oldest_seq:
+            size = len(data) + ENCODING_OVERHEAD_BYTES
+            entry.num_bytes += size
+            self._bytes += size
+        return data
 
     def _check_subscribers(self) -> None:
         oldest = self.oldest_seq
@@ -283,30 +287,6 @@ class EventLog:
 
     def _shutting_down(self, last_seq: int) -> ShuttingDownError:
         return ShuttingDownError(f"server shutting down; last seq delivered {last_seq} of epoch {self.epoch}")
-
-    def _apply_to_mirror(self, events: list[KVCacheEvent]) -> None:
-        mirror = self._mirror
-        for event in events:
-            kind = type(event)
-            if kind is BlockStored:
-                g = event.group_idx  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-                hashes = event.block_hashes  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-                if event.reused:  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-                    for h in reversed(hashes):
-                        if (g, h) in mirror:
-                            mirror.move_to_end((g, h))
-                    continue
-                for i in range(len(hashes) - 1, -1, -1):
-                    parent = hashes[i - 1] if i else event.parent_block_hash  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-                    key = (g, hashes[i])
-                    mirror[key] = _CachedBlock(parent, event, i)  # type: ignore[arg-type]  # event is a BlockStored here (dispatched by type above)
-                    mirror.move_to_end(key)
-            elif kind is BlockRemoved:
-                g = event.group_idx  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-                for h in event.block_hashes:  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-                    mirror.pop((g, h), None)
-            elif kind is AllBlocksCleared:
-                mirror.clear()
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -327,121 +307,6 @@ class EventLog:
         hi = len(self._entries) if max_entries is None else min(len(self._entries), lo + max_entries)
         return self._entries[lo:hi]
 
-    def cached_hashes(self) -> list[set]:
-        """Per group, the hashes the mirror holds (what a watcher applying every batch holds)."""
-        groups: list[set] = [set() for _ in range(self.num_groups)]
-        for g, h in self._mirror:
-            groups[g].add(h)
-        return groups
-
-    def snapshot_events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVCacheEvent]:
-        """AllBlocksCleared; BlockStored for every cached block, parents before children; then the
-        same blocks re-announced in the server's recency order (``reused``).
-
-        The first part gives the cached set (a consumer building a tree meets every parent before
-        its children). The second part, like a reuse report, changes no presence; a consumer that
-        bounds its index by recency of announcement (an LRU) ends up ordered as one that watched
-        from the start would be. Consecutive blocks of one chain share one BlockStored.
-        """
-        mirror = self._mirror
-        keys = [k for k in mirror if group_idxs is None or k[0] in group_idxs]
-        events: list[KVCacheEvent] = [AllBlocksCleared()]
-        # Part 1: parents first. Walk each block's ancestors up to an emitted (or absent) one.
-        emitted: set = set()
-        runs: list[list[tuple[int, object]]] = []
-        for key in keys:
-            if key in emitted:
-                continue
-            chain = [key]
-            parent = mirror[key].parent
-            while parent is not None and (key[0], parent) in mirror and (key[0], parent) not in emitted:
-                chain.append((key[0], parent))
-                parent = mirror[(key[0], parent)].parent
-            chain.reverse()
-            emitted.update(chain)
-            if runs and self._continues(runs[-1][-1], chain[0]):
-                runs[-1].extend(chain)
-            else:
-                runs.append(chain)
-        events.extend(self._stored(run, reused=False) for run in runs)
-        # Part 2: recency order, least recent first; a run is a chain listed child first.
-        runs = []
-        for key in keys:
-            if runs and self._continues(key, runs[-1][-1]):
-                runs[-1].append(key)
-            else:
-                runs.append([key])
-        events.extend(self._stored(run[::-1], reused=True) for run in runs)
-        return events
-
-    def _continues(self, prev: tuple[int, object], key: tuple[int, object]) -> bool:
-        """Whether ``key``'s block directly extends ``prev``'s in one BlockStored."""
-        if prev[0] != key[0]:
-            return False
-        block, before = self._mirror[key], self._mirror[prev].event
-        origin = block.event
-        return (
-            block.parent == prev[1]
-            and origin.block_size == before.block_size
-            and origin.lora_id == before.lora_id
-            and origin.lora_name == before.lora_name
-            and origin.medium == before.medium
-            and (origin.extra_keys is None) == (before.extra_keys is None)
-        )
-
-    def _stored(self, run: list[tuple[int, object]], *, reused: bool) -> BlockStored:
-        """One BlockStored for a parent-first run of blocks of one group."""
-        g = run[0][0]
-        first = self._mirror[run[0]]
-        origin = first.event
-        token_ids: list[int] = []
-        extra_keys: list | None = [] if origin.extra_keys is not None else None
-        for key in run:
-            block = self._mirror[key]
-            token_ids.extend(block.token_ids())
-            if extra_keys is not None:
-                extra_keys.append(block.extra_keys())
-        return BlockStored(
-            block_hashes=[h for _, h in run],  # type: ignore[misc]  # the mirror keys are (group_idx, hash) with hash int | bytes, typed object
-            parent_block_hash=first.parent,  # type: ignore[arg-type]  # the mirror's parent is int | bytes | None, typed object
-            token_ids=token_ids,
-            block_size=origin.block_size,
-            lora_id=origin.lora_id,
-            medium=origin.medium,
-            lora_name=origin.lora_name,
-            extra_keys=extra_keys,
-            group_idx=g,
-            kv_cache_spec_kind=self.group_kinds[g],
-            kv_cache_spec_sliding_window=self.group_windows[g],
-            reused=reused,
-        )
-
-    def snapshot_batches(self, payload_format: int, group_idxs: tuple[int, ...] | None) -> list[pb.EventBatch]:
-        """The snapshot as ``EventBatch`` messages with ``seq`` = the watermark (the head).
-
-        A large snapshot is cut into parts of about ``snapshot_part_tokens`` tokens of events each
-        (every part but the last has ``snapshot_more``), so no message nears gRPC's size limits;
-        events are never split.
-        """
-        ts = time.time()
-        parts: list[list[KVCacheEvent]] = [[]]
-        num_tokens = 0
-        limit = self.config.snapshot_part_tokens
-        for event in self.snapshot_events(group_idxs):
-            size = len(event.token_ids) if type(event) is BlockStored else 0
-            if parts[-1] and num_tokens + size > limit:
-                parts.append([])
-                num_tokens = 0
-            parts[-1].append(event)
-            num_tokens += size
-        messages = []
-        for i, events in enumerate(parts):
-            batch = KVEventBatch(ts, events, self.data_parallel_rank)  # type: ignore[arg-type]  # list[KVCacheEvent] holds only the KVEvent union's members (list is invariant)
-            msg = batch_to_proto(batch, seq=self.head_seq, epoch=self.epoch, snapshot=True, payload_format=payload_format)
-            msg.snapshot_more = i < len(parts) - 1
-            messages.append(msg)
-        return messages
-
     # -- validation -------------------------------------------------------------------------
 
     def check_filter(self, group_idxs: Sequence[int]) -> tuple[int, ...] | None:
@@ -456,17 +321,6 @@ class EventLog:
             if not 0 <= g < self.num_groups:
                 raise InvalidArgumentError("group_idxs", f"{g} outside 0..{self.num_groups - 1}")
         return tuple(sorted(set(group_idxs)))
-
-    @staticmethod
-    def check_format(payload_format: int) -> int:
-        """Validate a payload format.
-
-        Raises:
-            InvalidArgumentError: unknown value (field ``payload_format``).
-        """
-        if payload_format not in _FORMATS:
-            raise InvalidArgumentError("payload_format", f"unknown value {payload_format}")
-        return pb.PAYLOAD_FORMAT_MSGPACK if payload_format == pb.PAYLOAD_FORMAT_MSGPACK else pb.PAYLOAD_FORMAT_PROTOBUF
 
     @staticmethod
     def check_epoch_length(epoch: str) -> None:
@@ -586,7 +440,8 @@ class EventLog:
 
     @property
     def retained_bytes(self) -> int:
-        """Msgpack bytes of the batches held for replay."""
+        """Bytes the retained batches hold: msgpack bytes, cached encodings and
+        ``ENTRY_OVERHEAD_BYTES`` each (what ``max_bytes`` bounds)."""
         return self._bytes
 
     async def wait_for(self, sub: Subscriber) -> None:
@@ -611,59 +466,72 @@ class EventLog:
 
     # -- named consumers --------------------------------------------------------------------
 
-    def take(
-        self,
-        consumer: str,
-        *,
-        max_batches: int,
-        snapshot: bool,
-        start_seq: int,
-        epoch: str,
-        payload_format: int,
-        group_idxs: tuple[int, ...] | None,
-    ) -> tuple[list[pb.EventBatch], int]:
-        """Pull the batches after a named consumer's cursor and advance it.
-
-        A new consumer starts at the live head (or at a snapshot, or at ``start_seq``). An answer
-        carries at most ``max_take_bytes`` of batches (the rest come with the next take). Consumers
-        that have not taken for ``consumer_idle_timeout_s`` are dropped first, so a take by an
-        expired name starts like a new consumer's.
-
-        Returns:
-            (batches, the consumer's next seq).
+    def check_consumer(self, consumer: str) -> None:
+        """Validate a consumer name and that it may take (checked before any snapshot is cut).
+        Consumers idle for ``consumer_idle_timeout_s`` are dropped first.
 
         Raises:
-            InvalidArgumentError: empty or over-long consumer name, bad start_seq.
-            EpochMismatchError: start_seq from another epoch.
-            SeqOutOfRangeError: the cursor (or start_seq) is below the retained log; take with
-                ``snapshot`` to restart.
-            CapacityExceededError: ``max_consumers`` consumers exist already, or the next batch
-                (or the snapshot) alone is above ``max_take_bytes`` (the cursor does not move).
+            InvalidArgumentError: empty or over-long (256 bytes) consumer name (field ``consumer``).
+            CapacityExceededError: it is new and ``max_consumers`` consumers exist already.
         """
         if not consumer:
             raise InvalidArgumentError("consumer", "must not be empty")
         if len(consumer.encode()) > 256:
             raise InvalidArgumentError("consumer", "longer than 256 bytes")
+        self._expire_consumers()
+        if consumer not in self._consumers and len(self._consumers) >= self.config.max_consumers:
+            raise CapacityExceededError(f"max_consumers: {self.config.max_consumers} consumers exist already")
+
+    def take(
+        self,
+        consumer: str,
+        *,
+        max_batches: int,
+        start_seq: int,
+        epoch: str,
+        snapshot_seq: int | None = None,
+        size_of: Callable[[LogEntry], int] = lambda entry: len(entry.msgpack),
+        max_bytes: int | None = None,
+    ) -> tuple[list[LogEntry], int]:
+        """Pull the batches after a named consumer's cursor and advance it.
+
+        A new consumer starts at the live head (or after a snapshot at ``snapshot_seq``, or at
+        ``start_seq``). An answer carries at most ``max_bytes`` (default ``max_take_bytes``) of
+        batches as ``size_of`` measures them (the rest come with the next take). Consumers that
+        have not taken for ``consumer_idle_timeout_s`` are dropped first, so a take by an expired
+        name starts like a new consumer's.
+
+        Args:
+            max_batches: most batches (0 or above ``max_take_batches``: ``max_take_batches``).
+            snapshot_seq: the watermark of a snapshot sent with this answer (its bytes already
+                taken off ``max_bytes``); the cursor continues from it.
+
+        Returns:
+            (entries, the consumer's next seq).
+
+        Raises:
+            InvalidArgumentError: empty or over-long consumer name, bad start_seq.
+            EpochMismatchError: start_seq from another epoch.
+            SeqOutOfRangeError: the cursor (or start_seq, or snapshot_seq + 1) is below the
+                retained log; take with ``snapshot`` to restart.
+            CapacityExceededError: ``max_consumers`` consumers exist already, or the next batch
+                alone is above ``max_bytes`` (the cursor does not move).
+        """
+        self.check_consumer(consumer)
         limit = self.config.max_take_batches
         if max_batches == 0 or max_batches > limit:
             max_batches = limit
         if start_seq:
             self.check_start_seq(start_seq, epoch)
-        self._expire_consumers()
-        if consumer not in self._consumers and len(self._consumers) >= self.config.max_consumers:
-            raise CapacityExceededError(f"max_consumers: {self.config.max_consumers} consumers exist already")
-        batches: list[pb.EventBatch] = []
-        max_bytes = self.config.max_take_bytes
-        size = 0
-        if snapshot:
-            batches.extend(self.snapshot_batches(payload_format, group_idxs))
-            size = sum(b.ByteSize() + 8 for b in batches)
-            if size > max_bytes:
-                raise CapacityExceededError(
-                    f"snapshot is {size} bytes, above max_take_bytes {max_bytes} a TakeEvents answer carries: "
-                    "take it with StreamEvents (sent in parts)"
+        max_bytes = self.config.max_take_bytes if max_bytes is None else max_bytes
+        if snapshot_seq is not None:
+            cursor = snapshot_seq + 1
+            if cursor < self.oldest_seq:
+                raise SeqOutOfRangeError(
+                    f"the snapshot's watermark seq {snapshot_seq} was trimmed from the retained log while it was "
+                    f"cut (oldest {self.oldest_seq}): take with snapshot=true again",
+                    self.oldest_seq,
                 )
-            cursor = self.head_seq + 1
         elif start_seq:
             cursor = start_seq
         else:
@@ -674,26 +542,25 @@ class EventLog:
                     f"{self.oldest_seq}: take with snapshot=true",
                     self.oldest_seq,
                 )
-        num_taken = 0
+        taken: list[LogEntry] = []
+        size = 0
         for entry in self.entries_from(cursor, max_batches):
-            batch = entry.to_proto(payload_format, group_idxs)
-            batch_size = batch.ByteSize() + 8  # + the field's tag and length
+            batch_size = size_of(entry)
             if size + batch_size > max_bytes:
-                if num_taken == 0 and not snapshot:
+                if not taken and snapshot_seq is None:
                     raise CapacityExceededError(
                         f"batch seq {entry.seq} is {batch_size} bytes, above max_take_bytes {max_bytes} a "
                         f"TakeEvents answer carries; consumer {consumer!r} stays at seq {cursor}: read it "
                         "with StreamEvents"
                     )
                 break
-            batches.append(batch)
+            taken.append(entry)
             size += batch_size
-            num_taken += 1
-        cursor += num_taken
+        cursor += len(taken)
         self._consumers[consumer] = cursor
         self._consumer_last_take[consumer] = self.clock()
         self._consumer_last_take.move_to_end(consumer)
-        return batches, cursor
+        return taken, cursor
 
     def consumer_cursor(self, consumer: str) -> int | None:
         """A named consumer's next seq (None for an unknown or expired name)."""

@@ -45,6 +45,7 @@ from kvservice.core.engine import KVCacheEngine
 from kvservice.server.build_info import build_info
 from kvservice.server.event_log import EventLog, LogEntry
 from kvservice.server.observability import CallInterceptor
+from kvservice.server.snapshot import SnapshotSource
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class _Sample:
     oldest_seq: int
     num_retained_batches: int
     retained_bytes: int
+    num_snapshot_cuts: int
     num_subscribers: int
     max_subscriber_lag_batches: int
     num_consumers: int
@@ -95,6 +97,7 @@ class ServerMetrics:
         engine: the server's engine (pool, requests, prefix-cache counters).
         event_log: the server's event log (a listener is added to it).
         loop: the loop the server runs on (default: the running loop); scrapes read state there.
+        snapshots: the server's snapshot source (for ``kvservice_snapshot_cuts``; None: 0).
 
     Attributes:
         registry: this server's ``CollectorRegistry`` (what ``/metrics`` serves).
@@ -106,10 +109,12 @@ class ServerMetrics:
     """
 
     def __init__(
-        self, engine: KVCacheEngine, event_log: EventLog, *, loop: asyncio.AbstractEventLoop | None = None
+        self, engine: KVCacheEngine, event_log: EventLog, *, loop: asyncio.AbstractEventLoop | None = None,
+        snapshots: SnapshotSource | None = None,
     ) -> None:
         self.engine = engine
         self.event_log = event_log
+        self.snapshots = snapshots
         self._loop = loop or asyncio.get_running_loop()
         self.registry = CollectorRegistry()
         self.rpc_calls = Counter(
@@ -180,6 +185,7 @@ class ServerMetrics:
             oldest_seq=log.oldest_seq,
             num_retained_batches=log.num_retained_batches,
             retained_bytes=log.retained_bytes,
+            num_snapshot_cuts=self.snapshots.num_cuts if self.snapshots is not None else 0,
             num_subscribers=log.num_subscribers,
             max_subscriber_lag_batches=max(lags, default=0),
             num_consumers=log.num_consumers,
@@ -292,7 +298,8 @@ class _StateCollector(Collector):
             ("kvservice_event_log_head_seq", "Seq of the newest batch (0 when none).", s.head_seq),
             ("kvservice_event_log_oldest_seq", "Seq of the oldest batch retained (head + 1 when none).", s.oldest_seq),
             ("kvservice_event_log_retained_batches", "Batches retained for replay.", s.num_retained_batches),
-            ("kvservice_event_log_retained_bytes", "Msgpack bytes of the batches retained.", s.retained_bytes),
+            ("kvservice_event_log_retained_bytes",
+             "Bytes the retained batches hold (msgpack, cached encodings, per-batch overhead).", s.retained_bytes),
             ("kvservice_event_stream_subscribers", "Open StreamEvents subscriptions.", s.num_subscribers),
             ("kvservice_event_stream_max_lag_batches",
              "Batches the furthest-behind StreamEvents subscriber is behind the head (0 when none).",
@@ -310,6 +317,8 @@ class _StateCollector(Collector):
              s.num_failed_allocations),
             ("kvservice_requests_freed", "Requests freed.", s.num_freed_requests),
             ("kvservice_kv_event_batches", "Event batches appended to the event log.", s.head_seq),
+            ("kvservice_snapshot_cuts", "Snapshots cut (callers asking at one head share one cut).",
+             s.num_snapshot_cuts),
         )
         for name, doc, v in gauges:
             yield GaugeMetricFamily(name, doc, value=v)

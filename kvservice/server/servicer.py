@@ -36,8 +36,17 @@ from kvservice.core.errors import (
 )
 from kvservice.core.request import KVCacheReportMode
 from kvservice.server.build_info import build_info
-from kvservice.server.event_log import EventLog, Subscriber
 from kvservice.server.observability import note_request
+from kvservice.server.encoding import (
+    batch_message,
+    check_format,
+    encoded_batch,
+    encoded_snapshot_part,
+    snapshot_part_message,
+)
+from kvservice.server.event_log import EventLog, LogEntry, Subscriber
+from kvservice.server.heap import HeapTrimmer
+from kvservice.server.snapshot import SnapshotSource
 from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import kv_cache_spec_kind_to_proto
@@ -161,9 +170,12 @@ class KVCacheServicer:
             is logged at ERROR and recorded.
         max_step_tokens: most tokens (prompt_token_ids + new_token_ids over all ops) one Step may
             carry; bounds how long one Step holds the event loop.
+        snapshots: where snapshots come from (default: a :class:`SnapshotSource` attached to
+            ``event_log`` now, which must then have no batch yet).
 
     Attributes:
         num_deadline_exceeded: calls refused with DEADLINE_EXCEEDED before they ran.
+        num_stream_write_timeouts: streams cut because one write took over ``stalled_write_timeout_s``.
         num_invariant_checks: invariant checks run (with ``check_invariants``).
         num_invariant_failures: checks that failed.
         invariant_failures: the first 100 failures' messages.
@@ -178,10 +190,17 @@ class KVCacheServicer:
         max_step_ops: int = 4096,
         max_message_bytes: int = 64 * 1024 * 1024,
         check_invariants: bool = False,
-        max_step_tokens: int = 1 << 20,
+        max_step_tokens: int = 1 << 18,
+        snapshots: SnapshotSource | None = None,
     ) -> None:
+        if snapshots is None:
+            assert event_log.head_seq == 0, "attach the snapshot source before the first batch"
+            snapshots = SnapshotSource.attach(event_log, part_tokens=event_log.config.snapshot_part_tokens)
+        self.snapshots = snapshots
+        self.heap_trimmer = HeapTrimmer(lambda: engine.num_freed_tokens)
         self.max_step_tokens = max_step_tokens
         self.num_deadline_exceeded = 0
+        self.num_stream_write_timeouts = 0
         self.max_message_bytes = max_message_bytes
         self.check_invariants = check_invariants
         self.num_invariant_checks = 0
@@ -292,6 +311,7 @@ class KVCacheServicer:
 
     def _publish(self) -> None:
         self.event_log.append(self.engine.take_events())
+        self.heap_trimmer.maybe_trim()
         if self.check_invariants:
             self._check_invariants()
 
@@ -417,18 +437,24 @@ class KVCacheServicer:
         """Stream batches from a seq, a snapshot or the live head (serialized once, shared)."""
         log = self.event_log
         try:
-            payload_format = log.check_format(request.payload_format)
+            payload_format = check_format(request.payload_format)
             group_idxs = log.check_filter(request.group_idxs)
             log.check_epoch_length(request.epoch)
-            log.check_can_subscribe()  # max_streams: refused before a snapshot is cut
+            log.check_can_subscribe()  # max_streams: refused before a snapshot is asked for
             start = request.start
             snapshot = None
             if start == pb.EVENT_START_SEQ:
                 log.check_start_seq(request.start_seq, request.epoch)
                 next_seq = request.start_seq
             elif start == pb.EVENT_START_SNAPSHOT:
-                snapshot = [m.SerializeToString() for m in log.snapshot_batches(payload_format, group_idxs)]
-                next_seq = log.head_seq + 1
+                snapshot = await self.snapshots.get(group_idxs)  # shared with every caller at this head
+                next_seq = snapshot.seq + 1
+                if next_seq < log.oldest_seq:
+                    raise SeqOutOfRangeError(
+                        f"the snapshot's watermark seq {snapshot.seq} left the retained log while it was cut "
+                        f"(oldest {log.oldest_seq} of epoch {log.epoch}): ask for a snapshot again",
+                        log.oldest_seq,
+                    )
             elif start in (pb.EVENT_START_LIVE, pb.EVENT_START_UNSPECIFIED):
                 if request.epoch and request.epoch != log.epoch:
                     raise EpochMismatchError(
@@ -443,8 +469,13 @@ class KVCacheServicer:
             code, message = status_for(exc)
             await context.abort(code, message)
         try:
-            for part in snapshot or ():
-                await self._write(context, sub, part, next_seq - 1)
+            if snapshot is not None:
+                rank = log.data_parallel_rank
+                async for i, more in snapshot.iter_parts():
+                    data = encoded_snapshot_part(
+                        snapshot, i, more=more, payload_format=payload_format, epoch=log.epoch, data_parallel_rank=rank
+                    )
+                    await self._write(context, sub, data, snapshot.seq)
             while True:
                 sub.raise_if_ended()
                 entries = log.entries_from(sub.next_seq)
@@ -452,12 +483,32 @@ class KVCacheServicer:
                     await log.wait_for(sub)
                     continue
                 for entry in entries:
-                    await self._write(context, sub, entry.encoded(payload_format, group_idxs), entry.seq)
+                    await self._write(context, sub, encoded_batch(log, entry, payload_format, group_idxs), entry.seq)
                     sub.next_seq = entry.seq + 1
                     sub.raise_if_ended()
         except KVServiceDomainError as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
+        except asyncio.CancelledError:
+            if sub.num_write_timeouts == 0 and not sub.abandoned:
+                raise  # the client went away
+            # We cut it (a write timed out): end the call with a status, or it would stay open on
+            # the wire, its pending message buffered, until the connection closes.
+            if sub.num_write_timeouts:
+                self.num_stream_write_timeouts += 1
+            log.unsubscribe(sub)
+            if sub.num_write_timeouts:
+                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, (
+                    f"stream cut: a write took over stalled_write_timeout_s {sub.stalled_write_timeout_s:g} s (the "
+                    f"client is not reading); last seq delivered {sub.last_seq} of epoch {log.epoch}"
+                )
+            else:  # ended (fell behind, shutdown) while blocked in a write: that status
+                code, message = status_for(sub.ended.result()(sub.last_seq))
+            abort = context.abort(code, message)
+            try:
+                await asyncio.wait_for(abort, sub.stalled_write_timeout_s)
+            except asyncio.TimeoutError:
+                raise asyncio.CancelledError from None
         finally:
             log.unsubscribe(sub)
 
@@ -466,9 +517,11 @@ class KVCacheServicer:
 
         A message handed to gRPC cannot be taken back and no status can follow while it is in
         flight, so an ended subscriber's pending write is left to finish (a reading client
-        finishes it) and the status then names that message's seq as the last delivered; a client
-        that stops reading altogether is cut off by the event log's watchdog (see
-        ``EventLogConfig.stalled_write_timeout_s``).
+        finishes it) and the status then names that message's seq as the last delivered. Every
+        write has ``EventLogConfig.stalled_write_timeout_s`` to complete, behind or not: a client
+        that stops reading, or whose connection died without a word, is cut off then
+        (DEADLINE_EXCEEDED naming ``stalled_write_timeout_s`` and the last seq delivered). A stream so holds at most one message (``max_message_bytes``) in the server
+        beyond gRPC's HTTP/2 flow-control window.
         """
         sub.raise_if_ended()
         if len(data) > self.max_message_bytes:
@@ -476,7 +529,11 @@ class KVCacheServicer:
                 f"batch seq {seq} is {len(data)} bytes, above max_message_bytes {self.max_message_bytes}; "
                 f"last seq delivered {sub.last_seq}: raise max_message_bytes to read it"
             )
-        await context.write(data)
+        timer = asyncio.get_running_loop().call_later(sub.stalled_write_timeout_s, sub.write_timed_out)
+        try:
+            await context.write(data)
+        finally:
+            timer.cancel()
 
     async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
         """Pull batches after a named consumer's cursor."""
@@ -484,7 +541,7 @@ class KVCacheServicer:
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
         try:
-            payload_format = log.check_format(request.payload_format)
+            payload_format = check_format(request.payload_format)
             group_idxs = log.check_filter(request.group_idxs)
             log.check_epoch_length(request.epoch)
             # A take with snapshot=true restarts the consumer: the epoch it knew does not matter.
@@ -493,16 +550,33 @@ class KVCacheServicer:
                     f"epoch {request.epoch!r} is not this server's epoch {log.epoch!r} (the server restarted): "
                     "take with snapshot=true"
                 )
+            log.check_consumer(request.consumer)
+            if request.start_seq:
+                log.check_start_seq(request.start_seq, request.epoch)
             previous = log.consumer_cursor(request.consumer)
-            batches, next_seq = log.take(
+            max_bytes = log.config.max_take_bytes
+            batches: list[pb.EventBatch] = []
+            snapshot_seq = None
+            if request.snapshot:
+                batches = await self._snapshot_for_take(group_idxs, payload_format, max_bytes)
+                snapshot_seq = batches[0].seq
+                max_bytes -= sum(b.ByteSize() + 8 for b in batches)
+            messages: dict[int, pb.EventBatch] = {}
+
+            def size_of(entry: LogEntry) -> int:
+                msg = messages[entry.seq] = batch_message(entry, payload_format, group_idxs)
+                return msg.ByteSize() + 8  # + the field's tag and length
+
+            entries, next_seq = log.take(
                 request.consumer,
                 max_batches=request.max_batches,
-                snapshot=request.snapshot,
                 start_seq=request.start_seq,
                 epoch=request.epoch,
-                payload_format=payload_format,
-                group_idxs=group_idxs,
+                snapshot_seq=snapshot_seq,
+                size_of=size_of,
+                max_bytes=max_bytes,
             )
+            batches.extend(messages[entry.seq] for entry in entries)
         except Exception as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
@@ -511,6 +585,38 @@ class KVCacheServicer:
             lambda ctx: ctx.cancelled() and log.restore_consumer(request.consumer, previous, next_seq)  # type: ignore[arg-type, func-returns-value]  # `and` runs the restore only on cancel; its None is ignored
         )
         return pb.TakeEventsResponse(batches=batches, next_seq=next_seq, epoch=log.epoch)
+
+    async def _snapshot_for_take(
+        self, group_idxs: tuple[int, ...] | None, payload_format: int, max_bytes: int
+    ) -> list[pb.EventBatch]:
+        """A snapshot's parts as ``EventBatch`` messages for one TakeEvents answer.
+
+        Raises:
+            CapacityExceededError: the snapshot is above ``max_bytes``: at once (before any cut)
+                when its lower bound (:meth:`SnapshotSource.min_bytes`) is, else after the cut.
+        """
+        bound = self.snapshots.min_bytes(group_idxs)
+        if bound > max_bytes:
+            raise CapacityExceededError(
+                f"snapshot is at least {bound} bytes, above max_take_bytes {max_bytes} a TakeEvents answer carries: "
+                "take it with StreamEvents (sent in parts)"
+            )
+        snapshot = await self.snapshots.get(group_idxs)
+        log = self.event_log
+        parts = [
+            snapshot_part_message(
+                snapshot, i, more=more, payload_format=payload_format, epoch=log.epoch,
+                data_parallel_rank=log.data_parallel_rank,
+            )
+            async for i, more in snapshot.iter_parts()
+        ]
+        size = sum(b.ByteSize() + 8 for b in parts)
+        if size > max_bytes:
+            raise CapacityExceededError(
+                f"snapshot is {size} bytes, above max_take_bytes {max_bytes} a TakeEvents answer carries: "
+                "take it with StreamEvents (sent in parts)"
+            )
+        return parts
 
     async def GetKVCacheGroupMetadata(
         self, request: pb.GetKVCacheGroupMetadataRequest, context: grpc.aio.ServicerContext

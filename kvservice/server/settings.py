@@ -217,6 +217,12 @@ class BindSettings(_Section):
         uds: also listen on this Unix-domain socket path (None: off), with the TCP port's
             credentials; the socket file is made mode 0600 (only this user connects) and removed
             at stop. With auth off, AttachKVCache is allowed over it or over loopback only.
+        keepalive_time_s: seconds between HTTP/2 keepalive pings the server sends on a connection,
+            so a client that vanished without closing (a dead host, a NAT or a load balancer that
+            dropped the flow) is found and its streams end.
+        keepalive_timeout_s: seconds a ping may go unanswered before the connection is closed.
+        keepalive_min_client_interval_s: the most often (seconds) a client may ping on a quiet
+            connection before it is told "too many pings" (below the client's default of 30 s).
     """
 
     name: ClassVar[str] = "bind"
@@ -236,6 +242,13 @@ class BindSettings(_Section):
         None, "Also listen on this Unix-domain socket path (mode 0600, removed at stop).",
         check=lambda v: None if v.strip() else "must be a socket path (or unset: no Unix-domain listener)",
         default_text="off")
+    keepalive_time_s: float = setting(30.0, "Seconds between the server's HTTP/2 keepalive pings on a connection.",
+                                      check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds")
+    keepalive_timeout_s: float = setting(10.0, "Seconds a keepalive ping may go unanswered before the connection closes.",
+                                         check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds")
+    keepalive_min_client_interval_s: float = setting(
+        5.0, "The most often, in seconds, a client may ping on a quiet connection.",
+        check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds")
 
 
 @dataclass(frozen=True)
@@ -305,10 +318,15 @@ class LimitsSettings(_Section):
     Attributes:
         max_num_requests: registered requests at once.
         max_step_ops: ops per Step.
-        max_step_tokens: tokens per Step (prompt_token_ids + new_token_ids over its ops).
+        max_step_tokens: tokens per Step (prompt_token_ids + new_token_ids over its ops); bounds how
+            long one Step holds the event loop (262,144: about 0.1 s here; a Step runs whole, without
+            yielding, so its events are one batch).
         max_message_bytes: largest gRPC message accepted or sent, bytes.
         request_idle_timeout_s: a request not called for this long is freed as by Free, seconds
             (None: never).
+        max_waiting_tokens: prompt tokens held by waiting requests (registered, not yet admitted)
+            at once (8,388,608, about 370 MiB of server memory; 0: no bound); one more is refused
+            with RESOURCE_EXHAUSTED naming max_waiting_tokens.
         data_chunk_bytes: largest ``data`` of one WriteBlocks / ReadBlocks chunk, bytes (4 KiB ..
             max_message_bytes - 64 KiB). A read or write holds about one chunk (and one block
             being written) per call in server memory.
@@ -317,13 +335,17 @@ class LimitsSettings(_Section):
     name: ClassVar[str] = "limits"
     max_num_requests: int = setting(65536, "Registered requests at once.", check=at_least(1))
     max_step_ops: int = setting(4096, "Ops per Step.", check=at_least(1))
-    max_step_tokens: int = setting(1 << 20, "Tokens per Step, prompt + new over all ops.", check=at_least(1))
+    max_step_tokens: int = setting(1 << 18, "Tokens per Step, prompt + new over all ops (bounds how long one Step holds the loop).",
+                                   check=at_least(1))
     max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message, e.g. 64MiB.", parse="bytes",
                                      check=at_least(4096, "bytes"), default_text="64MiB")
     request_idle_timeout_s: float | None = setting(
         None, "Free a request not called for this long, seconds.",
         check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds (or unset: off)",
         default_text="off")
+    max_waiting_tokens: int = setting(
+        8 * 1024 * 1024, "Prompt tokens held by waiting (registered, not yet admitted) requests at once; 0: no bound.",
+        check=at_least(0, "tokens"))
     data_chunk_bytes: int = setting(1 << 20, "Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB.",
                                     parse="bytes", default_text="1MiB")
 
@@ -342,16 +364,23 @@ class EventsSettings(_Section):
     Attributes:
         data_parallel_rank: copied onto every event batch (None: not set).
         max_batches: batches retained for replay.
-        max_bytes: msgpack bytes retained for replay; the newest batch is always kept.
+        max_bytes: bytes retained for replay: each batch's msgpack bytes, the wire encodings cached
+            on it (each plus ``ENCODING_OVERHEAD_BYTES``) and ``ENTRY_OVERHEAD_BYTES`` (within 1.5x
+            of the Python memory the log takes); the newest batch is always kept.
         max_subscriber_lag: batches a stream subscriber may fall behind the head before it is
             ended with RESOURCE_EXHAUSTED.
         max_consumers: named TakeEvents consumers tracked at once.
-        snapshot_part_tokens: token ids per snapshot message, about (a snapshot goes in parts).
-        stalled_write_timeout_s: once a subscriber is ended, how long its handler may stay
-            blocked in a write (the client stopped reading) before the call is cancelled, seconds.
+        snapshot_part_tokens: token ids per snapshot message, about (a snapshot goes in parts; each
+            part is encoded in one go on the loop, so this bounds that hold too: about 15 ms here).
+        stalled_write_timeout_s: the longest one stream write may take, seconds (the client stopped
+            reading, or its connection died silently), behind or not: then the stream is ended with
+            DEADLINE_EXCEEDED naming the bound; also how long an ended subscriber's handler may stay
+            blocked in a write.
         consumer_idle_timeout_s: a named consumer that has not taken for this long is dropped
             (lazily, at the next take or cursor lookup), seconds.
         max_streams: open StreamEvents subscriptions at once; one more is RESOURCE_EXHAUSTED.
+        max_snapshot_cuts: snapshots cut at once. Callers asking at the same head share one cut;
+            at the bound a caller joins the newest cut of its group filter in production, or waits.
         kv_events_medium: the ``medium`` of every event ("GPU", as vLLM's primary pool always
             says, whatever the device: consumers such as Dynamo's indexer file other media in
             their host/offload tiers); "CPU" or another tier name for a deployment that wants the
@@ -369,13 +398,15 @@ class EventsSettings(_Section):
                              flat="event_max_bytes", parse="bytes", check=at_least(1), default_text="256MiB")
     max_subscriber_lag: int = setting(10_000, "Batches a stream subscriber may fall behind.", check=at_least(1))
     max_consumers: int = setting(1024, "Named TakeEvents consumers.", check=at_least(1))
-    snapshot_part_tokens: int = setting(262_144, "Token ids per snapshot message, about.", check=at_least(1))
+    snapshot_part_tokens: int = setting(32_768, "Token ids per snapshot message, about.", check=at_least(1))
     stalled_write_timeout_s: float = setting(
-        30.0, "Cut off an ended subscriber whose client stopped reading after this long, seconds.",
+        30.0, "The longest one stream write may take, seconds (a client that stopped reading is cut off).",
         check=positive("seconds"))
     consumer_idle_timeout_s: float = setting(
         3600.0, "Drop a TakeEvents consumer that has not taken for this long, seconds.", check=positive("seconds"))
     max_streams: int = setting(1024, "Open StreamEvents subscriptions.", check=at_least(1))
+    max_snapshot_cuts: int = setting(2, "Snapshots cut at once (callers at the same head share one cut).",
+                                     check=at_least(1))
     kv_events_medium: str = setting(
         "GPU", "The medium every KV event names (vLLM's primary pool says GPU).",
         check=lambda v: None if 1 <= len(v) <= 64 else "must be a non-empty string of at most 64 characters")

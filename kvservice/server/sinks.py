@@ -75,11 +75,15 @@ class SinkContext:
         event_log: the log whose batches it publishes.
         port: the server's bound gRPC port (names NATS's default instance).
         allow_insecure_bind: the auth section's rule for a bind off loopback (ZMQ has no auth).
+        snapshots: where a snapshot is cut (``kvservice.server.snapshot.SnapshotSource``): ZMQ
+            answers a replay from below retention with one (None: no snapshot; such a replay
+            gets the retained batches only).
     """
 
     event_log: EventLog
     port: int
     allow_insecure_bind: bool
+    snapshots: Any = None
 
 
 @dataclass
@@ -113,6 +117,7 @@ async def _start_zmq(settings: ZmqSettings, ctx: SinkContext) -> StartedSink:
     publisher = await ZmqEventPublisher.start(
         ctx.event_log, endpoint=settings.endpoint, replay_endpoint=settings.replay_endpoint,
         topic=settings.topic or "", hwm=settings.hwm, allow_insecure_bind=ctx.allow_insecure_bind,
+        snapshots=ctx.snapshots,
     )
     return StartedSink(publisher)
 

@@ -87,10 +87,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvservice.server.auth import is_loopback_host
-from kvservice_client.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_event_batch
+from kvservice.server.snapshot import materialize, snapshot_runs
+from kvservice_client.events import AllBlocksCleared, KVEventBatch, encode_event_batch
 
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog, LogEntry
+    from kvservice.server.snapshot import SnapshotSource
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +215,7 @@ class ZmqEventPublisher:
                  endpoint: str, bound: bool, replay_endpoint: str | None, topic: str) -> None:
         """Use :meth:`start`; this only assembles the parts."""
         self._log = event_log
+        self._snapshots: SnapshotSource | None = None
         self._zmq = zmq
         self._ctx = ctx
         self._pub = pub
@@ -243,6 +246,7 @@ class ZmqEventPublisher:
         topic: str = "",
         hwm: int = 100_000,
         allow_insecure_bind: bool = False,
+        snapshots: SnapshotSource | None = None,
     ) -> ZmqEventPublisher:
         """Open the sockets, register with ``event_log`` and start serving replays.
 
@@ -254,6 +258,8 @@ class ZmqEventPublisher:
             hwm: PUB send high-water mark, in messages per subscriber (>= 1).
             allow_insecure_bind: bind a non-loopback address anyway (with a warning in
                 :attr:`notes`); refused otherwise.
+            snapshots: the server's snapshot source: a replay from below retention is answered
+                with a snapshot cut from its mirror (None: with the retained batches only).
 
         Raises:
             ValueError: a non-loopback bind without ``allow_insecure_bind`` (see
@@ -290,6 +296,7 @@ class ZmqEventPublisher:
             raise
         publisher = cls(event_log, zmq, ctx, pub, router, endpoint, bound, replay_endpoint, topic)
         publisher.notes = notes
+        publisher._snapshots = snapshots
         publisher._send_live(publisher.seq_base, publisher._epoch_start)  # the epoch start (AllBlocksCleared)
         event_log.add_listener(publisher.publish)
         if router is not None:
@@ -356,7 +363,7 @@ class ZmqEventPublisher:
         messages: list[tuple[int, bytes]] = []  # (wire seq, payload), cut now: nothing awaits in between
         if start_seq <= base + log.head_seq:
             oldest = log.oldest_seq
-            if start_seq < base + oldest and oldest > 1:  # below retention: the snapshot first
+            if start_seq < base + oldest and oldest > 1 and self._snapshots is not None:  # below retention
                 self.num_snapshot_replays += 1
                 logger.info(
                     "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
@@ -365,7 +372,13 @@ class ZmqEventPublisher:
                 # One batch, not the gRPC stream's parts: see "A start below retention" above.
                 # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a
                 # second BlockStored per block to a vLLM reader, which ignores ``reused``.
-                events = [e for e in log.snapshot_events() if not (type(e) is BlockStored and e.reused)]
+                mirror = self._snapshots.mirror
+                view = mirror.view()
+                events = [
+                    materialize(view, item, mirror.group_kinds, mirror.group_windows)
+                    for item in snapshot_runs(view, None)
+                    if item is None or not item[1]
+                ]
                 snapshot = KVEventBatch(time.time(), events, log.data_parallel_rank)
                 messages = [(base + log.head_seq, encode_event_batch(snapshot))]
             else:

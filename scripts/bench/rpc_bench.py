@@ -101,7 +101,8 @@ def step_rate(client: KVCacheClient, ops_per_step: int, num_requests: int, promp
 
 def served_step_rate(ops_per_step: int, num_requests: int, prompt_len: int, num_blocks: int) -> float:
     """:func:`step_rate` against a fresh server of ``num_blocks`` blocks."""
-    with serve("--device", "meta", "--num-blocks", str(num_blocks)) as address, KVCacheClient(address) as client:
+    with serve("--device", "meta", "--num-blocks", str(num_blocks), "--max-step-tokens", str(1 << 20)) as address, \
+            KVCacheClient(address) as client:
         return step_rate(client, ops_per_step, num_requests, prompt_len)
 
 
@@ -110,7 +111,9 @@ def run(quick: bool = False) -> dict[str, float]:
     n_step = 128 if quick else 1024
     out: dict[str, float] = {}
     before = in_process_rate(n_step // 2)
-    with serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS)) as address, KVCacheClient(address) as client:
+    # Steps of 256 admissions of 2,048 tokens: above the default max_step_tokens (262,144).
+    with serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS), "--max-step-tokens", str(1 << 20)) as address, \
+            KVCacheClient(address) as client:
         out.update(unary(client, n_unary))
         for k in (1, 16, 64, 256):
             out[f"step_{k}_requests_per_s"] = step_rate(client, k, max(n_step, k) if k > 1 else n_step // 4)

@@ -52,7 +52,7 @@ def test_serve_with_defaults_then_watch_shows_events_and_sigterm_ends_both():
         serve_out = Lines(serve.stdout)
         address = serve_out.wait_for("kvservice listening on").split()[3]
         serve_out.wait_for("preset llama-3-8b")
-        watch = _spawn("watch", address, "--snapshot")
+        watch = _spawn("watch", address, "--snapshot", "--no-reconnect")
         watch_out = Lines(watch.stdout)
         watch_out.wait_for("seq=0* AllBlocksCleared")  # subscribed: everything after this is live
         with KVCacheClient(address) as client:

@@ -178,8 +178,8 @@ def server_state(running: RunningServer) -> dict[str, Any]:
     return {
         "engine_usage": engine.get_usage(),
         "retained": [entry.seq for entry in log.entries_from(log.oldest_seq)],
-        "snapshot": log.snapshot_events(),
-        "cached": log.cached_hashes(),
+        "snapshot": running.snapshots.mirror.events(),
+        "cached": running.snapshots.mirror.cached_hashes(),
         "pool": pool_hashes(running),
         "requests": {rid: (r.num_tokens, r.num_computed_tokens) for rid, r in engine.requests.items()},
         "running": set(engine.running),

@@ -397,7 +397,7 @@ class LiveServer:
         if method == "Step" and code == grpc.StatusCode.OK:
             self._check_step(pb.StepResponse.FromString(response), before)
         running.engine.check_invariants()
-        assert running.event_log.cached_hashes() == pool_hashes(running), "the event log's mirror left the pool"
+        assert running.snapshots.mirror.cached_hashes() == pool_hashes(running), "the event log's mirror left the pool"
         assert running.event_log.num_subscribers == 0
         assert await self.call_ok("Ping", pb.PingRequest(payload=b"alive")) == pb.PingResponse(
             payload=b"alive"

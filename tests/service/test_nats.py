@@ -186,7 +186,7 @@ def assert_mirrors_server(mirror: InstanceMirror, running: RunningServer) -> Non
     num_groups = running.engine.manager.num_groups
     assert mirror.state is MirrorState.SYNCED
     assert (mirror.epoch, mirror.last_seq) == (running.event_log.epoch, running.event_log.head_seq)
-    assert mirror.hashes(num_groups) == running.event_log.cached_hashes() == pool_hashes(running)
+    assert mirror.hashes(num_groups) == running.snapshots.mirror.cached_hashes() == pool_hashes(running)
 
 
 async def test_each_batch_is_one_message_with_its_position_in_headers(nats_server, js, start_kv_server, connect):

@@ -75,7 +75,7 @@ class FollowedMirror:
 
 def server_hashes(running: RunningServer) -> set[int]:
     """The server's cached set (its event log's mirror, which the service tests check equals the pool)."""
-    (cached,) = running.event_log.cached_hashes()
+    (cached,) = running.snapshots.mirror.cached_hashes()
     return set(cached)
 
 

@@ -1,7 +1,7 @@
 """Snapshot + live batches equal the server's cached set, after a random workload.
 
 A watcher that starts from a snapshot and applies every later batch in order holds exactly the
-event log's mirror (``event_log.cached_hashes()``) and exactly the hashes the block pool indexes;
+snapshot mirror (``running.snapshots.mirror.cached_hashes()``) and exactly the hashes the block pool indexes;
 so does one that joins mid-way with a snapshot, over StreamEvents and over TakeEvents.
 """
 
@@ -82,7 +82,7 @@ async def catch_up(stream, mirror: Mirror, head_seq: int) -> None:
 
 
 def assert_mirror_is_the_server_cache(mirror: Mirror, running) -> None:
-    assert mirror.groups == running.event_log.cached_hashes() == pool_hashes(running)
+    assert mirror.groups == running.snapshots.mirror.cached_hashes() == pool_hashes(running)
 
 
 @pytest.mark.parametrize("preset", ["qwen-2.5-0.5b", "full-sliding"])
@@ -147,7 +147,7 @@ async def test_large_snapshot_comes_in_parts_that_together_equal_the_cached_set(
         await scheduler.get_computed_blocks(f"r{i}", family + [7, 7, 7, 7, 1], kv_cache_report_mode="full")
         await scheduler.allocate_slots(f"r{i}", 13)
     head = running.event_log.head_seq
-    cached = running.event_log.cached_hashes()
+    cached = running.snapshots.mirror.cached_hashes()
     assert len(cached[0]) == 12  # 4 chains of 3 blocks: 48 tokens of stores, twice (parents first, recency)
 
     stream = streamer.stream_events(snapshot=True)

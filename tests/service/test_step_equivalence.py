@@ -113,7 +113,7 @@ async def server_state(running, client) -> dict:
         "requests": {rid: (r.num_tokens, r.num_computed_tokens) for rid, r in engine.requests.items()},
         "running": set(engine.running),
         "block_ids": {rid: engine.manager.get_block_ids(rid) for rid in engine.requests},
-        "cached": running.event_log.cached_hashes(),
+        "cached": running.snapshots.mirror.cached_hashes(),
         "pool": pool_hashes(running),
     }
 

@@ -151,7 +151,7 @@ class VllmSubscriber:
 
 def cached_pairs(running) -> set[tuple[int, object]]:
     """The server's cached set as (group_idx, hash) pairs (the event log's mirror)."""
-    return {(g, h) for g, group in enumerate(running.event_log.cached_hashes()) for h in group}
+    return {(g, h) for g, group in enumerate(running.snapshots.mirror.cached_hashes()) for h in group}
 
 
 async def workload(client, num_requests: int = 10) -> None:

@@ -16,7 +16,6 @@ from kvservice.core.errors import CapacityExceededError, InvalidArgumentError
 from kvservice.server.app import ServerConfig, load_config
 from kvservice.server.event_log import EventLog, EventLogConfig
 from kvservice.server.reaper import RequestReaper
-from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvservice_client.hashing import BlockHasher, block_hash_to_int
 from tests.unit.core_helpers import free_ids, make_manager
@@ -134,10 +133,9 @@ def test_the_reaper_refuses_a_bad_timeout(bad):
 
 
 def take(log: EventLog, consumer: str, **kwargs) -> tuple[list[int], int]:
-    options = {"max_batches": 0, "snapshot": False, "start_seq": 0, "epoch": "",
-               "payload_format": pb.PAYLOAD_FORMAT_PROTOBUF, "group_idxs": None, **kwargs}
-    batches, next_seq = log.take(consumer, **options)
-    return [b.seq for b in batches], next_seq
+    options = {"max_batches": 0, "start_seq": 0, "epoch": "", **kwargs}
+    entries, next_seq = log.take(consumer, **options)
+    return [e.seq for e in entries], next_seq
 
 
 def test_consumers_expire_after_their_idle_timeout():
@@ -208,7 +206,7 @@ def test_limit_settings_come_from_flags_env_and_files(tmp_path):
     assert (config.max_streams, config.consumer_idle_timeout_s, config.request_idle_timeout_s,
             config.max_step_tokens) == (16, 60.0, 30.0, 4096)
     assert (ServerConfig().request_idle_timeout_s, ServerConfig().consumer_idle_timeout_s,
-            ServerConfig().max_streams, ServerConfig().max_step_tokens) == (None, 3600.0, 1024, 1 << 20)
+            ServerConfig().max_streams, ServerConfig().max_step_tokens) == (None, 3600.0, 1024, 1 << 18)
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
     for flag in ("--request-idle-timeout-s", "--consumer-idle-timeout-s", "--max-streams", "--max-step-tokens",
                  "--max-num-requests", "--max-step-ops", "--max-consumers", "--max-message-bytes"):

@@ -113,12 +113,28 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 own default (4 MiB) is below one TakeEvents answer of many batches."""
 
 
+DEFAULT_KEEPALIVE_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),  # grpcio 1.85 times a ping out by this one (default 60 s)
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 0),
+)
+"""HTTP/2 keepalive of a channel a client opens, unless its ``options`` set the same names: while a
+call is open (a quiet ``StreamEvents`` included) the client pings every 30 s and closes the
+connection when a ping goes unanswered for 10 s, so a stream whose server or network path died
+silently ends with UNAVAILABLE within about 40 s and an :class:`EventWatcher` resyncs. The server
+accepts pings this often (its ``keepalive_min_client_interval_s`` defaults to 5 s)."""
+
+
 def _channel_options(options: Sequence[tuple[str, Any]] | None, extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
-    """``options`` plus ``extra`` (the TLS settings') plus the default receive limit, unless they
-    set one."""
+    """``options`` plus ``extra`` (the TLS settings') plus the default receive limit and keepalive,
+    where they set none."""
     out = [*extra, *(options or ())]
-    if not any(name == "grpc.max_receive_message_length" for name, _ in out):
+    names = {name for name, _ in out}
+    if "grpc.max_receive_message_length" not in names:
         out.append(("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES))
+    out.extend((name, value) for name, value in DEFAULT_KEEPALIVE_OPTIONS if name not in names)
     return out
 
 

@@ -274,7 +274,7 @@ class InstanceMirror:
 
     def hashes(self, num_groups: int) -> list[set[ev.ExternalBlockHash]]:
         """Per group 0..num_groups-1, the cached hashes (the shape of the server's
-        ``EventLog.cached_hashes()``)."""
+        ``SnapshotSource.mirror.cached_hashes()``)."""
         held = self.index.snapshot()
         return [held.get(g, set()) for g in range(num_groups)]
 

@@ -1,0 +1,79 @@
+"""The servicer edge of the event log: log entries and snapshot parts as ``kvservice.v1.EventBatch``.
+
+The event log (``kvservice.server.event_log``) and the snapshots (``kvservice.server.snapshot``)
+hold events and msgpack bytes only; protobuf starts here. An entry's serialized ``EventBatch`` is
+made once per payload format and group filter and cached on the entry through the log (so the
+log's byte budget counts it); a snapshot part's, once per payload format on the snapshot. Every
+subscriber gets the same bytes.
+"""
+
+from __future__ import annotations
+
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.server.event_log import EventLog, LogEntry, filter_events
+from kvservice.server.snapshot import Snapshot
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.convert import batch_to_proto
+from kvservice_client.events import KVEventBatch
+
+__all__ = ["batch_message", "check_format", "encoded_batch", "encoded_snapshot_part", "snapshot_part_message"]
+
+_FORMATS = (pb.PAYLOAD_FORMAT_UNSPECIFIED, pb.PAYLOAD_FORMAT_PROTOBUF, pb.PAYLOAD_FORMAT_MSGPACK)
+
+
+def check_format(payload_format: int) -> int:
+    """Validate a payload format; UNSPECIFIED is PROTOBUF.
+
+    Raises:
+        InvalidArgumentError: unknown value (field ``payload_format``).
+    """
+    if payload_format not in _FORMATS:
+        raise InvalidArgumentError("payload_format", f"unknown value {payload_format}")
+    return pb.PAYLOAD_FORMAT_MSGPACK if payload_format == pb.PAYLOAD_FORMAT_MSGPACK else pb.PAYLOAD_FORMAT_PROTOBUF
+
+
+def batch_message(entry: LogEntry, payload_format: int, group_idxs: tuple[int, ...] | None) -> pb.EventBatch:
+    """The ``EventBatch`` of one log entry for a payload format and group filter."""
+    if payload_format == pb.PAYLOAD_FORMAT_MSGPACK and group_idxs is None:
+        msg = pb.EventBatch(seq=entry.seq, epoch=entry.epoch, ts=entry.ts, msgpack=entry.msgpack)
+        if entry.data_parallel_rank is not None:
+            msg.data_parallel_rank = entry.data_parallel_rank
+        return msg
+    return batch_to_proto(
+        KVEventBatch(entry.ts, filter_events(entry.events, group_idxs), entry.data_parallel_rank),
+        seq=entry.seq, epoch=entry.epoch, payload_format=payload_format,
+    )
+
+
+def encoded_batch(log: EventLog, entry: LogEntry, payload_format: int, group_idxs: tuple[int, ...] | None) -> bytes:
+    """The serialized ``EventBatch`` of ``entry`` (made once, cached on it and counted by ``log``)."""
+    key = (payload_format, group_idxs)
+    data = entry.encodings.get(key)
+    if data is None:
+        data = log.cache_encoding(entry, key, batch_message(entry, payload_format, group_idxs).SerializeToString())
+    return data
+
+
+def snapshot_part_message(
+    snap: Snapshot, i: int, *, more: bool, payload_format: int, epoch: str, data_parallel_rank: int | None
+) -> pb.EventBatch:
+    """Part ``i`` of a snapshot as an ``EventBatch``: ``seq`` the watermark, ``snapshot`` set,
+    ``snapshot_more`` on every part but the last."""
+    msg = batch_to_proto(
+        KVEventBatch(snap.ts, snap.part_events(i), data_parallel_rank), seq=snap.seq, epoch=epoch, snapshot=True,
+        payload_format=payload_format,
+    )
+    msg.snapshot_more = more
+    return msg
+
+
+def encoded_snapshot_part(
+    snap: Snapshot, i: int, *, more: bool, payload_format: int, epoch: str, data_parallel_rank: int | None
+) -> bytes:
+    """:func:`snapshot_part_message` serialized, made once per payload format and shared."""
+    return snap.encoded(
+        i, ("EventBatch", payload_format),
+        lambda s, j: snapshot_part_message(
+            s, j, more=more, payload_format=payload_format, epoch=epoch, data_parallel_rank=data_parallel_rank
+        ).SerializeToString(),
+    )

@@ -1,0 +1,486 @@
+"""Snapshots of the cached set: a compact mirror fed by the event log, cut in parts, shared.
+
+A snapshot is AllBlocksCleared, then BlockStored for every cached block (parents before children),
+then the same blocks re-announced in the server's recency order (``reused``), all at a watermark
+seq: a subscriber that applies it and then every batch from watermark + 1 holds exactly the
+server's cached set and misses nothing.
+
+Cost rules (issue 15):
+
+* The mirror (:class:`CachedSetMirror`) keeps, per cached (group_idx, block hash), only that
+  block's own ``block_size`` token ids (8 bytes each), its parent hash and its keys, in a
+  plain tuple the cycle collector stops tracking; never the
+  BlockStored that announced it, so one surviving block does not pin a whole prompt. It is fed by
+  an event-log listener; its ``seq`` is the last batch applied.
+* :meth:`SnapshotSource.get` is the one entry point (gRPC ``StreamEvents`` and ``TakeEvents``
+  use it; so can any other wire). Every caller that asks for the same group filter at the same
+  mirror seq shares one cut (:attr:`SnapshotSource.num_cuts` counts cuts, exported as
+  ``kvservice_snapshot_cuts``). A cut copies the mirror's table (one C-level dict copy, the only
+  step that holds the loop in proportion to the cache: about 50 ms per million blocks here) and is
+  then produced by a task in parts of about ``part_tokens`` token ids that yields to the loop every
+  ``YIELD_EVERY_TOKENS`` tokens; callers read parts as they are produced.
+* At most ``max_concurrent_cuts`` cuts are produced at once; a caller that would start one more
+  joins the newest cut of its filter in production (an older watermark is still exact: the
+  caller follows live batches from that watermark + 1, which are retained), or waits for one to
+  finish.
+* :meth:`SnapshotSource.min_bytes` is a lower bound on a snapshot's encoded size known before any
+  cut (one byte per token id, twice: both halves carry every block), so an answer
+  with a byte limit (TakeEvents) is refused at once when the bound is above it.
+
+Nothing here knows protobuf: parts are lists of events; the servicer edge encodes them (once per
+payload format, memoized on the :class:`Snapshot`, so a burst of subscribers shares the bytes too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from typing import Any, Union
+
+from kvservice.core.errors import ShuttingDownError
+from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+__all__ = [
+    "CachedSetMirror", "MirroredBlock", "Snapshot", "SnapshotSource", "YIELD_EVERY_TOKENS", "materialize",
+    "snapshot_runs",
+]
+
+YIELD_EVERY_TOKENS = 8_192
+"""A cut in production yields to the loop after about this many token ids of events (and at every
+part boundary), so one cut holds the loop for about 500 blocks' worth of work at a time."""
+
+_Key = tuple[int, Any]  # (group_idx, block hash)
+
+
+MirroredBlock = tuple
+"""One cached block as the mirror holds it: a plain tuple (immutable, so a cut may share it; and
+untracked by CPython's cycle collector once it has looked at it, since it holds only ints,
+strings, None and bytes: a million of them add nothing to a collection's pause), indexed by:"""
+
+PARENT, TOKEN_IDS, BLOCK_SIZE, LORA_ID, LORA_NAME, MEDIUM, HAS_EXTRA_KEYS, EXTRA_KEYS = range(8)
+"""Fields of a :data:`MirroredBlock`: the parent block hash (None at block 0); this block's own
+``block_size`` token ids (int64 in native byte order, as ``array('q').tobytes()``); block_size, lora_id, lora_name, medium of the
+BlockStored that announced it; whether that event carried ``extra_keys`` at all; this block's own
+entry of them (None when it had none)."""
+
+
+class CachedSetMirror:
+    """The cached set as the event batches describe it: (group_idx, hash) -> :class:`MirroredBlock`.
+
+    Ordered least recently announced first. Within one BlockStored the first block counts as the
+    most recent (hashes are applied last to first), as the server's free queue evicts a request's
+    deepest block first; reuse reports refresh.
+
+    Args:
+        num_groups: KV cache groups.
+        group_kinds: per group, the kind string put on snapshot events.
+        group_windows: per group, the sliding window put on snapshot events.
+
+    Attributes:
+        seq: the seq of the last batch applied (0 before any).
+        num_tokens_per_group: per group, token ids held (block_size per cached block).
+    """
+
+    def __init__(self, num_groups: int, group_kinds: Sequence[str | None], group_windows: Sequence[int | None]) -> None:
+        self.num_groups = num_groups
+        self.group_kinds = tuple(group_kinds)
+        self.group_windows = tuple(group_windows)
+        self.seq = 0
+        self.num_tokens_per_group = [0] * num_groups
+        self._blocks: dict[_Key, MirroredBlock] = {}
+
+    def apply(self, seq: int, events: Sequence[KVCacheEvent]) -> None:
+        """Apply one batch's events (in order) and record its seq."""
+        blocks = self._blocks
+        tokens = self.num_tokens_per_group
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                g = event.group_idx  # type: ignore[union-attr]
+                hashes = event.block_hashes  # type: ignore[union-attr]
+                if event.reused:  # type: ignore[union-attr]
+                    for h in reversed(hashes):
+                        key = (g, h)
+                        block = blocks.pop(key, None)
+                        if block is not None:
+                            blocks[key] = block
+                    continue
+                bs = event.block_size  # type: ignore[union-attr]
+                # One C-level conversion per event, then a slice (its own bytes) per block.
+                all_tokens = array("q", event.token_ids).tobytes()  # type: ignore[union-attr]
+                width = 8 * bs
+                extra = event.extra_keys  # type: ignore[union-attr]
+                lora_id, lora_name, medium = event.lora_id, event.lora_name, event.medium  # type: ignore[union-attr]
+                for i in range(len(hashes) - 1, -1, -1):
+                    parent = hashes[i - 1] if i else event.parent_block_hash  # type: ignore[union-attr]
+                    key = (g, hashes[i])
+                    old = blocks.pop(key, None)
+                    if old is not None:
+                        tokens[g] -= old[BLOCK_SIZE]
+                    blocks[key] = (
+                        parent, all_tokens[i * width : (i + 1) * width], bs, lora_id, lora_name, medium,
+                        extra is not None, extra[i] if extra is not None else None,
+                    )
+                    tokens[g] += bs
+            elif kind is BlockRemoved:
+                g = event.group_idx  # type: ignore[union-attr]
+                for h in event.block_hashes:  # type: ignore[union-attr]
+                    old = blocks.pop((g, h), None)
+                    if old is not None:
+                        tokens[g] -= old[BLOCK_SIZE]
+            elif kind is AllBlocksCleared:
+                blocks.clear()
+                self.num_tokens_per_group = tokens = [0] * self.num_groups
+        self.seq = seq
+
+    @property
+    def num_blocks(self) -> int:
+        """Cached blocks held, over all groups."""
+        return len(self._blocks)
+
+    def cached_hashes(self) -> list[set]:
+        """Per group, the hashes held (what a watcher applying every batch holds)."""
+        groups: list[set] = [set() for _ in range(self.num_groups)]
+        for g, h in self._blocks:
+            groups[g].add(h)
+        return groups
+
+    def view(self) -> dict[_Key, MirroredBlock]:
+        """A copy of the table as it is now (blocks are shared, never changed: a cut reads it while
+        the mirror moves on)."""
+        return self._blocks.copy()
+
+    def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVCacheEvent]:
+        """The whole snapshot's events at once (tests and small caches; servers use a
+        :class:`SnapshotSource`)."""
+        view = self.view()
+        return [materialize(view, item, self.group_kinds, self.group_windows) for item in snapshot_runs(view, group_idxs)]
+
+
+_Run = Union[None, tuple[list[_Key], bool]]
+"""One snapshot event as the cut holds it: None is AllBlocksCleared; (run, reused) is a
+BlockStored of those blocks (parent first), materialized from the view only when encoded."""
+
+
+def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
+    """The snapshot of ``view``, one event (as a :data:`_Run`) at a time: AllBlocksCleared;
+    BlockStored for every block, parents before children; then the same blocks re-announced in
+    recency order (``reused``).
+
+    The first half gives the cached set (a consumer building a tree meets every parent before its
+    children). The second half, like a reuse report, changes no presence; a consumer that bounds
+    its index by recency of announcement (an LRU) ends up ordered as one that watched from the
+    start would be. Consecutive blocks of one chain share one BlockStored, so one event carries at
+    most one chain (at most max_model_len tokens).
+    """
+
+    def continues(prev: _Key, key: _Key) -> bool:
+        if prev[0] != key[0]:
+            return False
+        block, before = view[key], view[prev]
+        return (
+            block[PARENT] == prev[1]
+            and block[BLOCK_SIZE] == before[BLOCK_SIZE]
+            and block[LORA_ID] == before[LORA_ID]
+            and block[LORA_NAME] == before[LORA_NAME]
+            and block[MEDIUM] == before[MEDIUM]
+            and block[HAS_EXTRA_KEYS] == before[HAS_EXTRA_KEYS]
+        )
+
+    yield None
+    # Half 1: parents first. Walk each block's ancestors up to an emitted (or absent) one.
+    emitted: set = set()
+    run: list[_Key] | None = None
+    for key in view:
+        if (group_idxs is not None and key[0] not in group_idxs) or key in emitted:
+            continue
+        g = key[0]
+        chain = [key]
+        parent = view[key][PARENT]
+        while parent is not None and (g, parent) in view and (g, parent) not in emitted:
+            chain.append((g, parent))
+            parent = view[(g, parent)][PARENT]
+        chain.reverse()
+        emitted.update(chain)
+        if run is not None and continues(run[-1], chain[0]):
+            run.extend(chain)
+        else:
+            if run is not None:
+                yield run, False
+            run = chain
+    if run is not None:
+        yield run, False
+    del emitted
+    # Half 2: recency order, least recent first; a run is a chain listed child first.
+    run = None
+    for key in view:
+        if group_idxs is not None and key[0] not in group_idxs:
+            continue
+        if run is not None and continues(key, run[-1]):
+            run.append(key)
+        else:
+            if run is not None:
+                run.reverse()
+                yield run, True
+            run = [key]
+    if run is not None:
+        run.reverse()
+        yield run, True
+
+
+def materialize(
+    view: dict[_Key, MirroredBlock], item: _Run, group_kinds: Sequence[str | None],
+    group_windows: Sequence[int | None],
+) -> KVCacheEvent:
+    """The event a :data:`_Run` stands for."""
+    if item is None:
+        return AllBlocksCleared()
+    run, reused = item
+    g = run[0][0]
+    first = view[run[0]]
+    token_ids: list[int] = []
+    extra_keys: list | None = [] if first[HAS_EXTRA_KEYS] else None
+    for key in run:
+        block = view[key]
+        token_ids.extend(memoryview(block[TOKEN_IDS]).cast("q"))
+        if extra_keys is not None:
+            extra_keys.append(block[EXTRA_KEYS])
+    return BlockStored(
+        block_hashes=[h for _, h in run],
+        parent_block_hash=first[PARENT],
+        token_ids=token_ids,
+        block_size=first[BLOCK_SIZE],
+        lora_id=first[LORA_ID],
+        medium=first[MEDIUM],
+        lora_name=first[LORA_NAME],
+        extra_keys=extra_keys,
+        group_idx=g,
+        kv_cache_spec_kind=group_kinds[g],
+        kv_cache_spec_sliding_window=group_windows[g],
+        reused=reused,
+    )
+
+
+def _run_tokens(view: dict[_Key, MirroredBlock], item: _Run) -> int:
+    if item is None:
+        return 0
+    run = item[0]
+    return len(run) * view[run[0]][BLOCK_SIZE]
+
+
+class Snapshot:
+    """One cut: its watermark and its parts, produced by a task while callers read them.
+
+    Attributes:
+        seq: the watermark (the mirror's seq when cut); continue from ``seq + 1``.
+        ts: wall-clock time of the cut, in seconds.
+        group_idxs: the group filter (None: all groups).
+        parts: the parts produced so far, each about ``part_tokens`` token ids (an event is never
+            split), as runs of the cut's view (compact: a key reference per block); read one with
+            :meth:`part_events`.
+        done: all parts produced.
+        num_tokens: token ids in the parts produced so far.
+    """
+
+    def __init__(
+        self, seq: int, group_idxs: tuple[int, ...] | None, view: dict[_Key, MirroredBlock] | None = None,
+        group_kinds: Sequence[str | None] = (), group_windows: Sequence[int | None] = (),
+    ) -> None:
+        self.seq = seq
+        self.ts = time.time()
+        self.group_idxs = group_idxs
+        self.view = view if view is not None else {}
+        self.group_kinds = tuple(group_kinds)
+        self.group_windows = tuple(group_windows)
+        self.parts: list[list[_Run]] = []
+        self.done = False
+        self.num_tokens = 0
+        self.error: BaseException | None = None
+        self._changed = asyncio.Event()
+        self._encodings: dict[Hashable, list[bytes | None]] = {}
+
+    def part_events(self, i: int) -> list[KVCacheEvent]:
+        """Part ``i``'s events (made now from the view: the caller encodes and drops them)."""
+        view, kinds, windows = self.view, self.group_kinds, self.group_windows
+        return [materialize(view, item, kinds, windows) for item in self.parts[i]]
+
+    def _add_part(self, part: list[_Run], num_tokens: int) -> None:
+        self.parts.append(part)
+        self.num_tokens += num_tokens
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.done = True
+        self.error = error
+        self._changed.set()
+
+    async def wait_done(self) -> None:
+        """Return once every part is produced.
+
+        Raises:
+            Exception: the production failed (its error).
+        """
+        while not self.done:
+            await self._changed.wait()
+        if self.error is not None:
+            raise self.error
+
+    async def iter_parts(self) -> AsyncIterator[tuple[int, bool]]:
+        """(index, more) for each part in order, as soon as it is produced and it is known whether
+        another follows (``more`` is the wire's ``snapshot_more``).
+
+        Raises:
+            Exception: the production failed (its error).
+        """
+        i = 0
+        while True:
+            while not self.done and len(self.parts) <= i + 1:
+                await self._changed.wait()
+            if self.error is not None:
+                raise self.error
+            if i >= len(self.parts):
+                return
+            yield i, i + 1 < len(self.parts)
+            i += 1
+
+    def encoded(self, i: int, key: Hashable, encode: Callable[[Snapshot, int], bytes]) -> bytes:
+        """Part ``i`` encoded by ``encode(self, i)``, made once per ``key`` (a payload format) and
+        shared by every caller."""
+        parts = self._encodings.setdefault(key, [])
+        while len(parts) <= i:
+            parts.append(None)
+        data = parts[i]
+        if data is None:
+            data = parts[i] = encode(self, i)
+        return data
+
+
+class SnapshotSource:
+    """Where every snapshot comes from: shared cuts of a :class:`CachedSetMirror`, bounded.
+
+    Args:
+        mirror: the mirror to cut (fed by the event log; see :meth:`attach`).
+        part_tokens: token ids per part, about (>= 1).
+        max_concurrent_cuts: cuts produced at once (>= 1).
+
+    Attributes:
+        num_cuts: cuts made (a burst of callers at one head makes one).
+    """
+
+    def __init__(self, mirror: CachedSetMirror, *, part_tokens: int = 32_768, max_concurrent_cuts: int = 2) -> None:
+        if part_tokens < 1:
+            raise ValueError(f"part_tokens must be >= 1; got {part_tokens}")
+        if max_concurrent_cuts < 1:
+            raise ValueError(f"max_concurrent_cuts must be >= 1; got {max_concurrent_cuts}")
+        self.mirror = mirror
+        self.part_tokens = part_tokens
+        self.max_concurrent_cuts = max_concurrent_cuts
+        self.num_cuts = 0
+        self._latest: dict[tuple[int, ...] | None, Snapshot] = {}  # per filter, the newest cut
+        self._in_production: set[Snapshot] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._slot_freed: asyncio.Event | None = None
+
+    @classmethod
+    def attach(
+        cls, event_log: Any, *, part_tokens: int = 32_768, max_concurrent_cuts: int = 2
+    ) -> SnapshotSource:
+        """A source whose mirror follows ``event_log`` (a :class:`~kvservice.server.event_log.EventLog`):
+        call before any batch is appended, and before other listeners are added."""
+        mirror = CachedSetMirror(event_log.num_groups, event_log.group_kinds, event_log.group_windows)
+        source = cls(mirror, part_tokens=part_tokens, max_concurrent_cuts=max_concurrent_cuts)
+        event_log.add_listener(source.on_batch)
+        return source
+
+    def on_batch(self, entry: Any) -> None:
+        """Apply an appended batch (an event-log listener) and drop finished cuts it made stale."""
+        self.mirror.apply(entry.seq, entry.events)
+        if self._latest:
+            for key, snap in list(self._latest.items()):
+                if snap.done:
+                    del self._latest[key]
+
+    def min_bytes(self, group_idxs: tuple[int, ...] | None) -> int:
+        """A lower bound on the encoded size of a snapshot now, in bytes, known without a cut:
+        one byte per token id, in both halves of the snapshot."""
+        tokens = self.mirror.num_tokens_per_group
+        num_tokens = sum(tokens) if group_idxs is None else sum(tokens[g] for g in group_idxs)
+        return 2 * num_tokens
+
+    async def get(self, group_idxs: tuple[int, ...] | None = None) -> Snapshot:
+        """The snapshot for a group filter: the cut at the mirror's seq if one exists (in
+        production or done), else a new cut, within ``max_concurrent_cuts`` (at the bound: the
+        newest cut of this filter still in production, else wait for a slot).
+
+        Read its parts with :meth:`Snapshot.iter_parts` (or :meth:`Snapshot.wait_done`), then
+        follow batches from ``snapshot.seq + 1``.
+        """
+        while True:
+            snap = self._latest.get(group_idxs)
+            if snap is not None and snap.error is None and (snap.seq == self.mirror.seq or (not snap.done and self._at_bound())):
+                return snap
+            if not self._at_bound():
+                return self._cut(group_idxs)
+            if self._slot_freed is None:
+                self._slot_freed = asyncio.Event()
+            await self._slot_freed.wait()
+
+    def _at_bound(self) -> bool:
+        return len(self._in_production) >= self.max_concurrent_cuts
+
+    def _cut(self, group_idxs: tuple[int, ...] | None) -> Snapshot:
+        mirror = self.mirror
+        snap = Snapshot(mirror.seq, group_idxs, mirror.view(), mirror.group_kinds, mirror.group_windows)
+        self.num_cuts += 1
+        self._latest[group_idxs] = snap
+        self._in_production.add(snap)
+        task = asyncio.get_running_loop().create_task(self._produce(snap))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return snap
+
+    async def _produce(self, snap: Snapshot) -> None:
+        limit = self.part_tokens
+        view = snap.view
+        error: BaseException | None = None
+        try:
+            part: list[_Run] = []
+            part_tokens = 0
+            since_yield = 0
+            for item in snapshot_runs(view, snap.group_idxs):
+                size = _run_tokens(view, item)
+                if part and part_tokens + size > limit:
+                    snap._add_part(part, part_tokens)
+                    part, part_tokens = [], 0
+                    since_yield = YIELD_EVERY_TOKENS
+                part.append(item)
+                part_tokens += size
+                since_yield += size
+                if since_yield >= YIELD_EVERY_TOKENS:
+                    since_yield = 0
+                    await asyncio.sleep(0)
+            snap._add_part(part, part_tokens)
+        except BaseException as exc:  # a failed cut fails its callers, never the loop
+            error = exc if isinstance(exc, Exception) else ShuttingDownError("snapshot cut cancelled: shutting down")
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            snap._finish(error)
+            self._in_production.discard(snap)
+            if self._slot_freed is not None:
+                self._slot_freed.set()
+                self._slot_freed = None
+
+    async def close(self) -> None:
+        """Cancel cuts in production (their callers get an error)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            try:
+                await task
+            except BaseException:
+                pass
+

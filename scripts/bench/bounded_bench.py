@@ -1,0 +1,254 @@
+"""Bounded cost (issue 15): what snapshot watchers cost other clients, and memory against settings.
+
+    python scripts/bench/bounded_bench.py stall  [--blocks 32768] [--clients 1,100] [--seconds 10]
+    python scripts/bench/bounded_bench.py memory
+    ... --server-src DIR    # run the server from another source tree (e.g. main, for "before")
+
+stall: a server (meta device, block size 16) holding ``--blocks`` cached blocks; one client's
+GetUsage latency (p50/p99, sync client, this process) while idle, then while N other clients (a
+separate process) loop StreamEvents(SNAPSHOT) to the end of each snapshot; the figure is the loaded
+p99 as a ratio to the idle p99 of the same run (target <= 3x).
+
+memory: server RSS growth (VmRSS) in two workloads, each on a fresh server:
+* pinning: 400 requests of 4,096 tokens on a 2,048-block pool, admitted and freed one by one, with
+  a 1 MiB event log (so the growth is what the snapshot mirror keeps, not retention);
+  "chain": request i starts with the first min(i, 255) blocks of one long chain (each chain block
+  first announced by a different request's BlockStored, and kept cached by reuse), the rest fresh;
+  "fresh": no reuse at all. Target: chain within 1.5x of fresh.
+* event log: ``--event-max-bytes 12MiB``, a protobuf StreamEvents watcher reading every batch, 3,000
+  batches of fresh 2,048-token requests (retention trims the log many times over). Target: RSS
+  growth within 1.5x of the 12 MiB budget; the retained-bytes metric beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(server_src: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if server_src:
+        env["PYTHONPATH"] = f"{server_src}:{server_src}/clients/python"
+    return env
+
+
+class Server:
+    """``kvservice serve`` in a child process on a free port."""
+
+    def __init__(self, *flags: str, server_src: str | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", "--device", "meta", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(server_src),
+            cwd="/tmp",
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("kvservice listening on"):
+                self.address = line.split()[3]
+                break
+        else:
+            raise RuntimeError(f"server did not start (exit {self.proc.wait()})")
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _fill(client, num_blocks: int, prompt_len: int = 8192, per_step: int = 32) -> None:
+    """Leave ``num_blocks`` blocks cached: fresh prompts admitted and freed, in Steps."""
+    from kvservice_client.client import StepBuilder
+
+    num_requests = num_blocks * 16 // prompt_len
+    for start in range(0, num_requests, per_step):
+        step = StepBuilder()
+        ids = range(start, min(num_requests, start + per_step))
+        for r in ids:
+            base = 1 + r * prompt_len
+            step.get_computed_blocks(f"f{r}", list(range(base, base + prompt_len))).allocate_slots(f"f{r}", prompt_len)
+        for r in ids:
+            step.free(f"f{r}")
+        client.step(step, timeout=600)
+
+
+def _latencies(client, seconds: float) -> list[float]:
+    out = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        client.get_usage(timeout=600)
+        out.append(time.perf_counter() - t)
+        time.sleep(0.002)
+    return out
+
+
+def _p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _snapshot_load(address: str, num_clients: int, seconds: float) -> int:
+    from kvservice_client.client import AsyncKVCacheClient
+
+    done = 0
+    end = time.monotonic() + seconds
+    clients = [AsyncKVCacheClient(address, options=[("grpc.use_local_subchannel_pool", 1)], timeout=None)
+               for _ in range(min(num_clients, 8))]
+
+    async def loop(client) -> None:
+        nonlocal done
+        while time.monotonic() < end:
+            try:
+                async for batch in client.stream_events(snapshot=True):
+                    if not batch.snapshot_more:
+                        break
+            except Exception:  # a stream the server ended (fell behind ...): ask again
+                continue
+            done += 1
+
+    await asyncio.gather(*(loop(clients[i % len(clients)]) for i in range(num_clients)))
+    for client in clients:
+        await client.close()
+    return done
+
+
+def stall(blocks: int, clients: list[int], seconds: float, server_src: str | None) -> list[dict]:
+    from kvservice_client.client import KVCacheClient
+
+    server = Server("--preset", "qwen-2.5-0.5b", "--block-size", "16", "--num-blocks", str(blocks + 64),
+                    "--max-model-len", "8192", server_src=server_src)
+    rows = []
+    try:
+        with KVCacheClient(server.address, timeout=600) as client:
+            t = time.perf_counter()
+            _fill(client, blocks)
+            fill_s = time.perf_counter() - t
+            cached = client.get_usage().num_cached_blocks
+            idle = _latencies(client, seconds)
+            for n in clients:
+                load = subprocess.Popen(
+                    [sys.executable, __file__, "_load", server.address, str(n), str(seconds + 2)],
+                    stdout=subprocess.PIPE, text=True, env=_env(None), cwd=str(ROOT),
+                )
+                time.sleep(1.0)  # let the load start
+                loaded = _latencies(client, seconds)
+                out, _ = load.communicate(timeout=3600)
+                rows.append({
+                    "blocks": cached, "clients": n, "fill_s": fill_s,
+                    "idle_p50_ms": _p(idle, 0.5) * 1e3, "idle_p99_ms": _p(idle, 0.99) * 1e3,
+                    "loaded_p50_ms": _p(loaded, 0.5) * 1e3, "loaded_p99_ms": _p(loaded, 0.99) * 1e3,
+                    "loaded_max_ms": max(loaded) * 1e3, "ratio_p99": _p(loaded, 0.99) / _p(idle, 0.99),
+                    "snapshots_done": int(out.strip().splitlines()[-1]) if out.strip() else None,
+                })
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def _chain_prompts(num_requests: int, prompt_len: int, chain: bool) -> list[list[int]]:
+    master = list(range(1, 1 + 255 * 16))
+    prompts = []
+    for i in range(num_requests):
+        reuse = min(i, 255) * 16 if chain else 0
+        fresh_start = 10_000_000 + i * prompt_len
+        prompts.append(master[:reuse] + list(range(fresh_start, fresh_start + prompt_len - reuse)))
+    return prompts
+
+
+def memory(server_src: str | None) -> list[dict]:
+    from kvservice_client.client import KVCacheClient, StepBuilder
+
+    rows = []
+    for workload in ("fresh", "chain"):
+        # A small event log (1 MiB), so what stays is what the snapshot mirror holds.
+        server = Server("--preset", "qwen-2.5-0.5b", "--block-size", "16", "--num-blocks", "2049",
+                        "--max-model-len", "4096", "--event-max-bytes", "1MiB", server_src=server_src)
+        try:
+            with KVCacheClient(server.address, timeout=600) as client:
+                client.get_usage()
+                before = server.rss_bytes()
+                for i, prompt in enumerate(_chain_prompts(400, 4096, workload == "chain")):
+                    client.step(StepBuilder().get_computed_blocks(f"r{i}", prompt).allocate_slots(f"r{i}", 4096)
+                                .free(f"r{i}"))
+                after = server.rss_bytes()
+            rows.append({"workload": f"pinning, {workload}", "rss_growth_mib": (after - before) / 2**20})
+            print(json.dumps(rows[-1]), flush=True)
+        finally:
+            server.stop()
+    budget = 12 * 2**20
+    server = Server("--preset", "qwen-2.5-0.5b", "--block-size", "16", "--num-blocks", "2049",
+                    "--max-model-len", "4096", "--event-max-bytes", "12MiB", "--metrics-port", "0",
+                    server_src=server_src)
+    try:
+        from kvservice_client.client import AsyncKVCacheClient  # noqa: F401
+
+        with KVCacheClient(server.address, timeout=600) as client:
+            client.get_usage()
+            before = server.rss_bytes()
+            stream = client.stream_events(start_seq=1)
+            reader_done = []
+
+            import threading
+
+            def read() -> None:
+                n = 0
+                for _ in stream:
+                    n += 1
+                    if n == 3000:
+                        break
+                reader_done.append(n)
+
+            thread = threading.Thread(target=read)
+            thread.start()
+            for i in range(3000):
+                base = 20_000_000 + i * 2048
+                client.step(StepBuilder().get_computed_blocks(f"e{i}", list(range(base, base + 2048)))
+                            .allocate_slots(f"e{i}", 2048).free(f"e{i}"))
+            thread.join(600)
+            after = server.rss_bytes()
+            meta = client.get_kv_cache_group_metadata()
+        rows.append({"workload": "event log, 12 MiB budget", "rss_growth_mib": (after - before) / 2**20,
+                     "ratio_to_budget": (after - before) / budget, "head_seq": meta.head_seq,
+                     "batches_read": reader_done[0] if reader_done else None})
+        print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_load":
+        print(asyncio.run(_snapshot_load(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))))
+        sys.exit(0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["stall", "memory"])
+    parser.add_argument("--blocks", type=int, default=32768)
+    parser.add_argument("--clients", default="1,100")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--server-src")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.what == "stall":
+        result = stall(args.blocks, [int(n) for n in args.clients.split(",")], args.seconds, args.server_src)
+    else:
+        result = memory(args.server_src)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))

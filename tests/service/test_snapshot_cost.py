@@ -1,0 +1,99 @@
+"""What a snapshot costs the others (issue 15): one cut serves a burst; an oversized TakeEvents
+snapshot is refused before any cut; a snapshot's events are exactly the cached set.
+
+A real server on port 0, driven with the generated client. Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvservice_client.client import KVServiceError
+from kvservice_client.events import BlockStored
+from tests.service.helpers import events_of, next_batch, pool_hashes
+from tests.service.test_metrics import scrape
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def prompt(r: int, num_tokens: int) -> list[int]:
+    """A prompt whose first token differs per ``r`` (distinct blocks), all ids below 128."""
+    return [r + 1] + [(7 * i + r) % 100 + 1 for i in range(1, num_tokens)]
+
+
+async def fill(client, num_requests: int, num_tokens: int) -> None:
+    """Admit and free requests, leaving their full blocks cached."""
+    for r in range(num_requests):
+        await client.get_computed_blocks(f"r{r}", prompt(r, num_tokens))
+        assert (await client.allocate_slots(f"r{r}", num_tokens)).allocated
+        await client.free(f"r{r}")
+
+
+async def read_snapshot(stream) -> list:
+    """The parts of a snapshot stream, up to the last (``snapshot_more`` false)."""
+    parts = [await next_batch(stream)]
+    while parts[-1].snapshot_more:
+        parts.append(await next_batch(stream))
+    return parts
+
+
+async def test_100_concurrent_snapshot_subscribers_at_one_head_cause_one_cut(start_kv_server, connect):
+    running = await start_kv_server(num_blocks=200, max_model_len=256, metrics_port=0, snapshot_part_tokens=64)
+    scheduler = await connect(running)
+    await fill(scheduler, 4, 160)  # 160 cached blocks of 4 tokens
+    head = running.event_log.head_seq
+    watchers = [await connect(running) for _ in range(4)]
+    streams = [w.stream_events(snapshot=True) for w in watchers for _ in range(25)]
+    snapshots = await asyncio.gather(*(read_snapshot(s) for s in streams))
+    assert running.snapshots.num_cuts == 1
+    samples = await scrape(running.metrics_port)
+    assert samples[("kvservice_snapshot_cuts_total", frozenset())] == 1.0
+    first = [[b.SerializeToString() for b in parts] for parts in snapshots[:1]][0]
+    assert len(first) > 1  # in parts
+    for parts in snapshots:
+        assert [b.seq for b in parts] == [head] * len(parts)
+        assert [b.SerializeToString() for b in parts] == first  # the same bytes for all
+    stored = {(e.group_idx, h) for b in snapshots[0] for e in events_of(b) if isinstance(e, BlockStored) for h in
+              e.block_hashes}
+    assert stored == {(g, h) for g, hashes in enumerate(pool_hashes(running)) for h in hashes}
+    # A take at the same head shares the cut too; the next batch makes the next ask cut again.
+    taken = await watchers[0].take_events("w", snapshot=True)
+    assert [b.seq for b in taken.batches] == [head] * len(first) and running.snapshots.num_cuts == 1
+    await scheduler.get_computed_blocks("new", prompt(9, 8))
+    await scheduler.allocate_slots("new", 8)
+    again = await read_snapshot(watchers[1].stream_events(snapshot=True))
+    assert again[0].seq == head + 1 and running.snapshots.num_cuts == 2
+
+
+async def test_an_oversized_take_events_snapshot_is_refused_before_any_cut(start_kv_server, connect):
+    # max_take_bytes = max_message_bytes - 1024 = 3072 bytes; 2,048 cached tokens are at least 4,096
+    # bytes of snapshot (every token id at least once in each half).
+    running = await start_kv_server(num_blocks=600, max_model_len=1024, max_message_bytes=4096, snapshot_part_tokens=256)
+    scheduler = await connect(running)
+    await fill(scheduler, 2, 1024)
+    watcher = await connect(running)
+    with pytest.raises(KVServiceError) as err:
+        await watcher.take_events("w", snapshot=True)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "snapshot is at least 4096 bytes, above max_take_bytes 3072" in str(err.value)
+    assert running.snapshots.num_cuts == 0
+    assert running.event_log.consumer_cursor("w") is None  # the refusal registered no consumer
+    # The same snapshot over StreamEvents (in parts) is fine.
+    parts = await read_snapshot(watcher.stream_events(snapshot=True))
+    assert running.snapshots.num_cuts == 1 and parts[-1].seq == running.event_log.head_seq
+
+
+async def test_a_take_events_snapshot_above_the_bound_after_the_cut_is_refused_exactly(start_kv_server, connect):
+    # 512 tokens: the bound (1,024 bytes) fits 3,072; the real snapshot (hashes are 8-10 bytes each) does not.
+    running = await start_kv_server(num_blocks=600, max_model_len=1024, max_message_bytes=4096, snapshot_part_tokens=256)
+    scheduler = await connect(running)
+    await fill(scheduler, 1, 512)
+    watcher = await connect(running)
+    with pytest.raises(KVServiceError) as err:
+        await watcher.take_events("w", snapshot=True)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "above max_take_bytes 3072 a TakeEvents answer carries" in str(err.value)
+    assert "at least" not in str(err.value) and running.snapshots.num_cuts == 1

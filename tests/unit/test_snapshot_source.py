@@ -1,0 +1,98 @@
+"""The snapshot module alone: a compact mirror, cuts in parts that yield, shared and bounded cuts."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from array import array
+
+from kvservice.server.event_log import EventLog
+import gc
+
+from kvservice.server.snapshot import PARENT, TOKEN_IDS, YIELD_EVERY_TOKENS, CachedSetMirror, SnapshotSource
+from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+def stored(hashes: list[int], parent: int | None, first_token: int, block_size: int = 4) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent,
+        token_ids=list(range(first_token, first_token + block_size * len(hashes))), block_size=block_size,
+        lora_id=None, medium="CPU", lora_name=None, group_idx=0,
+    )
+
+
+def test_the_mirror_keeps_each_block_s_own_tokens_not_the_announcing_event():
+    mirror = CachedSetMirror(1, ["full_attention"], [None])
+    event = stored([11, 12, 13], None, 1000)
+    mirror.apply(1, [event])
+    mirror.apply(2, [BlockRemoved(block_hashes=[12, 13], medium="CPU", group_idx=0)])
+    (block,) = mirror.view().values()
+    assert block[TOKEN_IDS] == array("q", [1000, 1001, 1002, 1003]).tobytes()
+    assert block[PARENT] is None and mirror.num_tokens_per_group == [4] and mirror.seq == 2
+    gc.collect()
+    assert not gc.is_tracked(block)  # a million cached blocks cost a GC pause nothing
+    refs_before = sys.getrefcount(event.token_ids)
+    del event  # nothing in the mirror refers to the event or its token list
+    assert refs_before == 2  # the local name and getrefcount's argument
+    assert mirror.events() == [
+        AllBlocksCleared(),
+        BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[1000, 1001, 1002, 1003], block_size=4,
+                    lora_id=None, medium="CPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention"),
+        BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[1000, 1001, 1002, 1003], block_size=4,
+                    lora_id=None, medium="CPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention", reused=True),
+    ]
+
+
+def log_with_source(**kwargs) -> tuple[EventLog, SnapshotSource]:
+    log = EventLog(1, ["full_attention"], [None])
+    return log, SnapshotSource.attach(log, **kwargs)
+
+
+async def test_a_cut_is_produced_in_parts_that_yield_to_the_loop():
+    log, source = log_with_source(part_tokens=4 * 256)
+    num_chains = 2000
+    log.append([stored([10 * c, 10 * c + 1], None, 8 * c) for c in range(num_chains)])  # 16,000 tokens
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    snap = await source.get()
+    await snap.wait_done()
+    done = True
+    await task
+    num_tokens = 2 * 8 * num_chains  # both halves
+    assert snap.num_tokens == num_tokens and snap.seq == 1
+    # A yield at every part boundary (parts of 1,024 tokens) and every YIELD_EVERY_TOKENS.
+    assert len(snap.parts) >= num_tokens // 1024
+    assert ticks >= len(snap.parts) - 1 >= num_tokens // YIELD_EVERY_TOKENS
+
+
+async def test_callers_share_a_cut_and_the_bound_makes_later_ones_join_the_one_in_production():
+    log, source = log_with_source(part_tokens=64, max_concurrent_cuts=1)
+    log.append([stored([c], None, 4 * c) for c in range(500)])
+    first = await source.get()
+    assert await source.get() is first and source.num_cuts == 1  # same head: shared
+    log.append([stored([9999], None, 0)])  # head 2; the cut at 1 is still in production
+    assert not first.done
+    assert await source.get() is first and source.num_cuts == 1  # at the bound: join it
+    await first.wait_done()
+    second = await source.get()
+    assert second is not first and second.seq == 2 and source.num_cuts == 2
+    await second.wait_done()
+    assert await source.get() is second  # done, same head: still shared
+    log.append([AllBlocksCleared()])
+    assert source.min_bytes(None) == 0
+    assert (await source.get()).seq == 3 and source.num_cuts == 3
+
+
+async def test_min_bytes_is_a_lower_bound_known_before_the_cut():
+    log, source = log_with_source()
+    log.append([stored([1, 2, 3], None, 100)])
+    assert source.min_bytes(None) == 2 * 12 and source.min_bytes((0,)) == 24 and source.num_cuts == 0

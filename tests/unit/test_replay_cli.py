@@ -15,7 +15,7 @@ from kvservice.cli import main
     [
         (["--max-num-batched-tokens", "2000000"],
          "Invalid value for '--max-num-batched-tokens': 2000000 is above the embedded server's max_step_tokens "
-         "(1048576 tokens per Step)"),
+         "(262144 tokens per Step)"),
         (["--num-blocks", "64", "--mirror-capacity", "100"],
          "Invalid value for '--mirror-capacity': 100 is above the pool (63 blocks; 0: unbounded)"),
         (["--num-blocks", "0"], "the embedded server: num_blocks must be >= 1; got 0"),

@@ -497,7 +497,7 @@ def _build_core(config: ServerConfig) -> _Core:
         check_invariants=cache.check_invariants, max_step_tokens=limits.max_step_tokens, snapshots=snapshots,
     )
     if device.type != "meta":
-        metadata.max_data_chunk_bytes = limits.data_chunk_bytes
+        metadata.max_data_chunk_bytes = limits.chunk_bytes
     if shm is not None:
         shm.set_epoch(event_log.epoch)
         if device.type == "cpu":
@@ -520,7 +520,7 @@ def _add_data_plane(core: _Core, auth: Any, closers: list[Callable[[], Awaitable
 
         closers.append(close_shm)
     core.servicer.data_plane = DataPlane(
-        core.engine, core.tensors, epoch=core.event_log.epoch, shm=shm, chunk_bytes=core.config.limits.data_chunk_bytes,
+        core.engine, core.tensors, epoch=core.event_log.epoch, shm=shm, chunk_bytes=core.config.limits.chunk_bytes,
         attach_requires_local=auth.interceptor is None and core.config.auth.tls_client_ca_file is None,
     )
 

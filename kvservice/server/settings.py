@@ -328,7 +328,8 @@ class LimitsSettings(_Section):
             at once (8,388,608, about 370 MiB of server memory; 0: no bound); one more is refused
             with RESOURCE_EXHAUSTED naming max_waiting_tokens.
         data_chunk_bytes: largest ``data`` of one WriteBlocks / ReadBlocks chunk, bytes (4 KiB ..
-            max_message_bytes - 64 KiB). A read or write holds about one chunk (and one block
+            max_message_bytes - 64 KiB; None: 1 MiB, or half of max_message_bytes when that is
+            smaller: :attr:`chunk_bytes`). A read or write holds about one chunk (and one block
             being written) per call in server memory.
     """
 
@@ -346,11 +347,18 @@ class LimitsSettings(_Section):
     max_waiting_tokens: int = setting(
         8 * 1024 * 1024, "Prompt tokens held by waiting (registered, not yet admitted) requests at once; 0: no bound.",
         check=at_least(0, "tokens"))
-    data_chunk_bytes: int = setting(1 << 20, "Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB.",
-                                    parse="bytes", default_text="1MiB")
+    data_chunk_bytes: int | None = setting(None, "Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB.",
+                                           parse="bytes", default_text="1MiB, at most half of --max-message-bytes")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The data chunk bound in force: ``data_chunk_bytes``, or its default."""
+        if self.data_chunk_bytes is not None:
+            return self.data_chunk_bytes
+        return min(1 << 20, self.max_message_bytes // 2)
 
     def _check(self) -> None:
-        if not 4096 <= self.data_chunk_bytes <= self.max_message_bytes - 65536:
+        if self.data_chunk_bytes is not None and not 4096 <= self.data_chunk_bytes <= self.max_message_bytes - 65536:
             raise ValueError(
                 f"data_chunk_bytes must be in 4096..max_message_bytes - 65536 ({self.max_message_bytes - 65536}) "
                 f"bytes; got {self.data_chunk_bytes}"

@@ -64,8 +64,8 @@ async def test_attach_describes_the_memory_and_the_view_is_the_servers(start_kv_
     [view] = description.views
     assert (view.group_idx, view.view_idx, view.storage_idx, view.offset_bytes) == (0, 0, 0, 0)
     assert (list(view.shape), list(view.strides), view.dtype, view.block_axis) == (
-        [24, 2, 16, 4, 2, 64], [2 * 16 * 512, 16 * 512, 512, 128, 64, 1], "bfloat16", 2
-    )
+        [24, 16, 4, 2, 128], [16 * 4 * 2 * 128, 4 * 2 * 128, 2 * 128, 128, 1], "bfloat16", 1
+    )  # vLLM 0.33's layout: [layers, blocks, block_size, KV heads, K then V of head_size each]
     kv = KVCacheView(description)
     for block_id in (0, 5, 15):
         ours, theirs = kv.block_view(0, block_id), running.tensors.block_view(0, block_id)
@@ -73,7 +73,7 @@ async def test_attach_describes_the_memory_and_the_view_is_the_servers(start_kv_
             a.shape == b.shape and a.stride() == b.stride() for a, b in zip(ours, theirs)
         )
     kv.block_view(0, 5)[0].fill_(3.0)  # written through the view: the server's tensor sees it
-    assert torch.equal(running.tensors.block_view(0, 5)[0], torch.full((24, 2, 4, 2, 64), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(running.tensors.block_view(0, 5)[0], torch.full((24, 4, 2, 128), 3.0, dtype=torch.bfloat16))
     assert (await client.get_kv_cache_group_metadata()).max_data_chunk_bytes == 1 << 20
 
 

@@ -17,7 +17,7 @@ import pytest
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import KVCacheClient, KVServiceError, StepBuilder, decode_new_block_ids, step_results
 from kvservice_client.events import BlockStored
-from tests.service.helpers import flat_events
+from tests.service.helpers import FULL_SLIDING, flat_events
 from tests.service.test_step_equivalence import server_state
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,10 +48,11 @@ def _outcomes_of_decode(response: pb.DecodeResponse, num_requests: int) -> list[
     return out
 
 
-@pytest.mark.parametrize(("preset", "num_blocks"), [("qwen-2.5-0.5b", 28), ("gemma-3-27b", 48)])
-async def test_decode_op_equals_per_request_allocations(start_kv_server, connect, preset, num_blocks):
+@pytest.mark.parametrize(("layout", "num_blocks"), [({"preset": "qwen-2.5-0.5b"}, 28), (FULL_SLIDING, 48)],
+                         ids=["qwen-2.5-0.5b", "full-sliding"])
+async def test_decode_op_equals_per_request_allocations(start_kv_server, connect, layout, num_blocks):
     rng = random.Random(7)
-    servers = [await start_kv_server(preset=preset, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
+    servers = [await start_kv_server(**layout, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
                for _ in range(2)]
     per_request, batched = [await connect(s) for s in servers]
     prefix = [rng.randrange(1, 40) for _ in range(8)]

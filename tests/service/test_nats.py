@@ -354,7 +354,7 @@ async def test_a_plain_in_order_consumer_drops_a_restarted_servers_blocks(nats_s
     before = await start_kv_server(**nats_settings(nats_server, "node-a"))
     await run_requests(before, await connect(before), prompts_of(1, 5), "a")
     await published(before)
-    old = set(before.event_log.cached_hashes()[0])
+    old = set(before.cached_hashes()[0])
     await before.stop(0)
     after = await start_kv_server(**nats_settings(nats_server, "node-a"))
     await run_requests(after, await connect(after), prompts_of(2, 3), "b")
@@ -372,7 +372,7 @@ async def test_a_plain_in_order_consumer_drops_a_restarted_servers_blocks(nats_s
                 cached.update(event.block_hashes)
             else:
                 cached.difference_update(event.block_hashes)
-    assert cached == set(after.event_log.cached_hashes()[0]) and old - cached
+    assert cached == set(after.cached_hashes()[0]) and old - cached
     restart = epoch_seqs.index((after.event_log.epoch, 0))
     assert epoch_seqs[0] == (before.event_log.epoch, 0) and restart == before.event_log.head_seq + 1
 

@@ -299,13 +299,15 @@ async def test_a_snapshot_bigger_than_the_replay_high_water_mark_comes_whole_as_
         await client.free(f"r{i}")
     log, publisher = running.event_log, running.zmq_publisher
     assert len(cached_pairs(running)) == 200 and log.oldest_seq == log.head_seq > 1
-    assert len(log.snapshot_batches(1, None)) > 2 * (1 + 1)  # the gRPC snapshot's parts overflow it
+    snapshot = await running.snapshots.get()
+    await snapshot.wait_done()
+    assert len(snapshot.parts) > 2 * (1 + 1)  # the gRPC snapshot's parts overflow it
     subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
     replayed = await subscriber.replay(0)
     assert [m[1] for m in replayed] == [(publisher.seq_base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
     _, events, rank = msgspec.msgpack.decode(replayed[0][2])
     assert rank is None
-    presence = [e for e in log.snapshot_events() if not getattr(e, "reused", False)]  # each block once
+    presence = [e for e in running.snapshots.mirror.events() if not getattr(e, "reused", False)]  # each block once
     assert len(presence) == 1 + 100  # AllBlocksCleared, then one BlockStored per request's chain
     assert events == msgspec.msgpack.decode(encode_event_batch(KVEventBatch(0.0, presence, None)))[1]
     subscriber.apply(replayed[0])

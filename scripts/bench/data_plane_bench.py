@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             ours.append(len(blocks) * BYTES_PER_BLOCK / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
             for b in blocks:
-                local.select(2, b).copy_(src)
+                local.select(1, b).copy_(src)  # the block axis of vLLM 0.33's [L, N, B, H, 2D] page
             base.append(len(blocks) * BYTES_PER_BLOCK / (time.perf_counter() - t0) / 1e9)
         o, b_ = statistics.median(ours), statistics.median(base)
         rows.append((f"worker writes {len(blocks)} blocks via the attached view, GB/s", o,

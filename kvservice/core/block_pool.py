@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvservice_client.hashing import block_event_extra_keys, block_hash_to_int
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail (evicted last)."""
         last = self.fake_tail.prev_free_block
-        last.next_free_block = block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        last.next_free_block = block  # type: ignore[union-attr]  # the fake head and tail keep every link of a listed block set (None only outside the list)
         block.prev_free_block = last
         block.next_free_block = self.fake_tail
         self.fake_tail.prev_free_block = block
@@ -156,10 +156,10 @@ class FreeKVCacheBlockQueue:
         tail = self.fake_tail
         last = tail.prev_free_block
         for block in blocks:
-            last.next_free_block = block  # type: ignore[union-attr]
+            last.next_free_block = block  # type: ignore[union-attr]  # the fake head and tail keep every link of a listed block set (None only outside the list)
             block.prev_free_block = last
             last = block
-        last.next_free_block = tail  # type: ignore[union-attr]
+        last.next_free_block = tail  # type: ignore[union-attr]  # the fake head and tail keep every link of a listed block set (None only outside the list)
         tail.prev_free_block = last
         self.num_free_blocks += len(blocks)
 
@@ -303,7 +303,7 @@ class BlockPool:
         self.cached_block_hash_to_block = [BlockHashToBlockMap() for _ in range(num_groups)]
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        self.kv_event_queue: list[KVCacheEvent] = []
+        self.kv_event_queue: list[KVEvent] = []
         self.num_evictions = 0
         """Cached blocks reused for new content since start (blocks)."""
 
@@ -547,7 +547,7 @@ class BlockPool:
 
     # -- events -----------------------------------------------------------------------------
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """Drain the event queue (oldest first)."""
         events = self.kv_event_queue
         self.kv_event_queue = []
@@ -568,7 +568,8 @@ class BlockPool:
                 joined = b"".join(hashes)
                 if len(joined) == n * width:
                     words = width // 8
-                    return np.frombuffer(joined, dtype=">u8")[words - 1 :: words].tolist()  # type: ignore[no-any-return]
+                    ints: list[int | bytes] = np.frombuffer(joined, dtype=">u8")[words - 1 :: words].tolist()
+                    return ints
         return [encode(h) for h in hashes]
 
     def _emit_removed(self, removed: dict[int, list[bytes]]) -> None:

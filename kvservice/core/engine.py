@@ -31,7 +31,7 @@ from kvservice.core.errors import (
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_cache_spec import max_tokens_in_pool, min_blocks_for_request
 from kvservice.core.request import KVCacheReportMode, Request
-from kvservice_client.events import KVCacheEvent
+from kvservice_client.events import KVEvent
 from kvservice_client.hashing import LoRA, MultiModalFeature
 
 __all__ = ["AllocateResult", "ComputedBlocksResult", "DecodeResult", "EngineLimits", "KVCacheEngine", "Usage"]
@@ -581,7 +581,7 @@ class KVCacheEngine:
             num_waiting_requests=len(self.requests) - len(self.running),
         )
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """The manager's annotated events since the last take."""
         return self.manager.take_events()
 

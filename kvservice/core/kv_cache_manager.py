@@ -26,7 +26,7 @@ from kvservice.core.kv_cache_spec import (
 )
 from kvservice.core.request import Request
 from kvservice.core.single_type_managers import SingleTypeKVCacheManager
-from kvservice_client.events import BlockRemoved, BlockStored, KVCacheEvent
+from kvservice_client.events import BlockRemoved, BlockStored, KVEvent
 from kvservice_client.hashing import (
     DEFAULT_HASH_ALGORITHM,
     DEFAULT_HASH_SEED,
@@ -406,7 +406,7 @@ class KVCacheManager:
 
     # -- events -----------------------------------------------------------------------------
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """Drain the pool's events, annotating BlockStored and BlockRemoved with their group's kind
         and sliding window (metadata computed once at construction). An event whose ``group_idx``
         is out of range is logged as a warning and passed on unannotated."""

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvservice.core.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
@@ -210,8 +210,8 @@ def _layer_plan(arch: str, f: _Fields, num_layers: int) -> list[tuple[str, int |
     if arch in _DEEPSEEK:
         return [("mla", None)] * num_layers
     if arch in _GPT_OSS:
-        window = f.positive_int("sliding_window", 128)
-        return [("sliding", window) if i % 2 == 0 else ("full", None) for i in range(num_layers)]
+        gpt_oss_window = f.positive_int("sliding_window", 128)
+        return [("sliding", gpt_oss_window) if i % 2 == 0 else ("full", None) for i in range(num_layers)]
     if arch in _LLAMA4:
         chunk = f.positive_int("attention_chunk_size", 8192)
         no_rope = f.get("no_rope_layers") or []
@@ -318,7 +318,7 @@ def model_kv_layout(
 # Layout files
 # --------------------------------------------------------------------------------------------------
 
-_LAYER_KINDS = {
+_LAYER_KINDS: dict[str, Callable[..., KVCacheSpec]] = {
     "full_attention": FullAttentionSpec,
     "sink_full_attention": SinkFullAttentionSpec,
     "sliding_window": SlidingWindowSpec,
@@ -372,7 +372,7 @@ def _layout_spec(f: _Fields, kind: str, block_size: int, dtype: str, max_model_l
                 raise f.error(f"{f._name(key)} of {extra[key]} tokens exceeds max_model_len ({max_model_len} tokens)")
     if kind == "sink_full_attention":
         extra["sink_len"] = f.positive_int("sink_len")
-    return _LAYER_KINDS[kind](block_size, num_kv_heads, head_size, dtype, **extra)  # type: ignore[call-arg]
+    return _LAYER_KINDS[kind](block_size, num_kv_heads, head_size, dtype, **extra)
 
 
 def _check_dtype(f: _Fields, key: str, dtype: Any) -> str:
@@ -380,7 +380,7 @@ def _check_dtype(f: _Fields, key: str, dtype: Any) -> str:
         dtype_size_bytes(dtype)
     except (ValueError, TypeError):
         raise f.error(f"{f._name(key)}: unknown dtype {dtype!r}") from None
-    return dtype
+    return cast(str, dtype)  # a key of DTYPE_SIZE_BYTES, whose keys are the dtype names
 
 
 def load_kv_cache_layout(

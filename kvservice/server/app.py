@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -74,6 +74,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+if TYPE_CHECKING:  # the generated messages are imported lazily where used; here only for annotations
+    from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +286,7 @@ class RunningServer:
     @property
     def metrics_port(self) -> int | None:
         """The bound port of the Prometheus endpoint (None when metrics are off)."""
-        return self.config.metrics_port
+        return self.config.metrics.port
 
     def describe(self) -> str:
         """Two lines: where it listens and what it holds."""
@@ -359,7 +362,7 @@ class RunningServer:
         self.stop_timeline.append((step, time.monotonic()))
 
 
-def _kind_name(kind: int) -> str:
+def _kind_name(kind: pb.KVCacheSpecKind.ValueType) -> str:
     """A KVCacheSpecKind enum value as its lower-case name."""
     from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
@@ -466,7 +469,7 @@ def _build_core(config: ServerConfig) -> _Core:
     medium = config.events.kv_events_medium
     manager = KVCacheManager(
         kv_cache_config,
-        cache.max_model_len,
+        cast(int, cache.max_model_len),  # resolved by _size_pool (the preset's or the pool's when None)
         prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed),
         kv_events=KVEventsConfig(block_hash_format=cache.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by CacheSettings
     )
@@ -760,7 +763,7 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the banner: a signal right after it still drains
         loop.add_signal_handler(sig, stop.set)
     print(running.describe(), flush=True)
-    profile_path = os.environ.get("KVSERVICE_PROFILE")  # a cProfile dump of the serving loop, for benchmarks
+    profile_path = os.environ.get("KVSERVICE_PROFILE", "")  # a cProfile dump of the serving loop, for benchmarks
     profiler = None
     if profile_path:
         import cProfile

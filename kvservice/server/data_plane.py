@@ -172,7 +172,7 @@ def describe_memory(
             raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, "the CPU KV memory is not in shared memory")
 
         def storage_key_of(view: torch.Tensor) -> tuple[int, int]:
-            found = shm.segment_of(view.data_ptr())
+            found: tuple[int, int] | None = shm.segment_of(view.data_ptr())
             assert found is not None, "a KV tensor outside the shared-memory segments"
             return found
 
@@ -532,7 +532,7 @@ class DataPlane:
             raise DataPlaneError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"blocks: {len(request.blocks)} blocks, above {MAX_READ_BLOCKS}"
             )
-        resolved = []
+        resolved: list[tuple[int, int, bytes | None, Any]] = []
         for i, ref in enumerate(request.blocks):
             where = f"blocks[{i}]"
             self._check_group(f"{where}.group_idx", ref.group_idx)

@@ -37,7 +37,7 @@ from kvservice.core.errors import (
     ShuttingDownError,
 )
 from kvservice.server.settings import EventsSettings
-from kvservice_client.events import AllBlocksCleared, KVCacheEvent, KVEventBatch, decode_event_batch, encode_event_batch
+from kvservice_client.events import AllBlocksCleared, KVEvent, KVEventBatch, decode_event_batch, encode_event_batch
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +74,18 @@ class LogEntry:
 
     __slots__ = ("seq", "ts", "msgpack", "encodings", "epoch", "data_parallel_rank", "num_bytes", "_events")
 
-    def __init__(self, seq: int, ts: float, events: list[KVCacheEvent], epoch: str, rank: int | None) -> None:
+    def __init__(self, seq: int, ts: float, events: list[KVEvent], epoch: str, rank: int | None) -> None:
         self.seq = seq
         self.ts = ts
         self.epoch = epoch
         self.data_parallel_rank = rank
-        self._events: list[KVCacheEvent] | None = events
+        self._events: list[KVEvent] | None = events
         self.msgpack = encode_event_batch(KVEventBatch(ts, events, rank))
         self.encodings: dict[tuple[int, tuple[int, ...] | None], bytes] = {}
         self.num_bytes = len(self.msgpack) + ENTRY_OVERHEAD_BYTES
 
     @property
-    def events(self) -> list[KVCacheEvent]:
+    def events(self) -> list[KVEvent]:
         """The batch's events (the originals while it is the newest batch, else decoded from
         :attr:`msgpack`: equal values, new objects)."""
         if self._events is not None:
@@ -96,11 +96,11 @@ class LogEntry:
         self._events = None
 
 
-def filter_events(events: list[KVCacheEvent], group_idxs: tuple[int, ...] | None) -> list[KVCacheEvent]:
+def filter_events(events: list[KVEvent], group_idxs: tuple[int, ...] | None) -> list[KVEvent]:
     """The events of the groups in ``group_idxs`` (None: all), AllBlocksCleared always."""
     if group_idxs is None:
         return events
-    return [e for e in events if type(e) is AllBlocksCleared or e.group_idx in group_idxs]  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
+    return [e for e in events if isinstance(e, AllBlocksCleared) or e.group_idx in group_idxs]
 
 
 @dataclass(eq=False)
@@ -220,7 +220,7 @@ class EventLog:
         logged and the listener stays registered."""
         self._listeners.append(listener)
 
-    def append(self, events: list[KVCacheEvent], ts: float | None = None) -> LogEntry | None:
+    def append(self, events: list[KVEvent], ts: float | None = None) -> LogEntry | None:
         """Append one call's events as the next batch; no batch for no events.
 
         Trims retention, ends subscribers that fell too far behind, wakes the rest, then calls the

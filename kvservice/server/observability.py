@@ -154,10 +154,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        """The next handler, wrapped."""
+    ) -> grpc.RpcMethodHandler | None:
+        """The next handler, wrapped (None, the RPC is not serviced here, passed on as None)."""
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
@@ -184,7 +184,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             behavior = getattr(handler, kind)
             if behavior is not None:
-                return handler._replace(**{kind: self._wrap(behavior, path)})
+                wrapped: grpc.RpcMethodHandler = handler._replace(**{kind: self._wrap(behavior, path)})  # type: ignore[attr-defined]  # grpc's handlers are namedtuples at runtime; the stub's ABC has no _replace
+                return wrapped
         return handler
 
     def _wrap(self, behavior: Callable[..., Any], path: str | None) -> Callable[..., Any]:
@@ -294,7 +295,7 @@ def default_tracer_provider() -> str:
     if type(provider).__name__ not in ("ProxyTracerProvider", "NoOpTracerProvider"):
         return f"OpenTelemetry: a span per RPC to the configured {type(provider).__name__}"
     try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # type: ignore[import-not-found]
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -52,10 +52,14 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import kv_cache_spec_kind_to_proto
 from kvservice_client.hashing import LoRA, MultiModalFeature
 
+if TYPE_CHECKING:  # the data plane is imported lazily where it is used; here only for the annotations
+    from kvservice.server.data_plane import DataPlane
+
 logger = logging.getLogger(__name__)
 
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
+_Result = TypeVar("_Result")
 
 __all__ = ["KVCacheServicer", "STATUS_BY_ERROR", "status_for", "SERVICE_NAME"]
 
@@ -633,7 +637,9 @@ class KVCacheServicer:
 
     # -- data plane (kvservice.server.data_plane) ---------------------------------------------
 
-    async def _data_plane_call(self, context: grpc.aio.ServicerContext, call: Callable[[Any], Any]) -> Any:
+    async def _data_plane_call(
+        self, context: grpc.aio.ServicerContext, call: Callable[[DataPlane], Awaitable[_Result]]
+    ) -> _Result:
         from kvservice.server.data_plane import NO_MEMORY, DataPlaneError
 
         if self.data_plane is None:
@@ -651,7 +657,7 @@ class KVCacheServicer:
     async def AttachKVCache(self, request: pb.AttachKVCacheRequest, context: grpc.aio.ServicerContext) -> pb.AttachKVCacheResponse:
         """Describe the KV memory for a same-host worker (shared memory or CUDA IPC)."""
 
-        async def call(dp: Any) -> pb.AttachKVCacheResponse:
+        async def call(dp: DataPlane) -> pb.AttachKVCacheResponse:
             return dp.attach(context.peer())
 
         return await self._data_plane_call(context, call)

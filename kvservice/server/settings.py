@@ -188,6 +188,7 @@ class _Section:
     """Base of the sections: checks the fields, then the section's own cross-field rules."""
 
     name: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every section is a dataclass
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -749,7 +750,7 @@ def _type_of(section: type, f: dataclasses.Field[Any]) -> tuple[str, bool]:
 
 def _rows() -> Iterator[SettingInfo]:
     for section in SECTIONS:
-        for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        for f in dataclasses.fields(section):
             meta = f.metadata.get("setting")
             if meta is None:
                 continue

@@ -37,10 +37,10 @@ import asyncio
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
-from typing import Any, Union
+from typing import Any, Union, cast
 
 from kvservice.core.errors import ShuttingDownError
-from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = [
     "CachedSetMirror", "MirroredBlock", "Snapshot", "SnapshotSource", "YIELD_EVERY_TOKENS", "materialize",
@@ -91,30 +91,29 @@ class CachedSetMirror:
         self.num_tokens_per_group = [0] * num_groups
         self._blocks: dict[_Key, MirroredBlock] = {}
 
-    def apply(self, seq: int, events: Sequence[KVCacheEvent]) -> None:
+    def apply(self, seq: int, events: Sequence[KVEvent]) -> None:
         """Apply one batch's events (in order) and record its seq."""
         blocks = self._blocks
         tokens = self.num_tokens_per_group
         for event in events:
-            kind = type(event)
-            if kind is BlockStored:
-                g = event.group_idx  # type: ignore[union-attr]
-                hashes = event.block_hashes  # type: ignore[union-attr]
-                if event.reused:  # type: ignore[union-attr]
+            if type(event) is BlockStored:
+                g = cast(int, event.group_idx)  # the engine's events always name their group
+                hashes = event.block_hashes
+                if event.reused:
                     for h in reversed(hashes):
                         key = (g, h)
                         block = blocks.pop(key, None)
                         if block is not None:
                             blocks[key] = block
                     continue
-                bs = event.block_size  # type: ignore[union-attr]
+                bs = event.block_size
                 # One C-level conversion per event, then a slice (its own bytes) per block.
-                all_tokens = array("q", event.token_ids).tobytes()  # type: ignore[union-attr]
+                all_tokens = array("q", event.token_ids).tobytes()
                 width = 8 * bs
-                extra = event.extra_keys  # type: ignore[union-attr]
-                lora_id, lora_name, medium = event.lora_id, event.lora_name, event.medium  # type: ignore[union-attr]
+                extra = event.extra_keys
+                lora_id, lora_name, medium = event.lora_id, event.lora_name, event.medium
                 for i in range(len(hashes) - 1, -1, -1):
-                    parent = hashes[i - 1] if i else event.parent_block_hash  # type: ignore[union-attr]
+                    parent = hashes[i - 1] if i else event.parent_block_hash
                     key = (g, hashes[i])
                     old = blocks.pop(key, None)
                     if old is not None:
@@ -124,13 +123,13 @@ class CachedSetMirror:
                         extra is not None, extra[i] if extra is not None else None,
                     )
                     tokens[g] += bs
-            elif kind is BlockRemoved:
-                g = event.group_idx  # type: ignore[union-attr]
-                for h in event.block_hashes:  # type: ignore[union-attr]
+            elif type(event) is BlockRemoved:
+                g = cast(int, event.group_idx)  # the engine's events always name their group
+                for h in event.block_hashes:
                     old = blocks.pop((g, h), None)
                     if old is not None:
                         tokens[g] -= old[BLOCK_SIZE]
-            elif kind is AllBlocksCleared:
+            elif type(event) is AllBlocksCleared:
                 blocks.clear()
                 self.num_tokens_per_group = tokens = [0] * self.num_groups
         self.seq = seq
@@ -152,7 +151,7 @@ class CachedSetMirror:
         the mirror moves on)."""
         return self._blocks.copy()
 
-    def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVCacheEvent]:
+    def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVEvent]:
         """The whole snapshot's events at once (tests and small caches; servers use a
         :class:`SnapshotSource`)."""
         view = self.view()
@@ -180,7 +179,7 @@ def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] |
         if prev[0] != key[0]:
             return False
         block, before = view[key], view[prev]
-        return (
+        same: bool = (
             block[PARENT] == prev[1]
             and block[BLOCK_SIZE] == before[BLOCK_SIZE]
             and block[LORA_ID] == before[LORA_ID]
@@ -188,6 +187,7 @@ def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] |
             and block[MEDIUM] == before[MEDIUM]
             and block[HAS_EXTRA_KEYS] == before[HAS_EXTRA_KEYS]
         )
+        return same
 
     yield None
     # Half 1: parents first. Walk each block's ancestors up to an emitted (or absent) one.
@@ -233,7 +233,7 @@ def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] |
 def materialize(
     view: dict[_Key, MirroredBlock], item: _Run, group_kinds: Sequence[str | None],
     group_windows: Sequence[int | None],
-) -> KVCacheEvent:
+) -> KVEvent:
     """The event a :data:`_Run` stands for."""
     if item is None:
         return AllBlocksCleared()
@@ -267,7 +267,8 @@ def _run_tokens(view: dict[_Key, MirroredBlock], item: _Run) -> int:
     if item is None:
         return 0
     run = item[0]
-    return len(run) * view[run[0]][BLOCK_SIZE]
+    block_size: int = view[run[0]][BLOCK_SIZE]
+    return len(run) * block_size
 
 
 class Snapshot:
@@ -301,7 +302,7 @@ class Snapshot:
         self._changed = asyncio.Event()
         self._encodings: dict[Hashable, list[bytes | None]] = {}
 
-    def part_events(self, i: int) -> list[KVCacheEvent]:
+    def part_events(self, i: int) -> list[KVEvent]:
         """Part ``i``'s events (made now from the view: the caller encodes and drops them)."""
         view, kinds, windows = self.view, self.group_kinds, self.group_windows
         return [materialize(view, item, kinds, windows) for item in self.parts[i]]

@@ -56,11 +56,11 @@ def block_ref(group_idx: int, *, block_id: int | None = None, block_hash: bytes 
     Raises:
         ValueError: neither or both of ``block_id`` and ``block_hash``.
     """
-    if (block_id is None) == (block_hash is None):
-        raise ValueError("give exactly one of block_id or block_hash")
-    if block_id is not None:
+    if block_id is not None and block_hash is None:
         return pb.BlockRef(group_idx=group_idx, block_id=block_id)
-    return pb.BlockRef(group_idx=group_idx, block_hash=block_hash)
+    if block_hash is not None and block_id is None:
+        return pb.BlockRef(group_idx=group_idx, block_hash=block_hash)
+    raise ValueError("give exactly one of block_id or block_hash")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +144,8 @@ class _Assembler:
 
 
 def _options(client: Any, method: str, timeout: Timeout, metadata: Metadata) -> dict[str, Any]:
-    return client._call_options(method, timeout, metadata)  # noqa: SLF001 (the client's one option path)
+    options: dict[str, Any] = client._call_options(method, timeout, metadata)  # noqa: SLF001 (the client's one option path)
+    return options
 
 
 def attach_kv_cache(client: KVCacheClient, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:

@@ -253,11 +253,10 @@ class BlockHasher:
         return block_hashes
 
 
-_hashchain: Any
 try:  # the compiled chain (setup.py builds it when a compiler and OpenSSL's headers are there)
-    import kvservice_client._hashchain as _hashchain  # a C extension: no stub, so typed Any above
+    import kvservice_client._hashchain as _hashchain  # typed by _hashchain.pyi beside the .c
 except ImportError:  # no compiler at install time: the pure-Python rule is used throughout
-    _hashchain = None
+    _hashchain = None  # type: ignore[assignment]  # None stands for "not built"; every use checks it first
 
 _COMPILED_LAYOUTS: dict[str, int] = {"sha256_cbor": 0}
 if pickle.HIGHEST_PROTOCOL == 5:  # the compiled pickle layout is protocol 5's

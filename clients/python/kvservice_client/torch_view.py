@@ -63,12 +63,13 @@ def _map_storage(storage: pb.KVCacheStorage, device: str) -> torch.Tensor:
     if storage.cuda_ipc_handle:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        return rebuild_cuda_tensor(  # type: ignore[no-any-return]
+        tensor: torch.Tensor = rebuild_cuda_tensor(
             torch.Tensor, (storage.size_bytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8,
             storage.cuda_device, storage.cuda_ipc_handle, storage.size_bytes, storage.cuda_storage_offset_bytes,
             False, storage.cuda_ref_counter_handle, storage.cuda_ref_counter_offset,
             storage.cuda_event_handle or None, storage.cuda_event_sync_required,
         )
+        return tensor
     raise ValueError(f"storage {storage.storage_idx} has neither a shared-memory name nor a CUDA IPC handle ({device})")
 
 

@@ -19,12 +19,14 @@ import pytest
 
 from tests.tooling.tools import run_tool
 
-ENFORCED = False
+ENFORCED = True
 """True once the tree is formatted (see the module docstring)."""
 
 PATHS = ("kvservice", "clients/python", "scripts", "tests")
 
-pytestmark = pytest.mark.skipif(not ENFORCED, reason="enabled after the format commit (see tests/tooling/test_format.py)")
+pytestmark = pytest.mark.skipif(
+    not ENFORCED, reason="enabled after the format commit (see tests/tooling/test_format.py)"
+)
 
 
 def test_ruff_format_leaves_every_file_unchanged():

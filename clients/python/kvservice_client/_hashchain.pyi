@@ -3,8 +3,14 @@
 from collections.abc import Sequence
 
 def extend(
-    block_hashes: list[bytes], token_ids: Sequence[int], start: int, end: int, block_size: int, parent: bytes,
-    layout: int, /,
+    block_hashes: list[bytes],
+    token_ids: Sequence[int],
+    start: int,
+    end: int,
+    block_size: int,
+    parent: bytes,
+    layout: int,
+    /,
 ) -> None:
     """Append the chained SHA-256 hashes of blocks ``start..end-1`` (in blocks, of ``block_size``
     tokens each) to ``block_hashes``; ``layout`` 0 is canonical CBOR, 1 is pickle protocol 5.

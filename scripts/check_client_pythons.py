@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")
 CLIENT_TESTS = (
-    "tests/unit/test_client_facade.py",
+    "tests/unit/test_client_surface.py",
+    "tests/unit/test_request_builders.py",
     "tests/unit/test_events.py",
     "tests/unit/test_hashing.py",
     "tests/unit/test_convert.py",

@@ -44,3 +44,15 @@ def test_every_test_file_is_in_a_tier():
 def test_no_test_file_is_named_after_who_found_the_bug():
     names = [p.name for p in TESTS.rglob("test_*.py")]
     assert [n for n in names if re.search(r"review|finding|tester|reported", n)] == []
+
+
+def test_the_client_python_check_names_test_files_that_exist():
+    """``scripts/check_client_pythons.py`` runs these files on every Python: a moved or renamed
+    file would make it fail only at the end of CI."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_client_pythons", ROOT / "scripts" / "check_client_pythons.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert [path for path in module.CLIENT_TESTS if not (ROOT / path).is_file()] == []

@@ -25,16 +25,28 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
-              help="Print the version and build (git commit, Python, grpcio, protobuf) and exit.")
-@click.option("--log-level", default=None, help="Python logging level [WARNING]; `serve --log-level` too.",
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False))
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Print the version and build (git commit, Python, grpcio, protobuf) and exit.",
+)
+@click.option(
+    "--log-level",
+    default=None,
+    help="Python logging level [WARNING]; `serve --log-level` too.",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+)
 @click.pass_context
 def main(ctx: click.Context, log_level: str | None) -> None:
     """kvservice: a KV-cache control service (vLLM-style prefix caching over gRPC)."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own INFO lines (GOAWAY...) are noise here
     ctx.obj = {"log_level": log_level}
-    logging.basicConfig(level=(log_level or "WARNING").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=(log_level or "WARNING").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def _log_level_option(func: Any) -> Any:
@@ -44,9 +56,13 @@ def _log_level_option(func: Any) -> Any:
         if value is not None:
             logging.getLogger().setLevel(value.upper())
 
-    return click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                                                         case_sensitive=False),
-                        expose_value=False, callback=apply, help="Python logging level [WARNING].")(func)
+    return click.option(
+        "--log-level",
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+        expose_value=False,
+        callback=apply,
+        help="Python logging level [WARNING].",
+    )(func)
 
 
 def _positive_finite(param: click.Parameter, value: float) -> float:
@@ -77,8 +93,14 @@ def _server_options(func: Any) -> Any:
     a setting added there is an option here), and ``--config``."""
     from kvservice.server.settings import settings_table
 
-    options = [click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-                            help="TOML file of settings (keys as the flags, with _ or -).")]
+    options = [
+        click.option(
+            "--config",
+            "config_file",
+            type=click.Path(exists=True, dir_okay=False),
+            help="TOML file of settings (keys as the flags, with _ or -).",
+        )
+    ]
     options += [_server_option(row) for row in settings_table().values()]
     for option in reversed(options):
         func = option(func)
@@ -109,20 +131,46 @@ def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
 @click.argument("target", default="127.0.0.1:50051")
 @click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
 @click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
-@click.option("--group", "group_idxs", type=click.IntRange(min=0), multiple=True, help="Only this group's events (repeatable).")
-@click.option("--token", envvar="KVSERVICE_TOKEN", show_envvar=True, help="Bearer token (prefer the environment variable: a flag shows in ps).")
+@click.option(
+    "--group", "group_idxs", type=click.IntRange(min=0), multiple=True, help="Only this group's events (repeatable)."
+)
+@click.option(
+    "--token",
+    envvar="KVSERVICE_TOKEN",
+    show_envvar=True,
+    help="Bearer token (prefer the environment variable: a flag shows in ps).",
+)
 @click.option("--tls", "use_tls", is_flag=True, help="Connect with TLS (implied by --tls-ca/--tls-cert) [plain text].")
-@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False),
-              help="CA certificates (PEM) that the server's certificate must chain to [the system's].")
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False),
-              help="Client certificate chain, PEM, for mutual TLS (with --tls-key).")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="Client private key, PEM (with --tls-cert).")
-@click.option("--reconnect/--no-reconnect", default=True,
-              help="Reopen an ended stream and resume in the same epoch (after a restart: a line says so, and "
-                   "--snapshot resyncs) [reconnect]; --no-reconnect exits at the first end.")
+@click.option(
+    "--tls-ca",
+    type=click.Path(exists=True, dir_okay=False),
+    help="CA certificates (PEM) that the server's certificate must chain to [the system's].",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Client certificate chain, PEM, for mutual TLS (with --tls-key).",
+)
+@click.option(
+    "--tls-key", type=click.Path(exists=True, dir_okay=False), help="Client private key, PEM (with --tls-cert)."
+)
+@click.option(
+    "--reconnect/--no-reconnect",
+    default=True,
+    help="Reopen an ended stream and resume in the same epoch (after a restart: a line says so, and "
+    "--snapshot resyncs) [reconnect]; --no-reconnect exits at the first end.",
+)
 def watch(
-    target: str, snapshot: bool, from_seq: int | None, group_idxs: tuple[int, ...], token: str | None,
-    use_tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, reconnect: bool,
+    target: str,
+    snapshot: bool,
+    from_seq: int | None,
+    group_idxs: tuple[int, ...],
+    token: str | None,
+    use_tls: bool,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    reconnect: bool,
 ) -> None:
     """Print the live KV event stream of TARGET (host:port), one line per event.
 
@@ -149,10 +197,17 @@ def watch(
             certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
         )
     try:
-        asyncio.run(watch_events(
-            target, snapshot=snapshot, start_seq=from_seq, group_idxs=group_idxs, token=token, credentials=credentials,
-            reconnect=reconnect,
-        ))
+        asyncio.run(
+            watch_events(
+                target,
+                snapshot=snapshot,
+                start_seq=from_seq,
+                group_idxs=group_idxs,
+                token=token,
+                credentials=credentials,
+                reconnect=reconnect,
+            )
+        )
     except KeyboardInterrupt:
         pass
     except KVServiceError as e:
@@ -162,31 +217,113 @@ def watch(
 
 @main.command()
 @_log_level_option
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="Trace file [the embedded Mooncake sample].")
-@click.option("--format", "trace_format", type=click.Choice(["auto", "mooncake", "azure", "tokens"]), default="auto", show_default=True, help="Trace format.")
+@click.option(
+    "--trace", type=click.Path(exists=True, dir_okay=False), help="Trace file [the embedded Mooncake sample]."
+)
+@click.option(
+    "--format",
+    "trace_format",
+    type=click.Choice(["auto", "mooncake", "azure", "tokens"]),
+    default="auto",
+    show_default=True,
+    help="Trace format.",
+)
 @click.option("--limit", type=click.IntRange(min=1), help="Replay only the first N requests (N >= 1).")
 @click.option("--target", help="An existing server HOST:PORT (its prefix cache is reset before each mode).")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama-3-8b", show_default=True, help="Embedded server's model KV layout.")
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default="llama-3-8b",
+    show_default=True,
+    help="Embedded server's model KV layout.",
+)
 @click.option("--block-size", type=int, help="Embedded server's block size in tokens [16].")
 @click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
-@click.option("--kv-cache-memory", help="Size the embedded server's pool from a KV cache budget instead, e.g. 64GiB (vLLM's sizing).")
-@click.option("--device", help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N] [meta; cpu with --kv-data shm|grpc].")
-@click.option("--kv-data", type=click.Choice(["shm", "grpc", "off"]), help="A worker writes every newly computed block (shm: through the attached memory; grpc: WriteBlocks) and checks every hit's blocks at admission [shm when the device has memory, off on meta].")
-@click.option("--kv-data-sample", type=click.IntRange(min=1), default=1, show_default=True, help="Move and check only blocks whose hash is 0 mod N (the same blocks every time: a hash decides).")
-@click.option("--report-mode", type=click.Choice(["incremental", "full", "both"]), help="kv_cache_report_mode to replay (both: two fresh servers, same trace) [both; full with --instances].")
-@click.option("--watchers", type=click.IntRange(min=1), default=1, show_default=True, help="Watchers per mode (each mirrors and predicts).")
-@click.option("--late-watcher/--no-late-watcher", default=True, show_default=True, help="Add a watcher that joins halfway through from a snapshot.")
-@click.option("--mirror-capacity", type=click.IntRange(min=0), help="Watcher mirror size in blocks (0: unbounded) [half the pool].")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most running requests.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True, help="Token budget per step.")
-@click.option("--step-ms", type=float, default=20.0, show_default=True, help="Simulated milliseconds per step (> 0).",
-              callback=lambda ctx, param, v: _positive_finite(param, v))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvservice-replay", show_default=True, help="Where report.json and agreement.png go.")
+@click.option(
+    "--kv-cache-memory",
+    help="Size the embedded server's pool from a KV cache budget instead, e.g. 64GiB (vLLM's sizing).",
+)
+@click.option(
+    "--device",
+    help="Embedded server's KV tensors: meta (shapes only), cpu, cuda[:N] [meta; cpu with --kv-data shm|grpc].",
+)
+@click.option(
+    "--kv-data",
+    type=click.Choice(["shm", "grpc", "off"]),
+    help="A worker writes every newly computed block (shm: through the attached memory; grpc: WriteBlocks) and checks every hit's blocks at admission [shm when the device has memory, off on meta].",
+)
+@click.option(
+    "--kv-data-sample",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Move and check only blocks whose hash is 0 mod N (the same blocks every time: a hash decides).",
+)
+@click.option(
+    "--report-mode",
+    type=click.Choice(["incremental", "full", "both"]),
+    help="kv_cache_report_mode to replay (both: two fresh servers, same trace) [both; full with --instances].",
+)
+@click.option(
+    "--watchers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Watchers per mode (each mirrors and predicts).",
+)
+@click.option(
+    "--late-watcher/--no-late-watcher",
+    default=True,
+    show_default=True,
+    help="Add a watcher that joins halfway through from a snapshot.",
+)
+@click.option(
+    "--mirror-capacity",
+    type=click.IntRange(min=0),
+    help="Watcher mirror size in blocks (0: unbounded) [half the pool].",
+)
+@click.option(
+    "--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most running requests."
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=8192,
+    show_default=True,
+    help="Token budget per step.",
+)
+@click.option(
+    "--step-ms",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="Simulated milliseconds per step (> 0).",
+    callback=lambda ctx, param, v: _positive_finite(param, v),
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="kvservice-replay",
+    show_default=True,
+    help="Where report.json and agreement.png go.",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Draw progress bars.")
 # -- multi-instance routing option --
-@click.option("--instances", type=click.IntRange(min=1, max=64), default=1, show_default=True, help="N >= 2: route over N embedded servers of --num-blocks each by the mirrors' predicted hit, against round-robin; writes routing.json.")
-@click.option("--rate-scale", type=float, help="With --instances: arrival-rate multiplier (arrival times divided by it) [N].")
-@click.option("--nats-url", help="With --instances: every server publishes to this NATS JetStream (a stream per policy run, deleted after) and the router's mirrors are fed over it, not over gRPC StreamEvents.")
+@click.option(
+    "--instances",
+    type=click.IntRange(min=1, max=64),
+    default=1,
+    show_default=True,
+    help="N >= 2: route over N embedded servers of --num-blocks each by the mirrors' predicted hit, against round-robin; writes routing.json.",
+)
+@click.option(
+    "--rate-scale", type=float, help="With --instances: arrival-rate multiplier (arrival times divided by it) [N]."
+)
+@click.option(
+    "--nats-url",
+    help="With --instances: every server publishes to this NATS JetStream (a stream per policy run, deleted after) and the router's mirrors are fed over it, not over gRPC StreamEvents.",
+)
 def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""
     from pathlib import Path
@@ -264,22 +401,32 @@ def _check_replay_options(options: dict[str, Any]) -> None:
         if options["report_mode"] == "both":
             raise click.UsageError("--instances compares routing in one report mode: choose incremental or full")
         if options["kv_cache_memory"] is not None:
-            raise click.UsageError("--kv-cache-memory sizes the one embedded server; give --num-blocks with --instances")
+            raise click.UsageError(
+                "--kv-cache-memory sizes the one embedded server; give --num-blocks with --instances"
+            )
     if options["target"] is None:
         try:
-            CacheSettings(preset=options["preset"], block_size=options["block_size"],
-                          num_blocks=options["num_blocks"], device=options["device"] or "meta")
+            CacheSettings(
+                preset=options["preset"],
+                block_size=options["block_size"],
+                num_blocks=options["num_blocks"],
+                device=options["device"] or "meta",
+            )
         except ValueError as e:
             raise click.UsageError(f"the embedded server: {e}") from None
         max_step_tokens = LimitsSettings().max_step_tokens
         if options["max_num_batched_tokens"] > max_step_tokens:
             raise click.BadParameter(
                 f"{options['max_num_batched_tokens']} is above the embedded server's max_step_tokens "
-                f"({max_step_tokens} tokens per Step)", param_hint="'--max-num-batched-tokens'")
+                f"({max_step_tokens} tokens per Step)",
+                param_hint="'--max-num-batched-tokens'",
+            )
         pool = options["num_blocks"] - 1
         if options["mirror_capacity"] is not None and options["mirror_capacity"] > pool:
-            raise click.BadParameter(f"{options['mirror_capacity']} is above the pool ({pool} blocks; 0: unbounded)",
-                                     param_hint="'--mirror-capacity'")
+            raise click.BadParameter(
+                f"{options['mirror_capacity']} is above the pool ({pool} blocks; 0: unbounded)",
+                param_hint="'--mirror-capacity'",
+            )
 
 
 def _replay_first_line(options: dict[str, Any]) -> str:
@@ -296,8 +443,9 @@ def _replay_first_line(options: dict[str, Any]) -> str:
     else:
         mirror_text = f"{(pool // 2 if mirror is None else mirror):,} blocks"
     if options["instances"] >= 2:
-        what = (f"{options['instances']} instances, routed vs round-robin, report mode "
-                f"{options['report_mode'] or 'full'}")
+        what = (
+            f"{options['instances']} instances, routed vs round-robin, report mode {options['report_mode'] or 'full'}"
+        )
     else:
         what = f"report mode {'incremental and full' if options['report_mode'] in (None, 'both') else options['report_mode']}"
     if options["target"]:
@@ -306,8 +454,10 @@ def _replay_first_line(options: dict[str, Any]) -> str:
         where = f"pool sized from a {options['kv_cache_memory']} KV cache budget, blocks of {block_size} tokens"
     else:
         where = f"pool {pool:,} blocks of {block_size} tokens"
-    return (f"replay: {trace}{limit}; preset {options['preset']}, {where}, mirror {mirror_text}; {what}; "
-            f"{options['watchers']} watcher(s){' + a late one' if options['late_watcher'] else ''}")
+    return (
+        f"replay: {trace}{limit}; preset {options['preset']}, {where}, mirror {mirror_text}; {what}; "
+        f"{options['watchers']} watcher(s){' + a late one' if options['late_watcher'] else ''}"
+    )
 
 
 def _parse_kv_cache_memory(value: str | None) -> int | None:
@@ -332,14 +482,22 @@ def _replay_instances(options: dict[str, Any]) -> None:
 
     try:
         config = MultiReplayConfig(
-            trace=options["trace"], trace_format=options["trace_format"], limit=options["limit"],
-            instances=options["instances"], preset=options["preset"], block_size=options["block_size"],
-            num_blocks=options["num_blocks"], rate_scale=options["rate_scale"], device=options["device"] or "meta",
+            trace=options["trace"],
+            trace_format=options["trace_format"],
+            limit=options["limit"],
+            instances=options["instances"],
+            preset=options["preset"],
+            block_size=options["block_size"],
+            num_blocks=options["num_blocks"],
+            rate_scale=options["rate_scale"],
+            device=options["device"] or "meta",
             report_mode=options["report_mode"] or "full",
             mirror_capacity=options["mirror_capacity"],
-            scheduler=SchedulerConfig(max_num_seqs=options["max_num_seqs"],
-                                      max_num_batched_tokens=options["max_num_batched_tokens"],
-                                      step_ms=options["step_ms"]),
+            scheduler=SchedulerConfig(
+                max_num_seqs=options["max_num_seqs"],
+                max_num_batched_tokens=options["max_num_batched_tokens"],
+                step_ms=options["step_ms"],
+            ),
             show_progress=options["progress"],
             nats_url=options["nats_url"],
         )

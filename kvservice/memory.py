@@ -177,8 +177,11 @@ def _tensor_view(raw: torch.Tensor, tensor: KVCacheTensor, num_blocks: int) -> t
     """``[L, num_blocks, *page shape]`` over ``raw`` (a flat byte tensor) as ``tensor`` places it."""
     page_shape, dtype = _page_shape(tensor.kv_cache_spec)
     itemsize = dtype.itemsize
-    for what, value in (("offset", tensor.offset), ("layer_stride", tensor.layer_stride),
-                        ("block_stride", tensor.block_stride)):
+    for what, value in (
+        ("offset", tensor.offset),
+        ("layer_stride", tensor.layer_stride),
+        ("block_stride", tensor.block_stride),
+    ):
         if value % itemsize:
             raise ValueError(
                 f"KV cache tensor of {tensor.layer_names[0]}: {what} {value} bytes is not a multiple of "
@@ -541,4 +544,3 @@ def _format_bytes(num_bytes: int) -> str:
         if abs(value) < 1024 or unit == "TiB":
             break
     return f"{num_bytes} bytes ({value:.1f} {unit})"
-

@@ -92,7 +92,9 @@ def _create_segment(path: Path, num_bytes: int) -> None:
             os.close(fd)
             fd = -1
             os.unlink(path)
-            raise MemoryError(f"cannot reserve {num_bytes} bytes of shared memory in {path.parent}: {e.strerror}") from e
+            raise MemoryError(
+                f"cannot reserve {num_bytes} bytes of shared memory in {path.parent}: {e.strerror}"
+            ) from e
     finally:
         if fd >= 0:
             os.close(fd)

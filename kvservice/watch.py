@@ -80,8 +80,11 @@ _RESYNC_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RAN
 """Codes of a resume that cannot continue where it was (another epoch, below retention)."""
 
 _FATAL_CODES = (
-    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.NOT_FOUND,
 )
 """Codes a retry cannot fix: the watch ends with them."""
 
@@ -161,8 +164,9 @@ async def watch_events(
                     flush=True,
                 )
             elif meta.epoch != epoch:
-                next_seq = _resync(out, snapshot, f"# epoch changed {epoch} -> {meta.epoch} (the server restarted)",
-                                   meta.head_seq)
+                next_seq = _resync(
+                    out, snapshot, f"# epoch changed {epoch} -> {meta.epoch} (the server restarted)", meta.head_seq
+                )
                 want_snapshot = snapshot
                 epoch = None
                 formatter = EventFormatter()  # the old epoch's chains mean nothing now
@@ -216,6 +220,9 @@ def _resync(out: TextIO, snapshot: bool, why: str, head_seq: int | None) -> int 
         print(f"{why}: resync from a snapshot", file=out, flush=True)
         return None
     where = f"from seq {head_seq + 1}" if head_seq is not None else "from the head"
-    print(f"{why}: following live {where}; blocks announced before are not shown (--snapshot resyncs)",
-          file=out, flush=True)
+    print(
+        f"{why}: following live {where}; blocks announced before are not shown (--snapshot resyncs)",
+        file=out,
+        flush=True,
+    )
     return None if head_seq is None else head_seq + 1

@@ -41,8 +41,12 @@ def find_python(version: str) -> str | None:
         candidates += [str(p / "bin" / "python") for p in sorted(pyenv_root.glob(f"{version}.*"), reverse=True)]
     for candidate in candidates:
         try:
-            out = subprocess.run([candidate, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                [candidate, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if out.returncode == 0 and out.stdout.strip() == version:
@@ -58,17 +62,24 @@ def check(version: str, python: str) -> tuple[bool, str]:
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
     install = subprocess.run(
         [str(vpython), "-m", "pip", "install", "-q", str(ROOT / "clients" / "python"), *TEST_TOOLS],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if install.returncode != 0:
         return False, f"pip install failed: {install.stderr.strip().splitlines()[-1:]}"
-    torch_free = subprocess.run([str(vpython), "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"],
-                                capture_output=True, text=True)
+    torch_free = subprocess.run(
+        [str(vpython), "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"],
+        capture_output=True,
+        text=True,
+    )
     if torch_free.stdout.strip() != "True":
         return False, "torch is installed in the client venv; it must not be needed"
     run = subprocess.run(
         [str(vpython), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *CLIENT_TESTS],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     tail = (run.stdout.strip().splitlines() or ["(no output)"])[-1]
     return run.returncode == 0, tail if run.returncode == 0 else run.stdout[-3000:] + run.stderr[-2000:]

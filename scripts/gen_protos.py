@@ -133,7 +133,9 @@ def _check_imports(proto_paths: list[str]) -> None:
 
 def _write_plugin(path: Path, entry_point: str) -> Path:
     """A protoc plugin shim that runs mypy-protobuf in this interpreter (the version just checked)."""
-    path.write_text(f"#!{sys.executable}\nimport sys\nfrom mypy_protobuf.main import {entry_point}\nsys.exit({entry_point}())\n")
+    path.write_text(
+        f"#!{sys.executable}\nimport sys\nfrom mypy_protobuf.main import {entry_point}\nsys.exit({entry_point}())\n"
+    )
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import difflib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any

@@ -105,9 +105,7 @@ def _measure_case(case: dict[str, Any]) -> dict[str, Any]:
     hash_fn = get_hash_fn_by_name(case["algorithm"])
     kcu.init_none_hash(hash_fn)
     lora = case.get("lora")
-    lora_request = (
-        LoRARequest(lora["lora_name"], lora["lora_id"], lora["lora_path"]) if lora is not None else None
-    )
+    lora_request = LoRARequest(lora["lora_name"], lora["lora_id"], lora["lora_path"]) if lora is not None else None
     mm_features = [
         MultiModalFeatureSpec(
             data=None,

@@ -66,9 +66,14 @@ def _specs(config_dir: Path) -> tuple[dict, dict]:
     for i, (kind, size) in enumerate(kinds):
         name = f"model.layers.{i}.self_attn.attn"
         if kind == "mla":
-            specs[name] = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, max_tp_shards=1,
-                                           head_size=tc.kv_lora_rank + tc.qk_rope_head_dim,
-                                           dtype=torch.bfloat16, cache_dtype_str="auto")
+            specs[name] = MLAAttentionSpec(
+                block_size=BLOCK_SIZE,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=tc.kv_lora_rank + tc.qk_rope_head_dim,
+                dtype=torch.bfloat16,
+                cache_dtype_str="auto",
+            )
             continue
         num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
         head_size = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
@@ -121,19 +126,27 @@ def main(config_root: str, out_path: str) -> None:
                 "budget_bytes": budget,
                 "num_blocks": kv_cache_config.num_blocks,
                 "kv_cache_tensors": [
-                    {"size": t.size, "num_layers": len(t.layers), "layer_stride": t.layer_stride,
-                     "block_stride": t.block_stride, "offset": t.offset}
+                    {
+                        "size": t.size,
+                        "num_layers": len(t.layers),
+                        "layer_stride": t.layer_stride,
+                        "block_stride": t.block_stride,
+                        "offset": t.offset,
+                    }
                     for t in kv_cache_config.kv_cache_tensors
                 ],
             }
         results[config_dir.name] = {**facts, "groups": [_group(g) for g in groups], "budgets": budgets}
-        print(config_dir.name, [(g["kind"], g["num_layers"]) for g in results[config_dir.name]["groups"]],
-              {k: v["num_blocks"] for k, v in budgets.items()})
+        print(
+            config_dir.name,
+            [(g["kind"], g["num_layers"]) for g in results[config_dir.name]["groups"]],
+            {k: v["num_blocks"] for k, v in budgets.items()},
+        )
     import vllm
 
     payload = {
         "source": f"vLLM {vllm.__version__}: get_kv_cache_groups + get_kv_cache_config_from_groups, layout LBNHC, "
-                  f"block size {BLOCK_SIZE}, bf16, TP 1 (scripts/measure_vllm_kv_cache_layout.py)",
+        f"block size {BLOCK_SIZE}, bf16, TP 1 (scripts/measure_vllm_kv_cache_layout.py)",
         "models": results,
     }
     Path(out_path).write_text(json.dumps(payload, indent=1) + "\n")

@@ -32,8 +32,12 @@ OPT_IN = ("slow", "bench")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--run-slow", action="store_true", default=False,
-                     help="also run the opt-in tests (marked slow, and the bench tier)")
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="also run the opt-in tests (marked slow, and the bench tier)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

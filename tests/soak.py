@@ -148,7 +148,9 @@ class SoakConfig:
     def __post_init__(self) -> None:
         check_fields(self)  # the same checks as the server's settings (kvservice.server.settings)
         if self.max_model_len < 4 * self.block_size:
-            raise ValueError(f"max_model_len must be >= 4 blocks ({4 * self.block_size} tokens); got {self.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be >= 4 blocks ({4 * self.block_size} tokens); got {self.max_model_len}"
+            )
 
 
 @dataclass
@@ -285,7 +287,9 @@ def check_applied_sequence(records: Sequence[AppliedRecord]) -> tuple[int, list[
             in_snapshot = None
         elif rec.kind is RecordKind.RESUME:
             if in_snapshot is not None or pos != (rec.epoch, rec.seq):
-                problems.append(f"{where}: resumes from a position the lineage is not at ({pos}, in snapshot {in_snapshot})")
+                problems.append(
+                    f"{where}: resumes from a position the lineage is not at ({pos}, in snapshot {in_snapshot})"
+                )
             expect_snapshot = False
             pos = (rec.epoch, rec.seq) if rec.epoch is not None else pos
         elif rec.kind is RecordKind.SNAPSHOT:
@@ -382,7 +386,9 @@ class Progress:
             await asyncio.sleep(max(0.0, self.start + fraction * self.duration_s - time.monotonic()))
             return
         # Ops stop while the director drains; the guard covers one whole run, not one wait.
-        await self.signal.wait_until(lambda: self.fraction() >= fraction, f"{fraction:.0%} of the ops", 10 * HANG_GUARD_S)
+        await self.signal.wait_until(
+            lambda: self.fraction() >= fraction, f"{fraction:.0%} of the ops", 10 * HANG_GUARD_S
+        )
 
 
 class Harness:
@@ -408,9 +414,16 @@ class Harness:
         config = self.config
         port = self.running.port if self.running is not None else config.port
         self.running = await start_server(
-            host="127.0.0.1", port=port, device="meta", preset=config.preset, block_size=config.block_size,
-            num_blocks=config.num_blocks, max_model_len=config.max_model_len, grace_seconds=0.0,
-            event_max_batches=config.event_max_batches, max_subscriber_lag=config.max_subscriber_lag,
+            host="127.0.0.1",
+            port=port,
+            device="meta",
+            preset=config.preset,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            max_model_len=config.max_model_len,
+            grace_seconds=0.0,
+            event_max_batches=config.event_max_batches,
+            max_subscriber_lag=config.max_subscriber_lag,
             check_invariants=True,
         )
         self.servers.append(self.running)
@@ -688,9 +701,7 @@ class Scheduler:
     async def _decode(self, req: _Req) -> None:
         n = min(self.rng.randint(1, 4), req.target_len - req.num_tokens)
         tokens = [self.rng.randrange(1, 24) for _ in range(n)]
-        response = await self._call(
-            "allocate_slots", self._client().allocate_slots(req.rid, n, new_token_ids=tokens)
-        )
+        response = await self._call("allocate_slots", self._client().allocate_slots(req.rid, n, new_token_ids=tokens))
         if self._allocated(req, response):
             self.stats["decode_tokens"] += n
 
@@ -1045,7 +1056,9 @@ async def _final_check(harness: Harness, lineages: list[Lineage]) -> None:
     cached = running.snapshots.mirror.cached_hashes()
     pool = _pool_hashes(running)
     if cached != pool:
-        harness.problem(f"the event log's mirror ({sum(map(len, cached))} blocks) != the pool's ({sum(map(len, pool))})")
+        harness.problem(
+            f"the event log's mirror ({sum(map(len, cached))} blocks) != the pool's ({sum(map(len, pool))})"
+        )
     report.num_cached_blocks_final = sum(map(len, cached))
     for lineage in lineages:
         held = lineage.index.snapshot()
@@ -1053,7 +1066,9 @@ async def _final_check(harness: Harness, lineages: list[Lineage]) -> None:
         if mirror != cached:
             missing = sum(len(c - m) for c, m in zip(cached, mirror))
             extra = sum(len(m - c) for c, m in zip(cached, mirror))
-            harness.problem(f"watcher {lineage.idx}: mirror differs from the cached set: {missing} missing, {extra} extra")
+            harness.problem(
+                f"watcher {lineage.idx}: mirror differs from the cached set: {missing} missing, {extra} extra"
+            )
         report.num_final_mirrors_checked += 1
         num_checked, problems = check_applied_sequence(lineage.records)
         report.num_sequence_checks += num_checked
@@ -1075,21 +1090,77 @@ async def _final_check(harness: Harness, lineages: list[Lineage]) -> None:
 
 
 @click.command()
-@click.option("--duration-s", type=click.FloatRange(min=0, min_open=True), help="Run for this long (wall time) instead of a fixed number of ops.")
-@click.option("--ops-per-scheduler", type=click.IntRange(min=1), default=300, show_default=True, help="RPCs per scheduler (without --duration-s).")
-@click.option("--schedulers", "num_schedulers", type=click.IntRange(min=1), default=8, show_default=True, help="Scheduler clients.")
-@click.option("--watchers", "num_watchers", type=click.IntRange(min=1), default=8, show_default=True, help="Watcher lineages.")
+@click.option(
+    "--duration-s",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Run for this long (wall time) instead of a fixed number of ops.",
+)
+@click.option(
+    "--ops-per-scheduler",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="RPCs per scheduler (without --duration-s).",
+)
+@click.option(
+    "--schedulers",
+    "num_schedulers",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Scheduler clients.",
+)
+@click.option(
+    "--watchers", "num_watchers", type=click.IntRange(min=1), default=8, show_default=True, help="Watcher lineages."
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every random choice.")
-@click.option("--restarts", "num_restarts", type=click.IntRange(min=0), default=1, show_default=True, help="Server restarts on the same port.")
-@click.option("--resets", "num_drain_resets", type=click.IntRange(min=0), default=1, show_default=True, help="Drains + ResetPrefixCache.")
-@click.option("--kills", "num_kills", type=click.IntRange(min=0), help="Watcher kills [2 per watcher; 2 per watcher per minute with --duration-s].")
-@click.option("--num-blocks", type=click.IntRange(min=2), default=96, show_default=True, help="Blocks in the pool (null block included).")
+@click.option(
+    "--restarts",
+    "num_restarts",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Server restarts on the same port.",
+)
+@click.option(
+    "--resets",
+    "num_drain_resets",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Drains + ResetPrefixCache.",
+)
+@click.option(
+    "--kills",
+    "num_kills",
+    type=click.IntRange(min=0),
+    help="Watcher kills [2 per watcher; 2 per watcher per minute with --duration-s].",
+)
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=2),
+    default=96,
+    show_default=True,
+    help="Blocks in the pool (null block included).",
+)
 @click.option("--block-size", type=click.IntRange(min=1), default=4, show_default=True, help="Tokens per block.")
-@click.option("--max-model-len", type=click.IntRange(min=1), default=128, show_default=True, help="Longest request, in tokens.")
-@click.option("--event-max-batches", type=click.IntRange(min=1), default=64, show_default=True, help="Batches the server retains.")
-@click.option("--max-subscriber-lag", type=click.IntRange(min=1), default=64, show_default=True, help="Batches a watcher may fall behind.")
+@click.option(
+    "--max-model-len", type=click.IntRange(min=1), default=128, show_default=True, help="Longest request, in tokens."
+)
+@click.option(
+    "--event-max-batches", type=click.IntRange(min=1), default=64, show_default=True, help="Batches the server retains."
+)
+@click.option(
+    "--max-subscriber-lag",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Batches a watcher may fall behind.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures here.")
-@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING", show_default=True)
+@click.option(
+    "--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING", show_default=True
+)
 def main(json_path: str | None, log_level: str, num_kills: int | None, **options: Any) -> None:
     """Soak one kvservice server with schedulers, killed watchers and restarts; print the figures.
 

@@ -228,7 +228,9 @@ class KVCacheEngine:
         self._check_request_id(request_id)
         n = len(prompt_token_ids)
         if not 1 <= n <= self.max_model_len:
-            raise InvalidArgumentError("prompt_token_ids", f"length {n} outside 1..{self.max_model_len} (max_model_len)")
+            raise InvalidArgumentError(
+                "prompt_token_ids", f"length {n} outside 1..{self.max_model_len} (max_model_len)"
+            )
         if n > self._max_tokens_in_pool:
             raise InvalidArgumentError(
                 "prompt_token_ids",
@@ -420,7 +422,9 @@ class KVCacheEngine:
             ("num_lookahead_tokens", num_lookahead_tokens),
         ):
             if len(values) and len(values) != num_requests:
-                raise InvalidArgumentError(field, f"{len(values)} entries for {num_requests} request_ids (give one each or none)")
+                raise InvalidArgumentError(
+                    field, f"{len(values)} entries for {num_requests} request_ids (give one each or none)"
+                )
         if len(num_new_token_ids):
             counts = list(num_new_token_ids)
             total = sum(counts)
@@ -434,8 +438,9 @@ class KVCacheEngine:
         tokens = list(new_token_ids)
         # One vectorized range check for every id; only when one is out of range does each item
         # check its own (so that item alone fails, with allocate_slots' message).
-        tokens_ok = not tokens or bool(((ids := np.asarray(tokens, dtype=np.int64)) >= 0).all()
-                                        and (ids <= MAX_TOKEN_ID).all())
+        tokens_ok = not tokens or bool(
+            ((ids := np.asarray(tokens, dtype=np.int64)) >= 0).all() and (ids <= MAX_TOKEN_ID).all()
+        )
         num_new = list(num_new_tokens) if len(num_new_tokens) else None
         lookahead = list(num_lookahead_tokens) if len(num_lookahead_tokens) else None
         requests, running = self.requests, self.running
@@ -605,7 +610,9 @@ class KVCacheEngine:
         """
         manager = self.manager
         manager.check_invariants()
-        assert self.running <= self.requests.keys(), f"running but not registered: {sorted(self.running - self.requests.keys())}"
+        assert self.running <= self.requests.keys(), (
+            f"running but not registered: {sorted(self.running - self.requests.keys())}"
+        )
         coordinator = manager.coordinator
         holders: dict[int, list[str]] = {}
         group_of_block: dict[int, int] = {}
@@ -619,11 +626,15 @@ class KVCacheEngine:
                     if block.is_null:
                         continue
                     first_group = group_of_block.setdefault(block.block_id, group_idx)
-                    assert first_group == group_idx, f"block {block.block_id} held in groups {first_group} and {group_idx}"
+                    assert first_group == group_idx, (
+                        f"block {block.block_id} held in groups {first_group} and {group_idx}"
+                    )
                     holders.setdefault(block.block_id, []).append(request_id)
                     if block.block_hash is not None:
-                        assert block.group_idx == group_idx and position < len(block_hashes) and (
-                            block.block_hash == block_hashes[position]
+                        assert (
+                            block.group_idx == group_idx
+                            and position < len(block_hashes)
+                            and (block.block_hash == block_hashes[position])
                         ), (
                             f"block {block.block_id} (cached in group {block.group_idx}) sits at position {position} "
                             f"of {request_id}'s group {group_idx} table, whose hash there differs"

@@ -239,7 +239,10 @@ def get_kv_cache_groups(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[KVCache
         if num_padding_layers:
             logger.info(
                 "KV cache grouping pads %d layers (%.2f %% of %d) to groups of %d",
-                num_padding_layers, 100 * num_padding_layers / len(bucket), len(bucket), group_size,
+                num_padding_layers,
+                100 * num_padding_layers / len(bucket),
+                len(bucket),
+                group_size,
             )
         for i in range(num_groups):
             group_names = bucket[i::num_groups]

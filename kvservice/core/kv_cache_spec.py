@@ -20,6 +20,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
 logger = logging.getLogger(__name__)
 
 __all__ = [

@@ -91,8 +91,12 @@ KV_CACHE_DTYPES = {
 }
 """``--kv-cache-dtype`` values besides ``auto`` -> the dtype name the specs use."""
 
-_LLAMA_LIKE = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768,
-               "Qwen3ForCausalLM": 32768}
+_LLAMA_LIKE = {
+    "LlamaForCausalLM": 2048,
+    "MistralForCausalLM": 131072,
+    "Qwen2ForCausalLM": 32768,
+    "Qwen3ForCausalLM": 32768,
+}
 _GEMMA2 = ("Gemma2ForCausalLM",)
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 _GPT_OSS = ("GptOssForCausalLM",)
@@ -102,9 +106,15 @@ KNOWN_ARCHITECTURES = (*_LLAMA_LIKE, *_GEMMA2, *_GEMMA3, *_GPT_OSS, *_LLAMA4, *_
 """Architectures :func:`model_kv_layout` maps (``architectures[0]`` of a config.json)."""
 
 _DEFAULT_MAX_POSITION_EMBEDDINGS = {
-    **_LLAMA_LIKE, "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131072, "Gemma3ForConditionalGeneration": 131072,
-    "GptOssForCausalLM": 131072, "Llama4ForConditionalGeneration": 131072, "Llama4ForCausalLM": 131072,
-    "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
+    **_LLAMA_LIKE,
+    "Gemma2ForCausalLM": 8192,
+    "Gemma3ForCausalLM": 131072,
+    "Gemma3ForConditionalGeneration": 131072,
+    "GptOssForCausalLM": 131072,
+    "Llama4ForConditionalGeneration": 131072,
+    "Llama4ForCausalLM": 131072,
+    "DeepseekV2ForCausalLM": 2048,
+    "DeepseekV3ForCausalLM": 4096,
 }
 _FLOAT16_NOT_SUPPORTED = _GEMMA2 + _GEMMA3
 
@@ -197,8 +207,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, config: Mapping[str, Any], archi
                 f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
             ) from None
     text = config.get("text_config") or {}
-    config_dtype = (config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype")
-                    or text.get("dtype") or "float32")
+    config_dtype = (
+        config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype") or "float32"
+    )
     config_dtype = str(config_dtype).removeprefix("torch.")
     if config_dtype == "float16" and architecture not in _FLOAT16_NOT_SUPPORTED:
         return "float16"
@@ -271,8 +282,11 @@ def model_kv_layout(
     if arch not in KNOWN_ARCHITECTURES:
         raise ValueError(f"{name}: unknown architecture {arch!r}; known: {', '.join(KNOWN_ARCHITECTURES)}")
     text = config.get("text_config")
-    f = _Fields(name, text, "text_config.") if isinstance(text, Mapping) and arch in _GEMMA3 + _LLAMA4 else _Fields(
-        name, config)
+    f = (
+        _Fields(name, text, "text_config.")
+        if isinstance(text, Mapping) and arch in _GEMMA3 + _LLAMA4
+        else _Fields(name, config)
+    )
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     if block_size < 1:
@@ -296,8 +310,11 @@ def model_kv_layout(
         head_size = f.positive_int("hidden_size") // num_heads
         if head_size < 1:
             raise f.error(f"hidden_size // num_attention_heads must be >= 1; got {f.get('hidden_size')} // {num_heads}")
-    prefix = "language_model.model.layers" if arch in ("Gemma3ForConditionalGeneration",
-                                                      "Llama4ForConditionalGeneration") else "model.layers"
+    prefix = (
+        "language_model.model.layers"
+        if arch in ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration")
+        else "model.layers"
+    )
     specs = {}
     for i, (kind, size) in enumerate(plan):
         layer = f"{prefix}.{i}.self_attn.attn"
@@ -307,8 +324,9 @@ def model_kv_layout(
         if kind == "sliding":
             specs[layer] = SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype, sliding_window=size or 0)
         elif kind == "chunked":
-            specs[layer] = ChunkedLocalAttentionSpec(block_size, num_kv_heads, head_size, dtype,
-                                                     attention_chunk_size=size or 0)
+            specs[layer] = ChunkedLocalAttentionSpec(
+                block_size, num_kv_heads, head_size, dtype, attention_chunk_size=size or 0
+            )
         else:
             specs[layer] = FullAttentionSpec(block_size, num_kv_heads, head_size, dtype)
     return ModelKVLayout(name, arch, specs, max_model_len, block_size)
@@ -345,8 +363,11 @@ def _layout_spec(f: _Fields, kind: str, block_size: int, dtype: str, max_model_l
     if kind == "mamba":
         shapes = f.get("shapes")
         dtypes = f.get("dtypes")
-        if not shapes or not isinstance(shapes, list) or not all(
-                isinstance(s, list) and s and all(isinstance(d, int) and d >= 1 for d in s) for s in shapes):
+        if (
+            not shapes
+            or not isinstance(shapes, list)
+            or not all(isinstance(s, list) and s and all(isinstance(d, int) and d >= 1 for d in s) for s in shapes)
+        ):
             raise f.error(f"{f._name('shapes')} must be a list of state shapes of positive integers; got {shapes!r}")
         if not isinstance(dtypes, list) or len(dtypes) != len(shapes):
             raise f.error(f"{f._name('dtypes')} must give one dtype per state shape ({len(shapes)}); got {dtypes!r}")
@@ -504,33 +525,86 @@ class ModelPreset:
 PRESETS: Mapping[str, ModelPreset] = {
     p.name: p
     for p in (
-        ModelPreset("llama-3-8b", "Llama-3.1-8B: 32 full-attention layers, 8 KV heads x 128, bf16, 128k context", {
-            "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
-            "num_hidden_layers": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
-            "torch_dtype": "bfloat16"}),
-        ModelPreset("qwen-2.5-0.5b", "Qwen2.5-0.5B: 24 full-attention layers, 2 KV heads x 64, bf16, 32k context", {
-            "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "num_attention_heads": 14,
-            "num_hidden_layers": 24, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-            "max_window_layers": 21, "sliding_window": 32768, "use_sliding_window": False, "torch_dtype": "bfloat16"}),
+        ModelPreset(
+            "llama-3-8b",
+            "Llama-3.1-8B: 32 full-attention layers, 8 KV heads x 128, bf16, 128k context",
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 4096,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "max_position_embeddings": 131072,
+                "torch_dtype": "bfloat16",
+            },
+        ),
+        ModelPreset(
+            "qwen-2.5-0.5b",
+            "Qwen2.5-0.5B: 24 full-attention layers, 2 KV heads x 64, bf16, 32k context",
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "hidden_size": 896,
+                "num_attention_heads": 14,
+                "num_hidden_layers": 24,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 32768,
+                "max_window_layers": 21,
+                "sliding_window": 32768,
+                "use_sliding_window": False,
+                "torch_dtype": "bfloat16",
+            },
+        ),
         ModelPreset(
             "gemma-3-27b",
             "Gemma-3-27B: 52 sliding-window (1024 tokens) + 10 full-attention layers (5:1), 16 KV heads x 128, "
             "bf16, 128k context; vLLM's 7 groups (6 sliding window of 9, 9, 9, 9, 8, 8 layers, 1 full of 10)",
-            {"architectures": ["Gemma3ForConditionalGeneration"], "torch_dtype": "bfloat16", "text_config": {
-                "head_dim": 128, "hidden_size": 5376, "num_attention_heads": 32, "num_hidden_layers": 62,
-                "num_key_value_heads": 16, "sliding_window": 1024}}),
+            {
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "torch_dtype": "bfloat16",
+                "text_config": {
+                    "head_dim": 128,
+                    "hidden_size": 5376,
+                    "num_attention_heads": 32,
+                    "num_hidden_layers": 62,
+                    "num_key_value_heads": 16,
+                    "sliding_window": 1024,
+                },
+            },
+        ),
         ModelPreset(
             "llama-4-scout",
             "Llama-4-Scout: 36 chunked-local (8192 tokens) + 12 full-attention layers (3:1), 8 KV heads x 128, "
             "bf16, 10M context; vLLM's 4 groups of 12",
-            {"architectures": ["Llama4ForConditionalGeneration"], "torch_dtype": "bfloat16", "text_config": {
-                "attention_chunk_size": 8192, "head_dim": 128, "hidden_size": 5120, "max_position_embeddings": 10485760,
-                "no_rope_layers": [], "num_attention_heads": 40, "num_hidden_layers": 48, "num_key_value_heads": 8}}),
+            {
+                "architectures": ["Llama4ForConditionalGeneration"],
+                "torch_dtype": "bfloat16",
+                "text_config": {
+                    "attention_chunk_size": 8192,
+                    "head_dim": 128,
+                    "hidden_size": 5120,
+                    "max_position_embeddings": 10485760,
+                    "no_rope_layers": [],
+                    "num_attention_heads": 40,
+                    "num_hidden_layers": 48,
+                    "num_key_value_heads": 8,
+                },
+            },
+        ),
         ModelPreset(
-            "deepseek-v3", "DeepSeek-V3: 61 MLA layers, latent 512 + rope 64, bf16, 160k context, block size 16", {
-                "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "kv_lora_rank": 512,
-                "max_position_embeddings": 163840, "num_attention_heads": 128, "num_hidden_layers": 61,
-                "num_key_value_heads": 128, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}),
+            "deepseek-v3",
+            "DeepSeek-V3: 61 MLA layers, latent 512 + rope 64, bf16, 160k context, block size 16",
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "hidden_size": 7168,
+                "kv_lora_rank": 512,
+                "max_position_embeddings": 163840,
+                "num_attention_heads": 128,
+                "num_hidden_layers": 61,
+                "num_key_value_heads": 128,
+                "qk_rope_head_dim": 64,
+                "torch_dtype": "bfloat16",
+            },
+        ),
     )
 }
 """Named presets: real models' configs (``--preset``)."""

@@ -31,9 +31,7 @@ class KVCacheReportMode(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(
-                f"kv_cache_report_mode must be 'incremental' or 'full'; got {value!r}"
-            ) from None
+            raise ValueError(f"kv_cache_report_mode must be 'incremental' or 'full'; got {value!r}") from None
 
 
 class Request:

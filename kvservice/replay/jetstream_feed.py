@@ -51,6 +51,7 @@ class Instance(Protocol):
     @property
     def client(self) -> AsyncKVCacheClient: ...
 
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["JetStreamFeed", "JetStreamFeeds", "describe_jetstream_feed"]
@@ -151,8 +152,15 @@ class JetStreamFeeds:
         ValueError: an empty ``nats_url``.
     """
 
-    def __init__(self, nats_url: str, policy: str, *, run_id: str | None = None, connect_timeout_s: float = 10.0,
-                 wait_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        policy: str,
+        *,
+        run_id: str | None = None,
+        connect_timeout_s: float = 10.0,
+        wait_timeout_s: float = 60.0,
+    ) -> None:
         if not nats_url or not nats_url.strip():
             raise ValueError("nats_url must name at least one NATS server; got an empty string")
         self.nats_url = nats_url
@@ -176,8 +184,12 @@ class JetStreamFeeds:
     def server_settings(self, idx: int) -> dict[str, Any]:
         """The :class:`~kvservice.server.app.ServerConfig` overrides of server ``idx``: the NATS
         sink on, publishing on this run's stream and subject prefix under its own instance name."""
-        return {"nats_url": self.nats_url, "nats_instance": self.instance_name(idx),
-                "nats_subject_prefix": self.subject_prefix, "nats_stream": self.stream}
+        return {
+            "nats_url": self.nats_url,
+            "nats_instance": self.instance_name(idx),
+            "nats_subject_prefix": self.subject_prefix,
+            "nats_stream": self.stream,
+        }
 
     def __call__(self, instance: Instance) -> JetStreamFeed:
         """Build the (unstarted) feed of ``instance`` (started with :meth:`server_settings` of
@@ -203,9 +215,13 @@ class JetStreamFeeds:
         async with self._lock:
             if self.watcher is None:
                 watcher = JetStreamWatcher(
-                    self.nats_url, durable=self.durable, stream=self.stream, subject_prefix=self.subject_prefix,
+                    self.nats_url,
+                    durable=self.durable,
+                    stream=self.stream,
+                    subject_prefix=self.subject_prefix,
                     mirrors={name: f.mirror for name, f in self.feeds.items()},
-                    snapshot_sources=dict(self._clients), connect_timeout_s=self.connect_timeout_s,
+                    snapshot_sources=dict(self._clients),
+                    connect_timeout_s=self.connect_timeout_s,
                     on_batch=self._on_batch,
                 )
                 try:
@@ -237,15 +253,24 @@ class JetStreamFeeds:
             async def quiet(error: Exception) -> None:
                 """Connection errors surface through the raise."""
 
-            nc = await connect_nats(nats, [s.strip() for s in self.nats_url.split(",") if s.strip()],
-                                    connect_timeout_s=self.connect_timeout_s, error_cb=quiet)
+            nc = await connect_nats(
+                nats,
+                [s.strip() for s in self.nats_url.split(",") if s.strip()],
+                connect_timeout_s=self.connect_timeout_s,
+                error_cb=quiet,
+            )
             try:
                 with contextlib.suppress(nats.js.errors.NotFoundError):
                     await nc.jetstream().delete_stream(self.stream)
             finally:
                 await nc.close()
         except Exception as e:
-            logger.warning("could not delete the replay's JetStream stream %s at %s: %s: %s", self.stream,
-                           redact_url(self.nats_url), type(e).__name__, e)
+            logger.warning(
+                "could not delete the replay's JetStream stream %s at %s: %s: %s",
+                self.stream,
+                redact_url(self.nats_url),
+                type(e).__name__,
+                e,
+            )
             return False
         return True

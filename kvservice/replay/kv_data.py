@@ -104,8 +104,15 @@ class KVDataWorker:
         sample: move 1 in ``sample`` blocks (by hash).
     """
 
-    def __init__(self, mode: str, client: AsyncKVCacheClient, metadata: pb.GetKVCacheGroupMetadataResponse, *,
-                 view: Any = None, sample: int = 1) -> None:
+    def __init__(
+        self,
+        mode: str,
+        client: AsyncKVCacheClient,
+        metadata: pb.GetKVCacheGroupMetadataResponse,
+        *,
+        view: Any = None,
+        sample: int = 1,
+    ) -> None:
         if mode not in ("shm", "grpc"):
             raise ValueError(f"mode must be 'shm' or 'grpc'; got {mode!r}")
         if mode == "shm" and view is None:
@@ -144,8 +151,9 @@ class KVDataWorker:
             tracked.tables[g].extend(new.block_ids)
         self._queue_writes(request_id, tracked, response.num_new_computed_tokens, response.num_computed_tokens)
 
-    def allocated(self, request_id: str, token_ids: Sequence[int], num_computed_before: int,
-                  response: pb.AllocateSlotsResponse) -> None:
+    def allocated(
+        self, request_id: str, token_ids: Sequence[int], num_computed_before: int, response: pb.AllocateSlotsResponse
+    ) -> None:
         """A running request's allocation went through: its tokens were computed up to
         ``response.num_computed_tokens``."""
         tracked = self._requests[request_id]
@@ -253,7 +261,9 @@ class KVDataWorker:
             by_request.setdefault(request_id, []).append((g, block_id, block_hash))
         for request_id, blocks in by_request.items():
             response = await awrite_blocks(
-                self.client, request_id, ((g, b, self.expected_bytes(g, h)) for g, b, h in blocks),
+                self.client,
+                request_id,
+                ((g, b, self.expected_bytes(g, h)) for g, b, h in blocks),
                 chunk_bytes=self.chunk_bytes,
             )
             self.stats.bytes_written += response.num_bytes_written

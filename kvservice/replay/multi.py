@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
 from kvservice.replay.report import (
     _LATENCY_FIELDS,
     AgreementStats,
@@ -84,7 +85,6 @@ from kvservice.replay.report import (
     _pct,
     write_json_with_compact_lists,
 )
-from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
 from kvservice.replay.runner import DEFAULT_NUM_BLOCKS, MirrorWatcher, ReplayConfig, load_requests
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig
 from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits
@@ -93,9 +93,24 @@ from kvservice_client.client import AsyncKVCacheClient
 from kvservice_client.watcher import HitPredictor, PrefixIndex
 
 __all__ = [
-    "GRPC_FEED_NAME", "MULTI_REPORT_SCHEMA", "POLICIES", "FeedFactory", "Instance", "MirrorFeed", "MultiReplayConfig",
-    "MultiReport", "PolicyReport", "PolicyRun", "Router", "RoutingDecision", "grpc_stream_feed", "read_multi_json",
-    "render_multi_table", "replay_policy", "run_multi_replay", "write_multi_json",
+    "GRPC_FEED_NAME",
+    "MULTI_REPORT_SCHEMA",
+    "POLICIES",
+    "FeedFactory",
+    "Instance",
+    "MirrorFeed",
+    "MultiReplayConfig",
+    "MultiReport",
+    "PolicyReport",
+    "PolicyRun",
+    "Router",
+    "RoutingDecision",
+    "grpc_stream_feed",
+    "read_multi_json",
+    "render_multi_table",
+    "replay_policy",
+    "run_multi_replay",
+    "write_multi_json",
 ]
 
 POLICIES = ("routed", "round-robin")
@@ -158,8 +173,10 @@ class MultiReplayConfig:
             raise ValueError(f"rate_scale must be a finite number > 0; got {self.rate_scale}")
         if self.report_mode not in ("incremental", "full"):
             raise ValueError(f"report_mode must be 'incremental' or 'full'; got {self.report_mode!r}")
-        if not self.policies or any(p not in POLICIES for p in self.policies) or len(set(self.policies)) != len(
-            self.policies
+        if (
+            not self.policies
+            or any(p not in POLICIES for p in self.policies)
+            or len(set(self.policies)) != len(self.policies)
         ):
             raise ValueError(f"policies must be distinct names among {POLICIES}; got {self.policies!r}")
         if self.limit is not None and self.limit < 0:
@@ -295,8 +312,10 @@ class Router:
     def __init__(self, policy: str, instances: Sequence[Instance]) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
-        rules = {(m.metadata.hash_algorithm, m.metadata.hash_seed, m.metadata.hash_block_size,
-                  m.metadata.block_hash_format) for m in instances}
+        rules = {
+            (m.metadata.hash_algorithm, m.metadata.hash_seed, m.metadata.hash_block_size, m.metadata.block_hash_format)
+            for m in instances
+        }
         if len(rules) != 1:
             raise ValueError(f"instances must share one hash rule; got {sorted(map(str, rules))}")
         self.policy = policy
@@ -365,8 +384,14 @@ class PolicyRun:
     wall_time_s: float = 0.0
 
 
-async def _drive(instances: list[Instance], router: Router, requests: Sequence[TraceRequest], step_ms: float,
-                 max_model_len: int, progress: Any | None) -> int:
+async def _drive(
+    instances: list[Instance],
+    router: Router,
+    requests: Sequence[TraceRequest],
+    step_ms: float,
+    max_model_len: int,
+    progress: Any | None,
+) -> int:
     """Run the shared simulated clock until every request finished; returns the requests skipped."""
     arrivals = deque(enumerate(requests))
     num_skipped = 0
@@ -386,15 +411,18 @@ async def _drive(instances: list[Instance], router: Router, requests: Sequence[T
             scheduler = instances[decision.instance].scheduler
             assert scheduler is not None
             scheduler.add_request(request, index)
-        active = [inst.scheduler for inst in instances if inst.scheduler is not None and
-                  (inst.scheduler.has_work or inst.scheduler.pending)]
+        active = [
+            inst.scheduler
+            for inst in instances
+            if inst.scheduler is not None and (inst.scheduler.has_work or inst.scheduler.pending)
+        ]
         for s in active:
             s.clock_ms = clock_ms
         await asyncio.gather(*(s.step() for s in active))
         for inst in instances:  # routing-time hashes are reused only up to the first admission
             assert inst.scheduler is not None
             admissions = inst.scheduler.stats.admissions
-            for a in admissions[num_admitted[inst.idx]:]:
+            for a in admissions[num_admitted[inst.idx] :]:
                 router.hashes.pop(a.index, None)
             num_admitted[inst.idx] = len(admissions)
         clock_ms += step_ms
@@ -411,7 +439,9 @@ def _admission_predictor(inst: Instance, router: Router) -> Callable[[ReplayRequ
         await inst.feed.wait_applied(head_seq)
         cached = router.hashes.get(r.index)
         num_tokens = len(r.token_ids)
-        hashes = cached[1] if cached is not None and cached[0] == num_tokens else inst.predictor.hash_prompt(r.token_ids)
+        hashes = (
+            cached[1] if cached is not None and cached[0] == num_tokens else inst.predictor.hash_prompt(r.token_ids)
+        )
         return [inst.predictor.predict_hit_tokens_from_hashes(hashes, num_tokens)]
 
     return predict
@@ -462,8 +492,13 @@ async def replay_policy(
     try:
         for i in range(config.instances):
             server = await start_server(
-                port=0, preset=config.preset, block_size=config.block_size, num_blocks=config.num_blocks,
-                device=config.device, hash_algorithm=config.hash_algorithm, grace_seconds=1.0,
+                port=0,
+                preset=config.preset,
+                block_size=config.block_size,
+                num_blocks=config.num_blocks,
+                device=config.device,
+                hash_algorithm=config.hash_algorithm,
+                grace_seconds=1.0,
                 **(nats_feeds.server_settings(i) if nats_feeds is not None else {}),
             )
             servers.append(server)
@@ -476,22 +511,28 @@ async def replay_policy(
         for inst in instances:  # every feed is built before any starts (FeedFactory)
             inst.feed = feed_factory(inst)
             inst.predictor = HitPredictor(inst.metadata, inst.feed.index)
-            inst.scheduler = ReplayScheduler(inst.client, (), scheduler_config,
-                                             predictor=_admission_predictor(inst, router),
-                                             max_model_len=inst.metadata.max_model_len)
+            inst.scheduler = ReplayScheduler(
+                inst.client,
+                (),
+                scheduler_config,
+                predictor=_admission_predictor(inst, router),
+                max_model_len=inst.metadata.max_model_len,
+            )
         for inst in instances:
             assert inst.feed is not None
             await inst.feed.start()
         report = None if progress is None else (lambda finished: progress(policy, finished))
-        num_skipped = await _drive(instances, router, requests, scheduler_config.step_ms,
-                                   instances[0].metadata.max_model_len, report)
+        num_skipped = await _drive(
+            instances, router, requests, scheduler_config.step_ms, instances[0].metadata.max_model_len, report
+        )
         for inst in instances:
             assert inst.feed is not None and inst.scheduler is not None
             await inst.feed.wait_applied(inst.scheduler.head_seq)
         for server in servers:
             server.check_invariants()
-        run = PolicyRun(policy, router.decisions, instances, num_skipped,
-                        [server.cached_hashes() for server in servers])
+        run = PolicyRun(
+            policy, router.decisions, instances, num_skipped, [server.cached_hashes() for server in servers]
+        )
     finally:
         for inst in instances:
             if inst.feed is not None:
@@ -516,10 +557,14 @@ def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
     first_admission = {a.index: a for a in admissions if not a.readmission}
     firsts = list(first_admission.values())
     routed = [d for d in run.decisions if d.predicted_hit_tokens]
-    routing = AgreementStats.from_pairs(
-        [d.predicted_hit_tokens[d.instance] // bs for d in routed],
-        [first_admission[d.index].actual_hit_tokens // bs for d in routed],
-    ) if routed else None
+    routing = (
+        AgreementStats.from_pairs(
+            [d.predicted_hit_tokens[d.instance] // bs for d in routed],
+            [first_admission[d.index].actual_hit_tokens // bs for d in routed],
+        )
+        if routed
+        else None
+    )
     num_requests_per_instance = [0] * len(run.instances)
     for d in run.decisions:
         num_requests_per_instance[d.instance] += 1
@@ -538,12 +583,10 @@ def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
         num_admitted_hit_tokens=sum(a.actual_hit_tokens for a in admissions),
         num_requests_per_instance=num_requests_per_instance,
         num_hit_tokens_per_instance=[
-            sum(a.actual_hit_tokens for a in s.stats.admissions if not a.readmission)
-            for s in schedulers
+            sum(a.actual_hit_tokens for a in s.stats.admissions if not a.readmission) for s in schedulers
         ],
         num_prompt_tokens_per_instance=[
-            sum(a.num_tokens for a in s.stats.admissions if not a.readmission)
-            for s in schedulers
+            sum(a.num_tokens for a in s.stats.admissions if not a.readmission) for s in schedulers
         ],
         num_decisions_by_reason=reasons,
         routing_agreement=routing,
@@ -570,8 +613,13 @@ def _replay_policy_in_process(policy: str, config: MultiReplayConfig) -> PolicyR
     return asyncio.run(replay_policy(policy, config, progress=worker_progress()))
 
 
-async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] | None = None,
-                           parallel: bool = True, feed_factory: FeedFactory | None = None) -> MultiReport:
+async def run_multi_replay(
+    config: MultiReplayConfig,
+    *,
+    runs: list[PolicyRun] | None = None,
+    parallel: bool = True,
+    feed_factory: FeedFactory | None = None,
+) -> MultiReport:
     """Run every policy of ``config`` and build the report.
 
     With two policies, each runs in its own worker process (two fresh sets of servers, same trace),
@@ -587,16 +635,16 @@ async def run_multi_replay(config: MultiReplayConfig, *, runs: list[PolicyRun] |
     policies = list(config.policies)
     if feed_factory is grpc_stream_feed and config.nats_url is None:
         feed_factory = None  # the default: the workers build it
-    in_workers = (parallel and runs is None and feed_factory is None and len(policies) > 1
-                  and (os.cpu_count() or 1) > 1)
+    in_workers = parallel and runs is None and feed_factory is None and len(policies) > 1 and (os.cpu_count() or 1) > 1
     progress = Progress(policies, len(requests), bar=config.show_progress)
     try:
         if in_workers:
             reports = await run_in_workers(_replay_policy_in_process, [(p, config) for p in policies], progress)
         else:
             reports = [
-                await replay_policy(p, config, requests=requests, feed_factory=feed_factory, progress=progress.update,
-                                    runs=runs)
+                await replay_policy(
+                    p, config, requests=requests, feed_factory=feed_factory, progress=progress.update, runs=runs
+                )
                 for p in policies
             ]
     finally:
@@ -640,8 +688,6 @@ def _feed_name(config: MultiReplayConfig, feed_factory: FeedFactory | None) -> s
 
 # --------------------------------------------------------------------------------------------
 # Report
-
-
 
 
 @dataclass(slots=True)
@@ -716,10 +762,27 @@ class PolicyReport:
         return _pct(self.num_hit_blocks, self.num_prompt_blocks)
 
     _SCALARS = (
-        "policy", "num_requests", "num_skipped", "num_prompt_tokens", "num_hit_tokens", "num_prompt_blocks",
-        "num_hit_blocks", "num_admitted_tokens", "num_admitted_hit_tokens", "num_requests_per_instance", "num_prompt_tokens_per_instance", "num_hit_tokens_per_instance",
-        "num_decisions_by_reason", "num_preemptions", "num_steps", "num_events", "num_batches", "wall_time_s",
-        "mirror_capacity_blocks", "block_size", "max_model_len",
+        "policy",
+        "num_requests",
+        "num_skipped",
+        "num_prompt_tokens",
+        "num_hit_tokens",
+        "num_prompt_blocks",
+        "num_hit_blocks",
+        "num_admitted_tokens",
+        "num_admitted_hit_tokens",
+        "num_requests_per_instance",
+        "num_prompt_tokens_per_instance",
+        "num_hit_tokens_per_instance",
+        "num_decisions_by_reason",
+        "num_preemptions",
+        "num_steps",
+        "num_events",
+        "num_batches",
+        "wall_time_s",
+        "mirror_capacity_blocks",
+        "block_size",
+        "max_model_len",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -802,8 +865,17 @@ class MultiReport:
             return None
         return routed - rr, (routed / rr if rr else None)
 
-    _SCALARS = ("trace_path", "num_trace_lines", "preset", "block_size", "instances",
-                "num_blocks_per_instance", "arrival_rate_scale", "report_mode", "ideal_hit_rate_tokens_pct")
+    _SCALARS = (
+        "trace_path",
+        "num_trace_lines",
+        "preset",
+        "block_size",
+        "instances",
+        "num_blocks_per_instance",
+        "arrival_rate_scale",
+        "report_mode",
+        "ideal_hit_rate_tokens_pct",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready plain data (the gain included for readers)."""
@@ -827,8 +899,11 @@ class MultiReport:
         """
         if data.get("schema") != MULTI_REPORT_SCHEMA:
             raise ValueError(f"unknown report schema {data.get('schema')!r}; expected {MULTI_REPORT_SCHEMA!r}")
-        return cls(**{k: data[k] for k in cls._SCALARS}, policies=[PolicyReport.from_dict(p) for p in data["policies"]],
-                   metadata=dict(data.get("metadata", {})))
+        return cls(
+            **{k: data[k] for k in cls._SCALARS},
+            policies=[PolicyReport.from_dict(p) for p in data["policies"]],
+            metadata=dict(data.get("metadata", {})),
+        )
 
 
 def write_multi_json(report: MultiReport, path: str | Path) -> Path:
@@ -836,7 +911,8 @@ def write_multi_json(report: MultiReport, path: str | Path) -> Path:
     folders. Returns the path written."""
     data = report.to_dict()
     return write_json_with_compact_lists(
-        data, path, [(p, key) for p in data["policies"] for key in ("assignments", "hit_series")])
+        data, path, [(p, key) for p in data["policies"] for key in ("assignments", "hit_series")]
+    )
 
 
 def read_multi_json(path: str | Path) -> MultiReport:
@@ -874,14 +950,15 @@ def _policy_rows(p: PolicyReport) -> list[tuple[str, str]]:
         ("with recomputes after preemption (tokens)", _fmt_pct(_pct(p.num_admitted_hit_tokens, p.num_admitted_tokens))),
         ("requests per instance", " / ".join(f"{n:,}" for n in p.num_requests_per_instance)),
         ("hit rate per instance (tokens, %)", per_instance_hit),
-        ("decided by hit / load / round-robin",
-         f"{reasons.get('hit', 0):,} / {reasons.get('load', 0):,} / {reasons.get('round-robin', 0):,}"),
+        (
+            "decided by hit / load / round-robin",
+            f"{reasons.get('hit', 0):,} / {reasons.get('load', 0):,} / {reasons.get('round-robin', 0):,}",
+        ),
         ("routing prediction vs hit: exact, MAE", _fmt_agreement(p.routing_agreement)),
         ("mirror at admission: exact, MAE", _fmt_agreement(p.admission_agreement)),
         ("preemptions", f"{p.num_preemptions:,}"),
         ("scheduler steps", f"{p.num_steps:,}"),
-        ("RPC latency p50 / p99 (ms)",
-         "-" if lat.p50_ms is None else f"{lat.p50_ms:.3f} / {lat.p99_ms:.3f}"),
+        ("RPC latency p50 / p99 (ms)", "-" if lat.p50_ms is None else f"{lat.p50_ms:.3f} / {lat.p99_ms:.3f}"),
         ("events / batches received", f"{p.num_events:,} / {p.num_batches:,}"),
         ("wall time (s)", f"{p.wall_time_s:.2f}"),
     ]

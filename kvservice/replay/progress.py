@@ -35,8 +35,16 @@ class Progress:
         clock: seconds (monotonic).
     """
 
-    def __init__(self, modes: Sequence[str], total: int, *, bar: bool, interval_s: float = 10.0,
-                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        modes: Sequence[str],
+        total: int,
+        *,
+        bar: bool,
+        interval_s: float = 10.0,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.total = total
         self.finished = dict.fromkeys(modes, 0)
         self._interval_s = interval_s
@@ -50,8 +58,9 @@ class Progress:
         if bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total * len(modes), desc="replay", unit="req", dynamic_ncols=True, leave=True,
-                             file=self._stream)
+            self._bar = tqdm(
+                total=total * len(modes), desc="replay", unit="req", dynamic_ncols=True, leave=True, file=self._stream
+            )
             self._bar.set_postfix_str(self._postfix(), refresh=False)
 
     def _postfix(self) -> str:

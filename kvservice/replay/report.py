@@ -81,18 +81,14 @@ class AgreementStats:
         return _pct(self.num_exact, self.num_compared)
 
     @classmethod
-    def from_pairs(
-        cls, predicted_blocks: Sequence[int], actual_blocks: Sequence[int]
-    ) -> AgreementStats:
+    def from_pairs(cls, predicted_blocks: Sequence[int], actual_blocks: Sequence[int]) -> AgreementStats:
         """Summarises per-request predicted and actual hits (blocks), paired by position.
 
         Raises:
             ValueError: the sequences differ in length.
         """
         if len(predicted_blocks) != len(actual_blocks):
-            raise ValueError(
-                f"{len(predicted_blocks)} predictions but {len(actual_blocks)} actual hits"
-            )
+            raise ValueError(f"{len(predicted_blocks)} predictions but {len(actual_blocks)} actual hits")
         if not predicted_blocks:
             return cls(0, 0, 0.0, 0.0, 0.0)
         predicted = np.asarray(predicted_blocks, dtype=np.int64)
@@ -112,9 +108,7 @@ class AgreementStats:
         return cls.from_pairs([p for _, p, _ in points], [a for _, _, a in points])
 
 
-def latency_percentiles(
-    samples_ms: Sequence[float], percentiles: Sequence[float] = (50.0, 99.0)
-) -> tuple[float, ...]:
+def latency_percentiles(samples_ms: Sequence[float], percentiles: Sequence[float] = (50.0, 99.0)) -> tuple[float, ...]:
     """Percentiles of latency samples (NumPy's default linear interpolation).
 
     Args:
@@ -469,20 +463,31 @@ def _kv_data_rows(kv: dict[str, Any] | None) -> list[tuple[str, str]]:
     sample = f" (1 in {kv['sample']} by hash)" if kv.get("sample", 1) != 1 else ""
     return [
         (f"kv data: mode{sample}", str(kv.get("mode", "off"))),
-        ("kv data: written / read (MB)",
-         f"{_fmt_float(kv.get('bytes_written', 0) / 1e6, 1)} / {_fmt_float(kv.get('bytes_read', 0) / 1e6, 1)}"),
-        ("kv data: write / read (GB/s)", f"{_fmt_float(kv.get('write_gbps'), 2)} / {_fmt_float(kv.get('read_gbps'), 2)}"),
-        ("kv data: hit blocks checked / mismatches",
-         f"{_fmt_int(kv.get('blocks_checked', 0))} / {_fmt_int(kv.get('mismatches', 0))}"),
+        (
+            "kv data: written / read (MB)",
+            f"{_fmt_float(kv.get('bytes_written', 0) / 1e6, 1)} / {_fmt_float(kv.get('bytes_read', 0) / 1e6, 1)}",
+        ),
+        (
+            "kv data: write / read (GB/s)",
+            f"{_fmt_float(kv.get('write_gbps'), 2)} / {_fmt_float(kv.get('read_gbps'), 2)}",
+        ),
+        (
+            "kv data: hit blocks checked / mismatches",
+            f"{_fmt_int(kv.get('blocks_checked', 0))} / {_fmt_int(kv.get('mismatches', 0))}",
+        ),
     ]
 
 
 def _mode_rows(m: ModeReport, *, late: bool, kv_data: bool = False) -> list[tuple[str, str]]:
     lat = m.rpc_latency
-    late_rows = [
-        ("late watcher since it joined: exact, MAE", _fmt_short_agreement(m.late_watcher)),
-        ("first watcher, same requests: exact, MAE", _fmt_short_agreement(m.first_watcher_since_late_join)),
-    ] if late else []
+    late_rows = (
+        [
+            ("late watcher since it joined: exact, MAE", _fmt_short_agreement(m.late_watcher)),
+            ("first watcher, same requests: exact, MAE", _fmt_short_agreement(m.first_watcher_since_late_join)),
+        ]
+        if late
+        else []
+    )
     return [
         ("requests", _fmt_int(m.num_requests)),
         ("prompt tokens", _fmt_int(m.num_prompt_tokens)),
@@ -540,14 +545,9 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
     notes = []
     skipped = {k: v for k, v in report.metadata.items() if k.startswith("requests_skipped") and v}
     if skipped:
-        notes.append(
-            f"skipped {max(skipped.values()):,} trace requests whose prompt is max_model_len tokens or longer"
-        )
+        notes.append(f"skipped {max(skipped.values()):,} trace requests whose prompt is max_model_len tokens or longer")
     if report.ideal_hit_rate_tokens_pct is not None:
-        notes.append(
-            "ideal prefix hit rate, infinite cache (tokens): "
-            f"{_fmt_pct(report.ideal_hit_rate_tokens_pct)}"
-        )
+        notes.append(f"ideal prefix hit rate, infinite cache (tokens): {_fmt_pct(report.ideal_hit_rate_tokens_pct)}")
     buffer = io.StringIO()
     console = Console(
         file=buffer,
@@ -567,9 +567,7 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
 # Plot
 
 
-def rolling_exact_match_pct(
-    series: Sequence[AgreementPoint], window: int
-) -> tuple[np.ndarray, np.ndarray]:
+def rolling_exact_match_pct(series: Sequence[AgreementPoint], window: int) -> tuple[np.ndarray, np.ndarray]:
     """Rolling exact-match rate over the last ``window`` requests of an agreement series.
 
     The first ``window - 1`` points average over the requests so far.
@@ -602,9 +600,11 @@ def agreement_title(report: ReplayReport) -> str:
     mirrors = sorted({m.mirror_capacity_blocks for m in report.modes})
     mirror = ", ".join("unbounded" if c == 0 else f"{c:,} blocks" for c in mirrors) or "?"
     pool = report.modes[0].pool_size_blocks if report.modes else report.num_blocks - 1
-    return (f"Watcher-predicted vs server prefix-cache hits: {Path(report.trace_path).name}\n"
-            f"preset {report.preset}, block_size {report.block_size} tokens; pool {pool:,} blocks, "
-            f"mirror capacity {mirror}")
+    return (
+        f"Watcher-predicted vs server prefix-cache hits: {Path(report.trace_path).name}\n"
+        f"preset {report.preset}, block_size {report.block_size} tokens; pool {pool:,} blocks, "
+        f"mirror capacity {mirror}"
+    )
 
 
 def error_axis_bound(errors: np.ndarray) -> int:
@@ -655,8 +655,14 @@ def plot_agreement(report: ReplayReport, path: str | Path, *, window: int = 50) 
             ax_rate.plot([], [], color=colour, label=f"{m.mode} (no data)")
             continue
         ax_rate.plot(x, rate, color=colour, linewidth=1.5, label=f"{m.mode} (overall {exact})")
-        ax_err.scatter(points[:, 0], np.clip(points[:, 1] - points[:, 2], -bound, bound), s=6, alpha=0.6,
-                       color=colour, label=m.mode)
+        ax_err.scatter(
+            points[:, 0],
+            np.clip(points[:, 1] - points[:, 2], -bound, bound),
+            s=6,
+            alpha=0.6,
+            color=colour,
+            label=m.mode,
+        )
     ax_rate.set_ylim(-2, 102)
     ax_rate.set_ylabel(f"exact match, rolling {window} admissions (%)")
     ax_rate.grid(True, alpha=0.3)

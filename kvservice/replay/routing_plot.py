@@ -37,9 +37,11 @@ def routing_title(report: MultiReport) -> str:
     """The plot's title: the trace, the instances and their pools, the mirror capacity."""
     mirrors = sorted({p.mirror_capacity_blocks for p in report.policies})
     mirror = ", ".join("unbounded" if c == 0 else f"{c:,} blocks" for c in mirrors) or "?"
-    return (f"Routed by predicted hit vs round-robin: {Path(report.trace_path).name}\n"
-            f"{report.instances} instances of {report.num_blocks_per_instance:,} blocks (preset {report.preset}, "
-            f"block_size {report.block_size}), mirror capacity {mirror}, report mode {report.report_mode}")
+    return (
+        f"Routed by predicted hit vs round-robin: {Path(report.trace_path).name}\n"
+        f"{report.instances} instances of {report.num_blocks_per_instance:,} blocks (preset {report.preset}, "
+        f"block_size {report.block_size}), mirror capacity {mirror}, report mode {report.report_mode}"
+    )
 
 
 def plot_routing(report: MultiReport, path: str | Path, *, window: int = 50) -> Path:
@@ -73,8 +75,13 @@ def plot_routing(report: MultiReport, path: str | Path, *, window: int = 50) -> 
     width = 0.8 / max(len(report.policies), 1)
     instances = np.arange(report.instances)
     for k, policy in enumerate(report.policies):
-        ax_load.bar(instances + (k - (len(report.policies) - 1) / 2) * width, policy.num_requests_per_instance,
-                    width=width, color=colours.get(policy.policy), label=policy.policy)
+        ax_load.bar(
+            instances + (k - (len(report.policies) - 1) / 2) * width,
+            policy.num_requests_per_instance,
+            width=width,
+            color=colours.get(policy.policy),
+            label=policy.policy,
+        )
     ax_load.set_xticks(instances, [str(i) for i in instances])
     ax_load.set_xlabel("instance")
     ax_load.set_ylabel("requests routed")

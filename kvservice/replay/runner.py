@@ -36,8 +36,16 @@ from kvservice_client.client import AsyncKVCacheClient
 from kvservice_client.watcher import EventWatcher, HitPredictor, PrefixIndex
 
 __all__ = [
-    "DEFAULT_NUM_BLOCKS", "PARALLEL_MIN_REQUESTS", "MirrorWatcher", "ModeResult", "ModeRun", "ReplayConfig", "load_requests", "replay_mode",
-    "run_mode", "run_replay",
+    "DEFAULT_NUM_BLOCKS",
+    "PARALLEL_MIN_REQUESTS",
+    "MirrorWatcher",
+    "ModeResult",
+    "ModeRun",
+    "ReplayConfig",
+    "load_requests",
+    "replay_mode",
+    "run_mode",
+    "run_replay",
 ]
 
 DEFAULT_NUM_BLOCKS = 32768
@@ -95,7 +103,9 @@ class ReplayConfig:
         if self.kv_data not in ("shm", "grpc", "off"):
             raise ValueError(f"kv_data must be 'shm', 'grpc' or 'off'; got {self.kv_data!r}")
         if self.kv_data != "off" and self.device == "meta" and self.target is None:
-            raise ValueError(f"kv_data {self.kv_data!r} needs memory behind the KV tensors: device 'cpu' (or cuda), not meta")
+            raise ValueError(
+                f"kv_data {self.kv_data!r} needs memory behind the KV tensors: device 'cpu' (or cuda), not meta"
+            )
         if self.kv_data_sample < 1:
             raise ValueError(f"kv_data_sample must be >= 1; got {self.kv_data_sample}")
         if self.watchers < 1:
@@ -117,8 +127,9 @@ class MirrorWatcher:
         capacity_blocks: the index's capacity (None = unbounded).
     """
 
-    def __init__(self, client: AsyncKVCacheClient, metadata: pb.GetKVCacheGroupMetadataResponse,
-                 capacity_blocks: int | None) -> None:
+    def __init__(
+        self, client: AsyncKVCacheClient, metadata: pb.GetKVCacheGroupMetadataResponse, capacity_blocks: int | None
+    ) -> None:
         self.index = PrefixIndex(capacity_blocks)
         self.predictor = HitPredictor(metadata, self.index)
         self.watcher = EventWatcher(client, max_pending_batches=256)
@@ -152,8 +163,9 @@ class MirrorWatcher:
         while self.applied_seq < seq:
             self._progress.clear()
             assert self._task is not None
-            done, _ = await asyncio.wait({self._task, asyncio.ensure_future(self._progress.wait())},
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {self._task, asyncio.ensure_future(self._progress.wait())}, return_when=asyncio.FIRST_COMPLETED
+            )
             if self._task in done:
                 self._task.result()
                 raise RuntimeError("the event stream ended")
@@ -255,15 +267,33 @@ async def run_mode(
 
                 view = await aattach(client)
             kv_worker = KVDataWorker(config.kv_data, client, metadata, view=view, sample=config.kv_data_sample)
-        scheduler = ReplayScheduler(client, requests, scheduler_config, predictor=predict, on_step=on_step,
-                                    max_model_len=metadata.max_model_len, kv_worker=kv_worker)
+        scheduler = ReplayScheduler(
+            client,
+            requests,
+            scheduler_config,
+            predictor=predict,
+            on_step=on_step,
+            max_model_len=metadata.max_model_len,
+            kv_worker=kv_worker,
+        )
         stats = await scheduler.run()
         usage = await client.get_usage()
         for w in watchers + ([late] if late is not None else []):
             await w.wait_applied(scheduler.head_seq)
-        run = ModeRun(mode, stats, watchers, late, late_join_admission, pool_blocks, metadata.groups[0].block_size,
-                      usage, mirror_capacity=capacity, max_model_len=metadata.max_model_len,
-                      preset=metadata.preset, kv_data=kv_worker.stats.to_dict() if kv_worker is not None else None)
+        run = ModeRun(
+            mode,
+            stats,
+            watchers,
+            late,
+            late_join_admission,
+            pool_blocks,
+            metadata.groups[0].block_size,
+            usage,
+            mirror_capacity=capacity,
+            max_model_len=metadata.max_model_len,
+            preset=metadata.preset,
+            kv_data=kv_worker.stats.to_dict() if kv_worker is not None else None,
+        )
         for w in watchers + ([late] if late is not None else []):
             await w.close()
         return run
@@ -370,9 +400,14 @@ async def replay_mode(
     server = None
     if config.target is None:
         server = await start_server(
-            port=0, preset=config.preset, block_size=config.block_size,
+            port=0,
+            preset=config.preset,
+            block_size=config.block_size,
             num_blocks=None if config.kv_cache_memory is not None else config.num_blocks,
-            kv_cache_memory=config.kv_cache_memory, device=config.device, hash_algorithm=config.hash_algorithm, grace_seconds=1.0,
+            kv_cache_memory=config.kv_cache_memory,
+            device=config.device,
+            hash_algorithm=config.hash_algorithm,
+            grace_seconds=1.0,
         )
         address = server.address
     else:
@@ -414,6 +449,7 @@ first pays its own start-up (the server and torch imported again: about one ``im
 s here) which a mode this short (about 0.1 s per request on a loaded 2-core machine) does not win
 back; longer replays run one worker per mode, in parallel."""
 
+
 def _replay_mode_in_process(mode: str, config: ReplayConfig) -> ModeResult:
     """Worker-process entry point: one mode, its own event loop and embedded server; progress
     goes to the parent through the queue the pool was started with."""
@@ -421,7 +457,10 @@ def _replay_mode_in_process(mode: str, config: ReplayConfig) -> ModeResult:
 
 
 async def run_replay(
-    config: ReplayConfig, *, runs: list[ModeRun] | None = None, parallel: bool = True,
+    config: ReplayConfig,
+    *,
+    runs: list[ModeRun] | None = None,
+    parallel: bool = True,
     progress_stream: TextIO | None = None,
 ) -> ReplayReport:
     """Run every mode of ``config`` and build the report.
@@ -442,8 +481,14 @@ async def run_replay(
     modes = list(config.report_modes)
     progress = Progress(modes, len(requests), bar=config.show_progress, stream=progress_stream)
     try:
-        if (parallel and runs is None and config.target is None and len(modes) > 1
-                and len(requests) >= PARALLEL_MIN_REQUESTS and (os.cpu_count() or 1) > 1):
+        if (
+            parallel
+            and runs is None
+            and config.target is None
+            and len(modes) > 1
+            and len(requests) >= PARALLEL_MIN_REQUESTS
+            and (os.cpu_count() or 1) > 1
+        ):
             results = await run_in_workers(_replay_mode_in_process, [(mode, config) for mode in modes], progress)
         else:
             results = [
@@ -462,15 +507,17 @@ async def run_replay(
     accepted = [r for r in requests if len(r.prompt_token_ids) < first.max_model_len]
     ideal = ideal_prefix_hits(accepted, first.block_size) if accepted else []
     ideal_pct = 100.0 * sum(ideal) / max(sum(len(r.prompt_token_ids) for r in accepted), 1)
-    metadata.update({
-        "hash_algorithm": config.hash_algorithm,
-        "max_num_seqs": config.scheduler.max_num_seqs,
-        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-        "step_ms": config.scheduler.step_ms,
-        "watchers": config.watchers,
-        "device": config.device,
-        "kv_data": config.kv_data,
-    })
+    metadata.update(
+        {
+            "hash_algorithm": config.hash_algorithm,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "step_ms": config.scheduler.step_ms,
+            "watchers": config.watchers,
+            "device": config.device,
+            "kv_data": config.kv_data,
+        }
+    )
     return ReplayReport(
         trace_path=config.trace or str(DEFAULT_TRACE),
         num_trace_lines=len(requests),

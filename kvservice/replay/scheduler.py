@@ -84,8 +84,15 @@ class ReplayRequest:
     """A trace request as the scheduler tracks it."""
 
     __slots__ = (
-        "trace", "index", "request_id", "token_ids", "num_computed_tokens", "num_generated",
-        "pending_token", "outputs", "num_preemptions",
+        "trace",
+        "index",
+        "request_id",
+        "token_ids",
+        "num_computed_tokens",
+        "num_generated",
+        "pending_token",
+        "outputs",
+        "num_preemptions",
     )
 
     def __init__(self, trace: TraceRequest, index: int) -> None:
@@ -231,7 +238,9 @@ class ReplayScheduler:
         self.clock_ms = 0.0
         self._last_scheduled = 0
         self._mode = (
-            pb.KV_CACHE_REPORT_MODE_FULL if config.kv_cache_report_mode == "full" else pb.KV_CACHE_REPORT_MODE_INCREMENTAL
+            pb.KV_CACHE_REPORT_MODE_FULL
+            if config.kv_cache_report_mode == "full"
+            else pb.KV_CACHE_REPORT_MODE_INCREMENTAL
         )
 
     @property
@@ -315,11 +324,15 @@ class ReplayScheduler:
             return pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=r.request_id, num_new_tokens=n)), n
         assert r.pending_token is not None
         op = pb.StepOp(
-            allocate_slots=pb.AllocateSlotsRequest(request_id=r.request_id, num_new_tokens=1, new_token_ids=[r.pending_token])
+            allocate_slots=pb.AllocateSlotsRequest(
+                request_id=r.request_id, num_new_tokens=1, new_token_ids=[r.pending_token]
+            )
         )
         return op, 1
 
-    def _apply_allocation(self, r: ReplayRequest, response: pb.AllocateSlotsResponse, *, admitted: bool = False) -> None:
+    def _apply_allocation(
+        self, r: ReplayRequest, response: pb.AllocateSlotsResponse, *, admitted: bool = False
+    ) -> None:
         num_computed_before = r.num_computed_tokens
         if num_computed_before < len(r.token_ids):  # a prefill chunk (a decode step has computed every token)
             self.stats.num_prefill_tokens += response.num_scheduled_tokens
@@ -407,8 +420,15 @@ class ReplayScheduler:
         if not response.allocated:
             return False
         self.stats.admissions.append(
-            Admission(r.index, r.request_id, len(r.token_ids), predictions[0] if predictions else None,
-                      response.num_new_computed_tokens, r.num_preemptions > 0, predictions)
+            Admission(
+                r.index,
+                r.request_id,
+                len(r.token_ids),
+                predictions[0] if predictions else None,
+                response.num_new_computed_tokens,
+                r.num_preemptions > 0,
+                predictions,
+            )
         )
         self.running.append(r)
         self._last_scheduled = response.num_scheduled_tokens

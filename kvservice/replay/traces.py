@@ -75,9 +75,7 @@ MAX_TOKEN_ID = 2**31 - 1
 
 TraceFormat = Literal["mooncake", "azure", "tokens"]
 
-DEFAULT_TRACE: Path = Path(
-    str(resources.files("kvservice.replay") / "data" / "mooncake_conversation_sample.jsonl")
-)
+DEFAULT_TRACE: Path = Path(str(resources.files("kvservice.replay") / "data" / "mooncake_conversation_sample.jsonl"))
 """The embedded default trace: the first 991 lines of Mooncake's conversation trace (see
 ``kvservice/replay/data/README.md``). A real file path (the package is installed from a directory,
 not a zip)."""
@@ -200,9 +198,7 @@ def expand_hash_ids(hash_ids: Sequence[int], input_length: int, *, namespace: st
         ValueError: ``input_length`` is negative or longer than the blocks.
     """
     if not 0 <= input_length <= TRACE_BLOCK_SIZE * len(hash_ids):
-        raise ValueError(
-            f"input_length {input_length} does not fit {len(hash_ids)} blocks of {TRACE_BLOCK_SIZE}"
-        )
+        raise ValueError(f"input_length {input_length} does not fit {len(hash_ids)} blocks of {TRACE_BLOCK_SIZE}")
     tokens = array("i")
     tokens.frombytes(b"".join([_block_bytes(namespace, h) for h in hash_ids]))
     del tokens[input_length:]
@@ -305,15 +301,11 @@ def _iter_json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             except json.JSONDecodeError as e:
                 raise TraceFormatError(path, lineno, None, f"invalid JSON: {e.msg}") from None
             if not isinstance(obj, dict):
-                raise TraceFormatError(
-                    path, lineno, None, f"expected a JSON object, got {type(obj).__name__}"
-                )
+                raise TraceFormatError(path, lineno, None, f"expected a JSON object, got {type(obj).__name__}")
             yield lineno, obj
 
 
-def _get_int(
-    obj: dict[str, Any], field: str, path: Path, lineno: int, *, minimum: int, default: Any = ...
-) -> int:
+def _get_int(obj: dict[str, Any], field: str, path: Path, lineno: int, *, minimum: int, default: Any = ...) -> int:
     if field not in obj:
         if default is not ...:
             return default  # type: ignore[no-any-return]  # default is the caller's int/float
@@ -326,9 +318,7 @@ def _get_int(
     return value
 
 
-def _get_ms(
-    obj: dict[str, Any], field: str, path: Path, lineno: int, *, default: Any = ...
-) -> float:
+def _get_ms(obj: dict[str, Any], field: str, path: Path, lineno: int, *, default: Any = ...) -> float:
     if field not in obj:
         if default is not ...:
             return default  # type: ignore[no-any-return]  # default is the caller's int/float
@@ -387,9 +377,7 @@ def read_mooncake(
             raise TraceFormatError(path, lineno, "hash_ids", "missing")
         hash_ids = obj["hash_ids"]
         if type(hash_ids) is not list or not all(type(h) is int and h >= 0 for h in hash_ids):
-            raise TraceFormatError(
-                path, lineno, "hash_ids", "must be a list of integers >= 0"
-            )
+            raise TraceFormatError(path, lineno, "hash_ids", "must be a list of integers >= 0")
         num_blocks = -(-input_length // TRACE_BLOCK_SIZE)
         if len(hash_ids) != num_blocks:
             raise TraceFormatError(
@@ -453,9 +441,7 @@ def read_azure_csv(
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or tuple(h.strip() for h in header) != _AZURE_HEADER:
-            raise TraceFormatError(
-                path, 1, None, f"expected the header {','.join(_AZURE_HEADER)}, got {header!r}"
-            )
+            raise TraceFormatError(path, 1, None, f"expected the header {','.join(_AZURE_HEADER)}, got {header!r}")
         first_ticks: int | None = None
         index = 0
         for row in reader:
@@ -480,13 +466,9 @@ def read_azure_csv(
                 try:
                     value = int(text)
                 except ValueError:
-                    raise TraceFormatError(
-                        path, lineno, field, f"must be an integer, got {text!r}"
-                    ) from None
+                    raise TraceFormatError(path, lineno, field, f"must be an integer, got {text!r}") from None
                 if value < minimum:
-                    raise TraceFormatError(
-                        path, lineno, field, f"must be >= {minimum}, got {value}"
-                    )
+                    raise TraceFormatError(path, lineno, field, f"must be >= {minimum}, got {value}")
                 lengths.append(value)
             request_id = f"{ns}:{index}"
             prompt = array("i")
@@ -549,9 +531,7 @@ def read_token_jsonl(
             raise TraceFormatError(path, lineno, "token_ids", "must be a non-empty list of ints")
         for i, t in enumerate(token_list):
             if type(t) is not int:
-                raise TraceFormatError(
-                    path, lineno, "token_ids", f"token_ids[{i}] = {t!r} is not an integer"
-                )
+                raise TraceFormatError(path, lineno, "token_ids", f"token_ids[{i}] = {t!r} is not an integer")
             if not 0 <= t <= MAX_TOKEN_ID:
                 raise TraceFormatError(
                     path,
@@ -657,9 +637,7 @@ def read_trace(
 # Ideal hit rates
 
 
-def ideal_prefix_hits(
-    requests: Iterable[TraceRequest | Sequence[int]], block_size: int
-) -> list[int]:
+def ideal_prefix_hits(requests: Iterable[TraceRequest | Sequence[int]], block_size: int) -> list[int]:
     """Per request, the prefix-cache hit in tokens of a cache with infinite capacity.
 
     Replays the prompts in order through a never-evicting prefix cache of ``block_size``-token

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvservice.core.engine import EngineLimits, KVCacheEngine
@@ -47,10 +46,9 @@ from kvservice.memory import (
 )
 from kvservice.server.auth import build_auth, is_loopback_host
 from kvservice.server.event_log import EventLog
+from kvservice.server.probes import ProbePort
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
-from kvservice.server.probes import ProbePort
-from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, start_sinks
 from kvservice.server.settings import (
     SECTIONS,
     AuthSettings,
@@ -66,8 +64,9 @@ from kvservice.server.settings import (
     setting_aliases,
     settings_table,
 )
-from kvservice.server.vllm_flags import kv_events_config_settings
+from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, start_sinks
 from kvservice.server.snapshot import SnapshotSource
+from kvservice.server.vllm_flags import kv_events_config_settings
 from kvservice.server.zmq_publisher import check_endpoint_exposure
 
 if sys.version_info >= (3, 11):
@@ -204,14 +203,18 @@ def load_config(
                 raise ValueError(f"{config_file}: unknown key {key!r}")
             put(key, value, str(config_file))
             key = aliases.get(key, key)
-            if (key.endswith("_file") or key in ("model_config", "kv_cache_layout")) and isinstance(values[key], str) and not os.path.isabs(values[key]):
+            if (
+                (key.endswith("_file") or key in ("model_config", "kv_cache_layout"))
+                and isinstance(values[key], str)
+                and not os.path.isabs(values[key])
+            ):
                 # A path in a config file is relative to that file, not to where the server starts.
                 values[key] = str(Path(config_file).resolve().parent / values[key])
     environ = os.environ if environ is None else environ
     for env_key, value in environ.items():
         if not env_key.startswith("KVSERVICE_"):
             continue
-        key = env_key[len("KVSERVICE_"):].lower()
+        key = env_key[len("KVSERVICE_") :].lower()
         if key in table or key in aliases:
             put(key, value, env_key)
         elif env_key not in OTHER_ENV_VARS:
@@ -297,8 +300,7 @@ class RunningServer:
             f"kvservice listening on {self.address} (epoch {self.event_log.epoch})\n"
             f"preset {meta.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
             f"{self.config.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
-            f"{self.tensors.describe()}"
-            + "".join(f"\nnote: {note}" for note in self.notes)
+            f"{self.tensors.describe()}" + "".join(f"\nnote: {note}" for note in self.notes)
         )
 
     def check_invariants(self) -> None:
@@ -374,12 +376,15 @@ def _model_kv_layout(cache: CacheSettings) -> ModelKVLayout:
     """
     if cache.model_config is not None:
         return model_kv_layout(
-            load_model_config(cache.model_config), name=cache.model_config, block_size=cache.block_size,
+            load_model_config(cache.model_config),
+            name=cache.model_config,
+            block_size=cache.block_size,
             kv_cache_dtype=cache.kv_cache_dtype,
         )
     if cache.kv_cache_layout is not None:
-        return load_kv_cache_layout(cache.kv_cache_layout, block_size=cache.block_size,
-                                    kv_cache_dtype=cache.kv_cache_dtype)
+        return load_kv_cache_layout(
+            cache.kv_cache_layout, block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype
+        )
     return get_preset(cache.preset).kv_layout(cache.block_size, cache.kv_cache_dtype)
 
 
@@ -431,7 +436,9 @@ def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, 
     if max_model_len > fits:
         if cache.max_model_len is None:
             whose = "preset's" if cache.model_config is None and cache.kv_cache_layout is None else "model's"
-            notes.append(f"max_model_len lowered from the {whose} {max_model_len} to {fits} tokens, what the pool holds")
+            notes.append(
+                f"max_model_len lowered from the {whose} {max_model_len} to {fits} tokens, what the pool holds"
+            )
             max_model_len = fits
         else:
             notes.append(
@@ -471,13 +478,20 @@ def _build_core(config: ServerConfig) -> _Core:
         kv_events=KVEventsConfig(block_hash_format=cache.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by CacheSettings
     )
     limits = config.limits
-    engine = KVCacheEngine(manager, EngineLimits(max_num_requests=limits.max_num_requests,
-                                                 max_waiting_tokens=limits.max_waiting_tokens or None))
+    engine = KVCacheEngine(
+        manager,
+        EngineLimits(max_num_requests=limits.max_num_requests, max_waiting_tokens=limits.max_waiting_tokens or None),
+    )
     meta = manager.get_kv_cache_group_metadata()
     # An answer always fits what this server may send and what any gRPC client accepts.
-    events = dataclasses.replace(config.events, max_take_bytes=min(4 * 1024 * 1024, config.limits.max_message_bytes - 1024))
+    events = dataclasses.replace(
+        config.events, max_take_bytes=min(4 * 1024 * 1024, config.limits.max_message_bytes - 1024)
+    )
     event_log = EventLog(
-        manager.num_groups, [g.kind for g in meta.groups], [g.sliding_window for g in meta.groups], events,
+        manager.num_groups,
+        [g.kind for g in meta.groups],
+        [g.sliding_window for g in meta.groups],
+        events,
         data_parallel_rank=events.data_parallel_rank,
     )
     # First listener: the mirror a snapshot is cut from is up to date when any other listener runs.
@@ -493,8 +507,14 @@ def _build_core(config: ServerConfig) -> _Core:
         data_parallel_rank=events.data_parallel_rank,
     )
     servicer = KVCacheServicer(
-        engine, event_log, metadata, max_step_ops=limits.max_step_ops, max_message_bytes=limits.max_message_bytes,
-        check_invariants=cache.check_invariants, max_step_tokens=limits.max_step_tokens, snapshots=snapshots,
+        engine,
+        event_log,
+        metadata,
+        max_step_ops=limits.max_step_ops,
+        max_message_bytes=limits.max_message_bytes,
+        check_invariants=cache.check_invariants,
+        max_step_tokens=limits.max_step_tokens,
+        snapshots=snapshots,
     )
     if device.type != "meta":
         metadata.max_data_chunk_bytes = limits.chunk_bytes
@@ -520,7 +540,11 @@ def _add_data_plane(core: _Core, auth: Any, closers: list[Callable[[], Awaitable
 
         closers.append(close_shm)
     core.servicer.data_plane = DataPlane(
-        core.engine, core.tensors, epoch=core.event_log.epoch, shm=shm, chunk_bytes=core.config.limits.chunk_bytes,
+        core.engine,
+        core.tensors,
+        epoch=core.event_log.epoch,
+        shm=shm,
+        chunk_bytes=core.config.limits.chunk_bytes,
         attach_requires_local=auth.interceptor is None and core.config.auth.tls_client_ca_file is None,
     )
 
@@ -561,7 +585,9 @@ def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[
 
 
 async def _bind(
-    core: _Core, interceptors: list[Any], credentials: grpc.ServerCredentials | None,
+    core: _Core,
+    interceptors: list[Any],
+    credentials: grpc.ServerCredentials | None,
     closers: list[Callable[[], Awaitable[None]]],
 ) -> tuple[grpc.aio.Server, Any, str]:
     """Build the gRPC server (the service, health, reflection), bind and start it; health SERVING.
@@ -627,8 +653,9 @@ async def _start_probes(running: RunningServer) -> None:
     except BaseException:
         await running.stop(0)
         raise
-    running.config = running.config.replace(health_port=running.probes.grpc_port,
-                                            health_http_port=running.probes.http_port)
+    running.config = running.config.replace(
+        health_port=running.probes.grpc_port, health_http_port=running.probes.http_port
+    )
     running.notes.append(running.probes.describe())
 
 
@@ -697,8 +724,18 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     _start_metrics(core, interceptors, closers)
     server, health, address = await _bind(core, interceptors, auth.credentials, closers)
     running = RunningServer(
-        address, core.config.port, server, core.engine, core.event_log, core.servicer, core.tensors, core.config,
-        health, snapshots=core.snapshots, notes=core.notes, closers=closers,
+        address,
+        core.config.port,
+        server,
+        core.engine,
+        core.event_log,
+        core.servicer,
+        core.tensors,
+        core.config,
+        health,
+        snapshots=core.snapshots,
+        notes=core.notes,
+        closers=closers,
     )
     await _start_probes(running)
     _start_reaper(running)
@@ -712,7 +749,9 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
 
 
 def _add_uds_port(
-    server: grpc.aio.Server, path: str, credentials: grpc.ServerCredentials | None,
+    server: grpc.aio.Server,
+    path: str,
+    credentials: grpc.ServerCredentials | None,
     closers: list[Callable[[], Awaitable[None]]],
 ) -> None:
     """Listen on the Unix-domain socket ``path`` too (a stale socket file there is replaced; any
@@ -771,8 +810,11 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
         ready(running)
     await stop.wait()
     bind = running.config.bind
-    print(f"kvservice: stopping (graceful): NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
-          f"{bind.shutdown_grace_s:g} s", flush=True)
+    print(
+        f"kvservice: stopping (graceful): NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
+        f"{bind.shutdown_grace_s:g} s",
+        flush=True,
+    )
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)

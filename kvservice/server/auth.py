@@ -96,8 +96,7 @@ MUTATING_METHODS = frozenset(
 """Full method names of the RPCs that change the cache or the request table (scheduler only)."""
 
 WATCHER_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}"
-    for name in ("StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping")
+    f"/{SERVICE_NAME}/{name}" for name in ("StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping")
 )
 """Full method names of the kvservice RPCs a ``watcher`` token may call."""
 
@@ -195,7 +194,7 @@ class TokenTable:
             raise ValueError(f"{path}: unknown key {unknown[0]!r} (a token file holds only [[tokens]] entries)")
         raw = data.get("tokens")
         if not isinstance(raw, list) or not raw:
-            raise ValueError(f'{path}: no [[tokens]] entries (each: name, role, token or token_sha256)')
+            raise ValueError(f"{path}: no [[tokens]] entries (each: name, role, token or token_sha256)")
         entries = [_parse_entry(path, idx, item) for idx, item in enumerate(raw)]
         try:
             return cls(entries)
@@ -218,7 +217,8 @@ class TokenTable:
     def describe(self) -> str:
         """How many tokens per role, e.g. ``"3 bearer tokens (2 scheduler, 1 watcher)"``."""
         counts = ", ".join(
-            f"{sum(e.role == role for e in self.entries)} {role}" for role in ROLES
+            f"{sum(e.role == role for e in self.entries)} {role}"
+            for role in ROLES
             if any(e.role == role for e in self.entries)
         )
         return f"{len(self.entries)} bearer token{'s' if len(self.entries) != 1 else ''} ({counts})"
@@ -282,7 +282,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: TokenTable) -> None:
         self.tokens = tokens
 
-    def check(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[grpc.StatusCode, str] | None:
+    def check(
+        self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None
+    ) -> tuple[grpc.StatusCode, str] | None:
         """The status refusing a call of ``method`` with ``metadata``, or None to let it through.
 
         Args:
@@ -301,9 +303,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         value = values[0]
         match = _BEARER.fullmatch(value.strip()) if isinstance(value, str) else None
         if match is None:
-            return grpc.StatusCode.UNAUTHENTICATED, (
-                "malformed authorization metadata: expected 'Bearer <token>'"
-            )
+            return grpc.StatusCode.UNAUTHENTICATED, ("malformed authorization metadata: expected 'Bearer <token>'")
         entry = self.tokens.authenticate(match.group(1))
         if entry is None:
             return grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token"
@@ -329,7 +329,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _refusing_handler(handler, *refusal)
 
 
-def _refusing_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _refusing_handler(
+    handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind (unary_unary when None) that aborts with ``code``.
 
     It takes the request undeserialized (no deserializer) and never reads a request stream.

@@ -22,8 +22,9 @@ def _git_commit() -> str:
     if not (_ROOT / ".git").exists():
         return ""
     try:
-        out = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
@@ -55,5 +56,9 @@ def describe_version() -> str:
     """One line: ``kvservice 0.1.0 (git 0123456789ab, Python 3.11.7, grpcio 1.85.1, protobuf 7.35.1)``."""
     info = build_info()
     parts = [f"git {info['git_commit']}"] if info["git_commit"] else []
-    parts += [f"Python {info['python_version']}", f"grpcio {info['grpc_version']}", f"protobuf {info['protobuf_version']}"]
+    parts += [
+        f"Python {info['python_version']}",
+        f"grpcio {info['grpc_version']}",
+        f"protobuf {info['protobuf_version']}",
+    ]
     return f"kvservice {info['version'] or 'unknown'} ({', '.join(parts)})"

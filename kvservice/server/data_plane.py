@@ -128,8 +128,23 @@ def _cuda_storage_fields(flat: torch.Tensor) -> dict[str, Any]:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _rebuild, args = reduce_tensor(flat)
-    (_cls, _size, _stride, _offset, _storage_cls, _dtype, device, handle, size_bytes, storage_offset_bytes,
-     _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
+    (
+        _cls,
+        _size,
+        _stride,
+        _offset,
+        _storage_cls,
+        _dtype,
+        device,
+        handle,
+        size_bytes,
+        storage_offset_bytes,
+        _requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = args
     return {
         "size_bytes": int(size_bytes),
         "cuda_ipc_handle": bytes(handle),
@@ -161,7 +176,10 @@ def describe_memory(
     if device.type == "meta":
         raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, NO_MEMORY)
     response = pb.AttachKVCacheResponse(
-        epoch=epoch, device=str(device), num_blocks=tensors.num_blocks, max_data_chunk_bytes=chunk_bytes,
+        epoch=epoch,
+        device=str(device),
+        num_blocks=tensors.num_blocks,
+        max_data_chunk_bytes=chunk_bytes,
         bytes_per_block=[tensors.bytes_per_block(g) for g in range(tensors.num_groups)],
     )
     storage_index: dict[int, int] = {}
@@ -199,8 +217,13 @@ def describe_memory(
             response.storages.add(storage_idx=storage_index[key], **_cuda_storage_fields(flat))
     for g, j, layout in layouts:
         response.views.add(
-            group_idx=g, view_idx=j, storage_idx=storage_index[layout.storage_key], offset_bytes=layout.offset_bytes,
-            shape=layout.shape, strides=layout.strides, dtype=str(layout.dtype).removeprefix("torch."),
+            group_idx=g,
+            view_idx=j,
+            storage_idx=storage_index[layout.storage_key],
+            offset_bytes=layout.offset_bytes,
+            shape=layout.shape,
+            strides=layout.strides,
+            dtype=str(layout.dtype).removeprefix("torch."),
             block_axis=layout.block_axis,
         )
     return response
@@ -585,14 +608,18 @@ class DataPlane:
             offset = 0
             while True:
                 if block_hash is not None and not self._still_resident(group_idx, block_id, block_hash, token):
-                    await write(pb.ReadBlocksChunk(block_index=index, group_idx=group_idx, block_id=block_id,
-                                                   offset_bytes=offset, evicted=True))
+                    await write(
+                        pb.ReadBlocksChunk(
+                            block_index=index, group_idx=group_idx, block_id=block_id, offset_bytes=offset, evicted=True
+                        )
+                    )
                     break
                 end = min(offset + chunk_bytes, block.total)
                 data = block.read(offset, end)  # copied right after the check: no await between
                 hasher.update(data)
-                message = pb.ReadBlocksChunk(block_index=index, group_idx=group_idx, block_id=block_id,
-                                             offset_bytes=offset, data=data)
+                message = pb.ReadBlocksChunk(
+                    block_index=index, group_idx=group_idx, block_id=block_id, offset_bytes=offset, data=data
+                )
                 if end == block.total:
                     message.checksum = hasher.intdigest()
                 offset = end

@@ -41,7 +41,9 @@ def batch_message(entry: LogEntry, payload_format: int, group_idxs: tuple[int, .
         return msg
     return batch_to_proto(
         KVEventBatch(entry.ts, filter_events(entry.events, group_idxs), entry.data_parallel_rank),
-        seq=entry.seq, epoch=entry.epoch, payload_format=payload_format,
+        seq=entry.seq,
+        epoch=entry.epoch,
+        payload_format=payload_format,
     )
 
 
@@ -60,7 +62,10 @@ def snapshot_part_message(
     """Part ``i`` of a snapshot as an ``EventBatch``: ``seq`` the watermark, ``snapshot`` set,
     ``snapshot_more`` on every part but the last."""
     msg = batch_to_proto(
-        KVEventBatch(snap.ts, snap.part_events(i), data_parallel_rank), seq=snap.seq, epoch=epoch, snapshot=True,
+        KVEventBatch(snap.ts, snap.part_events(i), data_parallel_rank),
+        seq=snap.seq,
+        epoch=epoch,
+        snapshot=True,
         payload_format=payload_format,
     )
     msg.snapshot_more = more
@@ -72,7 +77,8 @@ def encoded_snapshot_part(
 ) -> bytes:
     """:func:`snapshot_part_message` serialized, made once per payload format and shared."""
     return snap.encoded(
-        i, ("EventBatch", payload_format),
+        i,
+        ("EventBatch", payload_format),
         lambda s, j: snapshot_part_message(
             s, j, more=more, payload_format=payload_format, epoch=epoch, data_parallel_rank=data_parallel_rank
         ).SerializeToString(),

@@ -41,7 +41,15 @@ from kvservice_client.events import AllBlocksCleared, KVCacheEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENCODING_OVERHEAD_BYTES", "ENTRY_OVERHEAD_BYTES", "EventLog", "EventLogConfig", "LogEntry", "Subscriber", "filter_events"]
+__all__ = [
+    "ENCODING_OVERHEAD_BYTES",
+    "ENTRY_OVERHEAD_BYTES",
+    "EventLog",
+    "EventLogConfig",
+    "LogEntry",
+    "Subscriber",
+    "filter_events",
+]
 
 ENTRY_OVERHEAD_BYTES = 400
 """Bytes a retained batch costs beyond its msgpack bytes and encodings (the entry object, its
@@ -153,7 +161,9 @@ class Subscriber:
         if self.handler is not None and not self.handler.done():
             logger.warning(
                 "cancelled a stream: a write took over %g s (client not reading, or its connection is dead); "
-                "next seq %d", self.stalled_write_timeout_s, self.next_seq,
+                "next seq %d",
+                self.stalled_write_timeout_s,
+                self.next_seq,
             )
             self.handler.cancel()
 

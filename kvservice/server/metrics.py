@@ -53,7 +53,22 @@ logger = logging.getLogger(__name__)
 __all__ = ["RPC_LATENCY_BUCKETS_S", "MetricsInterceptor", "ServerMetrics"]
 
 RPC_LATENCY_BUCKETS_S = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 """Upper bounds of the RPC latency histogram's buckets, in seconds (+Inf is added)."""
 
@@ -109,7 +124,11 @@ class ServerMetrics:
     """
 
     def __init__(
-        self, engine: KVCacheEngine, event_log: EventLog, *, loop: asyncio.AbstractEventLoop | None = None,
+        self,
+        engine: KVCacheEngine,
+        event_log: EventLog,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
         snapshots: SnapshotSource | None = None,
     ) -> None:
         self.engine = engine
@@ -118,20 +137,25 @@ class ServerMetrics:
         self._loop = loop or asyncio.get_running_loop()
         self.registry = CollectorRegistry()
         self.rpc_calls = Counter(
-            "kvservice_rpc_calls", "RPCs handled, by service, method and final status code.",
-            ["service", "method", "code"], registry=self.registry,
+            "kvservice_rpc_calls",
+            "RPCs handled, by service, method and final status code.",
+            ["service", "method", "code"],
+            registry=self.registry,
         )
         self.rpc_duration = Histogram(
             "kvservice_rpc_duration_seconds",
             "RPC handling time in seconds, by service, method and final status code (a stream: its lifetime).",
-            ["service", "method", "code"], buckets=RPC_LATENCY_BUCKETS_S, registry=self.registry,
+            ["service", "method", "code"],
+            buckets=RPC_LATENCY_BUCKETS_S,
+            registry=self.registry,
         )
         self.registry.register(_StateCollector(self))
         self.sinks: Mapping[str, Any] = {}
         """The server's event sinks by kind (set once they started; read at scrape)."""
         self.registry.register(_SinkCollector(self))
-        Info("kvservice_build", "The server's version and build (labels; the value is 1).",
-             registry=self.registry).info(build_info())
+        Info(
+            "kvservice_build", "The server's version and build (labels; the value is 1).", registry=self.registry
+        ).info(build_info())
         ProcessCollector(registry=self.registry)  # process_*: CPU seconds, resident memory, open fds
         GCCollector(registry=self.registry)  # python_gc_*
         self.interceptor = MetricsInterceptor(self.record_rpc)
@@ -250,10 +274,18 @@ class ServerMetrics:
 
 
 SINK_METRICS: tuple[tuple[str, str, str, str], ...] = (
-    ("kvservice_event_sink_published", "counter", "num_published",
-     "Event batches a sink published (NATS: acked as stored), by sink."),
-    ("kvservice_event_sink_dropped", "counter", "num_dropped",
-     "Event batches a sink dropped (watchers see the seq gap and resync), by sink."),
+    (
+        "kvservice_event_sink_published",
+        "counter",
+        "num_published",
+        "Event batches a sink published (NATS: acked as stored), by sink.",
+    ),
+    (
+        "kvservice_event_sink_dropped",
+        "counter",
+        "num_dropped",
+        "Event batches a sink dropped (watchers see the seq gap and resync), by sink.",
+    ),
     ("kvservice_event_sink_pending", "gauge", "num_pending", "Event batches queued in a sink, not yet published."),
     ("kvservice_event_sink_retries", "counter", "num_retries", "Publishes that failed and were retried, by sink."),
     ("kvservice_event_sink_reconnects", "counter", "num_reconnects", "Reconnects of a sink's client, by sink."),
@@ -298,34 +330,52 @@ class _StateCollector(Collector):
             ("kvservice_event_log_head_seq", "Seq of the newest batch (0 when none).", s.head_seq),
             ("kvservice_event_log_oldest_seq", "Seq of the oldest batch retained (head + 1 when none).", s.oldest_seq),
             ("kvservice_event_log_retained_batches", "Batches retained for replay.", s.num_retained_batches),
-            ("kvservice_event_log_retained_bytes",
-             "Bytes the retained batches hold (msgpack, cached encodings, per-batch overhead).", s.retained_bytes),
+            (
+                "kvservice_event_log_retained_bytes",
+                "Bytes the retained batches hold (msgpack, cached encodings, per-batch overhead).",
+                s.retained_bytes,
+            ),
             ("kvservice_event_stream_subscribers", "Open StreamEvents subscriptions.", s.num_subscribers),
-            ("kvservice_event_stream_max_lag_batches",
-             "Batches the furthest-behind StreamEvents subscriber is behind the head (0 when none).",
-             s.max_subscriber_lag_batches),
+            (
+                "kvservice_event_stream_max_lag_batches",
+                "Batches the furthest-behind StreamEvents subscriber is behind the head (0 when none).",
+                s.max_subscriber_lag_batches,
+            ),
             ("kvservice_event_consumers", "Named TakeEvents consumers tracked.", s.num_consumers),
         )
         counters = (
             ("kvservice_prefix_cache_requests", "Prefix-cache lookups (requests).", s.prefix_cache_requests),
-            ("kvservice_prefix_cache_queries", "Prefix-cache queries, in tokens looked up.",
-             s.prefix_cache_queries_tokens),
+            (
+                "kvservice_prefix_cache_queries",
+                "Prefix-cache queries, in tokens looked up.",
+                s.prefix_cache_queries_tokens,
+            ),
             ("kvservice_prefix_cache_hits", "Prefix-cache hits, in tokens found cached.", s.prefix_cache_hits_tokens),
-            ("kvservice_prefix_cache_evictions", "Cached blocks evicted to make room for new ones.",
-             s.num_evicted_blocks),
-            ("kvservice_allocation_failures", "AllocateSlots answered allocated=false (too few free blocks).",
-             s.num_failed_allocations),
+            (
+                "kvservice_prefix_cache_evictions",
+                "Cached blocks evicted to make room for new ones.",
+                s.num_evicted_blocks,
+            ),
+            (
+                "kvservice_allocation_failures",
+                "AllocateSlots answered allocated=false (too few free blocks).",
+                s.num_failed_allocations,
+            ),
             ("kvservice_requests_freed", "Requests freed.", s.num_freed_requests),
             ("kvservice_kv_event_batches", "Event batches appended to the event log.", s.head_seq),
-            ("kvservice_snapshot_cuts", "Snapshots cut (callers asking at one head share one cut).",
-             s.num_snapshot_cuts),
+            (
+                "kvservice_snapshot_cuts",
+                "Snapshots cut (callers asking at one head share one cut).",
+                s.num_snapshot_cuts,
+            ),
         )
         for name, doc, v in gauges:
             yield GaugeMetricFamily(name, doc, value=v)
         for name, doc, v in counters:
             yield CounterMetricFamily(name, doc, value=v)
         cached = GaugeMetricFamily(
-            "kvservice_kv_cache_num_cached_blocks", "Block hashes present in the prefix cache, per group.",
+            "kvservice_kv_cache_num_cached_blocks",
+            "Block hashes present in the prefix cache, per group.",
             labels=["group_idx"],
         )
         for g, n in enumerate(s.num_cached_blocks_per_group):
@@ -371,5 +421,3 @@ class MetricsInterceptor(CallInterceptor):
         """Record the call."""
         service, method, start = state
         self._record(service, method, code, self._clock() - start)
-
-

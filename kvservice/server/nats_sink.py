@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvservice.server.event_log import LogEntry
+from kvservice.server.settings import NatsSettings, check_name, check_retention, check_subject_prefix, split_servers
 from kvservice_client.events import AllBlocksCleared
 from kvservice_client.jetstream import (
     HEADER_DATA_PARALLEL_RANK,
@@ -80,8 +81,6 @@ from kvservice_client.jetstream import (
     redact_url,
     subject_for,
 )
-
-from kvservice.server.settings import NatsSettings, check_name, check_retention, check_subject_prefix, split_servers
 
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog
@@ -98,6 +97,7 @@ __all__ = [
     "import_nats",
     "start_nats_sink",
 ]
+
 
 def import_nats() -> Any:
     """Import nats-py.
@@ -183,8 +183,9 @@ class NatsSinkConfig:
         return subject_for(self.settings.subject_prefix, self.instance)
 
 
-_FROM_SETTINGS = frozenset({"subject_prefix", "stream", "max_age_s", "max_msgs", "max_bytes", "duplicate_window_s",
-                            "max_pending_batches"})
+_FROM_SETTINGS = frozenset(
+    {"subject_prefix", "stream", "max_age_s", "max_msgs", "max_bytes", "duplicate_window_s", "max_pending_batches"}
+)
 
 
 def _describe(error: BaseException) -> str:
@@ -300,8 +301,11 @@ class NatsJetStreamSink:
             return
         if self._dropped is not None:
             logger.error(
-                "NATS sink: batches seq %d-%d of epoch %s were dropped; seq %d carries %s", *self._dropped,
-                self._epoch, entry.seq, HEADER_RESYNC,
+                "NATS sink: batches seq %d-%d of epoch %s were dropped; seq %d carries %s",
+                *self._dropped,
+                self._epoch,
+                entry.seq,
+                HEADER_RESYNC,
             )
         self._pending.append((entry, self._dropped))
         self._dropped = None
@@ -314,8 +318,11 @@ class NatsJetStreamSink:
         self.num_dropped += 1
         if self._dropped is None:
             logger.error(
-                "NATS sink: dropped batch seq %d of epoch %s, %s; watchers of instance %s must resync from a "
-                "snapshot", seq, self._epoch, why, self.config.instance,
+                "NATS sink: dropped batch seq %d of epoch %s, %s; watchers of instance %s must resync from a snapshot",
+                seq,
+                self._epoch,
+                why,
+                self.config.instance,
             )
             self._dropped = (seq, seq)
         else:
@@ -378,8 +385,9 @@ class NatsJetStreamSink:
                 self.num_retries += 1
                 if failing_since is None:
                     failing_since = entry.seq
-                    logger.warning("NATS sink: publishing seq %d failed (%s); retrying until acked", entry.seq,
-                                   _describe(e))
+                    logger.warning(
+                        "NATS sink: publishing seq %d failed (%s); retrying until acked", entry.seq, _describe(e)
+                    )
                 if isinstance(e, nats.js.errors.NoStreamResponseError):
                     with contextlib.suppress(Exception):
                         await self._ensure_stream()  # the stream was deleted, or NATS lost its store
@@ -406,7 +414,10 @@ class NatsJetStreamSink:
         logger.error(
             "NATS sink: dropped batch seq %d of epoch %s: it is %d bytes, above the NATS server's max_payload; "
             "raise max_payload in the NATS server's config. Watchers of instance %s must resync from a snapshot",
-            entry.seq, self._epoch, len(entry.msgpack), self.config.instance,
+            entry.seq,
+            self._epoch,
+            len(entry.msgpack),
+            self.config.instance,
         )
         if self._pending:
             after, gap = self._pending[0]
@@ -517,8 +528,11 @@ class NatsJetStreamSink:
             self.num_dropped += len(self._pending)
             self._pending.clear()
             logger.error(
-                "NATS sink: closing with batches seq %d-%d of epoch %s unpublished (NATS unreachable for "
-                "%.1f s)", first, last, self._epoch, self.config.flush_timeout_s,
+                "NATS sink: closing with batches seq %d-%d of epoch %s unpublished (NATS unreachable for %.1f s)",
+                first,
+                last,
+                self._epoch,
+                self.config.flush_timeout_s,
             )
         if self._nc is not None:
             with contextlib.suppress(Exception):

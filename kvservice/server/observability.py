@@ -78,6 +78,7 @@ def _annotate(span: Any, request: Any) -> None:
         if ids:
             span.set_attribute("kvservice.request_ids", ids[:64])
 
+
 _LOG_FORMAT_TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -107,10 +108,12 @@ def configure_logging(level: str, log_format: str = "text", stream: Any = None) 
     if log_format == "json":
         from pythonjsonlogger.json import JsonFormatter
 
-        handler.setFormatter(JsonFormatter(
-            "%(asctime)s %(levelname)s %(name)s %(message)s",
-            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-        ))
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            )
+        )
     elif log_format == "text":
         handler.setFormatter(logging.Formatter(_LOG_FORMAT_TEXT))
     else:
@@ -234,7 +237,9 @@ class RpcContextInterceptor(CallInterceptor):
         """Log ``rpc done`` (DEBUG) and reset the context variables."""
         rpc_token, request_token, start = state
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("rpc done", extra={"code": code.name, "duration_ms": round(1000 * (time.perf_counter() - start), 3)})
+            logger.debug(
+                "rpc done", extra={"code": code.name, "duration_ms": round(1000 * (time.perf_counter() - start), 3)}
+            )
         current_request_id.reset(request_token)
         current_rpc.reset(rpc_token)
 
@@ -298,8 +303,10 @@ def default_tracer_provider() -> str:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
-        return ("OpenTelemetry: a span per RPC, but no tracer provider is configured and "
-                "opentelemetry-exporter-otlp is not installed: spans are dropped")
+        return (
+            "OpenTelemetry: a span per RPC, but no tracer provider is configured and "
+            "opentelemetry-exporter-otlp is not installed: spans are dropped"
+        )
     sdk = TracerProvider()
     sdk.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(sdk)

@@ -68,7 +68,9 @@ class RequestReaper:
         self.reaped_request_ids.extend(request_ids)
         logger.info(
             "freed %d request(s) idle for %g s or more (request_idle_timeout_s): %s",
-            len(request_ids), self.idle_timeout_s, ", ".join(request_ids),
+            len(request_ids),
+            self.idle_timeout_s,
+            ", ".join(request_ids),
         )
         # Wake every waiter of wait_reaped; those that need more wait again.
         self._reaped.set()

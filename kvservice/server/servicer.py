@@ -36,7 +36,6 @@ from kvservice.core.errors import (
 )
 from kvservice.core.request import KVCacheReportMode
 from kvservice.server.build_info import build_info
-from kvservice.server.observability import note_request
 from kvservice.server.encoding import (
     batch_message,
     check_format,
@@ -46,6 +45,7 @@ from kvservice.server.encoding import (
 )
 from kvservice.server.event_log import EventLog, LogEntry, Subscriber
 from kvservice.server.heap import HeapTrimmer
+from kvservice.server.observability import note_request
 from kvservice.server.snapshot import SnapshotSource
 from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
@@ -102,7 +102,9 @@ def _fill_groups(field: Any, block_ids: tuple[list[int], ...]) -> None:
 
 
 def _computed_blocks_response(result: ComputedBlocksResult) -> pb.GetComputedBlocksResponse:
-    return pb.GetComputedBlocksResponse(num_computed_tokens=result.num_computed_tokens, block_ids=_groups(result.block_ids))
+    return pb.GetComputedBlocksResponse(
+        num_computed_tokens=result.num_computed_tokens, block_ids=_groups(result.block_ids)
+    )
 
 
 def _allocate_response(result: AllocateResult) -> pb.AllocateSlotsResponse:
@@ -232,7 +234,9 @@ class KVCacheServicer:
     def _get_computed_blocks(self, request: pb.GetComputedBlocksRequest) -> pb.GetComputedBlocksResponse:
         return _computed_blocks_response(self._run_get_computed_blocks(request))
 
-    def _fill_get_computed_blocks(self, request: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse) -> None:
+    def _fill_get_computed_blocks(
+        self, request: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse
+    ) -> None:
         """As :meth:`_get_computed_blocks`, written into a Step result's own message (no copy)."""
         result = self._run_get_computed_blocks(request)
         out.SetInParent()
@@ -323,8 +327,13 @@ class KVCacheServicer:
             self.num_invariant_failures += 1
             if len(self.invariant_failures) < 100:
                 self.invariant_failures.append(str(exc))
-            logger.error("invariant check %d failed (head seq %d): %s", self.num_invariant_checks,
-                         self.event_log.head_seq, exc, exc_info=exc)
+            logger.error(
+                "invariant check %d failed (head seq %d): %s",
+                self.num_invariant_checks,
+                self.event_log.head_seq,
+                exc,
+                exc_info=exc,
+            )
 
     def _deadline_passed(self, context: grpc.aio.ServicerContext) -> bool:
         """Whether the call's deadline has passed (then it must change nothing); counts it."""
@@ -334,7 +343,9 @@ class KVCacheServicer:
         self.num_deadline_exceeded += 1
         return True
 
-    async def _unary(self, op: Callable[[_Request], _Response], request: _Request, context: grpc.aio.ServicerContext) -> _Response:
+    async def _unary(
+        self, op: Callable[[_Request], _Response], request: _Request, context: grpc.aio.ServicerContext
+    ) -> _Response:
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
         try:
@@ -347,11 +358,15 @@ class KVCacheServicer:
 
     # -- RPCs ---------------------------------------------------------------------------------
 
-    async def GetComputedBlocks(self, request: pb.GetComputedBlocksRequest, context: grpc.aio.ServicerContext) -> pb.GetComputedBlocksResponse:
+    async def GetComputedBlocks(
+        self, request: pb.GetComputedBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetComputedBlocksResponse:
         """Prefix-cache lookup; registers the request on first sight."""
         return await self._unary(self._get_computed_blocks, request, context)
 
-    async def AllocateSlots(self, request: pb.AllocateSlotsRequest, context: grpc.aio.ServicerContext) -> pb.AllocateSlotsResponse:
+    async def AllocateSlots(
+        self, request: pb.AllocateSlotsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AllocateSlotsResponse:
         """Allocate slots for this step's tokens."""
         return await self._unary(self._allocate_slots, request, context)
 
@@ -359,7 +374,9 @@ class KVCacheServicer:
         """Free a request's blocks and forget it."""
         return await self._unary(self._free, request, context)
 
-    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
+    async def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
         """Drop the prefix cache if nothing is held."""
         return await self._unary(self._reset_prefix_cache, request, context)
 
@@ -498,9 +515,12 @@ class KVCacheServicer:
                 self.num_stream_write_timeouts += 1
             log.unsubscribe(sub)
             if sub.num_write_timeouts:
-                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, (
-                    f"stream cut: a write took over stalled_write_timeout_s {sub.stalled_write_timeout_s:g} s (the "
-                    f"client is not reading); last seq delivered {sub.last_seq} of epoch {log.epoch}"
+                code, message = (
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    (
+                        f"stream cut: a write took over stalled_write_timeout_s {sub.stalled_write_timeout_s:g} s (the "
+                        f"client is not reading); last seq delivered {sub.last_seq} of epoch {log.epoch}"
+                    ),
                 )
             else:  # ended (fell behind, shutdown) while blocked in a write: that status
                 code, message = status_for(sub.ended.result()(sub.last_seq))
@@ -535,7 +555,9 @@ class KVCacheServicer:
         finally:
             timer.cancel()
 
-    async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> pb.TakeEventsResponse:
+    async def TakeEvents(
+        self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TakeEventsResponse:
         """Pull batches after a named consumer's cursor."""
         log = self.event_log
         if self._deadline_passed(context):
@@ -605,7 +627,11 @@ class KVCacheServicer:
         log = self.event_log
         parts = [
             snapshot_part_message(
-                snapshot, i, more=more, payload_format=payload_format, epoch=log.epoch,
+                snapshot,
+                i,
+                more=more,
+                payload_format=payload_format,
+                epoch=log.epoch,
                 data_parallel_rank=log.data_parallel_rank,
             )
             async for i, more in snapshot.iter_parts()
@@ -648,7 +674,9 @@ class KVCacheServicer:
             code, message = status_for(exc)
             await context.abort(code, message)
 
-    async def AttachKVCache(self, request: pb.AttachKVCacheRequest, context: grpc.aio.ServicerContext) -> pb.AttachKVCacheResponse:
+    async def AttachKVCache(
+        self, request: pb.AttachKVCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AttachKVCacheResponse:
         """Describe the KV memory for a same-host worker (shared memory or CUDA IPC)."""
 
         async def call(dp: Any) -> pb.AttachKVCacheResponse:
@@ -682,7 +710,9 @@ class KVCacheServicer:
         }
         handlers = {  # type: ignore[var-annotated]  # grpc's handler type is generic in each RPC's messages
             name: grpc.unary_unary_rpc_method_handler(
-                _parsed(getattr(self, name), req), request_deserializer=None, response_serializer=resp.SerializeToString  # type: ignore[attr-defined]  # resp is a message class
+                _parsed(getattr(self, name), req),
+                request_deserializer=None,
+                response_serializer=resp.SerializeToString,  # type: ignore[attr-defined]  # resp is a message class
             )
             for name, (req, resp) in unary.items()
         }
@@ -690,11 +720,13 @@ class KVCacheServicer:
             _parsed(self.StreamEvents, pb.StreamEventsRequest), request_deserializer=None, response_serializer=None
         )
         handlers["ReadBlocks"] = grpc.unary_stream_rpc_method_handler(
-            _parsed(self.ReadBlocks, pb.ReadBlocksRequest), request_deserializer=None,
+            _parsed(self.ReadBlocks, pb.ReadBlocksRequest),
+            request_deserializer=None,
             response_serializer=pb.ReadBlocksChunk.SerializeToString,
         )
         handlers["WriteBlocks"] = grpc.stream_unary_rpc_method_handler(
-            self.WriteBlocks, request_deserializer=pb.WriteBlocksChunk.FromString,
+            self.WriteBlocks,
+            request_deserializer=pb.WriteBlocksChunk.FromString,
             response_serializer=pb.WriteBlocksResponse.SerializeToString,
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
@@ -711,7 +743,9 @@ def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type
         except DecodeError as e:
             name = request_type.DESCRIPTOR.full_name
             field = invalid_utf8_field(request_type.DESCRIPTOR, data)
-            message = f"{field}: not valid UTF-8 (a string of {name})" if field else f"request: not a valid {name} ({e})"
+            message = (
+                f"{field}: not valid UTF-8 (a string of {name})" if field else f"request: not a valid {name} ({e})"
+            )
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         note_request(request)
         return await method(request, context)
@@ -720,7 +754,12 @@ def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type
 
 
 def build_metadata_response(
-    engine: KVCacheEngine, *, epoch: str, device: str, dtypes: list[str | None], preset: str,
+    engine: KVCacheEngine,
+    *,
+    epoch: str,
+    device: str,
+    dtypes: list[str | None],
+    preset: str,
     data_parallel_rank: int | None,
 ) -> pb.GetKVCacheGroupMetadataResponse:
     """The ``GetKVCacheGroupMetadata`` answer for an engine (computed once at start)."""
@@ -730,7 +769,9 @@ def build_metadata_response(
         hash_seed=meta.hash_seed or "",
         hash_block_size=meta.hash_block_size,
         epoch=epoch,
-        block_hash_format=pb.BLOCK_HASH_FORMAT_DIGEST if meta.block_hash_format == "digest" else pb.BLOCK_HASH_FORMAT_INT64,
+        block_hash_format=pb.BLOCK_HASH_FORMAT_DIGEST
+        if meta.block_hash_format == "digest"
+        else pb.BLOCK_HASH_FORMAT_INT64,
         medium=meta.medium,
         max_model_len=engine.max_model_len,
         preset=preset,
@@ -761,8 +802,12 @@ def build_metadata_response(
     for tensor in kv_cache_config.kv_cache_tensors:
         spec = tensor.kv_cache_spec
         response.kv_cache_tensors.add(
-            group_idx=tensor.group_idx, layer_names=tensor.layer_names, size_bytes=tensor.size,
-            offset_bytes=tensor.offset, layer_stride_bytes=tensor.layer_stride, block_stride_bytes=tensor.block_stride,
+            group_idx=tensor.group_idx,
+            layer_names=tensor.layer_names,
+            size_bytes=tensor.size,
+            offset_bytes=tensor.offset,
+            layer_stride_bytes=tensor.layer_stride,
+            block_stride_bytes=tensor.block_stride,
             page_size_bytes=getattr(spec, "real_page_size_bytes", spec.page_size_bytes),
             dtype=getattr(spec, "dtype", "uint8"),
         )

@@ -63,8 +63,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvservice.core.model_config import PRESETS
-from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 from kvservice.server.vllm_flags import KV_CACHE_DTYPES, kv_events_config_settings
+from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 from kvservice_client.jetstream import redact_url
 
 __all__ = [
@@ -228,27 +228,51 @@ class BindSettings(_Section):
     name: ClassVar[str] = "bind"
     host: str = setting("127.0.0.1", "Address to bind.")
     port: int = setting(50051, "Port to bind; 0 picks a free one.", check=in_range(0, 65535))
-    shutdown_grace_s: float = setting(5.0, "Seconds a graceful stop lets calls in flight finish.",
-                                      check=at_least(0, "seconds"), aliases=("grace_seconds",))
+    shutdown_grace_s: float = setting(
+        5.0,
+        "Seconds a graceful stop lets calls in flight finish.",
+        check=at_least(0, "seconds"),
+        aliases=("grace_seconds",),
+    )
     drain_delay_s: float = setting(
-        0.0, "On SIGTERM, seconds between NOT_SERVING and the stop (the port still serves meanwhile).",
-        check=at_least(0, "seconds"))
-    health_port: int | None = setting(None, "Plaintext grpc.health.v1 port, no token (for probes); 0 picks one.",
-                                      check=in_range(0, 65535), default_text="off")
-    health_http_port: int | None = setting(None, "HTTP /healthz /readyz port, no token (for probes); 0 picks one.",
-                                           check=in_range(0, 65535), default_text="off")
+        0.0,
+        "On SIGTERM, seconds between NOT_SERVING and the stop (the port still serves meanwhile).",
+        check=at_least(0, "seconds"),
+    )
+    health_port: int | None = setting(
+        None,
+        "Plaintext grpc.health.v1 port, no token (for probes); 0 picks one.",
+        check=in_range(0, 65535),
+        default_text="off",
+    )
+    health_http_port: int | None = setting(
+        None,
+        "HTTP /healthz /readyz port, no token (for probes); 0 picks one.",
+        check=in_range(0, 65535),
+        default_text="off",
+    )
     health_host: str | None = setting(None, "Address the probe ports bind.", default_text="--host")
     uds: str | None = setting(
-        None, "Also listen on this Unix-domain socket path (mode 0600, removed at stop).",
+        None,
+        "Also listen on this Unix-domain socket path (mode 0600, removed at stop).",
         check=lambda v: None if v.strip() else "must be a socket path (or unset: no Unix-domain listener)",
-        default_text="off")
-    keepalive_time_s: float = setting(30.0, "Seconds between the server's HTTP/2 keepalive pings on a connection.",
-                                      check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds")
-    keepalive_timeout_s: float = setting(10.0, "Seconds a keepalive ping may go unanswered before the connection closes.",
-                                         check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds")
+        default_text="off",
+    )
+    keepalive_time_s: float = setting(
+        30.0,
+        "Seconds between the server's HTTP/2 keepalive pings on a connection.",
+        check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds",
+    )
+    keepalive_timeout_s: float = setting(
+        10.0,
+        "Seconds a keepalive ping may go unanswered before the connection closes.",
+        check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds",
+    )
     keepalive_min_client_interval_s: float = setting(
-        5.0, "The most often, in seconds, a client may ping on a quiet connection.",
-        check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds")
+        5.0,
+        "The most often, in seconds, a client may ping on a quiet connection.",
+        check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds",
+    )
 
 
 @dataclass(frozen=True)
@@ -280,31 +304,52 @@ class CacheSettings(_Section):
     name: ClassVar[str] = "cache"
     preset: str = setting("llama-3-8b", "Model KV layout.", check=one_of(tuple(PRESETS)), choices=sorted(PRESETS))
     block_size: int | None = setting(None, "Tokens per block.", check=at_least(1), default_text="the preset's")
-    num_blocks: int | None = setting(None, "Blocks in the pool, null block included (vLLM: --num-gpu-blocks-override).",
-                                     check=at_least(1), default_text="from the memory budget",
-                                     aliases=("num_gpu_blocks_override",))
-    kv_cache_memory: int | None = setting(None, "KV tensor budget in bytes, e.g. 512MiB.", parse="bytes",
-                                          check=at_least(1), default_text="1GiB on CPU")
-    gpu_memory_utilization: float | None = setting(None, "Fraction of free CUDA memory for KV tensors.",
-                                                   check=fraction(), default_text="0.9 on CUDA")
+    num_blocks: int | None = setting(
+        None,
+        "Blocks in the pool, null block included (vLLM: --num-gpu-blocks-override).",
+        check=at_least(1),
+        default_text="from the memory budget",
+        aliases=("num_gpu_blocks_override",),
+    )
+    kv_cache_memory: int | None = setting(
+        None, "KV tensor budget in bytes, e.g. 512MiB.", parse="bytes", check=at_least(1), default_text="1GiB on CPU"
+    )
+    gpu_memory_utilization: float | None = setting(
+        None, "Fraction of free CUDA memory for KV tensors.", check=fraction(), default_text="0.9 on CUDA"
+    )
     device: str = setting("auto", "auto | cpu | cuda[:N] | meta (shapes only).")
-    max_model_len: int | None = setting(None, "Longest request in tokens.", check=at_least(1),
-                                        default_text="the preset's")
-    hash_algorithm: str = setting(DEFAULT_HASH_ALGORITHM, "Block-hash rule (vLLM: --prefix-caching-hash-algo).",
-                                  check=one_of(HASH_ALGORITHMS), choices=HASH_ALGORITHMS,
-                                  aliases=("prefix_caching_hash_algo",))
-    kv_cache_dtype: str = setting("auto", "KV tensor dtype, as vLLM's --kv-cache-dtype (auto: the model's).",
-                                  check=one_of(tuple(KV_CACHE_DTYPES)), choices=tuple(KV_CACHE_DTYPES))
+    max_model_len: int | None = setting(
+        None, "Longest request in tokens.", check=at_least(1), default_text="the preset's"
+    )
+    hash_algorithm: str = setting(
+        DEFAULT_HASH_ALGORITHM,
+        "Block-hash rule (vLLM: --prefix-caching-hash-algo).",
+        check=one_of(HASH_ALGORITHMS),
+        choices=HASH_ALGORITHMS,
+        aliases=("prefix_caching_hash_algo",),
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV tensor dtype, as vLLM's --kv-cache-dtype (auto: the model's).",
+        check=one_of(tuple(KV_CACHE_DTYPES)),
+        choices=tuple(KV_CACHE_DTYPES),
+    )
     hash_seed: str = setting(DEFAULT_HASH_SEED, "Root seed of the block hashes.")
-    block_hash_format: str = setting("int64", "Block hashes on events: int64 (vLLM's) or digest.",
-                                     check=lambda v: None if v in ("int64", "digest") else "must be 'int64' or 'digest'",
-                                     choices=("int64", "digest"))
+    block_hash_format: str = setting(
+        "int64",
+        "Block hashes on events: int64 (vLLM's) or digest.",
+        check=lambda v: None if v in ("int64", "digest") else "must be 'int64' or 'digest'",
+        choices=("int64", "digest"),
+    )
     check_invariants: bool = setting(False, "Debug: check the cache's invariants after every mutating call (slow).")
     model_config: str | None = setting(
-        None, "A model's config.json (or its folder), read locally: the KV layout as vLLM derives it.",
-        default_text="the preset")
+        None,
+        "A model's config.json (or its folder), read locally: the KV layout as vLLM derives it.",
+        default_text="the preset",
+    )
     kv_cache_layout: str | None = setting(
-        None, "A TOML KV layout file (per layer or run of layers) instead of the preset.", default_text="off")
+        None, "A TOML KV layout file (per layer or run of layers) instead of the preset.", default_text="off"
+    )
 
     def _check(self) -> None:
         if self.model_config is not None and self.kv_cache_layout is not None:
@@ -336,19 +381,35 @@ class LimitsSettings(_Section):
     name: ClassVar[str] = "limits"
     max_num_requests: int = setting(65536, "Registered requests at once.", check=at_least(1))
     max_step_ops: int = setting(4096, "Ops per Step.", check=at_least(1))
-    max_step_tokens: int = setting(1 << 18, "Tokens per Step, prompt + new over all ops (bounds how long one Step holds the loop).",
-                                   check=at_least(1))
-    max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message, e.g. 64MiB.", parse="bytes",
-                                     check=at_least(4096, "bytes"), default_text="64MiB")
+    max_step_tokens: int = setting(
+        1 << 18,
+        "Tokens per Step, prompt + new over all ops (bounds how long one Step holds the loop).",
+        check=at_least(1),
+    )
+    max_message_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Largest gRPC message, e.g. 64MiB.",
+        parse="bytes",
+        check=at_least(4096, "bytes"),
+        default_text="64MiB",
+    )
     request_idle_timeout_s: float | None = setting(
-        None, "Free a request not called for this long, seconds.",
+        None,
+        "Free a request not called for this long, seconds.",
         check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds (or unset: off)",
-        default_text="off")
+        default_text="off",
+    )
     max_waiting_tokens: int = setting(
-        8 * 1024 * 1024, "Prompt tokens held by waiting (registered, not yet admitted) requests at once; 0: no bound.",
-        check=at_least(0, "tokens"))
-    data_chunk_bytes: int | None = setting(None, "Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB.",
-                                           parse="bytes", default_text="1MiB, at most half of --max-message-bytes")
+        8 * 1024 * 1024,
+        "Prompt tokens held by waiting (registered, not yet admitted) requests at once; 0: no bound.",
+        check=at_least(0, "tokens"),
+    )
+    data_chunk_bytes: int | None = setting(
+        None,
+        "Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB.",
+        parse="bytes",
+        default_text="1MiB, at most half of --max-message-bytes",
+    )
 
     @property
     def chunk_bytes(self) -> int:
@@ -400,24 +461,37 @@ class EventsSettings(_Section):
 
     name: ClassVar[str] = "events"
     data_parallel_rank: int | None = setting(None, "Rank copied onto every event batch.", default_text="unset")
-    max_batches: int = setting(100_000, "Event batches retained for replay.", flat="event_max_batches",
-                               check=at_least(1))
-    max_bytes: int = setting(256 * 1024 * 1024, "Event bytes retained for replay, e.g. 256MiB.",
-                             flat="event_max_bytes", parse="bytes", check=at_least(1), default_text="256MiB")
+    max_batches: int = setting(
+        100_000, "Event batches retained for replay.", flat="event_max_batches", check=at_least(1)
+    )
+    max_bytes: int = setting(
+        256 * 1024 * 1024,
+        "Event bytes retained for replay, e.g. 256MiB.",
+        flat="event_max_bytes",
+        parse="bytes",
+        check=at_least(1),
+        default_text="256MiB",
+    )
     max_subscriber_lag: int = setting(10_000, "Batches a stream subscriber may fall behind.", check=at_least(1))
     max_consumers: int = setting(1024, "Named TakeEvents consumers.", check=at_least(1))
     snapshot_part_tokens: int = setting(32_768, "Token ids per snapshot message, about.", check=at_least(1))
     stalled_write_timeout_s: float = setting(
-        30.0, "The longest one stream write may take, seconds (a client that stopped reading is cut off).",
-        check=positive("seconds"))
+        30.0,
+        "The longest one stream write may take, seconds (a client that stopped reading is cut off).",
+        check=positive("seconds"),
+    )
     consumer_idle_timeout_s: float = setting(
-        3600.0, "Drop a TakeEvents consumer that has not taken for this long, seconds.", check=positive("seconds"))
+        3600.0, "Drop a TakeEvents consumer that has not taken for this long, seconds.", check=positive("seconds")
+    )
     max_streams: int = setting(1024, "Open StreamEvents subscriptions.", check=at_least(1))
-    max_snapshot_cuts: int = setting(2, "Snapshots cut at once (callers at the same head share one cut).",
-                                     check=at_least(1))
+    max_snapshot_cuts: int = setting(
+        2, "Snapshots cut at once (callers at the same head share one cut).", check=at_least(1)
+    )
     kv_events_medium: str = setting(
-        "GPU", "The medium every KV event names (vLLM's primary pool says GPU).",
-        check=lambda v: None if 1 <= len(v) <= 64 else "must be a non-empty string of at most 64 characters")
+        "GPU",
+        "The medium every KV event names (vLLM's primary pool says GPU).",
+        check=lambda v: None if 1 <= len(v) <= 64 else "must be a non-empty string of at most 64 characters",
+    )
     max_take_batches: int = 1000
     max_take_bytes: int = 4 * 1024 * 1024
 
@@ -441,23 +515,32 @@ class AuthSettings(_Section):
     """
 
     name: ClassVar[str] = "auth"
-    tls_cert_file: str | None = setting(None, "Server TLS certificate chain, PEM (with --tls-key-file).",
-                                        path=True, default_text="plain text")
-    tls_key_file: str | None = setting(None, "Server TLS private key, PEM, unencrypted.", path=True,
-                                       default_text="none")
+    tls_cert_file: str | None = setting(
+        None, "Server TLS certificate chain, PEM (with --tls-key-file).", path=True, default_text="plain text"
+    )
+    tls_key_file: str | None = setting(
+        None, "Server TLS private key, PEM, unencrypted.", path=True, default_text="none"
+    )
     tls_client_ca_file: str | None = setting(
-        None, "CA certificates, PEM: require client certificates signed by them (mutual TLS).", path=True,
-        default_text="none")
-    auth_tokens_file: str | None = setting(None, "TOML file of bearer tokens with roles scheduler/watcher.",
-                                           path=True, default_text="no tokens")
+        None,
+        "CA certificates, PEM: require client certificates signed by them (mutual TLS).",
+        path=True,
+        default_text="none",
+    )
+    auth_tokens_file: str | None = setting(
+        None, "TOML file of bearer tokens with roles scheduler/watcher.", path=True, default_text="no tokens"
+    )
     allow_insecure_bind: bool = setting(
-        False, "Bind a non-loopback host with neither TLS nor tokens, or a ZMQ endpoint off loopback (no auth "
-        "there at all; refused otherwise).")
+        False,
+        "Bind a non-loopback host with neither TLS nor tokens, or a ZMQ endpoint off loopback (no auth "
+        "there at all; refused otherwise).",
+    )
 
     def _check(self) -> None:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            given, missing = ("tls_cert_file", "tls_key_file") if self.tls_key_file is None else (
-                "tls_key_file", "tls_cert_file")
+            given, missing = (
+                ("tls_cert_file", "tls_key_file") if self.tls_key_file is None else ("tls_key_file", "tls_cert_file")
+            )
             raise ValueError(f"{given} needs {missing} (TLS takes the certificate chain and its private key)")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
@@ -485,18 +568,29 @@ class ZmqSettings(_Section):
 
     name: ClassVar[str] = "zmq"
     endpoint: str | None = setting(
-        None, "Publish KV events vLLM-style on this ZMQ PUB endpoint, e.g. tcp://*:5557 (bound; off loopback "
-        "needs --allow-insecure-bind; tcp://host:port connects).", flat="zmq_endpoint", check=_zmq_endpoint,
-        default_text="off")
+        None,
+        "Publish KV events vLLM-style on this ZMQ PUB endpoint, e.g. tcp://*:5557 (bound; off loopback "
+        "needs --allow-insecure-bind; tcp://host:port connects).",
+        flat="zmq_endpoint",
+        check=_zmq_endpoint,
+        default_text="off",
+    )
     replay_endpoint: str | None = setting(
-        None, "ZMQ ROUTER endpoint answering vLLM replay requests, always bound, e.g. tcp://*:5558.",
-        flat="zmq_replay_endpoint", check=_zmq_endpoint, default_text="off")
+        None,
+        "ZMQ ROUTER endpoint answering vLLM replay requests, always bound, e.g. tcp://*:5558.",
+        flat="zmq_replay_endpoint",
+        check=_zmq_endpoint,
+        default_text="off",
+    )
     topic: str | None = setting("", "Topic frame of every ZMQ message.", flat="zmq_topic", default_text='""')
-    hwm: int = setting(100_000, "ZMQ PUB high-water mark, messages per subscriber.", flat="zmq_hwm",
-                       check=at_least(1, "messages"))
+    hwm: int = setting(
+        100_000, "ZMQ PUB high-water mark, messages per subscriber.", flat="zmq_hwm", check=at_least(1, "messages")
+    )
     kv_events_config: str | None = setting(
-        None, "vLLM's --kv-events-config JSON, mapped onto the zmq_* settings and event_max_batches.",
-        default_text="unset")
+        None,
+        "vLLM's --kv-events-config JSON, mapped onto the zmq_* settings and event_max_batches.",
+        default_text="unset",
+    )
 
     def _check(self) -> None:
         if self.kv_events_config is not None:
@@ -580,24 +674,52 @@ class NatsSettings(_Section):
 
     name: ClassVar[str] = "nats"
     url: str | None = setting(
-        None, "Publish KV events to NATS JetStream at this URL, e.g. nats://nats:4222 (comma-separated for "
-        "several).", flat="nats_url", check=_nats_url, default_text="off", secret=True)
-    subject_prefix: str = setting("kvservice.events", "Subjects are <prefix>.<instance>; the stream takes <prefix>.>.",
-                                  flat="nats_subject_prefix")
-    stream: str = setting("KVSERVICE_EVENTS", "JetStream stream, created or updated at start.", flat="nats_stream",
-                          check=_token_name)
-    instance: str | None = setting(None, "This server's subject token, [A-Za-z0-9_-]+.", flat="nats_instance",
-                                   check=_token_name, default_text="<hostname>-<port>")
-    max_age_s: float = setting(3600.0, "Stream retention by age, seconds; 0 = no limit.", flat="nats_max_age_s",
-                               check=_no_limit)
-    max_msgs: int = setting(0, "Stream retention by count, messages; 0 = no limit.", flat="nats_max_msgs",
-                            check=_no_limit)
-    max_bytes: int = setting(1 << 30, "Stream retention by size, e.g. 1GiB; 0 = no limit.", flat="nats_max_bytes",
-                             parse="bytes", check=_no_limit, default_text="1GiB")
-    duplicate_window_s: float = setting(120.0, "Seconds a re-published batch (same Nats-Msg-Id) is dropped.",
-                                        flat="nats_duplicate_window_s", check=positive("seconds"))
-    max_pending_batches: int = setting(10_000, "Batches queued while NATS is away before new ones are dropped.",
-                                       flat="nats_max_pending_batches", check=at_least(1))
+        None,
+        "Publish KV events to NATS JetStream at this URL, e.g. nats://nats:4222 (comma-separated for several).",
+        flat="nats_url",
+        check=_nats_url,
+        default_text="off",
+        secret=True,
+    )
+    subject_prefix: str = setting(
+        "kvservice.events", "Subjects are <prefix>.<instance>; the stream takes <prefix>.>.", flat="nats_subject_prefix"
+    )
+    stream: str = setting(
+        "KVSERVICE_EVENTS", "JetStream stream, created or updated at start.", flat="nats_stream", check=_token_name
+    )
+    instance: str | None = setting(
+        None,
+        "This server's subject token, [A-Za-z0-9_-]+.",
+        flat="nats_instance",
+        check=_token_name,
+        default_text="<hostname>-<port>",
+    )
+    max_age_s: float = setting(
+        3600.0, "Stream retention by age, seconds; 0 = no limit.", flat="nats_max_age_s", check=_no_limit
+    )
+    max_msgs: int = setting(
+        0, "Stream retention by count, messages; 0 = no limit.", flat="nats_max_msgs", check=_no_limit
+    )
+    max_bytes: int = setting(
+        1 << 30,
+        "Stream retention by size, e.g. 1GiB; 0 = no limit.",
+        flat="nats_max_bytes",
+        parse="bytes",
+        check=_no_limit,
+        default_text="1GiB",
+    )
+    duplicate_window_s: float = setting(
+        120.0,
+        "Seconds a re-published batch (same Nats-Msg-Id) is dropped.",
+        flat="nats_duplicate_window_s",
+        check=positive("seconds"),
+    )
+    max_pending_batches: int = setting(
+        10_000,
+        "Batches queued while NATS is away before new ones are dropped.",
+        flat="nats_max_pending_batches",
+        check=at_least(1),
+    )
 
     def _check(self) -> None:
         check_subject_prefix(self.subject_prefix)
@@ -615,8 +737,13 @@ class MetricsSettings(_Section):
     """
 
     name: ClassVar[str] = "metrics"
-    port: int | None = setting(None, "Prometheus metrics HTTP port; 0 picks a free one.", flat="metrics_port",
-                               check=in_range(0, 65535), default_text="off")
+    port: int | None = setting(
+        None,
+        "Prometheus metrics HTTP port; 0 picks a free one.",
+        flat="metrics_port",
+        check=in_range(0, 65535),
+        default_text="off",
+    )
     host: str = setting("127.0.0.1", "Address the metrics endpoint binds.", flat="metrics_host")
 
 
@@ -635,16 +762,31 @@ class LoggingSettings(_Section):
     """
 
     name: ClassVar[str] = "logging"
-    log_level: str = setting("WARNING", "Python logging level.", choices=LOG_LEVELS,
-                             check=lambda v: None if v.upper() in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}")
-    log_format: str = setting("text", "Log lines as text or JSON (one object per line).", choices=("text", "json"),
-                              check=one_of(("text", "json")))
+    log_level: str = setting(
+        "WARNING",
+        "Python logging level.",
+        choices=LOG_LEVELS,
+        check=lambda v: None if v.upper() in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}",
+    )
+    log_format: str = setting(
+        "text",
+        "Log lines as text or JSON (one object per line).",
+        choices=("text", "json"),
+        check=one_of(("text", "json")),
+    )
     otel_tracing: bool = setting(False, "An OpenTelemetry span per RPC (pip install 'kvservice[otel]').")
 
 
 SECTIONS: tuple[type[_Section], ...] = (
-    BindSettings, CacheSettings, LimitsSettings, EventsSettings, AuthSettings, ZmqSettings, NatsSettings,
-    MetricsSettings, LoggingSettings,
+    BindSettings,
+    CacheSettings,
+    LimitsSettings,
+    EventsSettings,
+    AuthSettings,
+    ZmqSettings,
+    NatsSettings,
+    MetricsSettings,
+    LoggingSettings,
 )
 """The sections, in the order of ``ServerConfig``'s fields and of ``kvservice serve --help``."""
 
@@ -788,8 +930,22 @@ def settings_table() -> dict[str, SettingInfo]:
     return _TABLE
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "t": 10**12,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(value: str | int) -> int:

@@ -115,8 +115,12 @@ async def _start_zmq(settings: ZmqSettings, ctx: SinkContext) -> StartedSink:
 
     assert settings.endpoint is not None
     publisher = await ZmqEventPublisher.start(
-        ctx.event_log, endpoint=settings.endpoint, replay_endpoint=settings.replay_endpoint,
-        topic=settings.topic or "", hwm=settings.hwm, allow_insecure_bind=ctx.allow_insecure_bind,
+        ctx.event_log,
+        endpoint=settings.endpoint,
+        replay_endpoint=settings.replay_endpoint,
+        topic=settings.topic or "",
+        hwm=settings.hwm,
+        allow_insecure_bind=ctx.allow_insecure_bind,
         snapshots=ctx.snapshots,
     )
     return StartedSink(publisher)

@@ -43,7 +43,12 @@ from kvservice.core.errors import ShuttingDownError
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 __all__ = [
-    "CachedSetMirror", "MirroredBlock", "Snapshot", "SnapshotSource", "YIELD_EVERY_TOKENS", "materialize",
+    "CachedSetMirror",
+    "MirroredBlock",
+    "Snapshot",
+    "SnapshotSource",
+    "YIELD_EVERY_TOKENS",
+    "materialize",
     "snapshot_runs",
 ]
 
@@ -120,8 +125,14 @@ class CachedSetMirror:
                     if old is not None:
                         tokens[g] -= old[BLOCK_SIZE]
                     blocks[key] = (
-                        parent, all_tokens[i * width : (i + 1) * width], bs, lora_id, lora_name, medium,
-                        extra is not None, extra[i] if extra is not None else None,
+                        parent,
+                        all_tokens[i * width : (i + 1) * width],
+                        bs,
+                        lora_id,
+                        lora_name,
+                        medium,
+                        extra is not None,
+                        extra[i] if extra is not None else None,
                     )
                     tokens[g] += bs
             elif kind is BlockRemoved:
@@ -156,7 +167,9 @@ class CachedSetMirror:
         """The whole snapshot's events at once (tests and small caches; servers use a
         :class:`SnapshotSource`)."""
         view = self.view()
-        return [materialize(view, item, self.group_kinds, self.group_windows) for item in snapshot_runs(view, group_idxs)]
+        return [
+            materialize(view, item, self.group_kinds, self.group_windows) for item in snapshot_runs(view, group_idxs)
+        ]
 
 
 _Run = Union[None, tuple[list[_Key], bool]]
@@ -231,7 +244,9 @@ def snapshot_runs(view: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] |
 
 
 def materialize(
-    view: dict[_Key, MirroredBlock], item: _Run, group_kinds: Sequence[str | None],
+    view: dict[_Key, MirroredBlock],
+    item: _Run,
+    group_kinds: Sequence[str | None],
     group_windows: Sequence[int | None],
 ) -> KVCacheEvent:
     """The event a :data:`_Run` stands for."""
@@ -285,8 +300,12 @@ class Snapshot:
     """
 
     def __init__(
-        self, seq: int, group_idxs: tuple[int, ...] | None, view: dict[_Key, MirroredBlock] | None = None,
-        group_kinds: Sequence[str | None] = (), group_windows: Sequence[int | None] = (),
+        self,
+        seq: int,
+        group_idxs: tuple[int, ...] | None,
+        view: dict[_Key, MirroredBlock] | None = None,
+        group_kinds: Sequence[str | None] = (),
+        group_windows: Sequence[int | None] = (),
     ) -> None:
         self.seq = seq
         self.ts = time.time()
@@ -385,9 +404,7 @@ class SnapshotSource:
         self._slot_freed: asyncio.Event | None = None
 
     @classmethod
-    def attach(
-        cls, event_log: Any, *, part_tokens: int = 32_768, max_concurrent_cuts: int = 2
-    ) -> SnapshotSource:
+    def attach(cls, event_log: Any, *, part_tokens: int = 32_768, max_concurrent_cuts: int = 2) -> SnapshotSource:
         """A source whose mirror follows ``event_log`` (a :class:`~kvservice.server.event_log.EventLog`):
         call before any batch is appended, and before other listeners are added."""
         mirror = CachedSetMirror(event_log.num_groups, event_log.group_kinds, event_log.group_windows)
@@ -420,7 +437,11 @@ class SnapshotSource:
         """
         while True:
             snap = self._latest.get(group_idxs)
-            if snap is not None and snap.error is None and (snap.seq == self.mirror.seq or (not snap.done and self._at_bound())):
+            if (
+                snap is not None
+                and snap.error is None
+                and (snap.seq == self.mirror.seq or (not snap.done and self._at_bound()))
+            ):
                 return snap
             if not self._at_bound():
                 return self._cut(group_idxs)
@@ -483,4 +504,3 @@ class SnapshotSource:
                 await task
             except BaseException:
                 pass
-

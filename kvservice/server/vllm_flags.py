@@ -84,8 +84,9 @@ def kv_events_config_settings(text: str) -> dict[str, Any]:
         raise ValueError(f"kv_events_config must be a JSON object such as vLLM's; got {text!r}")
     for key, value in config.items():
         if key not in KV_EVENTS_CONFIG_KEYS:
-            raise ValueError(f"kv_events_config: unknown key {key!r} (vLLM's KVEventsConfig has "
-                             f"{', '.join(KV_EVENTS_CONFIG_KEYS)})")
+            raise ValueError(
+                f"kv_events_config: unknown key {key!r} (vLLM's KVEventsConfig has {', '.join(KV_EVENTS_CONFIG_KEYS)})"
+            )
         expected = KV_EVENTS_CONFIG_KEYS[key]
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is int):
             raise ValueError(f"kv_events_config: {key} has the wrong type: {value!r}")

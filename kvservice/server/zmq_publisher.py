@@ -144,7 +144,7 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return True
     if not endpoint.startswith("tcp://"):
         return False
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
     return is_loopback_host(host)
 
 
@@ -211,8 +211,18 @@ class ZmqEventPublisher:
             (see :func:`check_endpoint_exposure`).
     """
 
-    def __init__(self, event_log: EventLog, zmq: Any, ctx: Any, pub: Any, router: Any | None,
-                 endpoint: str, bound: bool, replay_endpoint: str | None, topic: str) -> None:
+    def __init__(
+        self,
+        event_log: EventLog,
+        zmq: Any,
+        ctx: Any,
+        pub: Any,
+        router: Any | None,
+        endpoint: str,
+        bound: bool,
+        replay_endpoint: str | None,
+        topic: str,
+    ) -> None:
         """Use :meth:`start`; this only assembles the parts."""
         self._log = event_log
         self._snapshots: SnapshotSource | None = None
@@ -231,7 +241,9 @@ class ZmqEventPublisher:
         self.num_bad_requests = 0
         self.num_snapshot_replays = 0
         self.seq_base = time.time_ns() // 1000
-        self._epoch_start = encode_event_batch(KVEventBatch(time.time(), [AllBlocksCleared()], event_log.data_parallel_rank))
+        self._epoch_start = encode_event_batch(
+            KVEventBatch(time.time(), [AllBlocksCleared()], event_log.data_parallel_rank)
+        )
         self.notes: list[str] = []
         self._closed = False
         self._replay_task: asyncio.Task | None = None
@@ -324,13 +336,18 @@ class ZmqEventPublisher:
 
     def _send_live(self, wire_seq: int, payload: bytes) -> bool:
         try:
-            self._pub.send_multipart((self.topic, wire_seq.to_bytes(8, "big"), payload), flags=self._zmq.DONTWAIT, copy=False)
+            self._pub.send_multipart(
+                (self.topic, wire_seq.to_bytes(8, "big"), payload), flags=self._zmq.DONTWAIT, copy=False
+            )
         except self._zmq.ZMQError as e:
             self.num_dropped += 1
             if self.num_dropped & (self.num_dropped - 1) == 0:  # the first, then at powers of two
                 logger.warning(
                     "ZMQ publisher dropped batch seq %d (%s); %d dropped so far (zmq_hwm %d messages per subscriber)",
-                    wire_seq, e, self.num_dropped, self._pub.getsockopt(self._zmq.SNDHWM),
+                    wire_seq,
+                    e,
+                    self.num_dropped,
+                    self._pub.getsockopt(self._zmq.SNDHWM),
                 )
             return False
         return True
@@ -367,7 +384,9 @@ class ZmqEventPublisher:
                 self.num_snapshot_replays += 1
                 logger.info(
                     "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
-                    start_seq, base + oldest, base + log.head_seq,
+                    start_seq,
+                    base + oldest,
+                    base + log.head_seq,
                 )
                 # One batch, not the gRPC stream's parts: see "A start below retention" above.
                 # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a

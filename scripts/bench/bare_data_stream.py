@@ -26,10 +26,13 @@ async def main(chunk_bytes: int, num_messages: int) -> None:
         for _ in range(num_messages):
             await context.write(message)
 
-    handler = grpc.method_handlers_generic_handler("bare.Data", {
-        "Upload": grpc.stream_unary_rpc_method_handler(upload),
-        "Download": grpc.unary_stream_rpc_method_handler(download),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        "bare.Data",
+        {
+            "Upload": grpc.stream_unary_rpc_method_handler(upload),
+            "Download": grpc.unary_stream_rpc_method_handler(download),
+        },
+    )
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((handler,))

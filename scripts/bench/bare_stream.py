@@ -32,7 +32,11 @@ async def main(path: str) -> None:
 
     handler = grpc.method_handlers_generic_handler(
         "kvservice.v1.KVCacheService",
-        {"StreamEvents": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=None, response_serializer=None)},
+        {
+            "StreamEvents": grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=None, response_serializer=None
+            )
+        },
     )
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
     server.add_generic_rpc_handlers((handler,))

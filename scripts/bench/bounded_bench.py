@@ -47,7 +47,10 @@ class Server:
     def __init__(self, *flags: str, server_src: str | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", "--device", "meta", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(server_src),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(server_src),
             cwd="/tmp",
         )
         assert self.proc.stdout is not None
@@ -109,8 +112,10 @@ async def _snapshot_load(address: str, num_clients: int, seconds: float) -> int:
 
     done = 0
     end = time.monotonic() + seconds
-    clients = [AsyncKVCacheClient(address, options=[("grpc.use_local_subchannel_pool", 1)], timeout=None)
-               for _ in range(min(num_clients, 8))]
+    clients = [
+        AsyncKVCacheClient(address, options=[("grpc.use_local_subchannel_pool", 1)], timeout=None)
+        for _ in range(min(num_clients, 8))
+    ]
 
     async def loop(client) -> None:
         nonlocal done
@@ -132,8 +137,17 @@ async def _snapshot_load(address: str, num_clients: int, seconds: float) -> int:
 def stall(blocks: int, clients: list[int], seconds: float, server_src: str | None) -> list[dict]:
     from kvservice_client.client import KVCacheClient
 
-    server = Server("--preset", "qwen-2.5-0.5b", "--block-size", "16", "--num-blocks", str(blocks + 64),
-                    "--max-model-len", "8192", server_src=server_src)
+    server = Server(
+        "--preset",
+        "qwen-2.5-0.5b",
+        "--block-size",
+        "16",
+        "--num-blocks",
+        str(blocks + 64),
+        "--max-model-len",
+        "8192",
+        server_src=server_src,
+    )
     rows = []
     try:
         with KVCacheClient(server.address, timeout=600) as client:
@@ -145,18 +159,28 @@ def stall(blocks: int, clients: list[int], seconds: float, server_src: str | Non
             for n in clients:
                 load = subprocess.Popen(
                     [sys.executable, __file__, "_load", server.address, str(n), str(seconds + 2)],
-                    stdout=subprocess.PIPE, text=True, env=_env(None), cwd=str(ROOT),
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=_env(None),
+                    cwd=str(ROOT),
                 )
                 time.sleep(1.0)  # let the load start
                 loaded = _latencies(client, seconds)
                 out, _ = load.communicate(timeout=3600)
-                rows.append({
-                    "blocks": cached, "clients": n, "fill_s": fill_s,
-                    "idle_p50_ms": _p(idle, 0.5) * 1e3, "idle_p99_ms": _p(idle, 0.99) * 1e3,
-                    "loaded_p50_ms": _p(loaded, 0.5) * 1e3, "loaded_p99_ms": _p(loaded, 0.99) * 1e3,
-                    "loaded_max_ms": max(loaded) * 1e3, "ratio_p99": _p(loaded, 0.99) / _p(idle, 0.99),
-                    "snapshots_done": int(out.strip().splitlines()[-1]) if out.strip() else None,
-                })
+                rows.append(
+                    {
+                        "blocks": cached,
+                        "clients": n,
+                        "fill_s": fill_s,
+                        "idle_p50_ms": _p(idle, 0.5) * 1e3,
+                        "idle_p99_ms": _p(idle, 0.99) * 1e3,
+                        "loaded_p50_ms": _p(loaded, 0.5) * 1e3,
+                        "loaded_p99_ms": _p(loaded, 0.99) * 1e3,
+                        "loaded_max_ms": max(loaded) * 1e3,
+                        "ratio_p99": _p(loaded, 0.99) / _p(idle, 0.99),
+                        "snapshots_done": int(out.strip().splitlines()[-1]) if out.strip() else None,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         server.stop()
@@ -179,24 +203,48 @@ def memory(server_src: str | None) -> list[dict]:
     rows = []
     for workload in ("fresh", "chain"):
         # A small event log (1 MiB), so what stays is what the snapshot mirror holds.
-        server = Server("--preset", "qwen-2.5-0.5b", "--block-size", "16", "--num-blocks", "2049",
-                        "--max-model-len", "4096", "--event-max-bytes", "1MiB", server_src=server_src)
+        server = Server(
+            "--preset",
+            "qwen-2.5-0.5b",
+            "--block-size",
+            "16",
+            "--num-blocks",
+            "2049",
+            "--max-model-len",
+            "4096",
+            "--event-max-bytes",
+            "1MiB",
+            server_src=server_src,
+        )
         try:
             with KVCacheClient(server.address, timeout=600) as client:
                 client.get_usage()
                 before = server.rss_bytes()
                 for i, prompt in enumerate(_chain_prompts(400, 4096, workload == "chain")):
-                    client.step(StepBuilder().get_computed_blocks(f"r{i}", prompt).allocate_slots(f"r{i}", 4096)
-                                .free(f"r{i}"))
+                    client.step(
+                        StepBuilder().get_computed_blocks(f"r{i}", prompt).allocate_slots(f"r{i}", 4096).free(f"r{i}")
+                    )
                 after = server.rss_bytes()
             rows.append({"workload": f"pinning, {workload}", "rss_growth_mib": (after - before) / 2**20})
             print(json.dumps(rows[-1]), flush=True)
         finally:
             server.stop()
     budget = 12 * 2**20
-    server = Server("--preset", "qwen-2.5-0.5b", "--block-size", "16", "--num-blocks", "2049",
-                    "--max-model-len", "4096", "--event-max-bytes", "12MiB", "--metrics-port", "0",
-                    server_src=server_src)
+    server = Server(
+        "--preset",
+        "qwen-2.5-0.5b",
+        "--block-size",
+        "16",
+        "--num-blocks",
+        "2049",
+        "--max-model-len",
+        "4096",
+        "--event-max-bytes",
+        "12MiB",
+        "--metrics-port",
+        "0",
+        server_src=server_src,
+    )
     try:
         from kvservice_client.client import AsyncKVCacheClient  # noqa: F401
 
@@ -220,14 +268,24 @@ def memory(server_src: str | None) -> list[dict]:
             thread.start()
             for i in range(3000):
                 base = 20_000_000 + i * 2048
-                client.step(StepBuilder().get_computed_blocks(f"e{i}", list(range(base, base + 2048)))
-                            .allocate_slots(f"e{i}", 2048).free(f"e{i}"))
+                client.step(
+                    StepBuilder()
+                    .get_computed_blocks(f"e{i}", list(range(base, base + 2048)))
+                    .allocate_slots(f"e{i}", 2048)
+                    .free(f"e{i}")
+                )
             thread.join(600)
             after = server.rss_bytes()
             meta = client.get_kv_cache_group_metadata()
-        rows.append({"workload": "event log, 12 MiB budget", "rss_growth_mib": (after - before) / 2**20,
-                     "ratio_to_budget": (after - before) / budget, "head_seq": meta.head_seq,
-                     "batches_read": reader_done[0] if reader_done else None})
+        rows.append(
+            {
+                "workload": "event log, 12 MiB budget",
+                "rss_growth_mib": (after - before) / 2**20,
+                "ratio_to_budget": (after - before) / budget,
+                "head_seq": meta.head_seq,
+                "batches_read": reader_done[0] if reader_done else None,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     finally:
         server.stop()

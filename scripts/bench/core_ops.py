@@ -26,17 +26,27 @@ SLIDING_WINDOW = 1024
 MOONCAKE_WARM = 20
 
 
-def run(num_requests: int, *, prompt_len: int = 2048, block_size: int = 16, num_blocks: int = 4096,
-        events: bool = True, shared_fraction: float = 0.0, hybrid: bool = False,
-        workload: str = "synthetic") -> dict[str, float]:
+def run(
+    num_requests: int,
+    *,
+    prompt_len: int = 2048,
+    block_size: int = 16,
+    num_blocks: int = 4096,
+    events: bool = True,
+    shared_fraction: float = 0.0,
+    hybrid: bool = False,
+    workload: str = "synthetic",
+) -> dict[str, float]:
     """Requests per CPU second of this process and CPU microseconds per block of the sequence
     (after a warm-up that fills the pool)."""
     groups = [KVCacheGroupSpec(("layer",), FullAttentionSpec(block_size, 1, 64, "float16"))]
     if hybrid:
-        groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size, 1, 64, "float16",
-                                                                  sliding_window=SLIDING_WINDOW)))
-    manager = KVCacheManager(KVCacheConfig(num_blocks, tuple(groups)), 131072,
-                             kv_events=KVEventsConfig() if events else None)
+        groups.append(
+            KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size, 1, 64, "float16", sliding_window=SLIDING_WINDOW))
+        )
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks, tuple(groups)), 131072, kv_events=KVEventsConfig() if events else None
+    )
     if workload == "mooncake":
         warm = MOONCAKE_WARM
         sequence = workload_sequence(workload, warm + num_requests, prompt_len, shared_fraction)

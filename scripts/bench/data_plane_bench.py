@@ -83,8 +83,16 @@ class BareServer:
     def __init__(self, message_bytes: int, num_messages: int) -> None:
         import grpc
 
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bare_data_stream.py")),
-                                      str(message_bytes), str(num_messages)], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("bare_data_stream.py")),
+                str(message_bytes),
+                str(num_messages),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         address = self.proc.stdout.readline().split()[-1]
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -122,8 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     num_requests = -(-num_blocks_moved // BLOCKS_PER_REQUEST)
     pool = num_requests * BLOCKS_PER_REQUEST + 2
     rows = []
-    with serve("--device", "cpu", "--preset", "qwen-2.5-0.5b", "--num-blocks", str(pool),
-               "--data-chunk-bytes", str(args.chunk_bytes), with_pid=True) as (address, pid):
+    with serve(
+        "--device",
+        "cpu",
+        "--preset",
+        "qwen-2.5-0.5b",
+        "--num-blocks",
+        str(pool),
+        "--data-chunk-bytes",
+        str(args.chunk_bytes),
+        with_pid=True,
+    ) as (address, pid):
         client = KVCacheClient(address, timeout=600.0, options=[("grpc.max_receive_message_length", 64 << 20)])
         tables = []
         for i in range(num_requests):
@@ -162,14 +179,37 @@ def main(argv: list[str] | None = None) -> int:
         # The ratio is the median of the per-round ratios (each pair ran back to back).
         write_ratio = statistics.median(o / b for o, b in zip(write_rates, bare_up))
         read_ratio = statistics.median(o / b for o, b in zip(read_rates, bare_down))
-        rows.append((f"WriteBlocks GB/s (1 GiB, {chunk_kib} KiB chunks)", write,
-                     "bare gRPC client stream of bytes", up, write_ratio, ">= 0.5x"))
-        rows.append((f"ReadBlocks GB/s (1 GiB, {chunk_kib} KiB chunks)", read,
-                     "bare gRPC server stream of bytes", down, read_ratio, ">= 0.5x"))
+        rows.append(
+            (
+                f"WriteBlocks GB/s (1 GiB, {chunk_kib} KiB chunks)",
+                write,
+                "bare gRPC client stream of bytes",
+                up,
+                write_ratio,
+                ">= 0.5x",
+            )
+        )
+        rows.append(
+            (
+                f"ReadBlocks GB/s (1 GiB, {chunk_kib} KiB chunks)",
+                read,
+                "bare gRPC server stream of bytes",
+                down,
+                read_ratio,
+                ">= 0.5x",
+            )
+        )
         growth, bare_growth = sampler.peak - idle, bare_sampler.peak - bare_idle
-        rows.append((f"server RssAnon peak growth during the {total / 2**30:.2f} GiB transfers, MiB", growth / 2**20,
-                     "bare gRPC server, same transfers", bare_growth / 2**20, growth / max(bare_growth, 1),
-                     f"a few chunks ({growth / args.chunk_bytes:.1f} chunks)"))
+        rows.append(
+            (
+                f"server RssAnon peak growth during the {total / 2**30:.2f} GiB transfers, MiB",
+                growth / 2**20,
+                "bare gRPC server, same transfers",
+                bare_growth / 2**20,
+                growth / max(bare_growth, 1),
+                f"a few chunks ({growth / args.chunk_bytes:.1f} chunks)",
+            )
+        )
         # -- a worker through the attached view --
         torch.set_num_threads(1)  # per-block copies are small; OpenMP barriers on a loaded machine swamp them
         view = attach(client)
@@ -187,9 +227,16 @@ def main(argv: list[str] | None = None) -> int:
                 local.select(2, b).copy_(src)
             base.append(len(blocks) * BYTES_PER_BLOCK / (time.perf_counter() - t0) / 1e9)
         o, b_ = statistics.median(ours), statistics.median(base)
-        rows.append((f"worker writes {len(blocks)} blocks via the attached view, GB/s", o,
-                     "torch copy into a local tensor", b_, statistics.median(x / y for x, y in zip(ours, base)),
-                     ">= 0.8x"))
+        rows.append(
+            (
+                f"worker writes {len(blocks)} blocks via the attached view, GB/s",
+                o,
+                "torch copy into a local tensor",
+                b_,
+                statistics.median(x / y for x, y in zip(ours, base)),
+                ">= 0.8x",
+            )
+        )
         client.close()
     for row in rows:
         print(json.dumps(dict(zip(("figure", "value", "baseline", "baseline_value", "ratio", "target"), row))))

@@ -53,8 +53,14 @@ def _step_decode(client: KVCacheClient, request_ids: list[str], tokens: list[int
     return len(result.changed_indices)
 
 
-def run(num_running: int = 256, num_steps: int = 100, *, modes: tuple[str, ...] = MODES, prompt_len: int = 512,
-        num_blocks: int = 16384) -> dict[str, float]:
+def run(
+    num_running: int = 256,
+    num_steps: int = 100,
+    *,
+    modes: tuple[str, ...] = MODES,
+    prompt_len: int = 512,
+    num_blocks: int = 16384,
+) -> dict[str, float]:
     """Per mode: p50 / p99 round trip of a decode step (us), the p50 Ping beside it (us), and the
     ratio of the p50s (``{mode}_step_p50_us``, ``{mode}_ping_p50_us``, ``{mode}_ratio``). The
     ``decode`` mode is left out when the client has no decode op."""

@@ -32,15 +32,18 @@ except ImportError:
 HERE = Path(__file__).parent
 
 
-def produce(client: KVCacheClient, num_batches: int, requests_per_batch: int = 4, prompt_len: int = 256,
-            seed: int = 5) -> None:
+def produce(
+    client: KVCacheClient, num_batches: int, requests_per_batch: int = 4, prompt_len: int = 256, seed: int = 5
+) -> None:
     """Fill the event log: each Step admits and frees requests (one batch of stores and removals).
     Prompts are random tokens from ``seed``: another seed gives prompts sharing no block."""
     seq = prompts(num_batches * requests_per_batch, prompt_len, 0.0, seed=seed)
     for b in range(num_batches):
         ops = []
         for j in range(b * requests_per_batch, (b + 1) * requests_per_batch):
-            ops.append(pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=f"e{j}", prompt_token_ids=seq[j])))
+            ops.append(
+                pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=f"e{j}", prompt_token_ids=seq[j]))
+            )
             ops.append(pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=f"e{j}", num_new_tokens=prompt_len)))
             ops.append(pb.StepOp(free=pb.FreeRequest(request_id=f"e{j}")))
         client.step(pb.StepRequest(ops=ops))
@@ -124,9 +127,11 @@ async def _latency(client: AsyncKVCacheClient, address: str, num_batches: int, r
     next_time = time.perf_counter()
     expected_seq = meta.head_seq + 1  # each Step publishes exactly one batch: the next seq
     for i in range(num_batches):
-        ops = [pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=f"l{i}", prompt_token_ids=seq[i])),
-               pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=f"l{i}", num_new_tokens=256)),
-               pb.StepOp(free=pb.FreeRequest(request_id=f"l{i}"))]
+        ops = [
+            pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=f"l{i}", prompt_token_ids=seq[i])),
+            pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=f"l{i}", num_new_tokens=256)),
+            pb.StepOp(free=pb.FreeRequest(request_id=f"l{i}")),
+        ]
         sent[expected_seq] = time.perf_counter()  # before sending: the batch can arrive before the answer
         response = await client.step(pb.StepRequest(ops=ops))
         assert response.head_seq == expected_seq
@@ -142,7 +147,9 @@ async def _latency(client: AsyncKVCacheClient, address: str, num_batches: int, r
 def delivery_rate(num_batches: int, prompt_len: int, num_blocks: int) -> float:
     """Events per second to one watcher replaying ``num_batches`` batches (each 4 admissions of
     ``prompt_len`` tokens) from a server of ``num_blocks`` blocks, once every batch is encoded."""
-    with serve("--device", "meta", "--num-blocks", str(num_blocks), "--event-max-batches", str(num_batches + 10)) as address:
+    with serve(
+        "--device", "meta", "--num-blocks", str(num_blocks), "--event-max-batches", str(num_batches + 10)
+    ) as address:
         with KVCacheClient(address) as client:
             produce(client, num_batches, prompt_len=prompt_len)
         asyncio.run(_drain(address, 1, num_batches, pb.PAYLOAD_FORMAT_PROTOBUF))  # encode each batch once
@@ -153,8 +160,9 @@ def delivery_rate(num_batches: int, prompt_len: int, num_blocks: int) -> float:
 def run(quick: bool = False) -> dict[str, float]:
     num_batches = 300 if quick else 3000
     out: dict[str, float] = {}
-    with serve("--device", "meta", "--num-blocks", "65536", "--event-max-batches", str(num_batches + 10),
-               with_pid=True) as (address, pid):
+    with serve(
+        "--device", "meta", "--num-blocks", "65536", "--event-max-batches", str(num_batches + 10), with_pid=True
+    ) as (address, pid):
         with KVCacheClient(address) as client:
             produce(client, num_batches)
         for name, fmt in (("protobuf", pb.PAYLOAD_FORMAT_PROTOBUF), ("msgpack", pb.PAYLOAD_FORMAT_MSGPACK)):

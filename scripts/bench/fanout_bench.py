@@ -28,6 +28,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVCacheClient
 
@@ -97,8 +98,9 @@ async def _read_grpc(client: AsyncKVCacheClient, sub: _Subscriber) -> None:
         sub.got(batch.seq)
 
 
-async def _measure(address: str, pid: int, zmq_port: int, transport: str, num_subscribers: int, num_batches: int,
-                   seed: int) -> tuple[float, float]:
+async def _measure(
+    address: str, pid: int, zmq_port: int, transport: str, num_subscribers: int, num_batches: int, seed: int
+) -> tuple[float, float]:
     """Server CPU seconds to produce ``num_batches`` live batches and deliver each to
     ``num_subscribers`` subscribers over ``transport`` ("zmq", "grpc" or "none"), and the part
     of them spent in the server's ZMQ I/O threads."""
@@ -163,8 +165,16 @@ def run(quick: bool = False) -> dict[str, float]:
     out: dict[str, float] = {}
     # A fixed port binds only with a wildcard host (vLLM's bind rule), and a wildcard bind is off
     # loopback, which kvservice refuses without --allow-insecure-bind (ZMQ has no authentication).
-    with serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS), "--zmq-endpoint", f"tcp://*:{port}",
-               "--allow-insecure-bind", with_pid=True) as (address, pid):
+    with serve(
+        "--device",
+        "meta",
+        "--num-blocks",
+        str(NUM_BLOCKS),
+        "--zmq-endpoint",
+        f"tcp://*:{port}",
+        "--allow-insecure-bind",
+        with_pid=True,
+    ) as (address, pid):
         with KVCacheClient(address) as client:
             produce(client, NUM_BLOCKS // BLOCKS_PER_BATCH + 1, seed=1)  # fill the pool: every allocation evicts
         # Interleaved, so a noisy moment moves several figures, not one transport's.

@@ -51,7 +51,9 @@ def run(num_tokens: int = 262_144, block_size: int = 16) -> list[dict]:
             parent = h
         ours = _time(lambda hasher=hasher: hasher.hash_prompt(tokens))
         floor = _time(lambda digest=digest, payloads=payloads: [digest(p) for p in payloads])
-        rows.append({"algorithm": algorithm, "hashes_per_s": num_blocks / ours, "floor_hashes_per_s": num_blocks / floor})
+        rows.append(
+            {"algorithm": algorithm, "hashes_per_s": num_blocks / ours, "floor_hashes_per_s": num_blocks / floor}
+        )
     return rows
 
 

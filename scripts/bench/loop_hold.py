@@ -61,9 +61,15 @@ async def _timed(coro) -> float:
 
 
 async def step_hold(rounds: int, num_requests: int, prompt_len: int) -> tuple[float, float]:
-    running = await start_server(port=0, device="meta", preset="qwen-2.5-0.5b", block_size=16,
-                                 num_blocks=num_requests * prompt_len // 16 + 16, max_model_len=prompt_len,
-                                 grace_seconds=0)
+    running = await start_server(
+        port=0,
+        device="meta",
+        preset="qwen-2.5-0.5b",
+        block_size=16,
+        num_blocks=num_requests * prompt_len // 16 + 16,
+        max_model_len=prompt_len,
+        grace_seconds=0,
+    )
     _as_served()
     try:
         servicer, ctx = running.servicer, _Context()
@@ -72,13 +78,20 @@ async def step_hold(rounds: int, num_requests: int, prompt_len: int) -> tuple[fl
             ops = []
             for i in range(num_requests):
                 rid = f"r{r}-{i}"
-                ops.append(pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(
-                    request_id=rid, prompt_token_ids=_prompt(r * num_requests + i, prompt_len))))
+                ops.append(
+                    pb.StepOp(
+                        get_computed_blocks=pb.GetComputedBlocksRequest(
+                            request_id=rid, prompt_token_ids=_prompt(r * num_requests + i, prompt_len)
+                        )
+                    )
+                )
                 ops.append(pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=prompt_len)))
             request = pb.StepRequest.FromString(pb.StepRequest(ops=ops).SerializeToString())
             holds.append(await _timed(servicer.Step(request, ctx)))
             usage.append(await _timed(servicer.GetUsage(pb.GetUsageRequest(), ctx)))
-            free = pb.StepRequest(ops=[pb.StepOp(free=pb.FreeRequest(request_id=f"r{r}-{i}")) for i in range(num_requests)])
+            free = pb.StepRequest(
+                ops=[pb.StepOp(free=pb.FreeRequest(request_id=f"r{r}-{i}")) for i in range(num_requests)]
+            )
             await servicer.Step(free, ctx)
         return max(holds), statistics.median(usage)
     finally:
@@ -86,8 +99,15 @@ async def step_hold(rounds: int, num_requests: int, prompt_len: int) -> tuple[fl
 
 
 async def prompt_hold(rounds: int, prompt_len: int) -> tuple[float, float]:
-    running = await start_server(port=0, device="meta", preset="qwen-2.5-0.5b", block_size=16,
-                                 num_blocks=prompt_len // 16 + 16, max_model_len=prompt_len, grace_seconds=0)
+    running = await start_server(
+        port=0,
+        device="meta",
+        preset="qwen-2.5-0.5b",
+        block_size=16,
+        num_blocks=prompt_len // 16 + 16,
+        max_model_len=prompt_len,
+        grace_seconds=0,
+    )
     _as_served()
     try:
         servicer, ctx = running.servicer, _Context()
@@ -96,8 +116,11 @@ async def prompt_hold(rounds: int, prompt_len: int) -> tuple[float, float]:
             rid = f"long{r}"
             gcb = pb.GetComputedBlocksRequest(request_id=rid, prompt_token_ids=_prompt(r, prompt_len))
             holds.append(await _timed(servicer.GetComputedBlocks(gcb, ctx)))
-            holds.append(await _timed(servicer.AllocateSlots(
-                pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=prompt_len), ctx)))
+            holds.append(
+                await _timed(
+                    servicer.AllocateSlots(pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=prompt_len), ctx)
+                )
+            )
             usage.append(await _timed(servicer.GetUsage(pb.GetUsageRequest(), ctx)))
             await servicer.Free(pb.FreeRequest(request_id=rid), ctx)
         return max(holds), statistics.median(usage)
@@ -106,17 +129,32 @@ async def prompt_hold(rounds: int, prompt_len: int) -> tuple[float, float]:
 
 
 async def snapshot_hold(num_blocks: int, chain: int = 64) -> dict[str, float]:
-    running = await start_server(port=0, device="meta", preset="qwen-2.5-0.5b", block_size=16, num_blocks=64,
-                                 max_model_len=1024, grace_seconds=0)
+    running = await start_server(
+        port=0, device="meta", preset="qwen-2.5-0.5b", block_size=16, num_blocks=64, max_model_len=1024, grace_seconds=0
+    )
     _as_served()
     try:
         log, source = running.event_log, running.snapshots
         for c in range(num_blocks // chain):  # the cached set as the mirror learns it: from batches
             hashes = [(c << 20) + i + 1 for i in range(chain)]
-            source.on_batch(_Entry(c + 1, [BlockStored(
-                block_hashes=hashes, parent_block_hash=None, token_ids=list(range(1000, 1000 + 16 * chain)),
-                block_size=16, lora_id=None, medium="CPU", lora_name=None, group_idx=0,
-                kv_cache_spec_kind="full_attention")]))
+            source.on_batch(
+                _Entry(
+                    c + 1,
+                    [
+                        BlockStored(
+                            block_hashes=hashes,
+                            parent_block_hash=None,
+                            token_ids=list(range(1000, 1000 + 16 * chain)),
+                            block_size=16,
+                            lora_id=None,
+                            medium="CPU",
+                            lora_name=None,
+                            group_idx=0,
+                            kv_cache_spec_kind="full_attention",
+                        )
+                    ],
+                )
+            )
         gaps: list[float] = []
         done = False
 
@@ -134,8 +172,16 @@ async def snapshot_hold(num_blocks: int, chain: int = 64) -> dict[str, float]:
         snap = await source.get()
         num_bytes = 0
         async for i, more in snap.iter_parts():
-            num_bytes += len(encoded_snapshot_part(snap, i, more=more, payload_format=pb.PAYLOAD_FORMAT_PROTOBUF,
-                                                   epoch=log.epoch, data_parallel_rank=None))
+            num_bytes += len(
+                encoded_snapshot_part(
+                    snap,
+                    i,
+                    more=more,
+                    payload_format=pb.PAYLOAD_FORMAT_PROTOBUF,
+                    epoch=log.epoch,
+                    data_parallel_rank=None,
+                )
+            )
             await asyncio.sleep(0)  # a stream's write
         total = time.perf_counter() - t
         done = True
@@ -155,17 +201,36 @@ async def main(quick: bool, step_tokens: int = 1 << 18) -> list[dict]:
     rows = []
     n = (16 * 8192 if quick else step_tokens) // 8192
     step_s, usage_s = await step_hold(rounds, n, 8192)
-    rows.append({"figure": f"Step of {n} x 8,192-token admissions ({n * 8192:,} tokens): loop held",
-                 "value_ms": step_s * 1e3, "baseline": "GetUsage", "baseline_ms": usage_s * 1e3})
+    rows.append(
+        {
+            "figure": f"Step of {n} x 8,192-token admissions ({n * 8192:,} tokens): loop held",
+            "value_ms": step_s * 1e3,
+            "baseline": "GetUsage",
+            "baseline_ms": usage_s * 1e3,
+        }
+    )
     long_len = 16_384 if quick else 131_072
     prompt_s, usage_s = await prompt_hold(rounds, long_len)
-    rows.append({"figure": f"one {long_len:,}-token prompt (GetComputedBlocks or AllocateSlots): loop held",
-                 "value_ms": prompt_s * 1e3, "baseline": "GetUsage", "baseline_ms": usage_s * 1e3})
+    rows.append(
+        {
+            "figure": f"one {long_len:,}-token prompt (GetComputedBlocks or AllocateSlots): loop held",
+            "value_ms": prompt_s * 1e3,
+            "baseline": "GetUsage",
+            "baseline_ms": usage_s * 1e3,
+        }
+    )
     num_blocks = 32_768 if quick else 1 << 20
     snap = await snapshot_hold(num_blocks)
-    rows.append({"figure": f"snapshot of {num_blocks:,} blocks cut + encoded: longest loop gap",
-                 "value_ms": snap["max_gap_s"] * 1e3, "baseline": "whole snapshot",
-                 "baseline_ms": snap["total_s"] * 1e3, "parts": snap["num_parts"], "bytes": snap["num_bytes"]})
+    rows.append(
+        {
+            "figure": f"snapshot of {num_blocks:,} blocks cut + encoded: longest loop gap",
+            "value_ms": snap["max_gap_s"] * 1e3,
+            "baseline": "whole snapshot",
+            "baseline_ms": snap["total_s"] * 1e3,
+            "parts": snap["num_parts"],
+            "bytes": snap["num_bytes"],
+        }
+    )
     for row in rows:
         row["ratio"] = row["value_ms"] / row["baseline_ms"] if row["baseline_ms"] else None
     return rows

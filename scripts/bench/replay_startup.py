@@ -38,8 +38,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out:
         for _ in range(rounds):
             torch_s.append(timed([sys.executable, "-c", "import torch"])[0])
-            total, first = timed([sys.executable, "-m", "kvservice.cli", "replay", "--limit", "1", "--no-progress",
-                                  "--out", out])
+            total, first = timed(
+                [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "1", "--no-progress", "--out", out]
+            )
             replay_s.append(total)
             first_s.append(first)
     t, r, f = statistics.median(torch_s), statistics.median(replay_s), statistics.median(first_s)

@@ -57,14 +57,17 @@ def unary(client: KVCacheClient, n: int, prompt_len: int = 256) -> dict[str, flo
         ping += (t1 - t0) + (t3 - t2) + (t5 - t4)
         gcb, alloc, free = gcb + t2 - t1, alloc + t4 - t3, free + t6 - t5
     out = {"ping_us": ping / (3 * n) * 1e6}
-    out.update({"get_computed_blocks_us": gcb / n * 1e6, "allocate_slots_us": alloc / n * 1e6, "free_us": free / n * 1e6})
+    out.update(
+        {"get_computed_blocks_us": gcb / n * 1e6, "allocate_slots_us": alloc / n * 1e6, "free_us": free / n * 1e6}
+    )
     return out
 
 
 def in_process_rate(num_requests: int, prompt_len: int = 2048) -> float:
     """Requests admitted per second by the engine itself (lookup + allocate + free), no gRPC."""
-    engine = KVCacheEngine(KVCacheManager(get_preset("llama-3-8b").kv_cache_config(NUM_BLOCKS), 131072,
-                                          kv_events=KVEventsConfig()))
+    engine = KVCacheEngine(
+        KVCacheManager(get_preset("llama-3-8b").kv_cache_config(NUM_BLOCKS), 131072, kv_events=KVEventsConfig())
+    )
     seq = prompts(num_requests, prompt_len, 0.0, seed=3)
     start = time.perf_counter()
     for i, tokens in enumerate(seq):
@@ -81,11 +84,16 @@ def step_rate(client: KVCacheClient, ops_per_step: int, num_requests: int, promp
     seq = prompts(num_requests, prompt_len, 0.0, seed=4)
     steps = []
     for lo in range(0, num_requests, ops_per_step):
-        ops = [pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
-               for j in range(lo - ops_per_step, lo) if j >= 0]
+        ops = [
+            pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
+            for j in range(lo - ops_per_step, lo)
+            if j >= 0
+        ]
         for j in range(lo, min(lo + ops_per_step, num_requests)):
             rid = f"s{ops_per_step}-{j}"
-            ops.append(pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=rid, prompt_token_ids=seq[j])))
+            ops.append(
+                pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=rid, prompt_token_ids=seq[j]))
+            )
             ops.append(pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=prompt_len)))
         steps.append(pb.StepRequest(ops=ops))
     start = time.perf_counter()
@@ -93,16 +101,20 @@ def step_rate(client: KVCacheClient, ops_per_step: int, num_requests: int, promp
         response = client.step(step)
         assert all(r.WhichOneof("result") != "error" for r in response.results), response
     elapsed = time.perf_counter() - start
-    last = [pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
-            for j in range(num_requests - (num_requests % ops_per_step or ops_per_step), num_requests)]
+    last = [
+        pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
+        for j in range(num_requests - (num_requests % ops_per_step or ops_per_step), num_requests)
+    ]
     client.step(pb.StepRequest(ops=last))
     return num_requests / elapsed
 
 
 def served_step_rate(ops_per_step: int, num_requests: int, prompt_len: int, num_blocks: int) -> float:
     """:func:`step_rate` against a fresh server of ``num_blocks`` blocks."""
-    with serve("--device", "meta", "--num-blocks", str(num_blocks), "--max-step-tokens", str(1 << 20)) as address, \
-            KVCacheClient(address) as client:
+    with (
+        serve("--device", "meta", "--num-blocks", str(num_blocks), "--max-step-tokens", str(1 << 20)) as address,
+        KVCacheClient(address) as client,
+    ):
         return step_rate(client, ops_per_step, num_requests, prompt_len)
 
 
@@ -112,8 +124,10 @@ def run(quick: bool = False) -> dict[str, float]:
     out: dict[str, float] = {}
     before = in_process_rate(n_step // 2)
     # Steps of 256 admissions of 2,048 tokens: above the default max_step_tokens (262,144).
-    with serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS), "--max-step-tokens", str(1 << 20)) as address, \
-            KVCacheClient(address) as client:
+    with (
+        serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS), "--max-step-tokens", str(1 << 20)) as address,
+        KVCacheClient(address) as client,
+    ):
         out.update(unary(client, n_unary))
         for k in (1, 16, 64, 256):
             out[f"step_{k}_requests_per_s"] = step_rate(client, k, max(n_step, k) if k > 1 else n_step // 4)

@@ -43,24 +43,46 @@ class Row(dict):
     ``values`` (one per round) gives the spread of a figure that has no baseline.
     """
 
-    def __init__(self, bench: str, figure: str, value: float | None, unit: str, baseline: str = "",
-                 baseline_value: float | None = None, target: str = "", met: bool | None = None, *,
-                 ratios: list[float] | None = None, values: list[float] | None = None) -> None:
+    def __init__(
+        self,
+        bench: str,
+        figure: str,
+        value: float | None,
+        unit: str,
+        baseline: str = "",
+        baseline_value: float | None = None,
+        target: str = "",
+        met: bool | None = None,
+        *,
+        ratios: list[float] | None = None,
+        values: list[float] | None = None,
+    ) -> None:
         if ratios:
             ratio: float | None = statistics.median(ratios)
             spread = (min(ratios), max(ratios))
         else:
             ratio = value / baseline_value if value is not None and baseline_value else None
             spread = (min(values), max(values)) if values else None
-        super().__init__(bench=bench, figure=figure, value=value, unit=unit, baseline=baseline,
-                         baseline_value=baseline_value, ratio=ratio, spread=spread, spread_of="ratio" if ratios else
-                         ("value" if values else None), rounds=len(ratios or values or ()) or None, target=target,
-                         met=met)
+        super().__init__(
+            bench=bench,
+            figure=figure,
+            value=value,
+            unit=unit,
+            baseline=baseline,
+            baseline_value=baseline_value,
+            ratio=ratio,
+            spread=spread,
+            spread_of="ratio" if ratios else ("value" if values else None),
+            rounds=len(ratios or values or ()) or None,
+            target=target,
+            met=met,
+        )
 
 
 def _subprocess_json(python: str, script: Path, args: object) -> object:
-    out = subprocess.run([python, str(script), json.dumps(args)], capture_output=True, text=True, check=True,
-                         cwd=str(HERE))
+    out = subprocess.run(
+        [python, str(script), json.dumps(args)], capture_output=True, text=True, check=True, cwd=str(HERE)
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -68,8 +90,9 @@ def _vllm_python(explicit: str | None) -> str | None:
     candidates = [explicit, os.environ.get("KVSERVICE_VLLM_PYTHON"), str(Path.home() / "vllm-ref/bin/python")]
     for candidate in candidates:
         if candidate and Path(candidate).exists():
-            probe = subprocess.run([candidate, "-c", "import vllm.v1.core.kv_cache_manager"], capture_output=True,
-                                   cwd="/")
+            probe = subprocess.run(
+                [candidate, "-c", "import vllm.v1.core.kv_cache_manager"], capture_output=True, cwd="/"
+            )
             if probe.returncode == 0:
                 return candidate
     return None
@@ -92,8 +115,7 @@ def bench_core(quick: bool, vllm_python: str | None) -> list[Row]:
     attention + sliding window) and the Mooncake sample; ours and vLLM's runs alternate, and each
     round's ratio is against the same round's vLLM figure."""
     n = 60 if quick else 400
-    configs = [dict(num_requests=(20 if quick else 120) if c.get("workload") else n, **c)
-               for _, c, _ in CORE_CONFIGS]
+    configs = [dict(num_requests=(20 if quick else 120) if c.get("workload") else n, **c) for _, c, _ in CORE_CONFIGS]
     rounds = 1 if quick else 5
     ours: list[list[dict]] = []
     theirs: list[list[dict]] = []
@@ -109,10 +131,20 @@ def bench_core(quick: bool, vllm_python: str | None) -> list[Row]:
         base = statistics.median(r[i]["requests_per_s"] for r in theirs) if theirs else None
         ratios = [o[i]["requests_per_s"] / t[i]["requests_per_s"] for o, t in zip(ours, theirs)] if theirs else None
         ratio = statistics.median(ratios) if ratios else None
-        rows.append(Row("core", figure, rate, "req/s", "vLLM KVCacheManager" if base else "vLLM not installed: skipped",
-                        base, f">= {target:g}x" if target else "",
-                        (ratio >= target) if ratio is not None and target else None, ratios=ratios,
-                        values=None if ratios else rates))
+        rows.append(
+            Row(
+                "core",
+                figure,
+                rate,
+                "req/s",
+                "vLLM KVCacheManager" if base else "vLLM not installed: skipped",
+                base,
+                f">= {target:g}x" if target else "",
+                (ratio >= target) if ratio is not None and target else None,
+                ratios=ratios,
+                values=None if ratios else rates,
+            )
+        )
         us = [r[i]["us_per_block"] for r in ours]
         rows.append(Row("core", f"us per block ({label})", statistics.median(us), "us", values=us))
     return rows
@@ -128,11 +160,19 @@ def bench_hashing(quick: bool) -> list[Row]:
         floor = "hashlib.sha256" if algorithm.startswith("sha256") else "xxhash.xxh3_128"
         ratios = [rr[i]["hashes_per_s"] / rr[i]["floor_hashes_per_s"] for rr in rounds]
         target = targets.get(algorithm)
-        rows.append(Row("hashing", f"{algorithm} block hashes/s", statistics.median(rr[i]["hashes_per_s"] for rr in rounds),
-                        "hash/s", f"{floor} over the same bytes",
-                        statistics.median(rr[i]["floor_hashes_per_s"] for rr in rounds),
-                        f">= {target}x" if target else "(floor)",
-                        statistics.median(ratios) >= target if target else None, ratios=ratios))
+        rows.append(
+            Row(
+                "hashing",
+                f"{algorithm} block hashes/s",
+                statistics.median(rr[i]["hashes_per_s"] for rr in rounds),
+                "hash/s",
+                f"{floor} over the same bytes",
+                statistics.median(rr[i]["floor_hashes_per_s"] for rr in rounds),
+                f">= {target}x" if target else "(floor)",
+                statistics.median(ratios) >= target if target else None,
+                ratios=ratios,
+            )
+        )
     return rows
 
 
@@ -141,8 +181,9 @@ def bench_rpc(quick: bool) -> list[Row]:
     steps (256 and 64 running requests, per-request ops and the decode op) against a Ping; each
     ratio is per round, against the same round's baseline."""
     rounds = [rpc_bench.run(quick) for _ in range(1 if quick else 3)]
-    decode_rounds = {n: [decode_bench.run(n, 20 if quick else 100) for _ in range(1 if quick else 3)]
-                     for n in (256, 64)}
+    decode_rounds = {
+        n: [decode_bench.run(n, 20 if quick else 100) for _ in range(1 if quick else 3)] for n in (256, 64)
+    }
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rounds)
@@ -155,29 +196,64 @@ def bench_rpc(quick: bool) -> list[Row]:
     rows = [Row("rpc", "Ping (no-op) round trip", ping, "us", values=pings)]
     for name in ("get_computed_blocks", "allocate_slots", "free"):
         rs = ratios(f"{name}_us", "ping_us")
-        rows.append(Row("rpc", f"{name} round trip (256 tokens)", med(f"{name}_us"), "us", "Ping", ping, "<= 1.3x",
-                        statistics.median(rs) <= 1.3, ratios=rs))
+        rows.append(
+            Row(
+                "rpc",
+                f"{name} round trip (256 tokens)",
+                med(f"{name}_us"),
+                "us",
+                "Ping",
+                ping,
+                "<= 1.3x",
+                statistics.median(rs) <= 1.3,
+                ratios=rs,
+            )
+        )
     base = med("in_process_requests_per_s")
     for k in (1, 16, 64, 256):
         rs = ratios(f"step_{k}_requests_per_s", "in_process_requests_per_s")
-        rows.append(Row("rpc", f"Step of {k} admissions: requests/s", med(f"step_{k}_requests_per_s"), "req/s",
-                        "in-process engine", base, ">= 0.7x" if k == 64 else "",
-                        (statistics.median(rs) >= 0.7) if k == 64 else None, ratios=rs))
+        rows.append(
+            Row(
+                "rpc",
+                f"Step of {k} admissions: requests/s",
+                med(f"step_{k}_requests_per_s"),
+                "req/s",
+                "in-process engine",
+                base,
+                ">= 0.7x" if k == 64 else "",
+                (statistics.median(rs) >= 0.7) if k == 64 else None,
+                ratios=rs,
+            )
+        )
     for n, target in ((256, 3.0), (64, 2.0)):
         dr = decode_rounds[n]
         for mode, label in (("per_request", "one allocate_slots op each"), ("decode", "one decode op")):
             if f"{mode}_ratio" not in dr[0]:
                 continue  # an older checkout without the decode op
             rs = [r[f"{mode}_ratio"] for r in dr]
-            rows.append(Row("rpc", f"decode step, {n} running requests ({label}): p50",
-                            statistics.median(r[f"{mode}_step_p50_us"] for r in dr), "us", "Ping",
-                            statistics.median(r[f"{mode}_ping_p50_us"] for r in dr),
-                            f"<= {target:g}x" if mode == "decode" else "",
-                            statistics.median(rs) <= target if mode == "decode" else None, ratios=rs))
+            rows.append(
+                Row(
+                    "rpc",
+                    f"decode step, {n} running requests ({label}): p50",
+                    statistics.median(r[f"{mode}_step_p50_us"] for r in dr),
+                    "us",
+                    "Ping",
+                    statistics.median(r[f"{mode}_ping_p50_us"] for r in dr),
+                    f"<= {target:g}x" if mode == "decode" else "",
+                    statistics.median(rs) <= target if mode == "decode" else None,
+                    ratios=rs,
+                )
+            )
         if "decode_step_p99_us" in dr[0]:
-            rows.append(Row("rpc", f"decode step, {n} running requests (one decode op): p99",
-                            statistics.median(r["decode_step_p99_us"] for r in dr), "us",
-                            values=[r["decode_step_p99_us"] for r in dr]))
+            rows.append(
+                Row(
+                    "rpc",
+                    f"decode step, {n} running requests (one decode op): p99",
+                    statistics.median(r["decode_step_p99_us"] for r in dr),
+                    "us",
+                    values=[r["decode_step_p99_us"] for r in dr],
+                )
+            )
     return rows
 
 
@@ -193,22 +269,65 @@ def bench_events(quick: bool) -> list[Row]:
     rows = []
     for fmt, unit in (("protobuf", "events"), ("msgpack", "batches")):
         rs = ratios(f"{fmt}_1w_{unit}_per_s", f"{fmt}_1w_bare_{unit}_per_s")
-        rows.append(Row("events", f"{fmt}: {unit}/s to 1 watcher", med(f"{fmt}_1w_{unit}_per_s"), f"{unit}/s",
-                        "bare gRPC stream", med(f"{fmt}_1w_bare_{unit}_per_s"), ">= 0.8x",
-                        statistics.median(rs) >= 0.8, ratios=rs))
+        rows.append(
+            Row(
+                "events",
+                f"{fmt}: {unit}/s to 1 watcher",
+                med(f"{fmt}_1w_{unit}_per_s"),
+                f"{unit}/s",
+                "bare gRPC stream",
+                med(f"{fmt}_1w_bare_{unit}_per_s"),
+                ">= 0.8x",
+                statistics.median(rs) >= 0.8,
+                ratios=rs,
+            )
+        )
         rs = ratios(f"{fmt}_8w_server_cpu_s", f"{fmt}_1w_server_cpu_s")
-        rows.append(Row("events", f"{fmt}: server CPU for 8 watchers", med(f"{fmt}_8w_server_cpu_s"), "s",
-                        "for 1 watcher", med(f"{fmt}_1w_server_cpu_s"), "<= 1.5x",
-                        statistics.median(rs) <= 1.5 if rs else None, ratios=rs))
-        rows.append(Row("events", f"{fmt}: bare stream's CPU for 8 watchers", med(f"{fmt}_8w_bare_server_cpu_s"), "s",
-                        "for 1 watcher", med(f"{fmt}_1w_bare_server_cpu_s"),
-                        ratios=ratios(f"{fmt}_8w_bare_server_cpu_s", f"{fmt}_1w_bare_server_cpu_s")))
-        rows.append(Row("events", f"{fmt}: {unit}/s to 8 watchers", med(f"{fmt}_8w_{unit}_per_s"), f"{unit}/s",
-                        "bare gRPC stream", med(f"{fmt}_8w_bare_{unit}_per_s"),
-                        ratios=ratios(f"{fmt}_8w_{unit}_per_s", f"{fmt}_8w_bare_{unit}_per_s")))
+        rows.append(
+            Row(
+                "events",
+                f"{fmt}: server CPU for 8 watchers",
+                med(f"{fmt}_8w_server_cpu_s"),
+                "s",
+                "for 1 watcher",
+                med(f"{fmt}_1w_server_cpu_s"),
+                "<= 1.5x",
+                statistics.median(rs) <= 1.5 if rs else None,
+                ratios=rs,
+            )
+        )
+        rows.append(
+            Row(
+                "events",
+                f"{fmt}: bare stream's CPU for 8 watchers",
+                med(f"{fmt}_8w_bare_server_cpu_s"),
+                "s",
+                "for 1 watcher",
+                med(f"{fmt}_1w_bare_server_cpu_s"),
+                ratios=ratios(f"{fmt}_8w_bare_server_cpu_s", f"{fmt}_1w_bare_server_cpu_s"),
+            )
+        )
+        rows.append(
+            Row(
+                "events",
+                f"{fmt}: {unit}/s to 8 watchers",
+                med(f"{fmt}_8w_{unit}_per_s"),
+                f"{unit}/s",
+                "bare gRPC stream",
+                med(f"{fmt}_8w_bare_{unit}_per_s"),
+                ratios=ratios(f"{fmt}_8w_{unit}_per_s", f"{fmt}_8w_bare_{unit}_per_s"),
+            )
+        )
     for q in ("p50", "p99"):
-        rows.append(Row("events", f"mutation-to-watcher latency {q} (200 batches/s)", med(f"latency_{q}_ms"), "ms",
-                        values=[r[f"latency_{q}_ms"] for r in rounds]))
+        rows.append(
+            Row(
+                "events",
+                f"mutation-to-watcher latency {q} (200 batches/s)",
+                med(f"latency_{q}_ms"),
+                "ms",
+                values=[r[f"latency_{q}_ms"] for r in rounds],
+            )
+        )
     return rows + fanout_rows(rounds)
 
 
@@ -229,32 +348,79 @@ def fanout_rows(rounds: list[dict[str, float]]) -> list[Row]:
     def ratios(key: str, base: str) -> list[float]:
         return [r[key] / r[base] for r in rounds if r[base]]
 
-    rows = [Row("events", "live, 0 subscribers: server CPU (production alone)", med("live_0s_server_cpu_s"), "s",
-                values=[r["live_0s_server_cpu_s"] for r in rounds])]
+    rows = [
+        Row(
+            "events",
+            "live, 0 subscribers: server CPU (production alone)",
+            med("live_0s_server_cpu_s"),
+            "s",
+            values=[r["live_0s_server_cpu_s"] for r in rounds],
+        )
+    ]
     for t, label in (("grpc", "gRPC live"), ("zmq", "ZMQ live")):
-        rows.append(Row("events", f"{label}: server CPU for 8 subscribers", med(f"live_{t}_8s_server_cpu_s"), "s",
-                        "for 1 subscriber", med(f"live_{t}_1s_server_cpu_s"),
-                        ratios=ratios(f"live_{t}_8s_server_cpu_s", f"live_{t}_1s_server_cpu_s")))
-    rows.append(Row("events", "ZMQ live: I/O-thread CPU for 8 subscribers", med("live_zmq_8s_zmq_io_cpu_s"), "s",
-                    "for 1 subscriber", med("live_zmq_1s_zmq_io_cpu_s"),
-                    ratios=ratios("live_zmq_8s_zmq_io_cpu_s", "live_zmq_1s_zmq_io_cpu_s")))
+        rows.append(
+            Row(
+                "events",
+                f"{label}: server CPU for 8 subscribers",
+                med(f"live_{t}_8s_server_cpu_s"),
+                "s",
+                "for 1 subscriber",
+                med(f"live_{t}_1s_server_cpu_s"),
+                ratios=ratios(f"live_{t}_8s_server_cpu_s", f"live_{t}_1s_server_cpu_s"),
+            )
+        )
+    rows.append(
+        Row(
+            "events",
+            "ZMQ live: I/O-thread CPU for 8 subscribers",
+            med("live_zmq_8s_zmq_io_cpu_s"),
+            "s",
+            "for 1 subscriber",
+            med("live_zmq_1s_zmq_io_cpu_s"),
+            ratios=ratios("live_zmq_8s_zmq_io_cpu_s", "live_zmq_1s_zmq_io_cpu_s"),
+        )
+    )
     for k in (8, 1):
-        rows.append(Row("events", f"ZMQ vs gRPC live: server CPU, {k} subscriber{'s' if k > 1 else ''}",
-                        med(f"live_zmq_{k}s_server_cpu_s"), "s", f"gRPC live StreamEvents, {k}",
-                        med(f"live_grpc_{k}s_server_cpu_s"),
-                        ratios=ratios(f"live_zmq_{k}s_server_cpu_s", f"live_grpc_{k}s_server_cpu_s")))
+        rows.append(
+            Row(
+                "events",
+                f"ZMQ vs gRPC live: server CPU, {k} subscriber{'s' if k > 1 else ''}",
+                med(f"live_zmq_{k}s_server_cpu_s"),
+                "s",
+                f"gRPC live StreamEvents, {k}",
+                med(f"live_grpc_{k}s_server_cpu_s"),
+                ratios=ratios(f"live_zmq_{k}s_server_cpu_s", f"live_grpc_{k}s_server_cpu_s"),
+            )
+        )
     return rows
 
 
 def bench_memory(quick: bool) -> list[Row]:
     rows = []
-    for n in ((10_000,) if quick else (100_000, 1_000_000)):
+    for n in (10_000,) if quick else (100_000, 1_000_000):
         r = memory_bench.run(n)
-        rows.append(Row("memory", f"bytes/block, empty pool of {n:,}", r["empty_bytes_per_block"], "B",
-                        "block ids alone (8 B ints)", r["ids_bytes_per_block"], "<= 150 B",
-                        r["empty_bytes_per_block"] <= 150))
-        rows.append(Row("memory", f"bytes/block, every block cached, {n:,}", r["cached_bytes_per_block"], "B",
-                        "block ids alone (8 B ints)", r["ids_bytes_per_block"]))
+        rows.append(
+            Row(
+                "memory",
+                f"bytes/block, empty pool of {n:,}",
+                r["empty_bytes_per_block"],
+                "B",
+                "block ids alone (8 B ints)",
+                r["ids_bytes_per_block"],
+                "<= 150 B",
+                r["empty_bytes_per_block"] <= 150,
+            )
+        )
+        rows.append(
+            Row(
+                "memory",
+                f"bytes/block, every block cached, {n:,}",
+                r["cached_bytes_per_block"],
+                "B",
+                "block ids alone (8 B ints)",
+                r["ids_bytes_per_block"],
+            )
+        )
     return rows
 
 
@@ -314,9 +480,11 @@ def bench_scaling(quick: bool, out_png: Path | None) -> list[Row]:
 def render(rows: list[Row]) -> str:
     """The Markdown table: each figure a median over rounds, with its spread (lowest-highest over
     the rounds, of the ratio where there is a baseline, else of the value)."""
-    lines = [f"| {'bench':<8} | {'figure':<66} | {'value':>16} | {'baseline':<34} | {'baseline value':>14} | "
-             f"{'ratio':>7} | {'spread (rounds)':<22} | {'target':<8} | met |",
-             f"|{'-' * 10}|{'-' * 68}|{'-' * 18}|{'-' * 36}|{'-' * 16}|{'-' * 9}|{'-' * 24}|{'-' * 10}|-----|"]
+    lines = [
+        f"| {'bench':<8} | {'figure':<66} | {'value':>16} | {'baseline':<34} | {'baseline value':>14} | "
+        f"{'ratio':>7} | {'spread (rounds)':<22} | {'target':<8} | met |",
+        f"|{'-' * 10}|{'-' * 68}|{'-' * 18}|{'-' * 36}|{'-' * 16}|{'-' * 9}|{'-' * 24}|{'-' * 10}|-----|",
+    ]
 
     def num(v: float | None) -> str:
         return "" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.2f}")
@@ -327,10 +495,14 @@ def render(rows: list[Row]) -> str:
         spread = ""
         if r.get("spread") and r.get("rounds", 0) and r["rounds"] > 1:
             lo, hi = r["spread"]
-            spread = (f"{lo:.2f}-{hi:.2f}x" if r["spread_of"] == "ratio" else f"{num(lo)}-{num(hi)}") + f" ({r['rounds']})"
-        lines.append(f"| {r['bench']:<8} | {r['figure']:<66} | {num(r['value']) + ' ' + r['unit']:>16} | "
-                     f"{r['baseline']:<34} | {num(r['baseline_value']):>14} | {ratio:>7} | {spread:<22} | "
-                     f"{r['target']:<8} | {met:<3} |")
+            spread = (
+                f"{lo:.2f}-{hi:.2f}x" if r["spread_of"] == "ratio" else f"{num(lo)}-{num(hi)}"
+            ) + f" ({r['rounds']})"
+        lines.append(
+            f"| {r['bench']:<8} | {r['figure']:<66} | {num(r['value']) + ' ' + r['unit']:>16} | "
+            f"{r['baseline']:<34} | {num(r['baseline_value']):>14} | {ratio:>7} | {spread:<22} | "
+            f"{r['target']:<8} | {met:<3} |"
+        )
     return "\n".join(lines)
 
 
@@ -349,7 +521,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown bench {sorted(unknown)}; choose from {', '.join(BENCHES)}")
     vllm_python = _vllm_python(args.vllm_python) if "core" in only and not args.no_vllm else None
     if "core" in only and vllm_python is None:
-        print("vLLM not found (see BENCHMARKS.md, 'The vLLM baseline'): the core-ops baseline column is skipped", file=sys.stderr)
+        print(
+            "vLLM not found (see BENCHMARKS.md, 'The vLLM baseline'): the core-ops baseline column is skipped",
+            file=sys.stderr,
+        )
     started = time.perf_counter()
     rows: list[Row] = []
     for bench in only:

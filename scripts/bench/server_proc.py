@@ -13,7 +13,9 @@ def serve(*flags: str, with_pid: bool = False) -> Iterator:
     """Run a server on a free port with ``flags``; yield its address (and pid with ``with_pid``)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         assert proc.stdout is not None

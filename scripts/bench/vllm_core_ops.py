@@ -19,9 +19,17 @@ SLIDING_WINDOW = 1024  # as core_ops.py
 MOONCAKE_WARM = 20
 
 
-def run(num_requests: int, *, prompt_len: int = 2048, block_size: int = 16, num_blocks: int = 4096,
-        events: bool = True, shared_fraction: float = 0.0, hybrid: bool = False,
-        workload: str = "synthetic") -> dict[str, float]:
+def run(
+    num_requests: int,
+    *,
+    prompt_len: int = 2048,
+    block_size: int = 16,
+    num_blocks: int = 4096,
+    events: bool = True,
+    shared_fraction: float = 0.0,
+    hybrid: bool = False,
+    workload: str = "synthetic",
+) -> dict[str, float]:
     import torch
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256_cbor
@@ -34,12 +42,19 @@ def run(num_requests: int, *, prompt_len: int = 2048, block_size: int = 16, num_
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16)
     groups = [KVCacheGroupSpec(["layer"], spec)]
     if hybrid:
-        swa = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16,
-                                sliding_window=SLIDING_WINDOW)
+        swa = SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16, sliding_window=SLIDING_WINDOW
+        )
         groups.append(KVCacheGroupSpec(["swa"], swa))
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-    manager = KVCacheManager(config, max_model_len=131072, scheduler_block_size=block_size,
-                             hash_block_size=block_size, enable_caching=True, enable_kv_cache_events=events)
+    manager = KVCacheManager(
+        config,
+        max_model_len=131072,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        enable_caching=True,
+        enable_kv_cache_events=events,
+    )
     hasher = get_request_block_hasher(block_size, sha256_cbor)
     params = SamplingParams(max_tokens=1)
     if workload == "mooncake":

@@ -17,9 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_harness_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/bench/run.py"), "--quick", "--no-vllm", "--json", str(out),
-         "--png", str(tmp_path / "scaling.png")],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(ROOT / "scripts/bench/run.py"),
+            "--quick",
+            "--no-vllm",
+            "--json",
+            str(out),
+            "--png",
+            str(tmp_path / "scaling.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())

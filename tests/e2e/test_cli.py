@@ -41,7 +41,10 @@ class Lines:
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "kvservice.cli", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
 
 
@@ -59,8 +62,12 @@ def test_serve_with_defaults_then_watch_shows_events_and_sigterm_ends_both():
             assert client.get_computed_blocks("r1", list(range(40)), session_id="chat-1").num_computed_tokens == 0
             assert client.allocate_slots("r1", 40).allocated
             client.free("r1")
-            assert client.get_computed_blocks("r2", list(range(40)), session_id="chat-2",
-                                              kv_cache_report_mode="full").num_computed_tokens == 32
+            assert (
+                client.get_computed_blocks(
+                    "r2", list(range(40)), session_id="chat-2", kv_cache_report_mode="full"
+                ).num_computed_tokens
+                == 32
+            )
             assert client.allocate_slots("r2", 40).num_new_computed_tokens == 32
         first = watch_out.wait_for("seq=1 BlockStored")
         assert "group=0 kind=full_attention window=- session=chat-1 parent=- blocks=2" in first
@@ -82,7 +89,9 @@ def test_serve_with_defaults_then_watch_shows_events_and_sigterm_ends_both():
 def test_serve_rejects_a_bad_setting_naming_it():
     result = subprocess.run(
         [sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", "--num-blocks", "1"],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert result.returncode == 1
     assert "num_blocks must be >= 2" in result.stderr
@@ -90,9 +99,25 @@ def test_serve_rejects_a_bad_setting_naming_it():
 
 def test_replay_sizes_the_embedded_pool_from_a_memory_budget(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "3", "--no-progress", "--report-mode", "full",
-         "--no-late-watcher", "--kv-cache-memory", "64GiB", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "kvservice.cli",
+            "replay",
+            "--limit",
+            "3",
+            "--no-progress",
+            "--report-mode",
+            "full",
+            "--no-late-watcher",
+            "--kv-cache-memory",
+            "64GiB",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr
     assert "preset llama-3-8b, block_size 16 tokens, num_blocks 32,768" in result.stdout  # 64 GiB // 2 MiB

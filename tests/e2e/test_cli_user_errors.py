@@ -16,7 +16,10 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "kvservice.cli", *args], capture_output=True, text=True, timeout=TIMEOUT_S,
+        [sys.executable, "-m", "kvservice.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
         env={**os.environ, **(env or {})},
     )
 
@@ -54,7 +57,10 @@ def test_serve_on_a_port_in_use_is_a_clean_error():
 def served_address():
     serve = subprocess.Popen(
         [sys.executable, "-m", "kvservice.cli", "serve", "--device", "meta", "--num-blocks", "16", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
     try:
         line = serve.stdout.readline()  # "kvservice listening on HOST:PORT (epoch ...)"
@@ -83,8 +89,16 @@ def test_bad_log_level_is_a_clean_error():
 
 @pytest.mark.parametrize(
     "args",
-    [["--watchers", "0"], ["--watchers", "-1"], ["--max-num-seqs", "0"], ["--max-num-batched-tokens", "0"],
-     ["--step-ms", "nan"], ["--step-ms", "-1"], ["--limit", "0"], ["--instances", "65"]],
+    [
+        ["--watchers", "0"],
+        ["--watchers", "-1"],
+        ["--max-num-seqs", "0"],
+        ["--max-num-batched-tokens", "0"],
+        ["--step-ms", "nan"],
+        ["--step-ms", "-1"],
+        ["--limit", "0"],
+        ["--instances", "65"],
+    ],
 )
 def test_replay_rejects_out_of_range_options_quickly(tmp_path, args):
     """Today: --watchers 0/-1 end in an IndexError traceback, --max-num-seqs 0 and
@@ -92,8 +106,21 @@ def test_replay_rejects_out_of_range_options_quickly(tmp_path, args):
     run (writing report.json), --step-ms -1 is accepted."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "3", "--no-progress", "--out", str(tmp_path), *args],
-            capture_output=True, text=True, timeout=30,
+            [
+                sys.executable,
+                "-m",
+                "kvservice.cli",
+                "replay",
+                "--limit",
+                "3",
+                "--no-progress",
+                "--out",
+                str(tmp_path),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"replay {' '.join(args)} hung")
@@ -106,11 +133,14 @@ def test_serve_with_a_bad_model_config_names_the_field(tmp_path):
     _assert_clean_error(proc, "missing field 'num_attention_heads'")
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--kv-cache-memory", "lots"], "not a byte count: 'lots'"),
-    (["--kv-cache-memory", "1MiB", "--preset", "gemma-3-27b"], "holds 0 blocks"),
-    (["--kv-cache-memory", "1GiB", "--instances", "2"], "--kv-cache-memory sizes the one embedded server"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--kv-cache-memory", "lots"], "not a byte count: 'lots'"),
+        (["--kv-cache-memory", "1MiB", "--preset", "gemma-3-27b"], "holds 0 blocks"),
+        (["--kv-cache-memory", "1GiB", "--instances", "2"], "--kv-cache-memory sizes the one embedded server"),
+    ],
+)
 def test_replay_kv_cache_memory_errors_are_clean(tmp_path, args, needle):
     proc = _run("replay", "--limit", "3", "--no-progress", "--out", str(tmp_path), *args)
     _assert_clean_error(proc, needle)

@@ -58,13 +58,18 @@ class DynamoIndexer:
         self.log = open(log_path, "a")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
 
     def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:
                 return resp.status, json.loads(resp.read() or b"null")
@@ -87,10 +92,17 @@ class DynamoIndexer:
             await asyncio.sleep(POLL_S)
 
     async def register(self, endpoint: str, replay_endpoint: str) -> None:
-        status, body = await self.call("POST", "/register", {
-            "instance_id": WORKER_ID, "endpoint": endpoint, "replay_endpoint": replay_endpoint,
-            "model_name": MODEL, "block_size": BLOCK_SIZE,
-        })
+        status, body = await self.call(
+            "POST",
+            "/register",
+            {
+                "instance_id": WORKER_ID,
+                "endpoint": endpoint,
+                "replay_endpoint": replay_endpoint,
+                "model_name": MODEL,
+                "block_size": BLOCK_SIZE,
+            },
+        )
         assert status == 201, body
 
     async def view(self) -> set[int]:
@@ -147,7 +159,9 @@ def cached(running) -> set[int]:
 
 def prompt_of(family: int, turn: int) -> list[int]:
     """Families share their first 8 tokens (2 blocks); turns extend them."""
-    return [100 * (family + 1) + t for t in range(8)] + [10_000 + 100 * family + 10 * turn + t for t in range(4 + turn % 3 * 4)]
+    return [100 * (family + 1) + t for t in range(8)] + [
+        10_000 + 100 * family + 10 * turn + t for t in range(4 + turn % 3 * 4)
+    ]
 
 
 async def workload(client, tag: str, num_requests: int) -> None:
@@ -201,7 +215,10 @@ async def assert_dynamo_equals(indexer: DynamoIndexer, running, client) -> None:
 
 
 async def test_dynamo_follows_kvservice_through_restarts_and_short_retention(
-    start_kv_server, connect, indexers, tmp_path  # noqa: F811 (the fixtures imported above)
+    start_kv_server,
+    connect,
+    indexers,
+    tmp_path,  # noqa: F811 (the fixtures imported above)
 ):
     endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
     settings = {"zmq_endpoint": endpoint, "zmq_replay_endpoint": replay_endpoint, "event_max_batches": 6}
@@ -242,15 +259,23 @@ async def test_dynamo_follows_kvservice_through_restarts_and_short_retention(
 
 
 async def test_dynamo_catches_up_on_a_restart_with_a_snapshot_bigger_than_the_replay_high_water_mark(
-    start_kv_server, connect, indexers, tmp_path  # noqa: F811 (the fixtures imported above)
+    start_kv_server,
+    connect,
+    indexers,
+    tmp_path,  # noqa: F811 (the fixtures imported above)
 ):
     """A restarted kvservice with a one-batch retention (a replay socket high-water mark of 4
     messages) and over 128 cached blocks, far more than snapshot_part_tokens (4) per gRPC part: Dynamo,
     still holding the dead server's blocks, sees the seq jump, asks for the gap and is answered with
     the snapshot as one batch, and ends equal to the new server's cached set."""
     endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    settings = {"zmq_endpoint": endpoint, "zmq_replay_endpoint": replay_endpoint, "event_max_batches": 1,
-                "snapshot_part_tokens": 4, "num_blocks": 256}
+    settings = {
+        "zmq_endpoint": endpoint,
+        "zmq_replay_endpoint": replay_endpoint,
+        "event_max_batches": 1,
+        "snapshot_part_tokens": 4,
+        "num_blocks": 256,
+    }
     running = await start_kv_server(**settings)
     client = await connect(running)
     indexer = indexers()

@@ -45,8 +45,9 @@ def ideal_hits_from_hash_ids(requests, block_size: int) -> list[int]:
 
 
 async def test_hits_equal_ideal_and_predictions_exact_with_unbounded_mirrors():
-    config = ReplayConfig(limit=200, num_blocks=400_000, mirror_capacity=0, late_watcher=True, watchers=2,
-                          show_progress=False)
+    config = ReplayConfig(
+        limit=200, num_blocks=400_000, mirror_capacity=0, late_watcher=True, watchers=2, show_progress=False
+    )
     runs: list[ModeRun] = []
     report = await run_replay(config, runs=runs)
     requests = load_requests(config)
@@ -68,7 +69,9 @@ async def test_hits_equal_ideal_and_predictions_exact_with_unbounded_mirrors():
             assert w.index.snapshot().get(0, set()) == run.server_cached[0]
     for mode in report.modes:
         assert mode.agreement.exact_match_pct == 100.0 and mode.agreement.mean_abs_error_blocks == 0.0
-    assert report.ideal_hit_rate_tokens_pct == pytest.approx(100.0 * sum(ideal) / sum(len(r.prompt_token_ids) for r in requests))
+    assert report.ideal_hit_rate_tokens_pct == pytest.approx(
+        100.0 * sum(ideal) / sum(len(r.prompt_token_ids) for r in requests)
+    )
 
 
 async def test_bounded_mirror_full_mode_keeps_agreement_and_late_watcher_matches_first():
@@ -77,7 +80,9 @@ async def test_bounded_mirror_full_mode_keeps_agreement_and_late_watcher_matches
     report = await run_replay(config, runs=runs)
     incremental, full = report.mode("incremental"), report.mode("full")
     # Same trace, same server decisions: the report mode never changes hits or eviction.
-    assert [a.actual_hit_tokens for a in runs[0].stats.admissions] == [a.actual_hit_tokens for a in runs[1].stats.admissions]
+    assert [a.actual_hit_tokens for a in runs[0].stats.admissions] == [
+        a.actual_hit_tokens for a in runs[1].stats.admissions
+    ]
     assert incremental.num_hit_tokens == full.num_hit_tokens > 0
     assert full.agreement.exact_match_pct > incremental.agreement.exact_match_pct
     assert full.agreement.mean_abs_error_blocks < incremental.agreement.mean_abs_error_blocks
@@ -91,7 +96,9 @@ def test_cli_replay_writes_report(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "30", "--no-progress", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "exact match" in result.stdout and "incremental" in result.stdout and "full" in result.stdout

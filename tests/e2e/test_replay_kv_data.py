@@ -17,8 +17,15 @@ pytestmark = pytest.mark.slow
 
 # qwen-2.5-0.5b (196,608 bytes per 16-token block), 1,024 blocks: 201 MB of shared memory, and the
 # first 20 requests of the trace need more, so blocks are evicted and reused (and requests preempted).
-SMALL = {"preset": "qwen-2.5-0.5b", "num_blocks": 1024, "device": "cpu", "limit": 20, "report_modes": ("full",),
-         "show_progress": False, "late_watcher": False}
+SMALL = {
+    "preset": "qwen-2.5-0.5b",
+    "num_blocks": 1024,
+    "device": "cpu",
+    "limit": 20,
+    "report_modes": ("full",),
+    "show_progress": False,
+    "late_watcher": False,
+}
 
 
 async def _replay(**overrides) -> tuple[dict, ModeRun]:

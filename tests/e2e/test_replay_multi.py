@@ -49,8 +49,16 @@ def write_conversation_trace(path: Path) -> Path:
     lines = []
     for k, c in enumerate(order):
         histories[c] += [rng.randrange(100_000) for _ in range(3 * BLOCK)]
-        lines.append(json.dumps({"token_ids": histories[c], "timestamp": 20 * max(k - 2, 0), "output_length": 4,
-                                 "session_id": f"conversation-{c}"}))
+        lines.append(
+            json.dumps(
+                {
+                    "token_ids": histories[c],
+                    "timestamp": 20 * max(k - 2, 0),
+                    "output_length": 4,
+                    "session_id": f"conversation-{c}",
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -61,8 +69,15 @@ def trace(tmp_path_factory) -> Path:
 
 
 def config(trace: Path, **overrides) -> MultiReplayConfig:
-    settings = dict(trace=str(trace), instances=3, num_blocks=400, rate_scale=1.0, mirror_capacity=0, show_progress=False,
-                    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512))
+    settings = dict(
+        trace=str(trace),
+        instances=3,
+        num_blocks=400,
+        rate_scale=1.0,
+        mirror_capacity=0,
+        show_progress=False,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+    )
     settings.update(overrides)
     return MultiReplayConfig(**settings)
 
@@ -133,8 +148,10 @@ def test_routed_requests_go_to_an_instance_with_the_longest_predicted_hit(replay
 def test_routed_hit_rate_beats_round_robin_exactly(replayed):
     report, runs = replayed
     routed, rr = report.policy("routed"), report.policy("round-robin")
-    assert routed.num_prompt_tokens == rr.num_prompt_tokens == sum(
-        (2 + 3 * t) * BLOCK * NUM_CONVERSATIONS for t in range(1, NUM_TURNS + 1)
+    assert (
+        routed.num_prompt_tokens
+        == rr.num_prompt_tokens
+        == sum((2 + 3 * t) * BLOCK * NUM_CONVERSATIONS for t in range(1, NUM_TURNS + 1))
     )
     # Routed: every turn after the first hits its whole history (the previous turn's prompt);
     # a first turn hits the system prompt once its instance holds it.
@@ -143,7 +160,10 @@ def test_routed_hit_rate_beats_round_robin_exactly(replayed):
     # burst requests that arrived with the first one.
     history = sum((2 + 3 * (t - 1)) * BLOCK * NUM_CONVERSATIONS for t in range(2, NUM_TURNS + 1))
     assert routed.num_hit_tokens == history + 9 * 2 * BLOCK == 29_664
-    assert routed.num_hit_tokens == round(report.ideal_hit_rate_tokens_pct * routed.num_prompt_tokens / 100) - 2 * 2 * BLOCK
+    assert (
+        routed.num_hit_tokens
+        == round(report.ideal_hit_rate_tokens_pct * routed.num_prompt_tokens / 100) - 2 * 2 * BLOCK
+    )
     assert rr.num_hit_tokens == 21_504
     assert routed.num_requests_per_instance == rr.num_requests_per_instance == [40, 40, 40]
     assert routed.num_decisions_by_reason == {"hit": 108, "load": 6, "round-robin": 6}
@@ -209,10 +229,30 @@ def test_arrivals_are_scaled_by_the_number_of_instances_by_default(trace):
 def test_cli_replay_instances_prints_the_comparison(trace, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "kvservice.cli", "replay", "--trace", str(trace), "--instances", "2",
-         "--num-blocks", "400", "--rate-scale", "1", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--no-progress",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "kvservice.cli",
+            "replay",
+            "--trace",
+            str(trace),
+            "--instances",
+            "2",
+            "--num-blocks",
+            "400",
+            "--rate-scale",
+            "1",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "routed" in result.stdout and "round-robin" in result.stdout
@@ -221,16 +261,23 @@ def test_cli_replay_instances_prints_the_comparison(trace, tmp_path):
     assert [p["num_requests"] for p in data["policies"]] == [NUM_REQUESTS, NUM_REQUESTS]
     assert data["report_mode"] == "full" and data["num_blocks_per_instance"] == 400
     assert (out / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert result.stdout.splitlines()[0].startswith("replay: ") and "2 instances, routed vs round-robin" in result.stdout
+    assert (
+        result.stdout.splitlines()[0].startswith("replay: ") and "2 instances, routed vs round-robin" in result.stdout
+    )
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--target", "127.0.0.1:1"], "--instances runs its own servers"),
-    (["--report-mode", "both"], "--instances compares routing in one report mode"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--target", "127.0.0.1:1"], "--instances runs its own servers"),
+        (["--report-mode", "both"], "--instances compares routing in one report mode"),
+    ],
+)
 def test_cli_replay_instances_refuses_what_it_cannot_do(trace, extra, message):
     result = subprocess.run(
         [sys.executable, "-m", "kvservice.cli", "replay", "--trace", str(trace), "--instances", "2", *extra],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2 and message in result.stderr, result.stderr

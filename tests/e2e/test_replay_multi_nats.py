@@ -113,10 +113,34 @@ async def test_cli_replay_instances_over_nats_prints_the_comparison(trace, tmp_p
     out = tmp_path / "out"
     result = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "kvservice.cli", "replay", "--trace", str(trace), "--instances", "2", "--limit", "60",
-         "--num-blocks", "400", "--rate-scale", "1", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-         "--no-progress", "--nats-url", nats_server.url, "--out", str(out)],
-        capture_output=True, text=True, timeout=100,
+        [
+            sys.executable,
+            "-m",
+            "kvservice.cli",
+            "replay",
+            "--trace",
+            str(trace),
+            "--instances",
+            "2",
+            "--limit",
+            "60",
+            "--num-blocks",
+            "400",
+            "--rate-scale",
+            "1",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--no-progress",
+            "--nats-url",
+            nats_server.url,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert result.returncode == 0, result.stderr
     assert "routed" in result.stdout and "round-robin" in result.stdout
@@ -131,6 +155,8 @@ async def test_cli_replay_instances_over_nats_prints_the_comparison(trace, tmp_p
 def test_cli_refuses_nats_url_without_instances(trace):
     result = subprocess.run(
         [sys.executable, "-m", "kvservice.cli", "replay", "--trace", str(trace), "--nats-url", "nats://127.0.0.1:1"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and "--nats-url feeds the router's mirrors of --instances N" in result.stderr

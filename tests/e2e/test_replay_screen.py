@@ -18,13 +18,16 @@ def test_the_last_screen_of_a_replay_in_tmux_is_clean(tmp_path):
         pytest.skip("tmux is not installed")
     session = f"kvservice-{uuid.uuid4().hex[:8]}"
     done = tmp_path / "done"
-    command = (f"{sys.executable} -m kvservice.cli replay --limit 20 --out {tmp_path / 'out'}; "
-               f"echo $? > {done}; tmux wait-for -S {session}; exec cat")  # cat: the pane stays to be read
+    command = (
+        f"{sys.executable} -m kvservice.cli replay --limit 20 --out {tmp_path / 'out'}; "
+        f"echo $? > {done}; tmux wait-for -S {session}; exec cat"
+    )  # cat: the pane stays to be read
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "300", "-y", "60", command], check=True)
     try:
         subprocess.run(["tmux", "wait-for", session], check=True, timeout=600)
-        screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True,
-                                check=True).stdout
+        screen = subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     assert done.read_text().strip() == "0", screen

@@ -20,8 +20,25 @@ def _readyz(port: int) -> int:
 
 
 def test_sigterm_goes_not_ready_keeps_serving_through_the_drain_then_exits():
-    serve = _spawn("serve", "--port", "0", "--device", "meta", "--preset", "qwen-2.5-0.5b", "--block-size", "4",
-                   "--num-blocks", "16", "--health-http-port", "0", "--drain-delay-s", "3", "--shutdown-grace-s", "1")
+    serve = _spawn(
+        "serve",
+        "--port",
+        "0",
+        "--device",
+        "meta",
+        "--preset",
+        "qwen-2.5-0.5b",
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "16",
+        "--health-http-port",
+        "0",
+        "--drain-delay-s",
+        "3",
+        "--shutdown-grace-s",
+        "1",
+    )
     try:
         out = Lines(serve.stdout)
         address = out.wait_for("kvservice listening on").split()[3]

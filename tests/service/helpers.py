@@ -8,8 +8,8 @@ batch starts at an explicit seq (``head_seq + 1``), which the server replays fro
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvservice.server.app import RunningServer
@@ -51,9 +51,18 @@ def stored(
 ) -> BlockStored:
     """A BlockStored as the server publishes it by default (medium "GPU", as vLLM's primary pool)."""
     return BlockStored(
-        block_hashes=block_hashes, parent_block_hash=parent, token_ids=list(tokens), block_size=block_size,
-        lora_id=None, medium=medium, lora_name=None, group_idx=group, kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window, session_id=session, reused=reused,
+        block_hashes=block_hashes,
+        parent_block_hash=parent,
+        token_ids=list(tokens),
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+        session_id=session,
+        reused=reused,
     )
 
 

@@ -34,8 +34,8 @@ from kvservice.watch import watch_events
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVCacheClient, KVServiceError, StepBuilder
 from kvservice_client.data import aattach_kv_cache, aread_blocks, awrite_blocks, block_ref
-from kvservice_client.watcher import EventWatcher
 from kvservice_client.tls import TLSConfig
+from kvservice_client.watcher import EventWatcher
 from tests.service.helpers import READ_TIMEOUT_S, events_of, hashes, next_batch, observed_state, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,7 +77,9 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _cert(
@@ -104,9 +106,17 @@ def _cert(
     )
     if ca:
         builder = builder.add_extension(
-            x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                          encipher_only=False, decipher_only=False),
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
             critical=True,
         )
     elif server:
@@ -257,13 +267,18 @@ async def test_ready_channel_credentials(start_kv_server, connect, pki):
 
 
 async def test_watch_and_event_watcher_over_mutual_tls_with_a_token(start_kv_server, pki, tmp_path):
-    running = await start_kv_server(**tls_settings(pki, mutual=True), auth_tokens_file=write_tokens(tmp_path / "t.toml"))
+    running = await start_kv_server(
+        **tls_settings(pki, mutual=True), auth_tokens_file=write_tokens(tmp_path / "t.toml")
+    )
     tls = {"root_certificates": pki.ca_pem, "private_key": pki.client_key_pem, "certificate_chain": pki.client_cert_pem}
     out = io.StringIO()
     credentials = grpc.ssl_channel_credentials(**tls)
-    assert await watch_events(
-        running.address, snapshot=True, token=WATCHER_TOKEN, credentials=credentials, out=out, max_batches=1
-    ) == 1
+    assert (
+        await watch_events(
+            running.address, snapshot=True, token=WATCHER_TOKEN, credentials=credentials, out=out, max_batches=1
+        )
+        == 1
+    )
     assert out.getvalue().splitlines()[1:] == ["seq=0* AllBlocksCleared"]
     async with EventWatcher(running.address, client_kwargs={"token": WATCHER_TOKEN, **tls}) as watcher:
         watched = await asyncio.wait_for(anext(watcher), READ_TIMEOUT_S)
@@ -274,8 +289,13 @@ async def test_blocking_client_over_mutual_tls(start_kv_server, pki):
     running = await start_kv_server(**tls_settings(pki, mutual=True))
 
     def ping() -> bytes:
-        with KVCacheClient(running.address, root_certificates=pki.ca_pem, private_key=pki.client_key_pem,
-                           certificate_chain=pki.client_cert_pem, timeout=READ_TIMEOUT_S) as client:
+        with KVCacheClient(
+            running.address,
+            root_certificates=pki.ca_pem,
+            private_key=pki.client_key_pem,
+            certificate_chain=pki.client_cert_pem,
+            timeout=READ_TIMEOUT_S,
+        ) as client:
             return client.ping(b"sync").payload
 
     assert await asyncio.to_thread(ping) == b"sync"  # the server runs on this loop: call from a thread
@@ -378,9 +398,11 @@ async def prepare(running, connect) -> AsyncKVCacheClient:
     return admin
 
 
-@pytest.mark.parametrize("role, token", [("scheduler", SCHEDULER_TOKEN), ("watcher", WATCHER_TOKEN),
-                                         ("worker", WORKER_TOKEN), ("scheduler", HASHED_TOKEN)],
-                         ids=["scheduler", "watcher", "worker", "token_sha256"])
+@pytest.mark.parametrize(
+    "role, token",
+    [("scheduler", SCHEDULER_TOKEN), ("watcher", WATCHER_TOKEN), ("worker", WORKER_TOKEN), ("scheduler", HASHED_TOKEN)],
+    ids=["scheduler", "watcher", "worker", "token_sha256"],
+)
 async def test_each_role_calls_exactly_its_rpcs(token_server, connect, role, token):
     admin = await prepare(token_server, connect)
     client = await connect(token_server, token=token)
@@ -415,10 +437,15 @@ async def test_a_denied_message_names_method_role_and_token_name(token_server, c
     [
         (None, "missing authorization metadata: send 'authorization: Bearer <token>'"),
         ((("authorization", f"Bearer {WRONG_TOKEN}"),), "unknown bearer token"),
-        ((("authorization", f"Basic {SCHEDULER_TOKEN}"),), "malformed authorization metadata: expected 'Bearer <token>'"),
+        (
+            (("authorization", f"Basic {SCHEDULER_TOKEN}"),),
+            "malformed authorization metadata: expected 'Bearer <token>'",
+        ),
         ((("authorization", "Bearer"),), "malformed authorization metadata: expected 'Bearer <token>'"),
-        ((("authorization", f"Bearer {SCHEDULER_TOKEN}"), ("authorization", f"Bearer {SCHEDULER_TOKEN}")),
-         "2 authorization metadata entries; send exactly one"),
+        (
+            (("authorization", f"Bearer {SCHEDULER_TOKEN}"), ("authorization", f"Bearer {SCHEDULER_TOKEN}")),
+            "2 authorization metadata entries; send exactly one",
+        ),
     ],
     ids=["missing", "wrong", "not-bearer", "empty", "twice"],
 )
@@ -509,26 +536,64 @@ async def test_non_loopback_bind_notes(start_kv_server, tmp_path):
         ("tokens = [\n", "the token file is not valid TOML"),
         ("", r"no \[\[tokens\]\] entries"),
         ('tokens = "x"\n', r"no \[\[tokens\]\] entries"),
-        ('colour = 1\n[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n', "unknown key 'colour'"),
-        ('[[tokens]]\nname = "a"\nrole = "admin"\ntoken = "SECRET-0123456789abc"\n',
-         r"tokens\[0\] \('a'\): role must be one of scheduler, watcher, worker; got 'admin'"),
-        ('[[tokens]]\nname = "a"\nrole = "watcher"\n', r"tokens\[0\] \('a'\): give exactly one of token or token_sha256"),
-        (f'[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\ntoken_sha256 = "{"0" * 64}"\n',
-         "give exactly one of token or token_sha256"),
+        (
+            'colour = 1\n[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n',
+            "unknown key 'colour'",
+        ),
+        (
+            '[[tokens]]\nname = "a"\nrole = "admin"\ntoken = "SECRET-0123456789abc"\n',
+            r"tokens\[0\] \('a'\): role must be one of scheduler, watcher, worker; got 'admin'",
+        ),
+        (
+            '[[tokens]]\nname = "a"\nrole = "watcher"\n',
+            r"tokens\[0\] \('a'\): give exactly one of token or token_sha256",
+        ),
+        (
+            f'[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\ntoken_sha256 = "{"0" * 64}"\n',
+            "give exactly one of token or token_sha256",
+        ),
         ('[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET"\n', "token must be at least 16 characters; got 6"),
-        ('[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET 0123456789abc"\n',
-         "token must be printable ASCII without spaces"),
+        (
+            '[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET 0123456789abc"\n',
+            "token must be printable ASCII without spaces",
+        ),
         ('[[tokens]]\nname = "a"\nrole = "watcher"\ntoken_sha256 = "SECRET"\n', "token_sha256 must be 64 hex digits"),
-        ('[[tokens]]\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n', r"tokens\[0\]: name must be a non-empty string"),
-        ('[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\nscope = "x"\n', "unknown key 'scope'"),
-        ('[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n'
-         '[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789xyz"\n', "token name 'a' appears twice"),
-        ('[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n'
-         '[[tokens]]\nname = "b"\nrole = "scheduler"\ntoken = "SECRET-0123456789abc"\n',
-         "token 'b' repeats an earlier entry's token"),
+        (
+            '[[tokens]]\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n',
+            r"tokens\[0\]: name must be a non-empty string",
+        ),
+        (
+            '[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\nscope = "x"\n',
+            "unknown key 'scope'",
+        ),
+        (
+            '[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n'
+            '[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789xyz"\n',
+            "token name 'a' appears twice",
+        ),
+        (
+            '[[tokens]]\nname = "a"\nrole = "watcher"\ntoken = "SECRET-0123456789abc"\n'
+            '[[tokens]]\nname = "b"\nrole = "scheduler"\ntoken = "SECRET-0123456789abc"\n',
+            "token 'b' repeats an earlier entry's token",
+        ),
     ],
-    ids=["missing", "not-toml", "empty", "not-a-list", "unknown-top-key", "bad-role", "no-token", "both",
-         "short", "spaces", "bad-sha256", "no-name", "unknown-key", "duplicate-name", "duplicate-token"],
+    ids=[
+        "missing",
+        "not-toml",
+        "empty",
+        "not-a-list",
+        "unknown-top-key",
+        "bad-role",
+        "no-token",
+        "both",
+        "short",
+        "spaces",
+        "bad-sha256",
+        "no-name",
+        "unknown-key",
+        "duplicate-name",
+        "duplicate-token",
+    ],
 )
 async def test_a_bad_token_file_is_named(start_kv_server, tmp_path, text, problem):
     path = tmp_path / "tokens.toml"
@@ -546,12 +611,18 @@ async def test_bad_tls_files_are_named(start_kv_server, pki, tmp_path):
     other_key = tmp_path / "other.key"
     other_key.write_bytes(pki.client_key_pem)
     cases = [
-        ({"tls_cert_file": str(missing), "tls_key_file": str(pki.server_key_file)},
-         rf"^{missing}: cannot read the TLS certificate file: No such file or directory"),
-        ({"tls_cert_file": str(garbage), "tls_key_file": str(pki.server_key_file)},
-         rf"^{garbage}: the TLS certificate file is not PEM"),
-        ({"tls_cert_file": str(pki.server_cert_file), "tls_key_file": str(other_key)},
-         rf"^{pki.server_cert_file}, {other_key}: not a PEM certificate chain and the private key of its first"),
+        (
+            {"tls_cert_file": str(missing), "tls_key_file": str(pki.server_key_file)},
+            rf"^{missing}: cannot read the TLS certificate file: No such file or directory",
+        ),
+        (
+            {"tls_cert_file": str(garbage), "tls_key_file": str(pki.server_key_file)},
+            rf"^{garbage}: the TLS certificate file is not PEM",
+        ),
+        (
+            {"tls_cert_file": str(pki.server_cert_file), "tls_key_file": str(other_key)},
+            rf"^{pki.server_cert_file}, {other_key}: not a PEM certificate chain and the private key of its first",
+        ),
         ({**tls_settings(pki), "tls_client_ca_file": str(garbage)}, rf"^{garbage}: the TLS client CA file is not PEM"),
     ]
     for settings, message in cases:
@@ -585,12 +656,25 @@ def test_watch_cli_tls_flags(pki, tmp_path, monkeypatch):
 
     monkeypatch.setattr(kvservice.watch, "watch_events", fake_watch_events)
     runner = CliRunner(env={"KVSERVICE_TOKEN": None})
-    args = ["watch", "h:1", "--token", "T", "--tls-ca", str(pki.ca_file), "--tls-cert", str(cert_file),
-            "--tls-key", str(key_file)]
+    args = [
+        "watch",
+        "h:1",
+        "--token",
+        "T",
+        "--tls-ca",
+        str(pki.ca_file),
+        "--tls-cert",
+        str(cert_file),
+        "--tls-key",
+        str(key_file),
+    ]
     assert runner.invoke(main, args).exit_code == 0
     assert runner.invoke(main, ["watch", "h:2"]).exit_code == 0
     assert runner.invoke(main, ["watch", "h:3", "--tls"]).exit_code == 0
     assert [(s["target"], s["token"], type(s["credentials"])) for s in seen] == [
-        ("h:1", "T", grpc.ChannelCredentials), ("h:2", None, type(None)), ("h:3", None, grpc.ChannelCredentials)]
+        ("h:1", "T", grpc.ChannelCredentials),
+        ("h:2", None, type(None)),
+        ("h:3", None, grpc.ChannelCredentials),
+    ]
     result = runner.invoke(main, ["watch", "h:4", "--tls-cert", str(cert_file)])
     assert (result.exit_code, "--tls-cert and --tls-key go together" in result.output) == (2, True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 from kvservice.cli import main
@@ -90,5 +90,8 @@ async def test_nats_publisher_metrics(start_kv_server, connect, tmp_path):
     nats = frozenset({("sink", "nats")})
     # Every batch, and the epoch start before them (an AllBlocksCleared at Kvservice-Seq 0).
     assert head >= 3 and samples[("kvservice_event_sink_published_total", nats)] == head + 1
-    assert (samples[("kvservice_event_sink_dropped_total", nats)], samples[("kvservice_event_sink_pending", nats)],
-            samples[("kvservice_event_sink_reconnects_total", nats)]) == (0.0, 0.0, 0.0)
+    assert (
+        samples[("kvservice_event_sink_dropped_total", nats)],
+        samples[("kvservice_event_sink_pending", nats)],
+        samples[("kvservice_event_sink_reconnects_total", nats)],
+    ) == (0.0, 0.0, 0.0)

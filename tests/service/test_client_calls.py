@@ -46,9 +46,7 @@ class FakeKVCacheService(v1.KVCacheServiceServicer):
 
     async def GetComputedBlocks(self, request, context):  # type: ignore[no-untyped-def]
         self._record("GetComputedBlocks", request, context)
-        return v1.GetComputedBlocksResponse(
-            num_computed_tokens=32, block_ids=[v1.GroupBlockIds(block_ids=[1, 2])]
-        )
+        return v1.GetComputedBlocksResponse(num_computed_tokens=32, block_ids=[v1.GroupBlockIds(block_ids=[1, 2])])
 
     async def Free(self, request, context):  # type: ignore[no-untyped-def]
         self._record("Free", request, context)
@@ -121,7 +119,9 @@ async def test_get_computed_blocks_builds_the_request_from_keywords(served) -> N
             cache_salt="salt",
             mm_features=[hashing.MultiModalFeature(identifier="img", offset=1, length=2)],
         )
-    assert response == v1.GetComputedBlocksResponse(num_computed_tokens=32, block_ids=[v1.GroupBlockIds(block_ids=[1, 2])])
+    assert response == v1.GetComputedBlocksResponse(
+        num_computed_tokens=32, block_ids=[v1.GroupBlockIds(block_ids=[1, 2])]
+    )
     (seen,) = fake.seen
     assert seen.method == "GetComputedBlocks"
     assert seen.request == v1.GetComputedBlocksRequest(

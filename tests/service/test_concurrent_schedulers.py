@@ -35,8 +35,9 @@ def assert_no_block_double_booked(engine) -> None:
                 assert pos == other_pos, f"block {block_id} at {other_pos} of {other} and {pos} of {rid}"
                 assert manager.block_pool.blocks[block_id].block_hash is not None, f"shared block {block_id} uncached"
                 end = (pos + 1) * BLOCK_SIZE
-                assert (engine.requests[rid].prompt_token_ids[:end]
-                        == engine.requests[other].prompt_token_ids[:end]), f"block {block_id}: prefixes differ"
+                assert engine.requests[rid].prompt_token_ids[:end] == engine.requests[other].prompt_token_ids[:end], (
+                    f"block {block_id}: prefixes differ"
+                )
             else:
                 owner[block_id] = (rid, pos)
     for rid in set(engine.requests) - engine.running:
@@ -60,15 +61,16 @@ async def test_concurrent_admissions_decodes_and_frees(start_kv_server, connect)
         client = clients[scheduler]
         prompt = prompts[rid]
         if use_step:
-            results = step_results(await client.step(
-                StepBuilder().get_computed_blocks(rid, prompt).allocate_slots(rid, len(prompt))))
+            results = step_results(
+                await client.step(StepBuilder().get_computed_blocks(rid, prompt).allocate_slots(rid, len(prompt)))
+            )
             return rid, results[1]
         await client.get_computed_blocks(rid, prompt)
         return rid, await client.allocate_slots(rid, len(prompt))
 
-    admissions = await asyncio.gather(*(
-        admit(int(rid[1]), rid, use_step=rng.random() < 0.5) for rid in rng.sample(sorted(prompts), len(prompts))
-    ))
+    admissions = await asyncio.gather(
+        *(admit(int(rid[1]), rid, use_step=rng.random() < 0.5) for rid in rng.sample(sorted(prompts), len(prompts)))
+    )
     granted = {rid: r for rid, r in admissions if r.allocated}
     refused = {rid for rid, r in admissions if not r.allocated}
     assert granted and refused, "the pool must be contended"
@@ -83,7 +85,10 @@ async def test_concurrent_admissions_decodes_and_frees(start_kv_server, connect)
     held = {b for rid in granted for b in engine.manager.get_block_ids(rid)[0]}
     usage = await clients[0].get_usage()
     assert (usage.num_free_blocks, usage.num_running_requests, usage.num_waiting_requests) == (
-        63 - len(held), len(granted), len(refused))
+        63 - len(held),
+        len(granted),
+        len(refused),
+    )
     assert_no_block_double_booked(engine)
     engine.check_invariants()
 

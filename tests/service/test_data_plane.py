@@ -64,7 +64,10 @@ async def test_attach_describes_the_memory_and_the_view_is_the_servers(start_kv_
     [view] = description.views
     assert (view.group_idx, view.view_idx, view.storage_idx, view.offset_bytes) == (0, 0, 0, 0)
     assert (list(view.shape), list(view.strides), view.dtype, view.block_axis) == (
-        [24, 16, 4, 2, 128], [16 * 4 * 2 * 128, 4 * 2 * 128, 2 * 128, 128, 1], "bfloat16", 1
+        [24, 16, 4, 2, 128],
+        [16 * 4 * 2 * 128, 4 * 2 * 128, 2 * 128, 128, 1],
+        "bfloat16",
+        1,
     )  # vLLM 0.33's layout: [layers, blocks, block_size, KV heads, K then V of head_size each]
     kv = KVCacheView(description)
     for block_id in (0, 5, 15):
@@ -80,15 +83,25 @@ async def test_attach_describes_the_memory_and_the_view_is_the_servers(start_kv_
 async def test_attach_on_meta_is_failed_precondition(start_kv_server, connect):
     client = await connect(await start_kv_server())
     assert await code_and_message(aattach_kv_cache(client)) == (
-        grpc.StatusCode.FAILED_PRECONDITION, "no memory behind a meta device"
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "no memory behind a meta device",
     )
     assert (await client.get_kv_cache_group_metadata()).max_data_chunk_bytes == 0
 
 
 def test_only_loopback_and_unix_peers_are_local():
-    assert [_peer_is_local(p) for p in ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/tmp/s", "unix:",
-                                         "ipv4:10.0.0.2:5000", "ipv6:[fe80::1]:5000", "ipv4:128.0.0.1:1")] == [
-        True, True, True, True, False, False, False]
+    assert [
+        _peer_is_local(p)
+        for p in (
+            "ipv4:127.0.0.1:5000",
+            "ipv6:[::1]:5000",
+            "unix:/tmp/s",
+            "unix:",
+            "ipv4:10.0.0.2:5000",
+            "ipv6:[fe80::1]:5000",
+            "ipv4:128.0.0.1:1",
+        )
+    ] == [True, True, True, True, False, False, False]
 
 
 async def test_attach_over_a_unix_socket(start_kv_server, tmp_path):
@@ -118,8 +131,9 @@ async def test_a_second_process_attaches_writes_and_read_blocks_returns_those_by
             tensor.copy_(data.view(torch.bfloat16).view(tensor.shape))
             print(view.epoch)
     """)
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     assert out.decode().strip() == running.event_log.epoch
@@ -168,16 +182,26 @@ async def test_writes_go_only_to_blocks_a_running_request_computes(start_kv_serv
     assert [list(g.block_ids) for g in b.computed_block_ids] == [[1, 2]]
     assert [list(g.block_ids) for g in b.new_block_ids] == [[4]]
     cases = [
-        ("b", 1, "block 1 (group 0): it was not allocated to request 'b' for computing (not its block, or part of its "
-                 "prefix-cache hit); nothing was written"),
+        (
+            "b",
+            1,
+            "block 1 (group 0): it was not allocated to request 'b' for computing (not its block, or part of its "
+            "prefix-cache hit); nothing was written",
+        ),
         ("a", 3, "block 3 (group 0): request 'a' is not running (unknown, waiting or freed); nothing was written"),
-        ("b", 3, "block 3 (group 0): it was not allocated to request 'b' for computing (not its block, or part of its "
-                 "prefix-cache hit); nothing was written"),
+        (
+            "b",
+            3,
+            "block 3 (group 0): it was not allocated to request 'b' for computing (not its block, or part of its "
+            "prefix-cache hit); nothing was written",
+        ),
     ]
     for request_id, block_id, message in cases:
         before = running.tensors.block_view(0, block_id)[0].clone()
         assert await code_and_message(awrite_blocks(client, request_id, [(0, block_id, pattern(9))])) == (
-            grpc.StatusCode.FAILED_PRECONDITION, message)
+            grpc.StatusCode.FAILED_PRECONDITION,
+            message,
+        )
         assert torch.equal(running.tensors.block_view(0, block_id)[0], before)
     assert (await awrite_blocks(client, "b", [(0, 4, pattern(4))])).num_blocks_written == 1
     # Once another request holds block 4 (a hit), its computer may no longer write it.
@@ -201,8 +225,21 @@ async def _raw_write(client: AsyncKVCacheClient, chunks: list[pb.WriteBlocksChun
         raise KVServiceError.from_rpc_error(err) from None
 
 
-@pytest.mark.parametrize("case", ["short block", "long chunk", "bad checksum", "no checksum", "unknown block",
-                                  "null block", "group out of range", "gap", "interleaved", "no request id"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "short block",
+        "long chunk",
+        "bad checksum",
+        "no checksum",
+        "unknown block",
+        "null block",
+        "group out of range",
+        "gap",
+        "interleaved",
+        "no request id",
+    ],
+)
 async def test_a_bad_chunk_is_invalid_argument_naming_the_field_and_writes_nothing_of_its_block(
     start_kv_server, connect, case
 ):
@@ -213,18 +250,32 @@ async def test_a_bad_chunk_is_invalid_argument_naming_the_field_and_writes_nothi
     chunks = _chunks("w", 2, pattern(2))
     expected = {
         "short block": (chunks[:-1], "chunks: the stream ended inside block 2 (group 0) after 32768 of 49152 bytes"),
-        "long chunk": (_chunks("w", 2, pattern(2), 24576),
-                       "chunks[3].data: 24576 bytes; must be 1..16384 (max_data_chunk_bytes)"),
-        "bad checksum": ([*chunks[:-1], pb.WriteBlocksChunk(**{**_fields(chunks[-1]), "checksum": 12345})],
-                         "chunks[5].checksum: 0x0000000000003039 does not match block 2's bytes"),
-        "no checksum": ([*chunks[:-1], pb.WriteBlocksChunk(**{k: v for k, v in _fields(chunks[-1]).items()
-                                                            if k != "checksum"})],
-                        "chunks[5].checksum: required on the chunk that completes block 2"),
+        "long chunk": (
+            _chunks("w", 2, pattern(2), 24576),
+            "chunks[3].data: 24576 bytes; must be 1..16384 (max_data_chunk_bytes)",
+        ),
+        "bad checksum": (
+            [*chunks[:-1], pb.WriteBlocksChunk(**{**_fields(chunks[-1]), "checksum": 12345})],
+            "chunks[5].checksum: 0x0000000000003039 does not match block 2's bytes",
+        ),
+        "no checksum": (
+            [*chunks[:-1], pb.WriteBlocksChunk(**{k: v for k, v in _fields(chunks[-1]).items() if k != "checksum"})],
+            "chunks[5].checksum: required on the chunk that completes block 2",
+        ),
         "unknown block": (_chunks("w", 16, pattern(2)), "chunks[3].block_id: 16 is out of range [1, 16)"),
-        "null block": (_chunks("w", 0, pattern(2)), "chunks[3].block_id: 0 is out of range [1, 16) (0 is the null block)"),
-        "group out of range": (_chunks("w", 2, pattern(2), group_idx=1), "chunks[3].group_idx: 1 is out of range [0, 1)"),
+        "null block": (
+            _chunks("w", 0, pattern(2)),
+            "chunks[3].block_id: 0 is out of range [1, 16) (0 is the null block)",
+        ),
+        "group out of range": (
+            _chunks("w", 2, pattern(2), group_idx=1),
+            "chunks[3].group_idx: 1 is out of range [0, 1)",
+        ),
         "gap": ([chunks[0], chunks[2]], "chunks[4].offset_bytes: 32768, expected 16384"),
-        "interleaved": ([chunks[0], *_chunks("w", 3, pattern(3))], "chunks[4]: block 3 (group 0) starts before block 2"),
+        "interleaved": (
+            [chunks[0], *_chunks("w", 3, pattern(3))],
+            "chunks[4]: block 3 (group 0) starts before block 2",
+        ),
         "no request id": (_chunks("", 2, pattern(2)), "chunks[3].request_id: must be set"),
     }[case]
     before = {b: running.tensors.block_view(0, b)[0].clone() for b in (2, 3)}
@@ -245,9 +296,9 @@ def _fields(chunk: pb.WriteBlocksChunk) -> dict:
 async def test_read_by_hash_of_an_uncached_block_is_not_found_naming_the_hash(start_kv_server, connect):
     client = await connect(await start_kv_server(**CPU))
     digest = BlockHasher(4).hash_prompt([5, 6, 7, 8])[0]
-    assert await code_and_message(aread_blocks(client, [block_ref(0, block_id=1), block_ref(0, block_hash=digest)])) == (
-        grpc.StatusCode.NOT_FOUND, f"blocks[1].block_hash: {digest.hex()} is not cached in group 0"
-    )
+    assert await code_and_message(
+        aread_blocks(client, [block_ref(0, block_id=1), block_ref(0, block_hash=digest)])
+    ) == (grpc.StatusCode.NOT_FOUND, f"blocks[1].block_hash: {digest.hex()} is not cached in group 0")
 
 
 async def test_read_by_hash_of_a_block_still_being_computed_is_refused(start_kv_server, connect):
@@ -260,11 +311,14 @@ async def test_read_by_hash_of_a_block_still_being_computed_is_refused(start_kv_
     )
 
 
-@pytest.mark.parametrize("ref, message", [
-    (pb.BlockRef(group_idx=1, block_id=1), "blocks[0].group_idx: 1 is out of range [0, 1)"),
-    (pb.BlockRef(group_idx=0, block_id=16), "blocks[0].block_id: 16 is out of range [0, 16)"),
-    (pb.BlockRef(group_idx=0), "blocks[0]: set block_id or block_hash"),
-])
+@pytest.mark.parametrize(
+    "ref, message",
+    [
+        (pb.BlockRef(group_idx=1, block_id=1), "blocks[0].group_idx: 1 is out of range [0, 1)"),
+        (pb.BlockRef(group_idx=0, block_id=16), "blocks[0].block_id: 16 is out of range [0, 16)"),
+        (pb.BlockRef(group_idx=0), "blocks[0]: set block_id or block_hash"),
+    ],
+)
 async def test_a_bad_block_ref_is_invalid_argument(start_kv_server, connect, ref, message):
     client = await connect(await start_kv_server(**CPU))
     assert await code_and_message(aread_blocks(client, [ref])) == (grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -291,7 +345,8 @@ async def test_a_block_evicted_and_reused_while_its_read_streams_is_reported_evi
 
     await servicer.data_plane.read_blocks(pb.ReadBlocksRequest(blocks=[block_ref(0, block_hash=digest)]), write)
     assert [(c.block_id, c.offset_bytes, len(c.data), c.evicted, c.HasField("checksum")) for c in sent] == [
-        (1, 0, 4096, False, False), (1, 4096, 0, True, False)
+        (1, 0, 4096, False, False),
+        (1, 4096, 0, True, False),
     ]
     assert sent[0].data == pattern(1)[:4096]
 
@@ -303,14 +358,18 @@ async def test_read_blocks_streams_in_chunks_with_the_checksum_on_the_last(start
     await awrite_blocks(client, "w", [(0, 1, pattern(1))])
     chunks = [c async for c in client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=[block_ref(0, block_id=1)]))]
     assert [(c.offset_bytes, len(c.data), c.HasField("checksum")) for c in chunks] == [
-        (0, 16384, False), (16384, 16384, False), (32768, 16384, True)
+        (0, 16384, False),
+        (16384, 16384, False),
+        (32768, 16384, True),
     ]
     assert chunks[-1].checksum == block_checksum(pattern(1))
 
 
 def test_importing_the_client_does_not_import_torch():
-    code = ("import sys, kvservice_client, kvservice_client.client, kvservice_client.data, kvservice_client.watcher; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, kvservice_client, kvservice_client.client, kvservice_client.data, kvservice_client.watcher; "
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
 
@@ -326,21 +385,61 @@ def test_cuda_ipc_fields_go_through_the_proto_to_rebuild_cuda_tensor(monkeypatch
     from kvservice.server import data_plane
     from kvservice_client import torch_view
 
-    args = (torch.Tensor, (1024,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, b"ipc-handle", 1024, 256,
-            False, b"/torch_123_ref", 8, b"event-handle", True)
+    args = (
+        torch.Tensor,
+        (1024,),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        3,
+        b"ipc-handle",
+        1024,
+        256,
+        False,
+        b"/torch_123_ref",
+        8,
+        b"event-handle",
+        True,
+    )
     monkeypatch.setattr(reductions, "reduce_tensor", lambda tensor: (reductions.rebuild_cuda_tensor, args))
     fields = data_plane._cuda_storage_fields(torch.empty(0, dtype=torch.uint8))
     storage = pb.KVCacheStorage(storage_idx=0, **fields)
     assert storage == pb.KVCacheStorage(
-        storage_idx=0, size_bytes=1024, cuda_ipc_handle=b"ipc-handle", cuda_device=3, cuda_storage_offset_bytes=256,
-        cuda_ref_counter_handle=b"/torch_123_ref", cuda_ref_counter_offset=8, cuda_event_handle=b"event-handle",
+        storage_idx=0,
+        size_bytes=1024,
+        cuda_ipc_handle=b"ipc-handle",
+        cuda_device=3,
+        cuda_storage_offset_bytes=256,
+        cuda_ref_counter_handle=b"/torch_123_ref",
+        cuda_ref_counter_offset=8,
+        cuda_event_handle=b"event-handle",
         cuda_event_sync_required=True,
     )
     seen = []
-    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: seen.append(a) or torch.zeros(1024, dtype=torch.uint8))
+    monkeypatch.setattr(
+        reductions, "rebuild_cuda_tensor", lambda *a: seen.append(a) or torch.zeros(1024, dtype=torch.uint8)
+    )
     torch_view._map_storage(pb.KVCacheStorage.FromString(storage.SerializeToString()), "cuda:3")
-    assert seen == [(torch.Tensor, (1024,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, b"ipc-handle", 1024,
-                     256, False, b"/torch_123_ref", 8, b"event-handle", True)]
+    assert seen == [
+        (
+            torch.Tensor,
+            (1024,),
+            (1,),
+            0,
+            torch.storage.TypedStorage,
+            torch.uint8,
+            3,
+            b"ipc-handle",
+            1024,
+            256,
+            False,
+            b"/torch_123_ref",
+            8,
+            b"event-handle",
+            True,
+        )
+    ]
 
 
 @pytest.mark.cuda
@@ -361,8 +460,9 @@ async def test_a_second_process_attaches_over_cuda_ipc(start_kv_server, connect)
             torch.cuda.synchronize()
             print(view.device)
     """)
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()
     assert out.decode().strip() == str(running.tensors.device)
@@ -400,17 +500,25 @@ async def test_with_auth_off_attach_from_a_non_loopback_peer_is_refused(start_kv
     async with AsyncKVCacheClient(f"{address}:{running.port}", timeout=10.0) as client:
         code, message = await code_and_message(aattach_kv_cache(client))
         assert code == grpc.StatusCode.PERMISSION_DENIED
-        assert message.startswith(f"AttachKVCache: with auth off only loopback or Unix-socket peers may attach; peer is ipv4:{address}:")
+        assert message.startswith(
+            f"AttachKVCache: with auth off only loopback or Unix-socket peers may attach; peer is ipv4:{address}:"
+        )
         await client.get_usage()  # the rest of the service answers as before
     async with AsyncKVCacheClient(f"127.0.0.1:{running.port}", timeout=10.0) as client:
         assert (await aattach_kv_cache(client)).epoch == running.event_log.epoch
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"data_chunk_bytes": 4095}, "data_chunk_bytes must be in 4096..max_message_bytes - 65536 (67043328) bytes; got 4095"),
-    ({"data_chunk_bytes": 64 << 20}, "data_chunk_bytes must be in 4096..max_message_bytes - 65536"),
-    ({"uds": " "}, "uds must be a socket path"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"data_chunk_bytes": 4095},
+            "data_chunk_bytes must be in 4096..max_message_bytes - 65536 (67043328) bytes; got 4095",
+        ),
+        ({"data_chunk_bytes": 64 << 20}, "data_chunk_bytes must be in 4096..max_message_bytes - 65536"),
+        ({"uds": " "}, "uds must be a socket path"),
+    ],
+)
 def test_data_plane_settings_are_checked(settings, message):
     from kvservice.server.app import ServerConfig
 

@@ -48,12 +48,14 @@ def _outcomes_of_decode(response: pb.DecodeResponse, num_requests: int) -> list[
     return out
 
 
-@pytest.mark.parametrize(("layout", "num_blocks"), [({"preset": "qwen-2.5-0.5b"}, 28), (FULL_SLIDING, 48)],
-                         ids=["qwen-2.5-0.5b", "full-sliding"])
+@pytest.mark.parametrize(
+    ("layout", "num_blocks"),
+    [({"preset": "qwen-2.5-0.5b"}, 28), (FULL_SLIDING, 48)],
+    ids=["qwen-2.5-0.5b", "full-sliding"],
+)
 async def test_decode_op_equals_per_request_allocations(start_kv_server, connect, layout, num_blocks):
     rng = random.Random(7)
-    servers = [await start_kv_server(**layout, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
-               for _ in range(2)]
+    servers = [await start_kv_server(**layout, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN) for _ in range(2)]
     per_request, batched = [await connect(s) for s in servers]
     prefix = [rng.randrange(1, 40) for _ in range(8)]
     admit = StepBuilder()
@@ -82,15 +84,24 @@ async def test_decode_op_equals_per_request_allocations(start_kv_server, connect
             if rid != "waiting":  # allocate_slots would admit it; decode refuses a request not running
                 ops.allocate_slots(rid, n, new_token_ids=t, num_lookahead_tokens=la)
         expected = [_outcome_of_allocate(r) for r in (await per_request.step(ops)).results]
-        response = await batched.step(StepBuilder().decode(
-            ids, [x for t in tokens for x in t], num_new_token_ids=counts, num_new_tokens=num_new,
-            num_lookahead_tokens=lookahead))
+        response = await batched.step(
+            StepBuilder().decode(
+                ids,
+                [x for t in tokens for x in t],
+                num_new_token_ids=counts,
+                num_new_tokens=num_new,
+                num_lookahead_tokens=lookahead,
+            )
+        )
         assert len(response.results) == 1 and response.results[0].WhichOneof("result") == "decode"
         got = _outcomes_of_decode(response.results[0].decode, len(ids))
         waiting = [i for i, rid in enumerate(ids) if rid == "waiting"]
         for i in waiting:
-            assert got[i] == ("error", grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                              "request_ids: request 'waiting' is not running: admit it with allocate_slots first")
+            assert got[i] == (
+                "error",
+                grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                "request_ids: request 'waiting' is not running: admit it with allocate_slots first",
+            )
         assert [g for i, g in enumerate(got) if i not in waiting] == expected, f"step {step}"
         kinds.update(o[0] for o in got)
         a, b = (await per_request.take_events("all")).batches, (await batched.take_events("all")).batches
@@ -103,8 +114,13 @@ async def test_decode_op_equals_per_request_allocations(start_kv_server, connect
 
 
 async def test_decode_default_lists_are_one_token_each(kv_server, client):
-    await client.step(StepBuilder().get_computed_blocks("a", [1, 2, 3]).allocate_slots("a", 3)
-                      .get_computed_blocks("b", list(range(5, 13))).allocate_slots("b", 8))
+    await client.step(
+        StepBuilder()
+        .get_computed_blocks("a", [1, 2, 3])
+        .allocate_slots("a", 3)
+        .get_computed_blocks("b", list(range(5, 13)))
+        .allocate_slots("b", 8)
+    )
     await client.take_events("all")
     response = await client.decode(["a", "b"], [4, 13])
     # "a" completes its first block (tokens 1..4) in place; "b" (blocks 2 and 3 full) needs a third.
@@ -118,12 +134,15 @@ async def test_decode_default_lists_are_one_token_each(kv_server, client):
     assert kv_server.engine.requests["b"].num_computed_tokens == 9
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    (dict(num_new_token_ids=[1]), "num_new_token_ids: 1 entries for 2 request_ids (give one each or none)"),
-    (dict(num_new_tokens=[1, 1, 1]), "num_new_tokens: 3 entries for 2 request_ids (give one each or none)"),
-    (dict(num_lookahead_tokens=[0]), "num_lookahead_tokens: 1 entries for 2 request_ids (give one each or none)"),
-    (dict(num_new_token_ids=[2, 2]), "new_token_ids: 2 ids, but num_new_token_ids adds up to 4"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(num_new_token_ids=[1]), "num_new_token_ids: 1 entries for 2 request_ids (give one each or none)"),
+        (dict(num_new_tokens=[1, 1, 1]), "num_new_tokens: 3 entries for 2 request_ids (give one each or none)"),
+        (dict(num_lookahead_tokens=[0]), "num_lookahead_tokens: 1 entries for 2 request_ids (give one each or none)"),
+        (dict(num_new_token_ids=[2, 2]), "new_token_ids: 2 ids, but num_new_token_ids adds up to 4"),
+    ],
+)
 async def test_decode_lists_that_do_not_fit_change_nothing(kv_server, client, fields, message):
     await client.step(StepBuilder().get_computed_blocks("a", [1, 2, 3]).allocate_slots("a", 3))
     before = kv_server.engine.requests["a"].num_tokens
@@ -147,8 +166,9 @@ def test_decode_new_block_ids_checks_counts():
     response = pb.DecodeResponse(changed_indices=[2], new_block_ids=[7], num_new_block_ids=[1, 1], num_groups=2)
     with pytest.raises(ValueError, match="2 counts summing to 2 for 1 changed requests of 2 groups and 1 block ids"):
         decode_new_block_ids(response)
-    ok = pb.DecodeResponse(changed_indices=[0, 3], new_block_ids=[7, 8, 9], num_new_block_ids=[1, 0, 1, 1],
-                           num_groups=2)
+    ok = pb.DecodeResponse(
+        changed_indices=[0, 3], new_block_ids=[7, 8, 9], num_new_block_ids=[1, 0, 1, 1], num_groups=2
+    )
     assert decode_new_block_ids(ok) == {0: ([7], []), 3: ([8], [9])}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
-from tests.service.helpers import FULL_SLIDING, H, READERS, StreamReader, events_of, hashes, removed, stored
+from tests.service.helpers import FULL_SLIDING, READERS, H, StreamReader, events_of, hashes, removed, stored
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,8 +37,14 @@ async def test_reuse_report_once_on_admission(kv_server, client, reader_kind, mo
     hit = await client.get_computed_blocks("A", range(1, 13), kv_cache_report_mode=mode)
     assert (hit.num_computed_tokens, ids(hit.block_ids)) == (0, [[]])
     a = await client.allocate_slots("A", 12)
-    assert (a.allocated, ids(a.new_block_ids), a.num_new_computed_tokens, a.num_scheduled_tokens,
-            a.num_computed_tokens, a.num_tokens) == (True, [[1, 2, 3]], 0, 12, 12, 12)
+    assert (
+        a.allocated,
+        ids(a.new_block_ids),
+        a.num_new_computed_tokens,
+        a.num_scheduled_tokens,
+        a.num_computed_tokens,
+        a.num_tokens,
+    ) == (True, [[1, 2, 3]], 0, 12, 12, 12)
     assert (await client.free("A")).num_freed_blocks == 3
     [batch] = await reader.batches(1)
     assert (batch.seq, batch.snapshot) == (1, False)
@@ -47,8 +53,15 @@ async def test_reuse_report_once_on_admission(kv_server, client, reader_kind, mo
     hit = await client.get_computed_blocks("B", [*range(1, 9), 99], kv_cache_report_mode=mode)
     assert (hit.num_computed_tokens, ids(hit.block_ids)) == (8, [[1, 2]])
     b = await client.allocate_slots("B", 9)
-    assert (b.allocated, ids(b.new_block_ids), b.num_new_computed_tokens, ids(b.computed_block_ids),
-            b.num_scheduled_tokens, b.num_computed_tokens, b.num_tokens) == (True, [[4]], 8, [[1, 2]], 1, 9, 9)
+    assert (
+        b.allocated,
+        ids(b.new_block_ids),
+        b.num_new_computed_tokens,
+        ids(b.computed_block_ids),
+        b.num_scheduled_tokens,
+        b.num_computed_tokens,
+        b.num_tokens,
+    ) == (True, [[4]], 8, [[1, 2]], 1, 9, 9)
     # Decoding further never reports the hit again.
     decode = await client.allocate_slots("B", 1, new_token_ids=[100])
     assert (ids(decode.new_block_ids), decode.num_new_computed_tokens, decode.num_computed_tokens) == ([[]], 0, 10)
@@ -135,10 +148,14 @@ async def test_hybrid_groups_put_kind_and_window_on_every_event(start_kv_server,
     assert ids(c.new_block_ids) == [[9, 10, 11, 12, 13], [14, 15, 16, 3, 6]]
 
     a_batch, b_batch, c_batch = await reader.batches(3)
-    assert events_of(a_batch) == [stored(H[:3], None, range(1, 13), **FULL),
-                                  stored(H[:3], None, range(1, 13), **SLIDING)]
-    assert events_of(b_batch) == [stored(H[:2], None, range(1, 9), reused=True, **FULL),
-                                  stored(H[:2], None, range(1, 9), reused=True, **SLIDING)]
+    assert events_of(a_batch) == [
+        stored(H[:3], None, range(1, 13), **FULL),
+        stored(H[:3], None, range(1, 13), **SLIDING),
+    ]
+    assert events_of(b_batch) == [
+        stored(H[:2], None, range(1, 9), reused=True, **FULL),
+        stored(H[:2], None, range(1, 9), reused=True, **SLIDING),
+    ]
     assert events_of(c_batch) == [
         removed([H[2]], **FULL),
         removed([H[2]], **SLIDING),
@@ -159,21 +176,39 @@ async def test_group_metadata_of_a_two_group_hybrid(start_kv_server, connect):
     page_size_bytes = 2 * 4 * 16 * 128 * 2  # K and V, block_size 4, 16 KV heads x 128, bf16
     assert list(meta.groups) == [
         pb.KVCacheGroupMetadata(
-            group_idx=0, kind=pb.KV_CACHE_SPEC_KIND_FULL_ATTENTION, block_size=4, num_blocks=17,
-            dtype="bfloat16", bytes_per_block=10 * page_size_bytes, device="meta", num_layers=10,
-            page_size_bytes=page_size_bytes, layer_names=[f"layers.{i}" for i in range(10)],
+            group_idx=0,
+            kind=pb.KV_CACHE_SPEC_KIND_FULL_ATTENTION,
+            block_size=4,
+            num_blocks=17,
+            dtype="bfloat16",
+            bytes_per_block=10 * page_size_bytes,
+            device="meta",
+            num_layers=10,
+            page_size_bytes=page_size_bytes,
+            layer_names=[f"layers.{i}" for i in range(10)],
         ),
         pb.KVCacheGroupMetadata(
-            group_idx=1, kind=pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW, block_size=4, sliding_window=1024,
-            num_blocks=17, dtype="bfloat16", bytes_per_block=10 * page_size_bytes, device="meta",
-            num_layers=10, page_size_bytes=page_size_bytes, layer_names=[f"layers.{i}" for i in range(10, 20)],
+            group_idx=1,
+            kind=pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW,
+            block_size=4,
+            sliding_window=1024,
+            num_blocks=17,
+            dtype="bfloat16",
+            bytes_per_block=10 * page_size_bytes,
+            device="meta",
+            num_layers=10,
+            page_size_bytes=page_size_bytes,
+            layer_names=[f"layers.{i}" for i in range(10, 20)],
         ),
     ]
     assert (meta.groups[0].bytes_per_block, meta.groups[1].bytes_per_block) == (327680, 327680)
     assert not meta.groups[0].HasField("sliding_window")
     assert not any(g.HasField("attention_chunk_size") for g in meta.groups)
-    assert (meta.hash_algorithm, meta.hash_seed) == (DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED) == (
-        "sha256_cbor", "vllm-none-hash")
+    assert (
+        (meta.hash_algorithm, meta.hash_seed)
+        == (DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED)
+        == ("sha256_cbor", "vllm-none-hash")
+    )
     assert meta.hash_block_size == 4
     assert meta.epoch == batch.epoch == running.event_log.epoch
     assert meta.block_hash_format == pb.BLOCK_HASH_FORMAT_INT64

@@ -137,8 +137,14 @@ def _set(message: Any, **fields: Any) -> Any:
 
 def _get_computed_blocks(rid, prompt, session, mode, lora, salt, mm) -> pb.GetComputedBlocksRequest:  # type: ignore[no-untyped-def]
     return _set(
-        pb.GetComputedBlocksRequest(), request_id=rid, prompt_token_ids=prompt, session_id=session,
-        kv_cache_report_mode=mode, lora=lora, cache_salt=salt, mm_features=mm,
+        pb.GetComputedBlocksRequest(),
+        request_id=rid,
+        prompt_token_ids=prompt,
+        session_id=session,
+        kv_cache_report_mode=mode,
+        lora=lora,
+        cache_salt=salt,
+        mm_features=mm,
     )
 
 
@@ -153,15 +159,24 @@ def _mm(identifier: str, offset: int, length: int) -> pb.MultiModalFeature:
 get_computed_blocks = st.one_of(
     st.builds(
         _get_computed_blocks,
-        st.sampled_from(REQUEST_IDS), st.lists(st.integers(0, 30), min_size=1, max_size=40), _optional(short_text),
-        _optional(st.integers(0, 2)), _optional(st.builds(_lora, st.integers(0, 3), st.sampled_from(["a", "b"]), st.just(""))),
+        st.sampled_from(REQUEST_IDS),
+        st.lists(st.integers(0, 30), min_size=1, max_size=40),
+        _optional(short_text),
+        _optional(st.integers(0, 2)),
+        _optional(st.builds(_lora, st.integers(0, 3), st.sampled_from(["a", "b"]), st.just(""))),
         _optional(st.sampled_from(["", "salt"])),
-        _optional(st.lists(st.builds(_mm, st.sampled_from(["i", "j"]), st.integers(0, 3), st.integers(1, 4)), max_size=2)),
+        _optional(
+            st.lists(st.builds(_mm, st.sampled_from(["i", "j"]), st.integers(0, 3), st.integers(1, 4)), max_size=2)
+        ),
     ),
     st.builds(
         _get_computed_blocks,
-        request_ids, st.lists(int64s, max_size=70), _optional(text), _optional(enums),
-        _optional(st.builds(_lora, int64s, text, text)), _optional(text),
+        request_ids,
+        st.lists(int64s, max_size=70),
+        _optional(text),
+        _optional(enums),
+        _optional(st.builds(_lora, int64s, text, text)),
+        _optional(text),
         _optional(st.lists(st.builds(_mm, text, uint32s, uint32s), max_size=3)),
     ),
 )
@@ -176,7 +191,9 @@ def _allocate_slots(rid, n, lookahead, new) -> pb.AllocateSlotsRequest:  # type:
 allocate_slots = st.one_of(
     st.builds(
         _allocate_slots,
-        st.sampled_from(REQUEST_IDS), st.integers(1, 64), _optional(st.integers(0, 4)),
+        st.sampled_from(REQUEST_IDS),
+        st.integers(1, 64),
+        _optional(st.integers(0, 4)),
         _optional(st.lists(st.integers(0, 30), max_size=4)),
     ),
     st.builds(_allocate_slots, request_ids, uint32s, _optional(uint32s), _optional(st.lists(int64s, max_size=12))),
@@ -218,22 +235,52 @@ def event_strategies(log: EventLog) -> dict[str, st.SearchStrategy]:
     formats = _optional(st.integers(0, 2))
 
     def stream(start, seq, epoch, group_idxs, payload_format) -> pb.StreamEventsRequest:  # type: ignore[no-untyped-def]
-        return _set(pb.StreamEventsRequest(), start=start, start_seq=seq, epoch=epoch, group_idxs=group_idxs,
-                    payload_format=payload_format)
+        return _set(
+            pb.StreamEventsRequest(),
+            start=start,
+            start_seq=seq,
+            epoch=epoch,
+            group_idxs=group_idxs,
+            payload_format=payload_format,
+        )
 
     def take(consumer, max_batches, snapshot, seq, epoch, group_idxs, payload_format) -> pb.TakeEventsRequest:  # type: ignore[no-untyped-def]
-        return _set(pb.TakeEventsRequest(), consumer=consumer, max_batches=max_batches, snapshot=snapshot,
-                    start_seq=seq, epoch=epoch, group_idxs=group_idxs, payload_format=payload_format)
+        return _set(
+            pb.TakeEventsRequest(),
+            consumer=consumer,
+            max_batches=max_batches,
+            snapshot=snapshot,
+            start_seq=seq,
+            epoch=epoch,
+            group_idxs=group_idxs,
+            payload_format=payload_format,
+        )
 
     streams = st.one_of(
         st.builds(stream, st.integers(0, 3), seqs, epochs, groups, formats),
         st.builds(stream, enums, wild_seqs, wild_epochs, wild_groups, _optional(enums)),
     )
     takes = st.one_of(
-        st.builds(take, st.sampled_from(CONSUMERS), _optional(st.integers(0, 3)), st.booleans(),
-                  st.one_of(st.just(0), seqs), epochs, groups, formats),
-        st.builds(take, st.one_of(st.sampled_from(CONSUMERS), st.just(""), text), _optional(uint32s), st.booleans(),
-                  st.one_of(st.just(0), wild_seqs), wild_epochs, wild_groups, _optional(enums)),
+        st.builds(
+            take,
+            st.sampled_from(CONSUMERS),
+            _optional(st.integers(0, 3)),
+            st.booleans(),
+            st.one_of(st.just(0), seqs),
+            epochs,
+            groups,
+            formats,
+        ),
+        st.builds(
+            take,
+            st.one_of(st.sampled_from(CONSUMERS), st.just(""), text),
+            _optional(uint32s),
+            st.booleans(),
+            st.one_of(st.just(0), wild_seqs),
+            wild_epochs,
+            wild_groups,
+            _optional(enums),
+        ),
     )
     return {"StreamEvents": streams, "TakeEvents": takes}
 
@@ -281,7 +328,9 @@ wire_fields = st.builds(
     _wire_field,
     st.integers(1, 16),
     st.sampled_from([0, 1, 2, 2, 2, 5]),
-    st.one_of(st.binary(max_size=12), st.sampled_from([b"\xc3\x28", b"\xed\xa0\x80", b"\xff", b"r0", b"\x0a\x02\xc3\x28"])),
+    st.one_of(
+        st.binary(max_size=12), st.sampled_from([b"\xc3\x28", b"\xed\xa0\x80", b"\xff", b"r0", b"\x0a\x02\xc3\x28"])
+    ),
     st.integers(0, 2**64 - 1),
 )
 
@@ -367,7 +416,9 @@ class LiveServer:
         for request_id in list(self.running.engine.requests):
             await self.call_ok("Free", pb.FreeRequest(request_id=request_id))
         head = self.running.event_log.head_seq
-        await self.call_ok("GetComputedBlocks", pb.GetComputedBlocksRequest(request_id="fuzz-producer", prompt_token_ids=prompt))
+        await self.call_ok(
+            "GetComputedBlocks", pb.GetComputedBlocksRequest(request_id="fuzz-producer", prompt_token_ids=prompt)
+        )
         await self.call_ok("AllocateSlots", pb.AllocateSlotsRequest(request_id="fuzz-producer", num_new_tokens=8))
         await self.call_ok("Free", pb.FreeRequest(request_id="fuzz-producer"))
         assert self.running.event_log.head_seq > head

@@ -28,7 +28,9 @@ async def test_one_check_after_every_successful_call_and_step(start_kv_server, c
     assert (servicer.num_invariant_checks, servicer.num_invariant_failures, servicer.invariant_failures) == (4, 0, [])
 
 
-async def test_a_failed_check_is_recorded_and_logged_and_the_call_still_answers(start_kv_server, connect, caplog) -> None:
+async def test_a_failed_check_is_recorded_and_logged_and_the_call_still_answers(
+    start_kv_server, connect, caplog
+) -> None:
     running = await start_kv_server(check_invariants=True)
     client = await connect(running)
     await client.get_computed_blocks("A", range(1, 10))

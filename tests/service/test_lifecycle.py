@@ -71,7 +71,10 @@ async def test_reflection_lists_the_service_and_serves_its_descriptor(kv_server,
     await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
     listed = await call.read()
     assert {s.name for s in listed.list_services_response.service} == {
-        SERVICE, "grpc.reflection.v1alpha.ServerReflection", "grpc.health.v1.Health"}
+        SERVICE,
+        "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.health.v1.Health",
+    }
     await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE))
     files = (await call.read()).file_descriptor_response.file_descriptor_proto
     await call.done_writing()
@@ -80,9 +83,24 @@ async def test_reflection_lists_the_service_and_serves_its_descriptor(kv_server,
     assert descriptor.name == "kvservice_client/_proto/kvservice/v1/kv_cache_service.proto"
     assert descriptor.package == "kvservice.v1"
     [service] = descriptor.service
-    assert (service.name, [m.name for m in service.method]) == ("KVCacheService", [
-        "GetComputedBlocks", "AllocateSlots", "Free", "ResetPrefixCache", "GetUsage", "Step", "StreamEvents",
-        "TakeEvents", "GetKVCacheGroupMetadata", "Ping", "AttachKVCache", "WriteBlocks", "ReadBlocks"])
+    assert (service.name, [m.name for m in service.method]) == (
+        "KVCacheService",
+        [
+            "GetComputedBlocks",
+            "AllocateSlots",
+            "Free",
+            "ResetPrefixCache",
+            "GetUsage",
+            "Step",
+            "StreamEvents",
+            "TakeEvents",
+            "GetKVCacheGroupMetadata",
+            "Ping",
+            "AttachKVCache",
+            "WriteBlocks",
+            "ReadBlocks",
+        ],
+    )
 
 
 async def test_ping_echoes_and_a_deadline_ends_an_idle_stream(kv_server, client):
@@ -103,7 +121,8 @@ async def test_memory_budget_sizes_the_pool(start_kv_server, connect):
     meta = await client.get_kv_cache_group_metadata()
     assert running.config.num_blocks == 10
     assert [(g.num_blocks, g.bytes_per_block, g.device, g.dtype, g.num_layers) for g in meta.groups] == [
-        (10, QWEN_BLOCK_BYTES, "cpu", "bfloat16", 24)]
+        (10, QWEN_BLOCK_BYTES, "cpu", "bfloat16", 24)
+    ]
     assert (meta.medium, meta.preset) == ("GPU", "qwen-2.5-0.5b")  # vLLM's primary pool says GPU on any device
     usage = await client.get_usage()
     assert (usage.num_total_blocks, usage.num_free_blocks) == (9, 9)
@@ -116,8 +135,14 @@ async def test_memory_budget_sizes_the_pool(start_kv_server, connect):
 
 async def test_a_budget_below_two_blocks_is_refused_naming_it():
     with pytest.raises(ValueError, match="memory budget"):
-        await start_server(host="127.0.0.1", port=0, device="cpu", preset="qwen-2.5-0.5b", block_size=4,
-                           kv_cache_memory=QWEN_BLOCK_BYTES + 1)
+        await start_server(
+            host="127.0.0.1",
+            port=0,
+            device="cpu",
+            preset="qwen-2.5-0.5b",
+            block_size=4,
+            kv_cache_memory=QWEN_BLOCK_BYTES + 1,
+        )
 
 
 async def test_metadata_head_seq_follows_the_log(kv_server, client):

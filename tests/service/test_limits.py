@@ -54,11 +54,17 @@ async def test_idle_requests_are_freed_as_a_free_would_free_them(start_kv_server
     twin = await start_kv_server()
     assert twin.reaper is None and reaping.reaper is not None and reaping.reaper.num_reaped_requests == 0
     clients = {"reaping": await connect(reaping), "twin": await connect(twin)}
-    streams = {name: await StreamReader.open(clients[name], running) for name, running in
-               (("reaping", reaping), ("twin", twin))}
+    streams = {
+        name: await StreamReader.open(clients[name], running)
+        for name, running in (("reaping", reaping), ("twin", twin))
+    }
     for client in clients.values():
         results = (await client.step(admit_and_register())).results
-        assert [r.WhichOneof("result") for r in results] == ["get_computed_blocks", "allocate_slots", "get_computed_blocks"]
+        assert [r.WhichOneof("result") for r in results] == [
+            "get_computed_blocks",
+            "allocate_slots",
+            "get_computed_blocks",
+        ]
 
     await asyncio.wait_for(reaping.reaper.wait_reaped(2), WAIT_S)
     assert list(reaping.reaper.reaped_request_ids) == ["A", "W"]  # least recently called first
@@ -67,8 +73,12 @@ async def test_idle_requests_are_freed_as_a_free_would_free_them(start_kv_server
 
     usage = {name: await client.get_usage() for name, client in clients.items()}
     assert usage["reaping"] == usage["twin"]
-    assert (usage["reaping"].num_free_blocks, usage["reaping"].num_cached_blocks,
-            usage["reaping"].num_running_requests, usage["reaping"].num_waiting_requests) == (15, 2, 0, 0)
+    assert (
+        usage["reaping"].num_free_blocks,
+        usage["reaping"].num_cached_blocks,
+        usage["reaping"].num_running_requests,
+        usage["reaping"].num_waiting_requests,
+    ) == (15, 2, 0, 0)
     assert reaping.engine.requests == twin.engine.requests == {}
     assert reaping.event_log.head_seq == twin.event_log.head_seq == 1  # a free announces nothing
     with pytest.raises(KVServiceError) as err:
@@ -79,10 +89,14 @@ async def test_idle_requests_are_freed_as_a_free_would_free_them(start_kv_server
     for client in clients.values():
         assert (await client.step(fill_the_pool())).results[1].allocate_slots.allocated
     batches = {name: await stream.batches(2) for name, stream in streams.items()}
-    assert [events_of(b) for b in batches["reaping"]] == [events_of(b) for b in batches["twin"]] == [
-        [stored(H[:2], None, range(1, 9))],
-        [removed([H[1], H[0]]), stored(hashes(range(100, 160)), None, range(100, 160))],
-    ]
+    assert (
+        [events_of(b) for b in batches["reaping"]]
+        == [events_of(b) for b in batches["twin"]]
+        == [
+            [stored(H[:2], None, range(1, 9))],
+            [removed([H[1], H[0]]), stored(hashes(range(100, 160)), None, range(100, 160))],
+        ]
+    )
     reaping.engine.check_invariants()
 
 
@@ -169,8 +183,9 @@ async def test_a_call_past_its_deadline_changes_nothing(start_kv_server, connect
     await client.step(admit_and_register())
     await client.take_events("watcher")
     # Batch 2 (for the watcher to take); then no block is held (ResetPrefixCache would clear), W waits.
-    await client.step(StepBuilder().get_computed_blocks("B", range(60, 64)).allocate_slots("B", 4).free("B").free("A")
-                      .build())
+    await client.step(
+        StepBuilder().get_computed_blocks("B", range(60, 64)).allocate_slots("B", 4).free("B").free("A").build()
+    )
     servicer = running.servicer
     check = servicer._deadline_passed
     reached: list[float | None] = []

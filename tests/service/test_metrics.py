@@ -249,9 +249,11 @@ async def test_interceptor_records_the_final_status_code():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             unary_call = channel.unary_unary("/test.S/Unary")
             assert await unary_call(b"ok") == b"ok"
-            for request, code in ((b"abort", grpc.StatusCode.PERMISSION_DENIED),
-                                  (b"set_code", grpc.StatusCode.ALREADY_EXISTS),
-                                  (b"raise", grpc.StatusCode.UNKNOWN)):
+            for request, code in (
+                (b"abort", grpc.StatusCode.PERMISSION_DENIED),
+                (b"set_code", grpc.StatusCode.ALREADY_EXISTS),
+                (b"raise", grpc.StatusCode.UNKNOWN),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await unary_call(request)
                 assert err.value.code() == code

@@ -85,8 +85,17 @@ class NatsServer:
         """Start it and return once a client connects (JetStream is up before the port opens)."""
         with open(self.log_path, "ab") as log:  # noqa: ASYNC230 (a local log file, opened once per start)
             self.process = await asyncio.create_subprocess_exec(
-                self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir),
-                *self.auth_args, stdout=log, stderr=log,
+                self.binary,
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-sd",
+                str(self.store_dir),
+                *self.auth_args,
+                stdout=log,
+                stderr=log,
             )
         exited = asyncio.ensure_future(self.process.wait())
         connected = asyncio.ensure_future(
@@ -280,8 +289,11 @@ async def test_a_restarted_watcher_resumes_from_the_durable(nats_server, js, sta
     await run_requests(running, client, prompts_of(3, 3), "c")
     third_head = await published(running)
     async with JetStreamWatcher(nats_server.url, durable="router") as third:
-        with pytest.raises(ResyncNeededError, match=f"expected seq 1 of epoch {running.event_log.epoch}, got seq "
-                           f"{second_head + 1} \\(missing from the stream\\)"):
+        with pytest.raises(
+            ResyncNeededError,
+            match=f"expected seq 1 of epoch {running.event_log.epoch}, got seq "
+            f"{second_head + 1} \\(missing from the stream\\)",
+        ):
             await third.wait_for_seq("node-a", third_head, timeout_s=WAIT_S)
         await third.wait_until(lambda: third.num_messages == third_head - second_head, WAIT_S)
         mirror = third.mirrors["node-a"]
@@ -377,8 +389,9 @@ async def test_a_plain_in_order_consumer_drops_a_restarted_servers_blocks(nats_s
     assert epoch_seqs[0] == (before.event_log.epoch, 0) and restart == before.event_log.head_seq + 1
 
 
-async def test_a_watcher_whose_start_the_stream_dropped_rebuilds_from_a_snapshot(nats_server, js, start_kv_server,
-                                                                                 connect):
+async def test_a_watcher_whose_start_the_stream_dropped_rebuilds_from_a_snapshot(
+    nats_server, js, start_kv_server, connect
+):
     """The stream keeps 3 messages of many: a watcher joining late meets a seq gap at its first
     message and, given the instance's gRPC address, rebuilds from a snapshot; it ends exact."""
     running = await start_kv_server(**nats_settings(nats_server, "node-a", nats_max_msgs=3))
@@ -502,8 +515,16 @@ async def test_a_wrong_password_fails_the_start_at_once(nats_server_with_passwor
 
     # `kvservice serve` reports it as a one-line click error, no traceback.
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", "--nats-url", wrong,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "kvservice.cli",
+        "serve",
+        "--port",
+        "0",
+        "--nats-url",
+        wrong,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), WAIT_S * 3)
     assert process.returncode == 1

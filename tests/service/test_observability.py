@@ -42,8 +42,11 @@ async def test_json_log_lines_parse_and_carry_the_rpc_and_request_id(start_kv_se
     await client.step(StepBuilder().allocate_slots("r1", 8).get_usage())
     lines = [json.loads(line) for line in json_log.getvalue().splitlines()]  # every line is one JSON object
     assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
-    done = [(line["rpc"], line.get("request_id"), line["code"], line["level"], line["logger"])
-            for line in lines if line["message"] == "rpc done"]
+    done = [
+        (line["rpc"], line.get("request_id"), line["code"], line["level"], line["logger"])
+        for line in lines
+        if line["message"] == "rpc done"
+    ]
     assert done == [
         ("KVCacheService/GetComputedBlocks", "r1", "OK", "DEBUG", "kvservice.server.observability"),
         ("KVCacheService/Step", None, "OK", "DEBUG", "kvservice.server.observability"),
@@ -83,15 +86,44 @@ async def test_a_span_per_rpc_with_the_request_id_and_steps_op_counts(start_kv_s
         await client.free("nobody")
     got = [(s.name, s.kind.name, dict(s.attributes), s.status.status_code.name) for s in spans.get_finished_spans()]
     assert got == [
-        (f"{SERVICE}/GetComputedBlocks", "SERVER",
-         {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": "GetComputedBlocks",
-          "kvservice.request_id": "r1", "rpc.grpc.status_code": 0}, "UNSET"),
-        (f"{SERVICE}/Step", "SERVER",
-         {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": "Step", "kvservice.step.num_ops": 4,
-          "kvservice.step.ops.allocate_slots": 2, "kvservice.step.ops.get_computed_blocks": 1,
-          "kvservice.step.ops.get_usage": 1, "kvservice.request_ids": ("r1", "r2"), "rpc.grpc.status_code": 0},
-         "UNSET"),
-        (f"{SERVICE}/Free", "SERVER",
-         {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": "Free", "kvservice.request_id": "nobody",
-          "rpc.grpc.status_code": 5}, "ERROR"),
+        (
+            f"{SERVICE}/GetComputedBlocks",
+            "SERVER",
+            {
+                "rpc.system": "grpc",
+                "rpc.service": SERVICE,
+                "rpc.method": "GetComputedBlocks",
+                "kvservice.request_id": "r1",
+                "rpc.grpc.status_code": 0,
+            },
+            "UNSET",
+        ),
+        (
+            f"{SERVICE}/Step",
+            "SERVER",
+            {
+                "rpc.system": "grpc",
+                "rpc.service": SERVICE,
+                "rpc.method": "Step",
+                "kvservice.step.num_ops": 4,
+                "kvservice.step.ops.allocate_slots": 2,
+                "kvservice.step.ops.get_computed_blocks": 1,
+                "kvservice.step.ops.get_usage": 1,
+                "kvservice.request_ids": ("r1", "r2"),
+                "rpc.grpc.status_code": 0,
+            },
+            "UNSET",
+        ),
+        (
+            f"{SERVICE}/Free",
+            "SERVER",
+            {
+                "rpc.system": "grpc",
+                "rpc.service": SERVICE,
+                "rpc.method": "Free",
+                "kvservice.request_id": "nobody",
+                "rpc.grpc.status_code": 5,
+            },
+            "ERROR",
+        ),
     ]

@@ -37,7 +37,9 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
 async def test_probe_ports_answer_plaintext_without_a_token_beside_tls_and_tokens(start_kv_server, tmp_path):
     pki = make_pki(tmp_path)
     running = await start_kv_server(
-        **tls_settings(pki), auth_tokens_file=write_tokens(tmp_path / "tokens.toml"), health_port=0,
+        **tls_settings(pki),
+        auth_tokens_file=write_tokens(tmp_path / "tokens.toml"),
+        health_port=0,
         health_http_port=0,
     )
     assert running.config.health_port == running.probes.grpc_port not in (None, 0)

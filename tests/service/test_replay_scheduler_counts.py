@@ -46,8 +46,16 @@ async def test_a_readmission_hit_counts_per_admission_only(kv_server, client):
     assert (stats.num_preemptions, stats.num_finished, stats.num_steps) == (1, 2, 16)
     assert stats.num_prefill_tokens == 20 + 20 + 1
 
-    run = ModeRun("full", stats, [SimpleNamespace(num_events=0, num_batches=0)], None, 0,  # type: ignore[list-item]
-                  pool_blocks=15, block_size=4, usage=pb.GetUsageResponse())
+    run = ModeRun(
+        "full",
+        stats,
+        [SimpleNamespace(num_events=0, num_batches=0)],
+        None,
+        0,  # type: ignore[list-item]
+        pool_blocks=15,
+        block_size=4,
+        usage=pb.GetUsageResponse(),
+    )
     m = summarise(run, wall_time_s=stats.wall_time_s)
     assert (m.num_prompt_tokens, m.num_hit_tokens) == (69, 28)
     assert (m.num_first_admission_prompt_tokens, m.num_first_admission_hit_tokens) == (40, 0)

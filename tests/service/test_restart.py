@@ -62,8 +62,10 @@ class FollowedMirror:
             self.changed.clear()
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise AssertionError(f"timed out waiting for {what}: watcher at seq {self.watcher.last_seq} of "
-                                     f"epoch {self.watcher.epoch}, stats {self.watcher.stats}")
+                raise AssertionError(
+                    f"timed out waiting for {what}: watcher at seq {self.watcher.last_seq} of "
+                    f"epoch {self.watcher.epoch}, stats {self.watcher.stats}"
+                )
             changed = loop.create_task(self.changed.wait())
             await asyncio.wait({self.task, changed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             changed.cancel()

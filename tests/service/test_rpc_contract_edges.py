@@ -4,13 +4,13 @@ epoch of another server is FAILED_PRECONDITION, a prompt the pool can never hold
 registration, and a preset's max_model_len is lowered to what the pool holds."""
 
 from __future__ import annotations
-from tests.service.helpers import FULL_SLIDING
 
 import grpc
 import pytest
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import KVServiceError
+from tests.service.helpers import FULL_SLIDING
 
 pytestmark = pytest.mark.timeout(60)
 

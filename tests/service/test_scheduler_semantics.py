@@ -31,8 +31,14 @@ async def test_admission_uses_the_hit_as_it_is_now(start_kv_server, connect):
     await client.free("C")
 
     b = await client.allocate_slots("B", 9)
-    assert (b.allocated, b.num_new_computed_tokens, ids(b.computed_block_ids), ids(b.new_block_ids),
-            b.num_scheduled_tokens, b.num_computed_tokens) == (True, 4, [[1]], [[2, 3]], 5, 9)
+    assert (
+        b.allocated,
+        b.num_new_computed_tokens,
+        ids(b.computed_block_ids),
+        ids(b.new_block_ids),
+        b.num_scheduled_tokens,
+        b.num_computed_tokens,
+    ) == (True, 4, [[1]], [[2, 3]], 5, 9)
     c_hashes = hashes(c_prompt)
     a_batch, c_batch, b_batch = await reader.batches(3)
     assert events_of(a_batch) == [stored(H[:3], None, range(1, 13))]
@@ -58,8 +64,13 @@ async def test_not_enough_blocks_is_a_normal_answer_that_changes_nothing(start_k
     before = await observed_state(running, client)
 
     refused = await client.allocate_slots("A", 4, new_token_ids=[9, 10, 11, 12])
-    assert (refused.allocated, ids(refused.new_block_ids), refused.num_scheduled_tokens, refused.num_computed_tokens,
-            refused.num_tokens) == (False, [[]], 0, 8, 8)
+    assert (
+        refused.allocated,
+        ids(refused.new_block_ids),
+        refused.num_scheduled_tokens,
+        refused.num_computed_tokens,
+        refused.num_tokens,
+    ) == (False, [[]], 0, 8, 8)
     waiting = await client.get_computed_blocks("W", range(1, 10), kv_cache_report_mode="full")
     assert waiting.num_computed_tokens == 8
     assert not (await client.allocate_slots("W", 9)).allocated  # needs a third block: none free

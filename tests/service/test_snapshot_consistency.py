@@ -48,8 +48,11 @@ class Workload:
                 prompt = self._new_prompt()
                 mode = rng.choice(["full", "incremental"])
                 if rng.random() < 0.5:
-                    await client.step(StepBuilder().get_computed_blocks(rid, prompt, kv_cache_report_mode=mode)
-                                      .allocate_slots(rid, rng.randint(1, len(prompt))))
+                    await client.step(
+                        StepBuilder()
+                        .get_computed_blocks(rid, prompt, kv_cache_report_mode=mode)
+                        .allocate_slots(rid, rng.randint(1, len(prompt)))
+                    )
                 else:
                     await client.get_computed_blocks(rid, prompt, kv_cache_report_mode=mode)
                     await client.allocate_slots(rid, len(prompt))

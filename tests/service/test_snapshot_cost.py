@@ -56,8 +56,13 @@ async def test_100_concurrent_snapshot_subscribers_at_one_head_cause_one_cut(sta
     for parts in snapshots:
         assert [b.seq for b in parts] == [head] * len(parts)
         assert [b.SerializeToString() for b in parts] == first  # the same bytes for all
-    stored = {(e.group_idx, h) for b in snapshots[0] for e in events_of(b) if isinstance(e, BlockStored) for h in
-              e.block_hashes}
+    stored = {
+        (e.group_idx, h)
+        for b in snapshots[0]
+        for e in events_of(b)
+        if isinstance(e, BlockStored)
+        for h in e.block_hashes
+    }
     assert stored == {(g, h) for g, hashes in enumerate(pool_hashes(running)) for h in hashes}
     # A take at the same head shares the cut too; the next batch makes the next ask cut again.
     taken = await watchers[0].take_events("w", snapshot=True)
@@ -71,7 +76,9 @@ async def test_100_concurrent_snapshot_subscribers_at_one_head_cause_one_cut(sta
 async def test_an_oversized_take_events_snapshot_is_refused_before_any_cut(start_kv_server, connect):
     # max_take_bytes = max_message_bytes - 1024 = 3072 bytes; 2,048 cached tokens are at least 4,096
     # bytes of snapshot (every token id at least once in each half).
-    running = await start_kv_server(num_blocks=600, max_model_len=1024, max_message_bytes=4096, snapshot_part_tokens=256)
+    running = await start_kv_server(
+        num_blocks=600, max_model_len=1024, max_message_bytes=4096, snapshot_part_tokens=256
+    )
     scheduler = await connect(running)
     await fill(scheduler, 2, 1024)
     watcher = await connect(running)
@@ -88,7 +95,9 @@ async def test_an_oversized_take_events_snapshot_is_refused_before_any_cut(start
 
 async def test_a_take_events_snapshot_above_the_bound_after_the_cut_is_refused_exactly(start_kv_server, connect):
     # 512 tokens: the bound (1,024 bytes) fits 3,072; the real snapshot (hashes are 8-10 bytes each) does not.
-    running = await start_kv_server(num_blocks=600, max_model_len=1024, max_message_bytes=4096, snapshot_part_tokens=256)
+    running = await start_kv_server(
+        num_blocks=600, max_model_len=1024, max_message_bytes=4096, snapshot_part_tokens=256
+    )
     scheduler = await connect(running)
     await fill(scheduler, 1, 512)
     watcher = await connect(running)

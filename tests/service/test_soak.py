@@ -21,11 +21,21 @@ def rec(kind: RecordKind, epoch: str | None = None, seq: int = 0, more: bool = F
 
 def test_a_clean_history_across_kills_resyncs_and_a_restart_passes() -> None:
     history = [
-        rec(START), rec(S, "A", 3), rec(B, "A", 4), rec(B, "A", 5),
-        rec(R, "A", 5), rec(B, "A", 6),  # killed, resumed after 5
-        rec(S, "A", 9, more=True), rec(S, "A", 9), rec(B, "A", 10),  # a resync (fell behind), in two parts
-        rec(R, "A", 10), rec(S, "B", 0), rec(B, "B", 1),  # a resume into a restarted server: its snapshot
-        rec(START), rec(S, "B", 1), rec(B, "B", 2),
+        rec(START),
+        rec(S, "A", 3),
+        rec(B, "A", 4),
+        rec(B, "A", 5),
+        rec(R, "A", 5),
+        rec(B, "A", 6),  # killed, resumed after 5
+        rec(S, "A", 9, more=True),
+        rec(S, "A", 9),
+        rec(B, "A", 10),  # a resync (fell behind), in two parts
+        rec(R, "A", 10),
+        rec(S, "B", 0),
+        rec(B, "B", 1),  # a resume into a restarted server: its snapshot
+        rec(START),
+        rec(S, "B", 1),
+        rec(B, "B", 2),
     ]
     assert check_applied_sequence(history) == (11, [])
 
@@ -53,8 +63,15 @@ def test_the_sequence_check_names_each_violation(history: list[AppliedRecord], p
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_soak_nothing_lost() -> None:
-    config = SoakConfig(num_schedulers=8, num_watchers=8, seed=6, ops_per_scheduler=2500, num_restarts=1,
-                        num_drain_resets=1, num_kills=16)
+    config = SoakConfig(
+        num_schedulers=8,
+        num_watchers=8,
+        seed=6,
+        ops_per_scheduler=2500,
+        num_restarts=1,
+        num_drain_resets=1,
+        num_kills=16,
+    )
     report = await run_soak(config)
     print(report.render())
     assert report.problems == []

@@ -44,8 +44,9 @@ def build_ops(seed: int) -> list[pb.StepOp]:
             continue
         if index == 70:
             rid = sorted(allocated_once & set(registered))[0]
-            ops.append(pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(
-                request_id=rid, prompt_token_ids=[1, 2, 3])))
+            ops.append(
+                pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=rid, prompt_token_ids=[1, 2, 3]))
+            )
             continue
         roll = rng.random()
         if roll < 0.3 or not registered:
@@ -54,7 +55,8 @@ def build_ops(seed: int) -> list[pb.StepOp]:
             prefix = rng.choice(families)[: rng.choice([0, 4, 8])]
             prompt = prefix + [rng.randrange(1, 40) for _ in range(rng.randint(1, 16))]
             request = pb.GetComputedBlocksRequest(
-                request_id=rid, prompt_token_ids=prompt,
+                request_id=rid,
+                prompt_token_ids=prompt,
                 kv_cache_report_mode=rng.choice([pb.KV_CACHE_REPORT_MODE_FULL, pb.KV_CACHE_REPORT_MODE_INCREMENTAL]),
             )
             if rng.random() < 0.3:
@@ -74,8 +76,11 @@ def build_ops(seed: int) -> list[pb.StepOp]:
                 new = [rng.randrange(1, 40) for _ in range(rng.randint(1, 2))]
                 registered[rid] += len(new)
                 request = pb.AllocateSlotsRequest(
-                    request_id=rid, num_new_tokens=rng.randint(1, 8), new_token_ids=new,
-                    num_lookahead_tokens=rng.choice([0, 0, 3]))
+                    request_id=rid,
+                    num_new_tokens=rng.randint(1, 8),
+                    new_token_ids=new,
+                    num_lookahead_tokens=rng.choice([0, 0, 3]),
+                )
             ops.append(pb.StepOp(allocate_slots=request))
         elif roll < 0.85:
             rid = rng.choice(sorted(registered))

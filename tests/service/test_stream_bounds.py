@@ -24,8 +24,9 @@ pytestmark = pytest.mark.timeout(120)
 
 async def test_a_stream_that_never_reads_is_cut_by_its_write_timeout_though_not_behind(start_kv_server, connect):
     # max_subscriber_lag (10,000) is never reached: only the write timeout can end this stream.
-    running = await start_kv_server(num_blocks=STALL_TOKENS // 4 + 2, max_model_len=STALL_TOKENS,
-                                    stalled_write_timeout_s=2.0)
+    running = await start_kv_server(
+        num_blocks=STALL_TOKENS // 4 + 2, max_model_len=STALL_TOKENS, stalled_write_timeout_s=2.0
+    )
     scheduler = await connect(running)
     stalled_client = await connect(running, options=[("grpc.http2.bdp_probe", 0)])
     stalled = stalled_client.stream_events(start_seq=1)
@@ -101,9 +102,14 @@ async def test_keepalive_finds_a_silently_dead_connection_and_the_watcher_resume
     proxy = FreezingProxy(running.port)
     address = await proxy.start()
     # Ping every 0.5 s while the stream is open; a ping unanswered for 2 s closes the connection.
-    watched_client = AsyncKVCacheClient(address, options=[("grpc.keepalive_time_ms", 500),
-                                                          ("grpc.keepalive_timeout_ms", 2000),
-                                                          ("grpc.http2.ping_timeout_ms", 2000)])
+    watched_client = AsyncKVCacheClient(
+        address,
+        options=[
+            ("grpc.keepalive_time_ms", 500),
+            ("grpc.keepalive_timeout_ms", 2000),
+            ("grpc.http2.ping_timeout_ms", 2000),
+        ],
+    )
     try:
         async with EventWatcher(watched_client, retry=RetryPolicy(max_retries=None)) as watcher:
             batches = aiter(watcher)

@@ -91,8 +91,9 @@ async def test_start_below_retention_is_out_of_range_naming_the_oldest_seq(start
     for start_seq in (1, 2):
         err = await stream_error(watcher.stream_events(start_seq=start_seq))
         assert err.code == grpc.StatusCode.OUT_OF_RANGE
-        assert (f"start_seq {start_seq} is below the oldest retained batch, seq 3 of epoch "
-                f"{running.event_log.epoch}") in err.message
+        assert (
+            f"start_seq {start_seq} is below the oldest retained batch, seq 3 of epoch {running.event_log.epoch}"
+        ) in err.message
     oldest = watcher.stream_events(start_seq=3)
     assert [b.seq for b in await read_batches(oldest, 3)] == [3, 4, 5]
 
@@ -141,8 +142,9 @@ async def _run_stall(start_kv_server, connect, *, num_tokens: int, stalled_optio
     Returns (the server, seqs the stalled stream yielded, its error or None if it hung, the good
     stream's batches).
     """
-    running = await start_kv_server(num_blocks=num_tokens // 4 + 2, max_model_len=num_tokens,
-                                    max_subscriber_lag=MAX_LAG)
+    running = await start_kv_server(
+        num_blocks=num_tokens // 4 + 2, max_model_len=num_tokens, max_subscriber_lag=MAX_LAG
+    )
     scheduler = await connect(running)
     stalled_client = await connect(running, options=[("grpc.http2.bdp_probe", 0), *stalled_options])
     stalled = stalled_client.stream_events(start_seq=1)
@@ -179,8 +181,9 @@ def _named_last_seq(error: KVServiceError) -> int:
 
 
 async def test_stalled_subscriber_is_ended_while_others_continue(start_kv_server, connect):
-    running, got, error, good_batches = await _run_stall(start_kv_server, connect, num_tokens=STALL_TOKENS,
-                                                         stalled_options=[])
+    running, got, error, good_batches = await _run_stall(
+        start_kv_server, connect, num_tokens=STALL_TOKENS, stalled_options=[]
+    )
     # The other subscriber got every batch, in order (checked in _run_stall), the first one exactly.
     # What was buffered arrives in order from seq 1, without a gap, then the stream ends.
     assert len(good_batches) > MAX_LAG
@@ -202,16 +205,21 @@ async def test_stalled_subscriber_status_names_the_last_seq_it_received(start_kv
 
 
 async def test_stalled_subscriber_with_a_small_window_gets_a_status(start_kv_server, connect):
-    _, got, error, _ = await _run_stall(start_kv_server, connect, num_tokens=400,
-                                     stalled_options=[("grpc.http2.lookahead_bytes", 1024)])
+    _, got, error, _ = await _run_stall(
+        start_kv_server, connect, num_tokens=400, stalled_options=[("grpc.http2.lookahead_bytes", 1024)]
+    )
     assert got and got == list(range(1, len(got) + 1))
     assert error is not None, f"no status after seqs {got}"
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_a_client_that_never_reads_is_cut_off_after_the_stall_timeout(start_kv_server, connect):
-    running = await start_kv_server(num_blocks=STALL_TOKENS // 4 + 2, max_model_len=STALL_TOKENS,
-                                    max_subscriber_lag=MAX_LAG, stalled_write_timeout_s=0.2)
+    running = await start_kv_server(
+        num_blocks=STALL_TOKENS // 4 + 2,
+        max_model_len=STALL_TOKENS,
+        max_subscriber_lag=MAX_LAG,
+        stalled_write_timeout_s=0.2,
+    )
     scheduler = await connect(running)
     stalled_client = await connect(running, options=[("grpc.http2.bdp_probe", 0)])
     stalled = stalled_client.stream_events(start_seq=1)

@@ -49,10 +49,14 @@ async def test_two_consumers_never_take_each_others_batches(kv_server, connect):
     assert (seqs(b2), b2.next_seq) == ([2, 3], 4)
     a3 = await watcher_a.take_events("a")
     assert (seqs(a3), a3.next_seq) == ([3], 4)
-    assert [events_of(b) for b in b2.batches] == [events_of(a2.batches[0]), events_of(a3.batches[0])] == [
-        [stored(hashes(range(20, 24)), None, range(20, 24))],
-        [stored(hashes(range(30, 34)), None, range(30, 34))],
-    ]
+    assert (
+        [events_of(b) for b in b2.batches]
+        == [events_of(a2.batches[0]), events_of(a3.batches[0])]
+        == [
+            [stored(hashes(range(20, 24)), None, range(20, 24))],
+            [stored(hashes(range(30, 34)), None, range(30, 34))],
+        ]
+    )
     # The same consumer name from another channel shares the cursor; a stream is never taken from.
     shared = await watcher_b.take_events("a")
     assert (seqs(shared), shared.next_seq) == ([], 4)

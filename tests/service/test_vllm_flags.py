@@ -50,7 +50,10 @@ def test_vllms_example_invocations_map_onto_the_zmq_settings(monkeypatch):
     first, second = (example["args"] for example in VECTORS["example_invocations"])
     config = serve_config([*first, "--allow-insecure-bind"], monkeypatch)
     assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic) == (
-        "tcp://*:5557", "tcp://*:5558", "kv-events")
+        "tcp://*:5557",
+        "tcp://*:5558",
+        "kv-events",
+    )
     assert config.zmq.kv_events_config == json.loads(json.dumps(first[1])) and config.event_max_batches == 100_000
     config = serve_config([*second, "--allow-insecure-bind"], monkeypatch)
     assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic) == ("tcp://*:20080", None, "")
@@ -60,10 +63,15 @@ def test_kv_events_config_keeps_kvservices_bind_rule_and_a_named_setting_wins():
     example = '{"enable_kv_cache_events": true, "topic": "t", "hwm": 10, "buffer_steps": 64, "max_queue_size": 5}'
     with pytest.raises(ValueError, match=r"zmq_endpoint 'tcp://\*:5557' binds a non-loopback address"):
         load_config(None, {}, kv_events_config=example)
-    config = load_config(None, {"KVSERVICE_ZMQ_TOPIC": "from-env"}, kv_events_config=example,
-                         zmq_endpoint="tcp://127.0.0.1:*")
+    config = load_config(
+        None, {"KVSERVICE_ZMQ_TOPIC": "from-env"}, kv_events_config=example, zmq_endpoint="tcp://127.0.0.1:*"
+    )
     assert (config.zmq_endpoint, config.zmq_topic, config.zmq_hwm, config.event_max_batches) == (
-        "tcp://127.0.0.1:*", "from-env", 10, 64)
+        "tcp://127.0.0.1:*",
+        "from-env",
+        10,
+        64,
+    )
     assert ServerConfig(kv_events_config='{"enable_kv_cache_events": false}').zmq_endpoint is None
 
 
@@ -84,10 +92,30 @@ def test_a_bad_kv_events_config_is_named(text, message):
 
 def test_vllms_cache_flags_spelled_as_vllm_spells_them(monkeypatch):
     config = serve_config(
-        ["--prefix-caching-hash-algo", "sha256", "--num-gpu-blocks-override", "64", "--kv-cache-dtype", "fp8",
-         "--max-model-len", "128", "--block-size", "16", "--gpu-memory-utilization", "0.5"], monkeypatch)
-    assert (config.hash_algorithm, config.num_blocks, config.kv_cache_dtype, config.max_model_len, config.block_size,
-            config.gpu_memory_utilization) == ("sha256", 64, "fp8", 128, 16, 0.5)
+        [
+            "--prefix-caching-hash-algo",
+            "sha256",
+            "--num-gpu-blocks-override",
+            "64",
+            "--kv-cache-dtype",
+            "fp8",
+            "--max-model-len",
+            "128",
+            "--block-size",
+            "16",
+            "--gpu-memory-utilization",
+            "0.5",
+        ],
+        monkeypatch,
+    )
+    assert (
+        config.hash_algorithm,
+        config.num_blocks,
+        config.kv_cache_dtype,
+        config.max_model_len,
+        config.block_size,
+        config.gpu_memory_utilization,
+    ) == ("sha256", 64, "fp8", 128, 16, 0.5)
 
 
 def test_vllm_values_not_served_here_are_refused_naming_those_that_are():
@@ -95,8 +123,9 @@ def test_vllm_values_not_served_here_are_refused_naming_those_that_are():
     assert set(HASH_ALGORITHMS) == set(VECTORS["prefix_caching_hash_algo_choices"])
     assert ServerConfig(prefix_caching_hash_algo="xxhash_cbor").hash_algorithm == "xxhash_cbor"
     assert set(KV_CACHE_DTYPES) < set(VECTORS["cache_dtype_choices"])
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16, fp8, fp8_e4m3, "
-                                         "fp8_e5m2; got 'nvfp4'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2; got 'nvfp4'"
+    ):
         load_config(None, {"KVSERVICE_KV_CACHE_DTYPE": "nvfp4"})
 
 

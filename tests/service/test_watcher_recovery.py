@@ -30,7 +30,6 @@ from kvservice_client.watcher import (
 )
 from tests.unit.test_watcher import removed, stored
 
-
 # --- EventWatcher against a scripted fake ---------------------------------------------------------
 
 DEADLINE_S = 10.0
@@ -56,8 +55,9 @@ def seq_req(start_seq: int, epoch: str, **kwargs: object) -> v1.StreamEventsRequ
 
 
 def live(seq: int, *events, epoch: str = "A", payload_format: str = "protobuf") -> v1.EventBatch:  # type: ignore[no-untyped-def]
-    return batch_to_proto(KVEventBatch(ts=float(seq), events=list(events)), seq=seq, epoch=epoch,
-                          payload_format=payload_format)  # type: ignore[arg-type]
+    return batch_to_proto(
+        KVEventBatch(ts=float(seq), events=list(events)), seq=seq, epoch=epoch, payload_format=payload_format
+    )  # type: ignore[arg-type]
 
 
 def snap(seq: int, *hashes: int, epoch: str = "A") -> v1.EventBatch:
@@ -159,7 +159,9 @@ def positions(batches: Sequence[WatchedBatch]) -> list[tuple[int, str, bool]]:
 
 
 async def test_snapshot_then_live_in_order(servers) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [Call(snap_req(), [snap(3, 1, 2), live(4, stored([3], parent=2)), live(5, removed([1]))])])
+    served = await start(
+        servers, [Call(snap_req(), [snap(3, 1, 2), live(4, stored([3], parent=2)), live(5, removed([1]))])]
+    )
     index = PrefixIndex()
     async with EventWatcher(served.address, retry=FAST) as watcher:  # the watcher opens its own client
         assert watcher.last_seq is None and watcher.epoch is None
@@ -181,10 +183,13 @@ async def test_snapshot_then_live_in_order(servers) -> None:  # type: ignore[no-
 
 @pytest.mark.parametrize("end", [(grpc.StatusCode.UNAVAILABLE, "server draining"), "return"])
 async def test_a_broken_stream_resumes_from_last_seq_plus_one(servers, end) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [
-        Call(snap_req(), [snap(0), live(1, stored([1])), live(2, stored([2], parent=1))], end=end),
-        Call(seq_req(3, "A"), [live(3, stored([3], parent=2)), live(4)]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(snap_req(), [snap(0), live(1, stored([1])), live(2, stored([2], parent=1))], end=end),
+            Call(seq_req(3, "A"), [live(3, stored([3], parent=2)), live(4)]),
+        ],
+    )
     async with AsyncKVCacheClient(served.address) as client, EventWatcher(client, retry=FAST) as watcher:
         got = await take(watcher, 5)
         assert positions(got) == [(0, "A", True), (1, "A", False), (2, "A", False), (3, "A", False), (4, "A", False)]
@@ -194,9 +199,15 @@ async def test_a_broken_stream_resumes_from_last_seq_plus_one(servers, end) -> N
 
 async def test_a_dropped_connection_waits_for_the_channel_and_resumes(servers) -> None:  # type: ignore[no-untyped-def]
     first = await start(servers, [Call(snap_req(), [snap(0, 1), live(1, stored([2], parent=1))])])
-    options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-               ("grpc.max_reconnect_backoff_ms", 200)]
-    async with AsyncKVCacheClient(first.address, options=options) as client, EventWatcher(client, retry=FAST) as watcher:
+    options = [
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 200),
+    ]
+    async with (
+        AsyncKVCacheClient(first.address, options=options) as client,
+        EventWatcher(client, retry=FAST) as watcher,
+    ):
         assert positions(await take(watcher, 2)) == [(0, "A", True), (1, "A", False)]
         await first.stop()  # the connection goes away; the watcher cannot know where the server went
         second = await start(servers, [Call(seq_req(2, "A"), [live(2, stored([3], parent=2))])], port=first.port)
@@ -207,11 +218,18 @@ async def test_a_dropped_connection_waits_for_the_channel_and_resumes(servers) -
 
 
 async def test_an_epoch_change_resyncs_from_a_snapshot(servers) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [
-        Call(snap_req(), [snap(0, 1, 2), live(1, stored([3], parent=2))], end=(grpc.StatusCode.UNAVAILABLE, "restart")),
-        Call(seq_req(2, "A"), end=(grpc.StatusCode.FAILED_PRECONDITION, "epoch 'A' is not the current epoch 'B'")),
-        Call(snap_req(), [snap(5, 7, epoch="B"), live(6, stored([8], parent=7), epoch="B")]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(
+                snap_req(),
+                [snap(0, 1, 2), live(1, stored([3], parent=2))],
+                end=(grpc.StatusCode.UNAVAILABLE, "restart"),
+            ),
+            Call(seq_req(2, "A"), end=(grpc.StatusCode.FAILED_PRECONDITION, "epoch 'A' is not the current epoch 'B'")),
+            Call(snap_req(), [snap(5, 7, epoch="B"), live(6, stored([8], parent=7), epoch="B")]),
+        ],
+    )
     index = PrefixIndex()
     async with EventWatcher(served.address, retry=FAST) as watcher:
         got = await take(watcher, 4)
@@ -227,10 +245,13 @@ async def test_an_epoch_change_resyncs_from_a_snapshot(servers) -> None:  # type
 
 
 async def test_a_resume_below_retention_resyncs_from_a_snapshot(servers) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [
-        Call(seq_req(10, "A"), end=(grpc.StatusCode.OUT_OF_RANGE, "seq 10 is below the oldest seq held (20)")),
-        Call(snap_req(), [snap(25, 4)]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(seq_req(10, "A"), end=(grpc.StatusCode.OUT_OF_RANGE, "seq 10 is below the oldest seq held (20)")),
+            Call(snap_req(), [snap(25, 4)]),
+        ],
+    )
     async with EventWatcher(served.address, start_seq=10, epoch="A", retry=FAST) as watcher:
         assert (watcher.last_seq, watcher.epoch) == (9, "A")
         assert positions(await take(watcher, 1)) == [(25, "A", True)]
@@ -239,19 +260,25 @@ async def test_a_resume_below_retention_resyncs_from_a_snapshot(servers) -> None
 
 
 async def test_resume_from_a_given_seq_follows_the_servers_epoch_when_none_is_given(servers) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [
-        Call(seq_req(10, ""), [live(10, epoch="C"), live(11, epoch="C")], end=(grpc.StatusCode.UNAVAILABLE, "x")),
-        Call(seq_req(12, "C"), [live(12, epoch="C")]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(seq_req(10, ""), [live(10, epoch="C"), live(11, epoch="C")], end=(grpc.StatusCode.UNAVAILABLE, "x")),
+            Call(seq_req(12, "C"), [live(12, epoch="C")]),
+        ],
+    )
     async with EventWatcher(served.address, start_seq=10, retry=FAST) as watcher:
         assert positions(await take(watcher, 3)) == [(10, "C", False), (11, "C", False), (12, "C", False)]
 
 
 async def test_a_seq_gap_is_never_applied_and_resyncs(servers) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [
-        Call(snap_req(), [snap(0, 1), live(1, stored([2], parent=1)), live(3, stored([9]))]),
-        Call(snap_req(), [snap(3, 1, 2, 5), live(4)]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(snap_req(), [snap(0, 1), live(1, stored([2], parent=1)), live(3, stored([9]))]),
+            Call(snap_req(), [snap(3, 1, 2, 5), live(4)]),
+        ],
+    )
     async with EventWatcher(served.address, retry=FAST) as watcher:
         got = await take(watcher, 4)
         assert positions(got) == [(0, "A", True), (1, "A", False), (3, "A", True), (4, "A", False)]
@@ -262,20 +289,30 @@ async def test_a_seq_gap_is_never_applied_and_resyncs(servers) -> None:  # type:
 
 
 async def test_a_batch_from_another_epoch_resyncs(servers) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [
-        Call(snap_req(), [snap(0), live(1), live(2, epoch="B")]),
-        Call(snap_req(), [snap(2, epoch="B")]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(snap_req(), [snap(0), live(1), live(2, epoch="B")]),
+            Call(snap_req(), [snap(2, epoch="B")]),
+        ],
+    )
     async with EventWatcher(served.address, retry=FAST) as watcher:
         assert positions(await take(watcher, 3)) == [(0, "A", True), (1, "A", False), (2, "B", True)]
         assert watcher.stats.resyncs == {ResyncReason.EPOCH_MISMATCH: 1}
 
 
 async def test_falling_behind_resyncs_from_a_snapshot(servers) -> None:  # type: ignore[no-untyped-def]
-    served = await start(servers, [
-        Call(snap_req(), [snap(0), live(1)], end=(grpc.StatusCode.RESOURCE_EXHAUSTED, "subscriber fell behind at seq 1")),
-        Call(snap_req(), [snap(7, 3), live(8)]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(
+                snap_req(),
+                [snap(0), live(1)],
+                end=(grpc.StatusCode.RESOURCE_EXHAUSTED, "subscriber fell behind at seq 1"),
+            ),
+            Call(snap_req(), [snap(7, 3), live(8)]),
+        ],
+    )
     async with EventWatcher(served.address, retry=FAST) as watcher:
         assert positions(await take(watcher, 4)) == [(0, "A", True), (1, "A", False), (7, "A", True), (8, "A", False)]
         assert watcher.stats.resyncs == {ResyncReason.FELL_BEHIND: 1}
@@ -354,14 +391,29 @@ async def test_close_ends_a_pending_iteration_and_cancels_the_call(servers) -> N
 
 async def test_msgpack_payload_and_group_filter_are_passed_through(servers) -> None:  # type: ignore[no-untyped-def]
     events = [stored([11, 12], group=1), removed([10], group=1)]
-    served = await start(servers, [
-        Call(snap_req(group_idxs=[1], payload_format=v1.PAYLOAD_FORMAT_MSGPACK),
-             [batch_to_proto(KVEventBatch(ts=1.0, events=[AllBlocksCleared()]), seq=0, epoch="A", snapshot=True,
-                             payload_format="msgpack"),
-              live(1, *events, payload_format="msgpack")],
-             end=(grpc.StatusCode.UNAVAILABLE, "x")),
-        Call(seq_req(2, "A", group_idxs=[1], payload_format=v1.PAYLOAD_FORMAT_MSGPACK), [live(2, payload_format="msgpack")]),
-    ])
+    served = await start(
+        servers,
+        [
+            Call(
+                snap_req(group_idxs=[1], payload_format=v1.PAYLOAD_FORMAT_MSGPACK),
+                [
+                    batch_to_proto(
+                        KVEventBatch(ts=1.0, events=[AllBlocksCleared()]),
+                        seq=0,
+                        epoch="A",
+                        snapshot=True,
+                        payload_format="msgpack",
+                    ),
+                    live(1, *events, payload_format="msgpack"),
+                ],
+                end=(grpc.StatusCode.UNAVAILABLE, "x"),
+            ),
+            Call(
+                seq_req(2, "A", group_idxs=[1], payload_format=v1.PAYLOAD_FORMAT_MSGPACK),
+                [live(2, payload_format="msgpack")],
+            ),
+        ],
+    )
     async with EventWatcher(served.address, group_idxs=[1], payload_format="msgpack", retry=FAST) as watcher:
         got = await take(watcher, 3)
         assert positions(got) == [(0, "A", True), (1, "A", False), (2, "A", False)]

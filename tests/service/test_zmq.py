@@ -50,8 +50,16 @@ class VllmSubscriber:
     """A router's side of vLLM's ZMQ protocol: a SUB socket, a DEALER for replays, and the cached
     set as a set of (group_idx, hash)."""
 
-    def __init__(self, ctx: zmq_asyncio.Context, endpoint: str, replay_endpoint: str | None,
-                 subscribe: bytes = b"", *, bind: bool = False, ipv6: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: zmq_asyncio.Context,
+        endpoint: str,
+        replay_endpoint: str | None,
+        subscribe: bytes = b"",
+        *,
+        bind: bool = False,
+        ipv6: bool = False,
+    ) -> None:
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.IPV6, int(ipv6))
         self.sub.setsockopt(zmq.SUBSCRIBE, subscribe)
@@ -190,11 +198,21 @@ async def test_live_subscriber_mirrors_the_cached_set(start_kv_server, connect, 
     assert frames[:2] == [b"", (running.zmq_publisher.seq_base + head + 1).to_bytes(8, "big")]
     ts, events, data_parallel_rank = msgspec.msgpack.decode(frames[2])
     assert data_parallel_rank is None and isinstance(ts, float)
-    assert events == [{
-        "type": "BlockStored", "block_hashes": hashes(prompt), "parent_block_hash": None, "token_ids": prompt,
-        "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-        "kv_cache_spec_kind": "full_attention", "session_id": "chat-7",
-    }]
+    assert events == [
+        {
+            "type": "BlockStored",
+            "block_hashes": hashes(prompt),
+            "parent_block_hash": None,
+            "token_ids": prompt,
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+            "session_id": "chat-7",
+        }
+    ]
     subscriber.apply(frames)
     await client.free("r")
 
@@ -260,7 +278,8 @@ async def test_a_late_joiner_below_retention_gets_a_snapshot_first_and_ends_exac
         assert all(e["type"] == "BlockStored" for e in events[1:])
     assert running.zmq_publisher.num_snapshot_replays == 4
     assert (await subscriber.replay(base + oldest))[:-1] == [
-        [b"", (base + e.seq).to_bytes(8, "big"), e.msgpack] for e in running.event_log.entries_from(oldest)]
+        [b"", (base + e.seq).to_bytes(8, "big"), e.msgpack] for e in running.event_log.entries_from(oldest)
+    ]
 
     # The late joiner: live first (a seq far above 0), a replay from 0 (the snapshot), then live.
     await subscriber.sub.poll(0)
@@ -288,8 +307,11 @@ async def test_a_snapshot_bigger_than_the_replay_high_water_mark_comes_whole_as_
     (a replay abandoned mid-snapshot leaves the joiner partial, without an end marker) nor asks a
     seq-tracking consumer to apply several messages of one seq."""
     running = await start_kv_server(
-        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*",
-        event_max_batches=1, snapshot_part_tokens=4, num_blocks=256,
+        zmq_endpoint="tcp://127.0.0.1:*",
+        zmq_replay_endpoint="tcp://127.0.0.1:*",
+        event_max_batches=1,
+        snapshot_part_tokens=4,
+        num_blocks=256,
     )
     client = await connect(running)
     for i in range(100):
@@ -445,8 +467,11 @@ async def test_a_malformed_replay_request_is_ignored(start_kv_server, connect, z
         await subscriber.dealer.send_multipart([b"", b"\x00" * 8, b"extra"])  # 4 frames at the ROUTER: no answer
         # The answer to the next (valid) request is the first one to come back on this connection.
         base = running.zmq_publisher.seq_base
-        assert [m[1] for m in await subscriber.replay(1)] == [base.to_bytes(8, "big"), (base + 1).to_bytes(8, "big"),
-                                                              VLLM_END_SEQ]
+        assert [m[1] for m in await subscriber.replay(1)] == [
+            base.to_bytes(8, "big"),
+            (base + 1).to_bytes(8, "big"),
+            VLLM_END_SEQ,
+        ]
     assert running.zmq_publisher.num_bad_requests == 1
     assert "invalid ZMQ replay request of 4 frames" in caplog.text
 
@@ -491,11 +516,21 @@ def test_settings_are_checked():
         ServerConfig(zmq_endpoint="tcp://*:5557", zmq_hwm=0, allow_insecure_bind=True)
     with pytest.raises(ValueError, match=r"zmq_endpoint must be a ZMQ endpoint such as tcp://\*:5557"):
         ServerConfig(zmq_endpoint="localhost:5557")
-    config = load_config(environ={"KVSERVICE_ZMQ_ENDPOINT": "tcp://*:5557", "KVSERVICE_ZMQ_HWM": "10",
-                                  "KVSERVICE_ZMQ_TOPIC": "kv@a@b", "KVSERVICE_ALLOW_INSECURE_BIND": "1"},
-                         zmq_replay_endpoint="tcp://*:5558")
+    config = load_config(
+        environ={
+            "KVSERVICE_ZMQ_ENDPOINT": "tcp://*:5557",
+            "KVSERVICE_ZMQ_HWM": "10",
+            "KVSERVICE_ZMQ_TOPIC": "kv@a@b",
+            "KVSERVICE_ALLOW_INSECURE_BIND": "1",
+        },
+        zmq_replay_endpoint="tcp://*:5558",
+    )
     assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic, config.zmq_hwm) == (
-        "tcp://*:5557", "tcp://*:5558", "kv@a@b", 10)
+        "tcp://*:5557",
+        "tcp://*:5558",
+        "kv@a@b",
+        10,
+    )
     assert ServerConfig().zmq_topic == "" and ServerConfig().zmq_endpoint is None
 
 
@@ -518,31 +553,47 @@ def open_bind_note(setting: str, endpoint: str) -> str:
 
 @pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://[::]:5557", "tcp://*:*", "tcp://[::ffff:10.0.0.5]:5557"])
 def test_a_pub_bind_off_loopback_is_refused_without_the_flag(endpoint):
-    with pytest.raises(ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_endpoint", endpoint=re.escape(endpoint))):
+    with pytest.raises(
+        ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_endpoint", endpoint=re.escape(endpoint))
+    ):
         ServerConfig(zmq_endpoint=endpoint)
     assert ServerConfig(zmq_endpoint=endpoint, allow_insecure_bind=True).zmq_endpoint == endpoint
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://*:5558", "tcp://0.0.0.0:5558", "tcp://[::]:5558", "tcp://10.0.0.5:5558",
-                                      "tcp://eth0:5558", "tcp://indexer:5558"])
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://*:5558",
+        "tcp://0.0.0.0:5558",
+        "tcp://[::]:5558",
+        "tcp://10.0.0.5:5558",
+        "tcp://eth0:5558",
+        "tcp://indexer:5558",
+    ],
+)
 def test_a_replay_bind_off_loopback_is_refused_without_the_flag(endpoint):
     """The replay socket is always bound, so an address vLLM's rule would connect to is bound too."""
-    with pytest.raises(ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_replay_endpoint",
-                                                                  endpoint=re.escape(endpoint))):
+    with pytest.raises(
+        ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_replay_endpoint", endpoint=re.escape(endpoint))
+    ):
         ServerConfig(zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint=endpoint)
     assert check_endpoint_exposure("tcp://127.0.0.1:*", endpoint, allow_insecure_bind=True) == [
-        open_bind_note("zmq_replay_endpoint", endpoint)]
+        open_bind_note("zmq_replay_endpoint", endpoint)
+    ]
 
 
-@pytest.mark.parametrize("endpoint, replay_endpoint", [
-    ("tcp://127.0.0.1:*", "tcp://127.0.0.1:5558"),  # loopback binds (a wildcard port is no wildcard host)
-    ("tcp://[::1]:5557", "tcp://localhost:5558"),
-    ("ipc:///run/kvservice/events", "ipc:///run/kvservice/replay"),  # guarded by file permissions
-    ("inproc://events", None),
-    ("tcp://10.0.0.5:5557", None),  # connects (vLLM's rule): the router binds that port
-    ("tcp://indexer:5557", "tcp://127.0.0.2:5558"),
-    ("tcp://0.0.0.0:5557", None),  # no wildcard: connected, not bound
-])
+@pytest.mark.parametrize(
+    "endpoint, replay_endpoint",
+    [
+        ("tcp://127.0.0.1:*", "tcp://127.0.0.1:5558"),  # loopback binds (a wildcard port is no wildcard host)
+        ("tcp://[::1]:5557", "tcp://localhost:5558"),
+        ("ipc:///run/kvservice/events", "ipc:///run/kvservice/replay"),  # guarded by file permissions
+        ("inproc://events", None),
+        ("tcp://10.0.0.5:5557", None),  # connects (vLLM's rule): the router binds that port
+        ("tcp://indexer:5557", "tcp://127.0.0.2:5558"),
+        ("tcp://0.0.0.0:5557", None),  # no wildcard: connected, not bound
+    ],
+)
 def test_loopback_ipc_and_connect_endpoints_need_no_flag(endpoint, replay_endpoint):
     config = ServerConfig(zmq_endpoint=endpoint, zmq_replay_endpoint=replay_endpoint)
     assert (config.zmq_endpoint, config.zmq_replay_endpoint) == (endpoint, replay_endpoint)
@@ -554,16 +605,21 @@ async def test_an_open_bind_with_the_flag_starts_with_the_warning(start_kv_serve
     running = await start_kv_server(zmq_endpoint="tcp://*:*", zmq_replay_endpoint="tcp://*:*", allow_insecure_bind=True)
     publisher = running.zmq_publisher
     assert publisher.bound and publisher.endpoint.startswith("tcp://0.0.0.0:")
-    assert running.notes[-2:] == [open_bind_note("zmq_endpoint", "tcp://*:*"),
-                                  open_bind_note("zmq_replay_endpoint", "tcp://*:*")]
+    assert running.notes[-2:] == [
+        open_bind_note("zmq_endpoint", "tcp://*:*"),
+        open_bind_note("zmq_replay_endpoint", "tcp://*:*"),
+    ]
     assert "note: " + open_bind_note("zmq_replay_endpoint", "tcp://*:*") in running.describe()
     client = await connect(running)
     assert await client.reset_prefix_cache()
     port = publisher.replay_endpoint.rsplit(":", 1)[1]
     subscriber = VllmSubscriber(zctx, publisher.endpoint, f"tcp://127.0.0.1:{port}")
     base = publisher.seq_base
-    assert [m[1] for m in await subscriber.replay(1)] == [base.to_bytes(8, "big"), (base + 1).to_bytes(8, "big"),
-                                                          VLLM_END_SEQ]
+    assert [m[1] for m in await subscriber.replay(1)] == [
+        base.to_bytes(8, "big"),
+        (base + 1).to_bytes(8, "big"),
+        VLLM_END_SEQ,
+    ]
 
 
 async def test_ipc_and_connect_endpoints_start_without_a_warning(start_kv_server, tmp_path):
@@ -589,8 +645,9 @@ def test_serve_refuses_an_open_zmq_bind_before_allocating(monkeypatch):
 
     started = []
     monkeypatch.setattr(app, "run_server", lambda *args, **kwargs: started.append(args))
-    result = CliRunner().invoke(cli.main, ["serve", "--zmq-endpoint", "tcp://*:5557"],
-                                env={"KVSERVICE_ALLOW_INSECURE_BIND": None})
+    result = CliRunner().invoke(
+        cli.main, ["serve", "--zmq-endpoint", "tcp://*:5557"], env={"KVSERVICE_ALLOW_INSECURE_BIND": None}
+    )
     assert result.exit_code == 1 and started == []
     assert "zmq_endpoint 'tcp://*:5557' binds a non-loopback address" in result.output
     assert "set allow_insecure_bind (--allow-insecure-bind) to bind anyway" in result.output

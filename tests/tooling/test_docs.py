@@ -41,7 +41,7 @@ def test_the_readme_layout_lists_the_tree():
 
 
 def test_docstrings_cite_the_architecture_in_the_repo():
-    """"DESIGN, invariant N" and paths outside the repository are gone; what is cited exists."""
+    """ "DESIGN, invariant N" and paths outside the repository are gone; what is cited exists."""
     outside = re.compile(r"\bDESIGN\b|\.\./shared/|shared/DESIGN")
     cited = re.compile(r"docs/ARCHITECTURE\.md §(\d+)(?:\.(\d+))?")
     architecture = (ROOT / "docs/ARCHITECTURE.md").read_text()
@@ -60,7 +60,7 @@ def test_docstrings_cite_the_architecture_in_the_repo():
                     if heading is None:
                         bad.append(f"{where}: no §{section}")
                         continue
-                    body = architecture[heading.end():].split("\n## ", 1)[0]
+                    body = architecture[heading.end() :].split("\n## ", 1)[0]
                     if rule and not re.search(rf"^{rule}\. ", body, re.M):
                         bad.append(f"{where}: no rule {rule} in §{section}")
     for doc in ("README.md", "BENCHMARKS.md"):

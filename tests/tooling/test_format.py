@@ -24,7 +24,9 @@ ENFORCED = False
 
 PATHS = ("kvservice", "clients/python", "scripts", "tests")
 
-pytestmark = pytest.mark.skipif(not ENFORCED, reason="enabled after the format commit (see tests/tooling/test_format.py)")
+pytestmark = pytest.mark.skipif(
+    not ENFORCED, reason="enabled after the format commit (see tests/tooling/test_format.py)"
+)
 
 
 def test_ruff_format_leaves_every_file_unchanged():

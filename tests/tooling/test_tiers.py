@@ -10,7 +10,9 @@ import pytest
 from tests.tooling.tools import ROOT
 
 TESTS = ROOT / "tests"
-_SERVES = re.compile(r"grpc\.aio\.server\(|grpc\.server\(|start_server\(|start_kv_server|\bkv_server\b|kvservice\"?, \"serve")
+_SERVES = re.compile(
+    r"grpc\.aio\.server\(|grpc\.server\(|start_server\(|start_kv_server|\bkv_server\b|kvservice\"?, \"serve"
+)
 
 
 def _readme_test_command() -> str:
@@ -33,7 +35,9 @@ def test_a_unit_test_starts_no_server(path):
 
 def test_every_test_file_is_in_a_tier():
     tiers = {"unit", "tooling", "service", "e2e", "bench"}
-    stray = [p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py") if p.relative_to(TESTS).parts[0] not in tiers]
+    stray = [
+        p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py") if p.relative_to(TESTS).parts[0] not in tiers
+    ]
     assert stray == []
 
 

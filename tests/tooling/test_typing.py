@@ -34,6 +34,10 @@ def test_every_type_ignore_names_its_code_and_a_reason():
 
 def test_the_checker_is_configured_strictly_enough():
     text = (ROOT / "pyproject.toml").read_text()
-    for setting in ("warn_unused_ignores = true", "warn_return_any = true", "disallow_untyped_defs = true",
-                    'enable_error_code = ["ignore-without-code"]'):
+    for setting in (
+        "warn_unused_ignores = true",
+        "warn_return_any = true",
+        "disallow_untyped_defs = true",
+        'enable_error_code = ["ignore-without-code"]',
+    ):
         assert setting in text, setting

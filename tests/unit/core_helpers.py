@@ -44,7 +44,9 @@ def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None 
     return hit, new.get_block_ids()
 
 
-def step(manager: KVCacheManager, request: Request, new_token_ids: Sequence[int] = (), num_new_tokens: int | None = None):
+def step(
+    manager: KVCacheManager, request: Request, new_token_ids: Sequence[int] = (), num_new_tokens: int | None = None
+):
     """One step of a running request: append tokens, allocate, advance."""
     if new_token_ids:
         request.append_output_token_ids(list(new_token_ids))

@@ -24,8 +24,17 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.tls import resolve_channel_security
 
 ISSUE_NAMES = {
-    "KVCacheClient", "AsyncKVCacheClient", "StepBuilder", "EventWatcher", "JetStreamWatcher", "PrefixIndex",
-    "HitPredictor", "RetryPolicy", "TLSConfig", "KVServiceError", "StatusCode",
+    "KVCacheClient",
+    "AsyncKVCacheClient",
+    "StepBuilder",
+    "EventWatcher",
+    "JetStreamWatcher",
+    "PrefixIndex",
+    "HitPredictor",
+    "RetryPolicy",
+    "TLSConfig",
+    "KVServiceError",
+    "StatusCode",
 }
 
 
@@ -101,8 +110,16 @@ def _public_methods(cls: type) -> dict[str, object]:
 
 def test_both_clients_have_the_same_public_methods():
     assert sorted(_public_methods(KVCacheClient)) == sorted(_public_methods(AsyncKVCacheClient))
-    assert {"get_computed_blocks", "allocate_slots", "free", "step", "stream_events", "take_events",
-            "ping", "close"} <= set(_public_methods(KVCacheClient))
+    assert {
+        "get_computed_blocks",
+        "allocate_slots",
+        "free",
+        "step",
+        "stream_events",
+        "take_events",
+        "ping",
+        "close",
+    } <= set(_public_methods(KVCacheClient))
 
 
 def _normalized_signature(function: object) -> str:
@@ -148,8 +165,13 @@ def test_status_code_mixes_with_grpc_status_code():
 
 @pytest.mark.parametrize(
     ("code", "expected"),
-    [(grpc.StatusCode.ALREADY_EXISTS, StatusCode.ALREADY_EXISTS), (StatusCode.ABORTED, StatusCode.ABORTED),
-     (11, StatusCode.OUT_OF_RANGE), (99, StatusCode.UNKNOWN), (None, StatusCode.UNKNOWN)],
+    [
+        (grpc.StatusCode.ALREADY_EXISTS, StatusCode.ALREADY_EXISTS),
+        (StatusCode.ABORTED, StatusCode.ABORTED),
+        (11, StatusCode.OUT_OF_RANGE),
+        (99, StatusCode.UNKNOWN),
+        (None, StatusCode.UNKNOWN),
+    ],
 )
 def test_kvservice_error_keeps_the_package_status(code: object, expected: StatusCode):
     err = KVServiceError(code, "m")  # type: ignore[arg-type]  # None is the odd one, on purpose

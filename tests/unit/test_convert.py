@@ -193,7 +193,11 @@ def test_block_removed_minimal_and_with_digests() -> None:
     assert not msg.HasField("medium") and not msg.HasField("group_idx")
     assert convert.proto_to_event(_wire(convert.event_to_proto(event))) == event
     windowed = ev.BlockRemoved(
-        block_hashes=[9], medium="GPU", group_idx=0, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=64
+        block_hashes=[9],
+        medium="GPU",
+        group_idx=0,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=64,
     )
     assert convert.proto_to_event(_wire(convert.event_to_proto(windowed))) == windowed
 
@@ -263,10 +267,19 @@ def test_event_to_proto_refuses_a_non_event() -> None:
     ("msg", "match"),
     [
         (pb.KVEvent(), "KVEvent: no event set"),
-        (pb.BlockStored(block_hashes=[1], block_hash_digests=[b"x"]), "BlockStored: both block_hashes and block_hash_digests"),
+        (
+            pb.BlockStored(block_hashes=[1], block_hash_digests=[b"x"]),
+            "BlockStored: both block_hashes and block_hash_digests",
+        ),
         (pb.BlockRemoved(block_hashes=[1], block_hash_digests=[b"x"]), "BlockRemoved: both block_hashes"),
-        (pb.BlockStored(parent_block_hash=1, parent_block_hash_digest=b"x"), "both parent_block_hash and parent_block_hash_digest"),
-        (pb.BlockStored(extra_keys=[pb.BlockExtraKeys(keys=[pb.ExtraKey()])]), r"extra_keys\[0\]\.keys\[0\]: no key set"),
+        (
+            pb.BlockStored(parent_block_hash=1, parent_block_hash_digest=b"x"),
+            "both parent_block_hash and parent_block_hash_digest",
+        ),
+        (
+            pb.BlockStored(extra_keys=[pb.BlockExtraKeys(keys=[pb.ExtraKey()])]),
+            r"extra_keys\[0\]\.keys\[0\]: no key set",
+        ),
     ],
 )
 def test_proto_to_event_refuses_malformed_messages(msg: object, match: str) -> None:

@@ -52,14 +52,18 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------------
 
-    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 5), max_size=10),
-          mode=st.sampled_from(["incremental", "full"]))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, 5), max_size=10),
+        mode=st.sampled_from(["incremental", "full"]),
+    )
     def new_request(self, prefix, tail, mode):
         tokens = prefix + tail
         if not tokens:
             tokens = [1]
-        request = self.manager.new_request(f"r{self.next_id}", tokens, kv_cache_report_mode=mode,
-                                           session_id=f"s{self.next_id % 3}")
+        request = self.manager.new_request(
+            f"r{self.next_id}", tokens, kv_cache_report_mode=mode, session_id=f"s{self.next_id % 3}"
+        )
         self.next_id += 1
         self.waiting[request.request_id] = request
 
@@ -184,8 +188,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert set(hash_map.hashes()) == self.mirror[g], f"mirror of group {g} != cached set"
 
 
-SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _machine(kind: str):

@@ -17,9 +17,17 @@ from kvservice_client.events import BlockRemoved, BlockStored
 def batch(i: int, num_tokens: int) -> list:
     num_blocks = num_tokens // 16
     return [
-        BlockStored(block_hashes=[(i << 20) + b + 2**62 for b in range(num_blocks)], parent_block_hash=None,
-                    token_ids=list(range(60_000 + i, 60_000 + i + num_tokens)), block_size=16, lora_id=None,
-                    medium="GPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention"),
+        BlockStored(
+            block_hashes=[(i << 20) + b + 2**62 for b in range(num_blocks)],
+            parent_block_hash=None,
+            token_ids=list(range(60_000 + i, 60_000 + i + num_tokens)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        ),
         BlockRemoved(block_hashes=[(i << 20) + 2**62 + 7], medium="GPU", group_idx=0),
     ]
 

@@ -125,10 +125,32 @@ def test_wire_compatible_both_ways_with_reader_without_new_fields():
 
 
 def test_equality_and_hash_cover_every_field():
-    base = BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None, group_idx=0, kv_cache_spec_kind="sliding_window",
-                       kv_cache_spec_sliding_window=8, session_id="s1")
-    same = BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None, group_idx=0, kv_cache_spec_kind="sliding_window",
-                       kv_cache_spec_sliding_window=8, session_id="s1")
+    base = BlockStored(
+        [1],
+        None,
+        [1, 2, 3, 4],
+        4,
+        None,
+        "GPU",
+        None,
+        group_idx=0,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=8,
+        session_id="s1",
+    )
+    same = BlockStored(
+        [1],
+        None,
+        [1, 2, 3, 4],
+        4,
+        None,
+        "GPU",
+        None,
+        group_idx=0,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=8,
+        session_id="s1",
+    )
     assert base == same and hash(base) == hash(same)
     for change in (
         {"session_id": "s2"},

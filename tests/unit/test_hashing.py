@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import pytest
 
 import kvservice_client.hashing as hashing_module
 from kvservice_client.hashing import (
@@ -77,7 +77,9 @@ def test_multimodal_feature_enters_overlapping_blocks_only():
 
 
 def test_unknown_algorithm_and_bad_block_size():
-    with pytest.raises(ValueError, match="hash_algorithm must be one of sha256_cbor, sha256, xxhash, xxhash_cbor; got 'md5'"):
+    with pytest.raises(
+        ValueError, match="hash_algorithm must be one of sha256_cbor, sha256, xxhash, xxhash_cbor; got 'md5'"
+    ):
         BlockHasher(4, "md5")
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         BlockHasher(0)
@@ -108,7 +110,9 @@ def test_hashes_equal_across_processes(algorithm):
         for seed in ("1", "2")
     }
     assert len(outs) == 1
-    here = [h.hex() for h in BlockHasher(4, algorithm).hash_prompt(list(range(50)), lora=LoRA(1, "x", "/x"), cache_salt="s")]
+    here = [
+        h.hex() for h in BlockHasher(4, algorithm).hash_prompt(list(range(50)), lora=LoRA(1, "x", "/x"), cache_salt="s")
+    ]
     assert outs.pop().strip() == str(here)
 
 
@@ -128,14 +132,18 @@ def test_resolve_block_hashes_merges_multiples_and_rejects_other_ratios():
             resolve_block_hashes(hashes, 4, bad)
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(
     algorithm=st.sampled_from(["sha256_cbor", "xxhash_cbor"]),
     block_size=st.sampled_from([1, 4, 16, 23, 24, 300]),
     tokens=st.lists(
-        st.one_of(st.integers(0, 30), st.integers(0, 300), st.integers(0, 70000), st.integers(0, 2**31 - 1),
-                  st.integers(-(2**40), 2**40)),
+        st.one_of(
+            st.integers(0, 30),
+            st.integers(0, 300),
+            st.integers(0, 70000),
+            st.integers(0, 2**31 - 1),
+            st.integers(-(2**40), 2**40),
+        ),
         max_size=2000,
     ),
 )

@@ -61,8 +61,14 @@ def test_vllm_vectors_on_both_paths(path, case):
     algorithm=st.sampled_from(["sha256_cbor", "sha256"]),
     block_size=st.sampled_from([1, 2, 3, 4, 5, 16, 23, 24, 300]),
     tokens=st.lists(
-        st.one_of(st.integers(0, 30), st.integers(0, 300), st.integers(0, 70000), st.integers(0, 2**31 - 1),
-                  st.integers(2**31 - 2, 2**32 + 1), st.integers(-(2**40), 2**40)),
+        st.one_of(
+            st.integers(0, 30),
+            st.integers(0, 300),
+            st.integers(0, 70000),
+            st.integers(0, 2**31 - 1),
+            st.integers(2**31 - 2, 2**32 + 1),
+            st.integers(-(2**40), 2**40),
+        ),
         max_size=1500,
     ),
     split=st.integers(0, 1500),
@@ -107,13 +113,29 @@ def test_package_installs_and_hashes_without_a_compiler(tmp_path):
     target = tmp_path / "site"
     # A clean copy of the sources: a build/ folder left by an earlier build would be reused as is.
     client_dir = tmp_path / "src"
-    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "clients", "python"), client_dir,
-                    ignore=shutil.ignore_patterns("build", "*.so", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        os.path.join(os.path.dirname(__file__), "..", "..", "clients", "python"),
+        client_dir,
+        ignore=shutil.ignore_patterns("build", "*.so", "*.egg-info", "__pycache__"),
+    )
     env = {**os.environ, "CC": "/bin/false", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
-         "--target", str(target), str(client_dir)],
-        check=True, env=env, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-compile",
+            "--target",
+            str(target),
+            str(client_dir),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
     )
     assert not list(target.rglob("_hashchain*.so"))
     case = next(c for c in VECTORS["cases"] if not c["lora"] and not c["cache_salt"])
@@ -124,6 +146,12 @@ def test_package_installs_and_hashes_without_a_compiler(tmp_path):
     # -S: no .pth files, so the editable install of this checkout (and its built module) stays out;
     # the venv's site-packages come after the fresh install for numpy, cbor2 and xxhash.
     path = os.pathsep.join([str(target), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    out = subprocess.run([sys.executable, "-S", "-c", script], check=True, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": path}, cwd=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", script],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=str(tmp_path),
+    )
     assert json.loads(out.stdout) == case["block_hashes_hex"]

@@ -185,16 +185,18 @@ def test_client_imports_nothing_of_the_server_package():
     assert bad == []
 
 
-@pytest.mark.parametrize("layer", ["kvservice.server", "kvservice.replay", "kvservice.memory", "kvservice.cli",
-                                   "kvservice.watch"])
+@pytest.mark.parametrize(
+    "layer", ["kvservice.server", "kvservice.replay", "kvservice.memory", "kvservice.cli", "kvservice.watch"]
+)
 def test_core_imports_no_outer_layer(layer: str):
     """server -> core -> kvservice_client: the core never imports a layer above it."""
     bad = [_where(i) for i in _imports_of("kvservice.core") if _is_under(_internal(i.imported), layer)]
     assert bad == []
 
 
-@pytest.mark.parametrize("third_party", ["grpc", "torch", "google.protobuf", "kvservice_client._proto",
-                                         "kvservice_client.client"])
+@pytest.mark.parametrize(
+    "third_party", ["grpc", "torch", "google.protobuf", "kvservice_client._proto", "kvservice_client.client"]
+)
 def test_core_is_pure_python(third_party: str):
     """The core has no gRPC, no protobuf, no torch (docs/ARCHITECTURE.md §1)."""
     bad = [_where(i) for i in _imports_of("kvservice.core") if _is_under(i.imported, third_party)]
@@ -213,13 +215,26 @@ def test_only_the_cli_and_the_replay_import_the_server():
 def test_the_replay_uses_only_the_public_start_function():
     """The replay talks to the service over gRPC (the client); of the server it only starts one."""
     taken = sorted(
-        {(i.imported, i.names) for i in _imports_of("kvservice.replay") if _is_under(_internal(i.imported), "kvservice.server")}
+        {
+            (i.imported, i.names)
+            for i in _imports_of("kvservice.replay")
+            if _is_under(_internal(i.imported), "kvservice.server")
+        }
     )
     assert taken in ([], [("kvservice.server.app", ("start_server",))])
 
 
-_RUNNING_SERVER_PARTS = {"engine", "event_log", "servicer", "tensors", "reaper", "closers", "zmq_publisher", "nats_sink",
-                         "health"}
+_RUNNING_SERVER_PARTS = {
+    "engine",
+    "event_log",
+    "servicer",
+    "tensors",
+    "reaper",
+    "closers",
+    "zmq_publisher",
+    "nats_sink",
+    "health",
+}
 
 
 def test_the_replay_reaches_no_part_of_a_running_server():

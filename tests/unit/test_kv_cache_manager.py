@@ -22,17 +22,28 @@ from tests.unit.core_helpers import admit, free_ids, full, make_manager, step
 
 H = [block_hash_to_int(h) for h in BlockHasher(4).hash_prompt(list(range(1, 17)))]  # hashes of 1..16
 VECTOR_1_12 = next(
-    c for c in json.loads((VECTORS_DIR / "vllm_sha256_cbor_block_hashes.json").read_text())["cases"]
+    c
+    for c in json.loads((VECTORS_DIR / "vllm_sha256_cbor_block_hashes.json").read_text())["cases"]
     if c["name"] == "tokens 1..12, block 4"
 )
 
 
-def stored(hashes, parent, tokens, *, group=0, kind="full_attention", window=None, session=None, reused=False,
-           block_size=4):
+def stored(
+    hashes, parent, tokens, *, group=0, kind="full_attention", window=None, session=None, reused=False, block_size=4
+):
     return BlockStored(
-        block_hashes=hashes, parent_block_hash=parent, token_ids=list(tokens), block_size=block_size, lora_id=None,
-        medium="GPU", lora_name=None, group_idx=group, kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window, session_id=session, reused=reused,
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=list(tokens),
+        block_size=block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+        session_id=session,
+        reused=reused,
     )
 
 
@@ -45,6 +56,7 @@ def test_hashes_match_vllm_vector():
 
 
 # -- the small inputs ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["full", "incremental"])
 def test_full_mode_reports_reuse_once_on_admission(mode):
@@ -177,9 +189,10 @@ def test_reset_refused_while_held_then_clears_everything():
 
 # -- eviction order --------------------------------------------------------------------------
 
+
 def test_eviction_is_lru_and_tail_of_a_freed_request_first():
     m = make_manager(7, events=False)
-    a = m.new_request("A", range(1, 9))     # blocks 1,2
+    a = m.new_request("A", range(1, 9))  # blocks 1,2
     b = m.new_request("B", range(101, 109))  # blocks 3,4
     admit(m, a)
     admit(m, b)
@@ -199,6 +212,7 @@ def test_eviction_is_lru_and_tail_of_a_freed_request_first():
 
 
 # -- hit rules per manager -------------------------------------------------------------------
+
 
 def test_chunked_local_attention_hit_and_skip():
     m = make_manager(20, [ChunkedLocalAttentionSpec(4, 1, 1, "float16", attention_chunk_size=8)])
@@ -280,6 +294,7 @@ def test_groups_with_different_block_sizes_use_merged_hashes():
 
 # -- session_id, annotations, metadata -------------------------------------------------------
 
+
 def test_session_id_on_new_and_reused_stores_never_in_hashes_or_hits():
     m = make_manager(10)
     a = m.new_request("A", range(1, 9), session_id="s1", kv_cache_report_mode="full")
@@ -321,12 +336,18 @@ def test_events_off_records_nothing():
 def test_metadata_and_stats():
     m = make_manager(16, [full(), SlidingWindowSpec(4, 2, 8, "bfloat16", sliding_window=16)])
     meta = m.get_kv_cache_group_metadata()
-    assert [(g.group_idx, g.kind, g.block_size, g.sliding_window, g.num_blocks, g.page_size_bytes) for g in meta.groups] == [
+    assert [
+        (g.group_idx, g.kind, g.block_size, g.sliding_window, g.num_blocks, g.page_size_bytes) for g in meta.groups
+    ] == [
         (0, "full_attention", 4, None, 16, 16),
         (1, "sliding_window", 4, 16, 16, 256),
     ]
     assert (meta.hash_algorithm, meta.hash_seed, meta.hash_block_size, meta.block_hash_format) == (
-        "sha256_cbor", "vllm-none-hash", 4, "int64")
+        "sha256_cbor",
+        "vllm-none-hash",
+        4,
+        "int64",
+    )
     a = m.new_request("A", range(1, 10))
     admit(m, a)
     m.get_computed_blocks(m.new_request("B", range(1, 10)))

@@ -35,8 +35,14 @@ def gemma3_27b_like() -> dict:
 def test_gemma3_pattern_gives_seven_groups_of_at_most_ten_layers() -> None:
     groups = get_kv_cache_groups(gemma3_27b_like())
     assert [(type(g.kv_cache_spec).__name__, g.num_layers) for g in groups] == [
-        ("SlidingWindowSpec", 9), ("SlidingWindowSpec", 9), ("SlidingWindowSpec", 9), ("SlidingWindowSpec", 9),
-        ("SlidingWindowSpec", 8), ("SlidingWindowSpec", 8), ("FullAttentionSpec", 10)]
+        ("SlidingWindowSpec", 9),
+        ("SlidingWindowSpec", 9),
+        ("SlidingWindowSpec", 9),
+        ("SlidingWindowSpec", 9),
+        ("SlidingWindowSpec", 8),
+        ("SlidingWindowSpec", 8),
+        ("FullAttentionSpec", 10),
+    ]
     sliding = [i for i in range(62) if (i + 1) % 6]
     # Group i of a bucket takes layers[i::num_groups] (vLLM's PP-friendly assignment).
     assert groups[0].layer_names == tuple(f"layers.{i}" for i in sliding[0::6])

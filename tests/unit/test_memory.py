@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvservice import memory
+from kvservice.core.kv_cache_planning import get_kv_cache_config
 from kvservice.core.kv_cache_spec import (
     DTYPE_SIZE_BYTES,
     ChunkedLocalAttentionSpec,
@@ -30,7 +31,6 @@ from kvservice.core.kv_cache_spec import (
     get_kv_cache_spec_kind,
 )
 from kvservice.core.model_config import get_preset
-from kvservice.core.kv_cache_planning import get_kv_cache_config
 from kvservice.memory import (
     KVCacheAllocationError,
     KVCacheTensors,
@@ -186,7 +186,9 @@ def test_uniform_type_specs_get_one_tensor_per_distinct_layer_spec() -> None:
     assert [tuple(t.shape) for t in kv.tensors(0)] == [(2, 3, 4, 2, 16), (1, 3, 4, 1, 16)]
     assert kv.bytes_per_block(0) == spec.page_size_bytes == 640 == config.block_bytes
     assert [(t.layer_names, t.layer_stride, t.block_stride, t.offset) for t in kv.kv_cache_tensors] == [
-        (("a", "c"), 3 * 256, 256, 0), (("b",), 3 * 128, 128, 2 * 3 * 256)]
+        (("a", "c"), 3 * 256, 256, 0),
+        (("b",), 3 * 128, 128, 2 * 3 * 256),
+    ]
 
 
 def test_hybrid_config_costs_the_largest_groups_bytes_per_block() -> None:
@@ -235,8 +237,12 @@ def _view_bytes(kv: KVCacheTensors, group_idx: int, block_id: int) -> set[int]:
 def test_small_hybrid_groups_each_have_their_own_views_of_one_pool() -> None:
     config = small_hybrid_config()
     assert [(get_kv_cache_spec_kind(g.kv_cache_spec).value, g.layer_names) for g in config.kv_cache_groups] == [
-        ("sliding_window", ("l0",)), ("sliding_window", ("l1",)), ("sliding_window", ("l3",)),
-        ("full_attention", ("l2",)), ("chunked_local_attention", ("l4",))]
+        ("sliding_window", ("l0",)),
+        ("sliding_window", ("l1",)),
+        ("sliding_window", ("l3",)),
+        ("full_attention", ("l2",)),
+        ("chunked_local_attention", ("l4",)),
+    ]
     # The chunked layer's page (2 * 2 tokens * 1 head * 4 * 4 = 64 bytes) is padded to 96.
     assert config.kv_cache_groups[4].kv_cache_spec.page_size_padded == 96
     assert config.block_bytes == 96

@@ -36,8 +36,18 @@ def _layer_indices(names) -> list[int]:
 
 def test_every_family_has_a_config_and_a_vector() -> None:
     assert FAMILIES == sorted(p.name for p in (DATA / "model_configs").iterdir())
-    assert {"llama-3.1-8b", "qwen2.5-7b", "qwen3-8b", "mistral-7b-v0.1", "gemma-2-9b", "gemma-3-27b",
-            "gpt-oss-20b", "llama-4-scout", "deepseek-v2-lite", "deepseek-v3"} <= set(FAMILIES)
+    assert {
+        "llama-3.1-8b",
+        "qwen2.5-7b",
+        "qwen3-8b",
+        "mistral-7b-v0.1",
+        "gemma-2-9b",
+        "gemma-3-27b",
+        "gpt-oss-20b",
+        "llama-4-scout",
+        "deepseek-v2-lite",
+        "deepseek-v3",
+    } <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -50,24 +60,36 @@ def test_groups_and_num_blocks_equal_vllm_033(family: str) -> None:
     got = []
     for group in groups:
         spec = group.kv_cache_spec
-        got.append({
-            "kind": get_kv_cache_spec_kind(spec).value,
-            "sliding_window": get_kv_cache_spec_sliding_window(spec),
-            "attention_chunk_size": getattr(spec, "attention_chunk_size", None),
-            "num_layers": group.num_layers,
-            "layers": _layer_indices(group.layer_names),
-            "block_size": spec.block_size,
-            "page_size_bytes": spec.page_size_bytes,
-        })
-    want = [{**{k: g[k] for k in g if k != "layer_names"}, "layers": _layer_indices(g["layer_names"])}
-            for g in expected["groups"]]
+        got.append(
+            {
+                "kind": get_kv_cache_spec_kind(spec).value,
+                "sliding_window": get_kv_cache_spec_sliding_window(spec),
+                "attention_chunk_size": getattr(spec, "attention_chunk_size", None),
+                "num_layers": group.num_layers,
+                "layers": _layer_indices(group.layer_names),
+                "block_size": spec.block_size,
+                "page_size_bytes": spec.page_size_bytes,
+            }
+        )
+    want = [
+        {**{k: g[k] for k in g if k != "layer_names"}, "layers": _layer_indices(g["layer_names"])}
+        for g in expected["groups"]
+    ]
     assert got == want
     for budget in expected["budgets"].values():
         num_blocks = get_num_blocks(groups, budget["budget_bytes"])
         assert num_blocks == budget["num_blocks"]
         tensors = get_kv_cache_tensors(groups, num_blocks)
-        assert [{"size": t.size, "num_layers": t.num_layers, "layer_stride": t.layer_stride,
-                 "block_stride": t.block_stride, "offset": t.offset} for t in tensors] == budget["kv_cache_tensors"]
+        assert [
+            {
+                "size": t.size,
+                "num_layers": t.num_layers,
+                "layer_stride": t.layer_stride,
+                "block_stride": t.block_stride,
+                "offset": t.offset,
+            }
+            for t in tensors
+        ] == budget["kv_cache_tensors"]
 
 
 def test_gemma3_27b_at_64_gib_holds_vllms_block_count_6x_the_old_sizing() -> None:
@@ -77,9 +99,16 @@ def test_gemma3_27b_at_64_gib_holds_vllms_block_count_6x_the_old_sizing() -> Non
     assert (64 << 30) // old_block_bytes == 8456
 
 
-@pytest.mark.parametrize(("preset", "family"), [
-    ("llama-3-8b", "llama-3.1-8b"), ("qwen-2.5-0.5b", "qwen2.5-0.5b"), ("gemma-3-27b", "gemma-3-27b"),
-    ("llama-4-scout", "llama-4-scout"), ("deepseek-v3", "deepseek-v3")])
+@pytest.mark.parametrize(
+    ("preset", "family"),
+    [
+        ("llama-3-8b", "llama-3.1-8b"),
+        ("qwen-2.5-0.5b", "qwen2.5-0.5b"),
+        ("gemma-3-27b", "gemma-3-27b"),
+        ("llama-4-scout", "llama-4-scout"),
+        ("deepseek-v3", "deepseek-v3"),
+    ],
+)
 def test_presets_are_the_real_configs(preset: str, family: str) -> None:
     from_config = model_kv_layout(load_model_config(DATA / "model_configs" / family / "config.json"))
     from_preset = PRESETS[preset].kv_layout()
@@ -94,8 +123,9 @@ def test_architecture_defaults_fill_missing_fields() -> None:
     windows = [getattr(s, "sliding_window", None) for s in layout.layer_specs.values()]
     assert windows[:6] == [1024] * 5 + [None] and windows.count(None) == 10
     # Llama's num_key_value_heads defaults to num_attention_heads, head_dim to hidden // heads.
-    spec = model_kv_layout({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 1024,
-                            "num_attention_heads": 8}).layer_specs["model.layers.0.self_attn.attn"]
+    spec = model_kv_layout(
+        {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 8}
+    ).layer_specs["model.layers.0.self_attn.attn"]
     assert (spec.num_kv_heads, spec.head_size, spec.dtype, spec.block_size) == (8, 128, "bfloat16", 16)
     # gpt-oss: even layers slide 128 tokens.
     gpt = model_kv_layout(load_model_config(DATA / "model_configs" / "gpt-oss-20b"))
@@ -120,19 +150,28 @@ def test_kv_cache_dtype_and_block_size() -> None:
 BASE = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 8}
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ({k: v for k, v in BASE.items() if k != "num_hidden_layers"}, "missing field 'num_hidden_layers'"),
-    ({**BASE, "num_attention_heads": 0}, "num_attention_heads must be an integer >= 1; got 0"),
-    ({**BASE, "num_key_value_heads": 0}, "num_key_value_heads must be an integer >= 1; got 0"),
-    ({**BASE, "architectures": ["BertModel"]}, "unknown architecture 'BertModel'; known: LlamaForCausalLM"),
-    ({k: v for k, v in BASE.items() if k != "architectures"}, "missing field 'architectures'"),
-    ({**BASE, "sliding_window": 8192, "max_position_embeddings": 4096},
-     "sliding_window of 8192 tokens exceeds max_model_len"),
-    ({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2, "qk_rope_head_dim": 64},
-     "missing field 'kv_lora_rank'"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"num_hidden_layers": 6}},
-     "missing field 'text_config.num_attention_heads'"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({k: v for k, v in BASE.items() if k != "num_hidden_layers"}, "missing field 'num_hidden_layers'"),
+        ({**BASE, "num_attention_heads": 0}, "num_attention_heads must be an integer >= 1; got 0"),
+        ({**BASE, "num_key_value_heads": 0}, "num_key_value_heads must be an integer >= 1; got 0"),
+        ({**BASE, "architectures": ["BertModel"]}, "unknown architecture 'BertModel'; known: LlamaForCausalLM"),
+        ({k: v for k, v in BASE.items() if k != "architectures"}, "missing field 'architectures'"),
+        (
+            {**BASE, "sliding_window": 8192, "max_position_embeddings": 4096},
+            "sliding_window of 8192 tokens exceeds max_model_len",
+        ),
+        (
+            {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2, "qk_rope_head_dim": 64},
+            "missing field 'kv_lora_rank'",
+        ),
+        (
+            {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"num_hidden_layers": 6}},
+            "missing field 'text_config.num_attention_heads'",
+        ),
+    ],
+)
 def test_bad_configs_name_the_field(config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         model_kv_layout(config, name="m.json")
@@ -168,22 +207,35 @@ def test_layout_file_groups_as_a_config_does(tmp_path: Path) -> None:
     assert (layout.name, layout.max_model_len, len(layout.layer_specs)) == ("gemma-like", 32768, 60)
     groups = layout.kv_cache_groups()
     assert [(get_kv_cache_spec_kind(g.kv_cache_spec).value, g.num_layers) for g in groups] == [
-        ("sliding_window", 10)] * 5 + [("full_attention", 10)]
+        ("sliding_window", 10)
+    ] * 5 + [("full_attention", 10)]
     assert groups[0].layer_names[:2] == ("layers.0", "layers.6")
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("[[layers]]\nkind='full_attention'\nnum_kv_heads=1\nhead_size=8\n", "missing field 'max_model_len'"),
-    ("max_model_len=10\n", "missing field 'layers'"),
-    ("max_model_len=10\n[[layers]]\nkind='lstm'\n", "layers[0].kind must be one of full_attention"),
-    ("max_model_len=10\n[[layers]]\nkind='full_attention'\nhead_size=8\n", "missing field 'layers[0].num_kv_heads'"),
-    ("max_model_len=10\n[[layers]]\nkind='full_attention'\nnum_kv_heads=0\nhead_size=8\n",
-     "layers[0].num_kv_heads must be an integer >= 1; got 0"),
-    ("max_model_len=10\n[[layers]]\nkind='sliding_window'\nnum_kv_heads=1\nhead_size=8\nsliding_window=11\n",
-     "layers[0].sliding_window of 11 tokens exceeds max_model_len (10 tokens)"),
-    ("max_model_len=10\n[[layers]]\nkind='full_attention'\nnum_kv_heads=1\nhead_size=8\nwindow=3\n",
-     "unknown keys ['window'] for kind 'full_attention'"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[layers]]\nkind='full_attention'\nnum_kv_heads=1\nhead_size=8\n", "missing field 'max_model_len'"),
+        ("max_model_len=10\n", "missing field 'layers'"),
+        ("max_model_len=10\n[[layers]]\nkind='lstm'\n", "layers[0].kind must be one of full_attention"),
+        (
+            "max_model_len=10\n[[layers]]\nkind='full_attention'\nhead_size=8\n",
+            "missing field 'layers[0].num_kv_heads'",
+        ),
+        (
+            "max_model_len=10\n[[layers]]\nkind='full_attention'\nnum_kv_heads=0\nhead_size=8\n",
+            "layers[0].num_kv_heads must be an integer >= 1; got 0",
+        ),
+        (
+            "max_model_len=10\n[[layers]]\nkind='sliding_window'\nnum_kv_heads=1\nhead_size=8\nsliding_window=11\n",
+            "layers[0].sliding_window of 11 tokens exceeds max_model_len (10 tokens)",
+        ),
+        (
+            "max_model_len=10\n[[layers]]\nkind='full_attention'\nnum_kv_heads=1\nhead_size=8\nwindow=3\n",
+            "unknown keys ['window'] for kind 'full_attention'",
+        ),
+    ],
+)
 def test_bad_layout_files_name_the_field(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)

@@ -25,10 +25,25 @@ def test_both_distributions_have_the_apache_license():
 
 def test_the_proto_declares_every_languages_package():
     options = pb.DESCRIPTOR.GetOptions()
-    assert (options.go_package, options.java_package, options.java_multiple_files, options.java_outer_classname,
-            options.csharp_namespace, options.php_namespace, options.ruby_package, options.objc_class_prefix) == (
-        "kvservice/gen/go/kvservice/v1;kvservicev1", "kvservice.v1", True, "KvCacheServiceProto", "Kvservice.V1",
-        "Kvservice\\V1", "Kvservice::V1", "KVX")
+    assert (
+        options.go_package,
+        options.java_package,
+        options.java_multiple_files,
+        options.java_outer_classname,
+        options.csharp_namespace,
+        options.php_namespace,
+        options.ruby_package,
+        options.objc_class_prefix,
+    ) == (
+        "kvservice/gen/go/kvservice/v1;kvservicev1",
+        "kvservice.v1",
+        True,
+        "KvCacheServiceProto",
+        "Kvservice.V1",
+        "Kvservice\\V1",
+        "Kvservice::V1",
+        "KVX",
+    )
 
 
 def test_the_client_package_carries_the_proto_source():
@@ -39,8 +54,21 @@ def test_the_client_package_carries_the_proto_source():
 @pytest.mark.slow
 def test_the_client_wheel_contains_the_proto_and_the_license(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-         str(ROOT / "clients" / "python")], capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT / "clients" / "python"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     (wheel,) = tmp_path.glob("kvservice_client-*.whl")
@@ -53,8 +81,14 @@ def test_go_stubs_generate_from_the_proto_without_flags(tmp_path):
     plugins = {name: shutil.which(name) for name in ("protoc-gen-go", "protoc-gen-go-grpc")}
     if plugins["protoc-gen-go"] is None:
         pytest.skip("protoc-gen-go is not installed (Debian: apt-get install protoc-gen-go protoc-gen-go-grpc)")
-    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'protos'}", f"--go_out={tmp_path}",
-            f"--plugin=protoc-gen-go={plugins['protoc-gen-go']}"]
+    args = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{ROOT / 'protos'}",
+        f"--go_out={tmp_path}",
+        f"--plugin=protoc-gen-go={plugins['protoc-gen-go']}",
+    ]
     if plugins["protoc-gen-go-grpc"] is not None:
         args += [f"--go-grpc_out={tmp_path}", f"--plugin=protoc-gen-go-grpc={plugins['protoc-gen-go-grpc']}"]
     result = subprocess.run([*args, str(PROTO)], capture_output=True, text=True, timeout=120)

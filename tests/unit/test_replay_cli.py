@@ -13,11 +13,15 @@ from kvservice.cli import main
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max-num-batched-tokens", "2000000"],
-         "Invalid value for '--max-num-batched-tokens': 2000000 is above the embedded server's max_step_tokens "
-         "(262144 tokens per Step)"),
-        (["--num-blocks", "64", "--mirror-capacity", "100"],
-         "Invalid value for '--mirror-capacity': 100 is above the pool (63 blocks; 0: unbounded)"),
+        (
+            ["--max-num-batched-tokens", "2000000"],
+            "Invalid value for '--max-num-batched-tokens': 2000000 is above the embedded server's max_step_tokens "
+            "(262144 tokens per Step)",
+        ),
+        (
+            ["--num-blocks", "64", "--mirror-capacity", "100"],
+            "Invalid value for '--mirror-capacity': 100 is above the pool (63 blocks; 0: unbounded)",
+        ),
         (["--num-blocks", "0"], "the embedded server: num_blocks must be >= 1; got 0"),
         (["--nats-url", "nats://x:4222"], "--nats-url feeds the router's mirrors of --instances N (N >= 2)"),
         (["--instances", "2", "--report-mode", "both"], "--instances compares routing in one report mode"),
@@ -42,9 +46,11 @@ def test_the_first_line_comes_before_the_replay_starts(monkeypatch, tmp_path):
         raise ValueError("stop here")
 
     monkeypatch.setattr(runner, "run_replay", fake_run_replay)
-    result = CliRunner().invoke(main, ["replay", "--limit", "5", "--mirror-capacity", "0", "--no-progress",
-                                       "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        main, ["replay", "--limit", "5", "--mirror-capacity", "0", "--no-progress", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 1 and seen
     assert result.output.splitlines()[0] == (
         "replay: the embedded Mooncake sample, first 5 requests; preset llama-3-8b, pool 32,767 blocks of 16 "
-        "tokens, mirror unbounded; report mode incremental and full; 1 watcher(s) + a late one")
+        "tokens, mirror unbounded; report mode incremental and full; 1 watcher(s) + a late one"
+    )

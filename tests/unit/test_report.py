@@ -138,8 +138,17 @@ def test_summarise_counts_first_admissions_apart_from_readmissions() -> None:
         rpc_latency_ms=[1.0, 3.0],
     )
     watcher = SimpleNamespace(num_events=7, num_batches=5)
-    run = ModeRun("full", stats, [watcher], None, 0, pool_blocks=15, block_size=4,  # type: ignore[list-item]
-                  usage=pb.GetUsageResponse(), mirror_capacity=0)
+    run = ModeRun(
+        "full",
+        stats,
+        [watcher],
+        None,
+        0,
+        pool_blocks=15,
+        block_size=4,  # type: ignore[list-item]
+        usage=pb.GetUsageResponse(),
+        mirror_capacity=0,
+    )
     m = summarise(run, wall_time_s=0.5)
     assert (m.num_prompt_tokens, m.num_hit_tokens) == (16 + 24 + 40, 0 + 8 + 36) == (80, 44)
     assert (m.num_prompt_blocks, m.num_hit_blocks) == (4 + 6 + 10, 0 + 2 + 9) == (20, 11)

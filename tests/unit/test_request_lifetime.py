@@ -62,7 +62,10 @@ def test_idle_requests_are_freed_as_explicit_frees_would_free_them():
     reaped, clock = engine_with_requests()
     twin, _ = engine_with_requests()
     assert {r: reaped.manager.get_block_ids(r) for r in reaped.requests} == {
-        "A": ([1, 2, 6],), "B": ([3, 4, 5],), "C": ([],)}
+        "A": ([1, 2, 6],),
+        "B": ([3, 4, 5],),
+        "C": ([],),
+    }
     assert free_ids(reaped.manager) == [7, 8, 9, 10]
 
     clock.now = 4.9
@@ -91,9 +94,7 @@ def test_idle_requests_are_freed_as_explicit_frees_would_free_them():
     events = reaped.take_events()
     assert events == twin.take_events()
     assert [type(e) for e in events] == [BlockRemoved, BlockStored]
-    assert events[0] == BlockRemoved(
-        [a[1], a[0], b[1], b[0]], "GPU", group_idx=0, kv_cache_spec_kind="full_attention"
-    )
+    assert events[0] == BlockRemoved([a[1], a[0], b[1], b[0]], "GPU", group_idx=0, kv_cache_spec_kind="full_attention")
     assert reaped.manager.get_block_ids("D") == twin.manager.get_block_ids("D") == ([5, 6, 7, 8, 9, 10, 2, 1, 4, 3],)
 
 
@@ -140,8 +141,9 @@ def take(log: EventLog, consumer: str, **kwargs) -> tuple[list[int], int]:
 
 def test_consumers_expire_after_their_idle_timeout():
     clock = FakeClock()
-    log = EventLog(1, ["full_attention"], [None], EventLogConfig(max_consumers=2, consumer_idle_timeout_s=10.0),
-                   clock=clock)
+    log = EventLog(
+        1, ["full_attention"], [None], EventLogConfig(max_consumers=2, consumer_idle_timeout_s=10.0), clock=clock
+    )
     assert take(log, "a") == ([], 1) and take(log, "b") == ([], 1)
     log.append([AllBlocksCleared()])
     log.append([AllBlocksCleared()])
@@ -203,11 +205,27 @@ def test_limit_settings_come_from_flags_env_and_files(tmp_path):
     path.write_text("max_streams = 8\nconsumer_idle_timeout_s = 60\n")
     env = {"KVSERVICE_REQUEST_IDLE_TIMEOUT_S": "30", "KVSERVICE_MAX_STEP_TOKENS": "4096"}
     config = load_config(path, env, max_streams=16)
-    assert (config.max_streams, config.consumer_idle_timeout_s, config.request_idle_timeout_s,
-            config.max_step_tokens) == (16, 60.0, 30.0, 4096)
-    assert (ServerConfig().request_idle_timeout_s, ServerConfig().consumer_idle_timeout_s,
-            ServerConfig().max_streams, ServerConfig().max_step_tokens) == (None, 3600.0, 1024, 1 << 18)
+    assert (
+        config.max_streams,
+        config.consumer_idle_timeout_s,
+        config.request_idle_timeout_s,
+        config.max_step_tokens,
+    ) == (16, 60.0, 30.0, 4096)
+    assert (
+        ServerConfig().request_idle_timeout_s,
+        ServerConfig().consumer_idle_timeout_s,
+        ServerConfig().max_streams,
+        ServerConfig().max_step_tokens,
+    ) == (None, 3600.0, 1024, 1 << 18)
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
-    for flag in ("--request-idle-timeout-s", "--consumer-idle-timeout-s", "--max-streams", "--max-step-tokens",
-                 "--max-num-requests", "--max-step-ops", "--max-consumers", "--max-message-bytes"):
+    for flag in (
+        "--request-idle-timeout-s",
+        "--consumer-idle-timeout-s",
+        "--max-streams",
+        "--max-step-tokens",
+        "--max-num-requests",
+        "--max-step-ops",
+        "--max-consumers",
+        "--max-message-bytes",
+    ):
         assert flag in help_text, flag

@@ -49,7 +49,13 @@ def test_unknown_override_and_byte_units():
     with pytest.raises(ValueError, match="unknown setting 'colour'"):
         load_config(None, {}, colour=1)
     assert [parse_bytes(v) for v in ("1024", "1KiB", "1.5GiB", "2MB", "3g", 7)] == [
-        1024, 1024, 3 * 2**29, 2_000_000, 3_000_000_000, 7]
+        1024,
+        1024,
+        3 * 2**29,
+        2_000_000,
+        3_000_000_000,
+        7,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -84,15 +90,38 @@ def test_auth_flags_reach_the_config(tmp_path, monkeypatch):
         seen.append(config)
 
     monkeypatch.setattr(app, "run_server", fake_run_server)
-    args = ["serve", "--host", "0.0.0.0", "--tls-cert-file", str(files["cert.pem"]), "--tls-key-file",
-            str(files["key.pem"]), "--tls-client-ca-file", str(files["ca.pem"]), "--auth-tokens-file",
-            str(files["tokens.toml"]), "--allow-insecure-bind"]
+    args = [
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--tls-cert-file",
+        str(files["cert.pem"]),
+        "--tls-key-file",
+        str(files["key.pem"]),
+        "--tls-client-ca-file",
+        str(files["ca.pem"]),
+        "--auth-tokens-file",
+        str(files["tokens.toml"]),
+        "--allow-insecure-bind",
+    ]
     result = CliRunner().invoke(main, args, env={"KVSERVICE_ALLOW_INSECURE_BIND": None})
     assert result.exit_code == 0, result.output
     config = seen[0]
-    assert (config.host, config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file, config.auth_tokens_file,
-            config.allow_insecure_bind) == ("0.0.0.0", str(files["cert.pem"]), str(files["key.pem"]),
-                                            str(files["ca.pem"]), str(files["tokens.toml"]), True)
+    assert (
+        config.host,
+        config.tls_cert_file,
+        config.tls_key_file,
+        config.tls_client_ca_file,
+        config.auth_tokens_file,
+        config.allow_insecure_bind,
+    ) == (
+        "0.0.0.0",
+        str(files["cert.pem"]),
+        str(files["key.pem"]),
+        str(files["ca.pem"]),
+        str(files["tokens.toml"]),
+        True,
+    )
     result = CliRunner().invoke(main, ["serve"], env={"KVSERVICE_ALLOW_INSECURE_BIND": "1"})
     assert result.exit_code == 0 and seen[1].allow_insecure_bind is True  # no flag: the environment's
 
@@ -102,8 +131,21 @@ def test_serve_refuses_an_open_bind_without_auth():
 
     from kvservice.cli import main
 
-    args = ["serve", "--host", "0.0.0.0", "--port", "0", "--device", "meta", "--preset", "qwen-2.5-0.5b",
-            "--block-size", "4", "--num-blocks", "16"]
+    args = [
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--device",
+        "meta",
+        "--preset",
+        "qwen-2.5-0.5b",
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "16",
+    ]
     result = CliRunner().invoke(main, args, env={"KVSERVICE_ALLOW_INSECURE_BIND": None})
     assert result.exit_code == 1
     assert "set allow_insecure_bind (--allow-insecure-bind) to bind anyway" in result.output

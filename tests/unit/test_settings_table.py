@@ -55,9 +55,14 @@ def test_every_default_is_the_sections_and_the_configs():
         field = {f.name: f for f in dataclasses.fields(section)}[row.attr]
         assert defaults[flat] == row.default == field.default, flat
         assert getattr(ServerConfig(), flat) == row.default
-    assert (defaults["port"], defaults["event_max_batches"], defaults["zmq_hwm"], defaults["nats_max_bytes"],
-            defaults["max_message_bytes"], defaults["preset"]) == (50051, 100_000, 100_000, 1 << 30, 64 << 20,
-                                                                   "llama-3-8b")
+    assert (
+        defaults["port"],
+        defaults["event_max_batches"],
+        defaults["zmq_hwm"],
+        defaults["nats_max_bytes"],
+        defaults["max_message_bytes"],
+        defaults["preset"],
+    ) == (50051, 100_000, 100_000, 1 << 30, 64 << 20, "llama-3-8b")
 
 
 @pytest.mark.parametrize("flat", list(TABLE))
@@ -81,7 +86,8 @@ def test_flat_names_read_and_replace_through_the_sections():
     assert dataclasses.replace(config, port=5).bind.port == 5 == config.replace(port=5).port
     assert config.replace(port=5).events.max_batches == 7
     assert ServerConfig(events=EventsSettings(max_batches=3), max_streams=2).events == EventsSettings(
-        max_batches=3, max_streams=2)
+        max_batches=3, max_streams=2
+    )
     with pytest.raises(TypeError, match="unknown setting 'colour'"):
         ServerConfig(colour=1)
     with pytest.raises(AttributeError):
@@ -94,23 +100,32 @@ def test_each_check_lives_in_one_section_and_names_the_flat_setting():
         EventsSettings(max_batches=0)
     with pytest.raises(ValueError, match="nats_max_pending_batches must be >= 1; got 0"):
         ServerConfig(nats_max_pending_batches=0)
-    with pytest.raises(ValueError, match=r"nats_url must name at least one server, e.g. nats://127.0.0.1:4222; got ', '"):
+    with pytest.raises(
+        ValueError, match=r"nats_url must name at least one server, e.g. nats://127.0.0.1:4222; got ', '"
+    ):
         NatsSettings(url=",")
     with pytest.raises(ValueError, match=r"nats_duplicate_window_s \(200.0\) must be <= nats_max_age_s \(100.0\)"):
         NatsSettings(max_age_s=100.0, duplicate_window_s=200.0)
-    sink = NatsSinkConfig.from_settings(NatsSettings(url="nats://a:1,nats://b:2", max_msgs=5), port=9,
-                                        hostname="node.example")
+    sink = NatsSinkConfig.from_settings(
+        NatsSettings(url="nats://a:1,nats://b:2", max_msgs=5), port=9, hostname="node.example"
+    )
     assert (sink.servers, sink.instance, sink.subject, sink.max_msgs) == (
-        ("nats://a:1", "nats://b:2"), "node_example-9", "kvservice.events.node_example-9", 5)
+        ("nats://a:1", "nats://b:2"),
+        "node_example-9",
+        "kvservice.events.node_example-9",
+        5,
+    )
 
 
 def test_an_unknown_kvservice_variable_warns_with_the_nearest_setting(caplog):
     with caplog.at_level(logging.WARNING, logger="kvservice.server.app"):
-        config = load_config(None, {"KVSERVICE_ZMQ_ENDPIONT": "tcp://*:1", "KVSERVICE_TOKEN": "t" * 32,
-                                    "KVSERVICE_PORT": "1"})
+        config = load_config(
+            None, {"KVSERVICE_ZMQ_ENDPIONT": "tcp://*:1", "KVSERVICE_TOKEN": "t" * 32, "KVSERVICE_PORT": "1"}
+        )
     assert config.port == 1 and config.zmq_endpoint is None
     assert [r.getMessage() for r in caplog.records] == [
-        "ignoring KVSERVICE_ZMQ_ENDPIONT: no setting is called zmq_endpiont (did you mean KVSERVICE_ZMQ_ENDPOINT?)"]
+        "ignoring KVSERVICE_ZMQ_ENDPIONT: no setting is called zmq_endpiont (did you mean KVSERVICE_ZMQ_ENDPOINT?)"
+    ]
 
 
 @pytest.mark.parametrize("args", [["--log-level", "DEBUG", "serve"], ["serve", "--log-level", "debug"]])

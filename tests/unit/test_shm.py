@@ -25,7 +25,7 @@ def test_segments_are_unguessable_0600_and_removed_at_close(tmp_path):
     names = [name for name, _size, _t in shm.segments]
     assert [n.rsplit("-", 1)[1] for n in names] == ["0", "1"]
     prefix = f"kvservice-{os.getpid()}-"
-    token = names[0][len(prefix):].rsplit("-", 1)[0]
+    token = names[0][len(prefix) :].rsplit("-", 1)[0]
     assert names[0].startswith(prefix) and len(token) == 32 and int(token, 16) >= 0
     assert sorted(os.listdir(tmp_path)) == sorted([*names, shm.control_name])
     assert {oct(os.stat(tmp_path / n).st_mode & 0o777) for n in os.listdir(tmp_path)} == {"0o600"}

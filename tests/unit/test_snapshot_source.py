@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 from array import array
 
 from kvservice.server.event_log import EventLog
-import gc
-
 from kvservice.server.snapshot import PARENT, TOKEN_IDS, YIELD_EVERY_TOKENS, CachedSetMirror, SnapshotSource
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def stored(hashes: list[int], parent: int | None, first_token: int, block_size: int = 4) -> BlockStored:
     return BlockStored(
-        block_hashes=hashes, parent_block_hash=parent,
-        token_ids=list(range(first_token, first_token + block_size * len(hashes))), block_size=block_size,
-        lora_id=None, medium="CPU", lora_name=None, group_idx=0,
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=list(range(first_token, first_token + block_size * len(hashes))),
+        block_size=block_size,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=0,
     )
 
 
@@ -36,10 +40,29 @@ def test_the_mirror_keeps_each_block_s_own_tokens_not_the_announcing_event():
     assert refs_before == 2  # the local name and getrefcount's argument
     assert mirror.events() == [
         AllBlocksCleared(),
-        BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[1000, 1001, 1002, 1003], block_size=4,
-                    lora_id=None, medium="CPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention"),
-        BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[1000, 1001, 1002, 1003], block_size=4,
-                    lora_id=None, medium="CPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention", reused=True),
+        BlockStored(
+            block_hashes=[11],
+            parent_block_hash=None,
+            token_ids=[1000, 1001, 1002, 1003],
+            block_size=4,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        ),
+        BlockStored(
+            block_hashes=[11],
+            parent_block_hash=None,
+            token_ids=[1000, 1001, 1002, 1003],
+            block_size=4,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+            reused=True,
+        ),
     ]
 
 

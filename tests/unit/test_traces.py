@@ -38,9 +38,7 @@ SAMPLE_SHA256 = "50b1e9c7fefb0bb7b487bbb5921b5f4511831f08792325131e204ce2c4d6e7a
 
 
 def _write_lines(path: Path, lines: list[object]) -> Path:
-    path.write_text(
-        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
-    )
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
 
 
@@ -173,9 +171,7 @@ def test_trace_request_is_frozen() -> None:
         ({**_mooncake_line(10, [0]), "input_length": "10"}, "input_length", "must be an integer"),
     ],
 )
-def test_read_mooncake_errors_name_line_and_field(
-    tmp_path: Path, line: dict, field: str, problem: str
-) -> None:
+def test_read_mooncake_errors_name_line_and_field(tmp_path: Path, line: dict, field: str, problem: str) -> None:
     path = _write_lines(tmp_path / "bad.jsonl", [_mooncake_line(10, [0]), "", line])
     with pytest.raises(TraceFormatError) as info:
         list(read_mooncake(path))
@@ -276,9 +272,7 @@ def test_read_azure_csv(tmp_path: Path) -> None:
 )
 def test_read_azure_errors(tmp_path: Path, row: str, field: str | None, problem: str) -> None:
     path = tmp_path / "a.csv"
-    path.write_text(
-        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" + row + "\n"
-    )
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" + row + "\n")
     with pytest.raises(TraceFormatError) as info:
         list(read_azure_csv(path))
     assert (info.value.line, info.value.field) == (3, field)
@@ -301,8 +295,14 @@ def test_read_token_jsonl_defaults_and_fields(tmp_path: Path) -> None:
         tmp_path / "tok.jsonl",
         [
             {"token_ids": [1, 2, 3]},
-            {"token_ids": [1, 2, 3, 4], "timestamp": 12.5, "output_length": 0,
-             "session_id": "s1", "request_id": "req-a", "extra": "ignored"},
+            {
+                "token_ids": [1, 2, 3, 4],
+                "timestamp": 12.5,
+                "output_length": 0,
+                "session_id": "s1",
+                "request_id": "req-a",
+                "extra": "ignored",
+            },
             {"token_ids": [MAX_TOKEN_ID, 0], "session_id": None},
         ],
     )
@@ -351,7 +351,10 @@ def test_read_trace_detects_format(tmp_path: Path) -> None:
     csv_no_ext = tmp_path / "a.trace"
     csv_no_ext.write_text(csv_path.read_text())
     assert [detect_trace_format(p) for p in (moon, tok, csv_path, csv_no_ext)] == [
-        "mooncake", "tokens", "azure", "azure",
+        "mooncake",
+        "tokens",
+        "azure",
+        "azure",
     ]
     assert next(read_trace(moon)).hash_ids == (0,)
     assert list(next(read_trace(tok)).prompt_token_ids) == [1, 2]
@@ -398,7 +401,11 @@ def test_ideal_prefix_hits_small_exact() -> None:
 
 def test_ideal_prefix_hits_from_hash_ids_readme_rule() -> None:
     assert ideal_prefix_hits_from_hash_ids([[0, 1, 2], [0, 1, 3], [0, 1, 3], [4], [0, 5, 1]]) == [
-        0, 2, 3, 0, 1,
+        0,
+        2,
+        3,
+        0,
+        1,
     ]
 
 
@@ -448,9 +455,7 @@ def test_sample_ideal_hits_tokens_match_hash_ids() -> None:
         ("mooncake_synthetic_trace.head.jsonl", 52.70, 53.82),
     ],
 )
-def test_readme_ideal_hit_rates_on_head_files(
-    name: str, blocks_pct: float, tokens_pct: float
-) -> None:
+def test_readme_ideal_hit_rates_on_head_files(name: str, blocks_pct: float, tokens_pct: float) -> None:
     path = SHARED_TRACES / name
     if not path.exists():
         pytest.skip(f"{path} not present")

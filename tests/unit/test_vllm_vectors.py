@@ -46,7 +46,9 @@ def _inputs(case: dict) -> dict:
     return {
         "lora": LoRA(lora["lora_id"], lora["lora_name"], lora["lora_path"]) if lora else None,
         "cache_salt": case.get("cache_salt"),
-        "mm_features": [MultiModalFeature(f["identifier"], f["offset"], f["length"]) for f in case.get("mm_features", [])],
+        "mm_features": [
+            MultiModalFeature(f["identifier"], f["offset"], f["length"]) for f in case.get("mm_features", [])
+        ],
     }
 
 
@@ -90,9 +92,7 @@ def test_hash_extra_keys_are_vllms(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c["algorithm"] == "sha256_cbor"], ids=_case_id)
 def test_event_extra_keys_are_vllms(case):
     inputs = _inputs(case)
-    per_block = [
-        block_event_extra_keys(i, case["block_size"], **inputs) for i in range(len(case["block_hashes_hex"]))
-    ]
+    per_block = [block_event_extra_keys(i, case["block_size"], **inputs) for i in range(len(case["block_hashes_hex"]))]
     expected = case["event_extra_keys"]
     if expected is not None and all(k is None for k in expected):
         expected = None
@@ -100,9 +100,7 @@ def test_event_extra_keys_are_vllms(case):
 
 
 def test_block_pool_publishes_vllms_extra_keys_and_hashes_for_an_image_prompt():
-    case = next(
-        c for c in CASES if c["algorithm"] == "xxhash_cbor" and len(c.get("mm_features", [])) == 2
-    )
+    case = next(c for c in CASES if c["algorithm"] == "xxhash_cbor" and len(c.get("mm_features", [])) == 2)
     hasher = BlockHasher(case["block_size"], "xxhash_cbor", case["seed"])
     inputs = _inputs(case)
     request = Request("r", case["token_ids"], block_hasher=hasher, **inputs)

@@ -217,8 +217,10 @@ def _index_of(group_to_hashes: dict[int, Sequence[str]]) -> PrefixIndex:
 
 
 def test_hybrid_hit_is_the_fixed_point_every_group_accepts() -> None:
-    sw_first = (GroupHitRule(0, "sliding_window", "sliding_window", 2, sliding_window=5),
-                GroupHitRule(1, "full_attention", "full_attention", 2))
+    sw_first = (
+        GroupHitRule(0, "sliding_window", "sliding_window", 2, sliding_window=5),
+        GroupHitRule(1, "full_attention", "full_attention", 2),
+    )
     # The window accepts 10 tokens (blocks 3, 4), full attention only 6; the window, asked again at
     # 6, has no window before it but block 0: the hit is 2 tokens.
     index = _index_of({0: ["h0", "h3", "h4"], 1: ["h0", "h1", "h2"]})
@@ -227,13 +229,17 @@ def test_hybrid_hit_is_the_fixed_point_every_group_accepts() -> None:
     index = _index_of({0: ["h0", "h1", "h2", "h3", "h4"], 1: ["h0", "h1", "h2"]})
     assert find_longest_cache_hit(sw_first, [H, H], index, 11) == 6
     # Full attention first gives the same answers.
-    full_first = (GroupHitRule(0, "full_attention", "full_attention", 2),
-                  GroupHitRule(1, "sliding_window", "sliding_window", 2, sliding_window=5))
+    full_first = (
+        GroupHitRule(0, "full_attention", "full_attention", 2),
+        GroupHitRule(1, "sliding_window", "sliding_window", 2, sliding_window=5),
+    )
     index = _index_of({1: ["h0", "h3", "h4"], 0: ["h0", "h1", "h2"]})
     assert find_longest_cache_hit(full_first, [H, H], index, 11) == 2
     # Different block sizes: the hit is a multiple of both (full 2, window 4 tokens per block).
-    mixed = (GroupHitRule(0, "full_attention", "full_attention", 2),
-             GroupHitRule(1, "sliding_window", "sliding_window", 4, sliding_window=5))
+    mixed = (
+        GroupHitRule(0, "full_attention", "full_attention", 2),
+        GroupHitRule(1, "sliding_window", "sliding_window", 4, sliding_window=5),
+    )
     index = _index_of({0: ["h0", "h1", "h2", "h3", "h4"], 1: ["h0", "h1"]})
     assert find_longest_cache_hit(mixed, [H, H[:3]], index, 11) == 8
 
@@ -245,7 +251,9 @@ def _metadata(groups: Sequence[v1.KVCacheGroupMetadata], **kwargs: object) -> v1
 
 
 def test_hit_predictor_caps_the_hit_below_the_last_token() -> None:
-    metadata = _metadata([v1.KVCacheGroupMetadata(group_idx=0, kind=v1.KV_CACHE_SPEC_KIND_FULL_ATTENTION, block_size=2)])
+    metadata = _metadata(
+        [v1.KVCacheGroupMetadata(group_idx=0, kind=v1.KV_CACHE_SPEC_KIND_FULL_ATTENTION, block_size=2)]
+    )
     index = PrefixIndex()
     predictor = HitPredictor(metadata, index)
     prompt = [1, 2, 3, 4, 5, 6]
@@ -261,16 +269,24 @@ def test_hit_predictor_caps_the_hit_below_the_last_token() -> None:
 def test_hit_predictor_rules_from_metadata_and_fallbacks() -> None:
     groups = [
         v1.KVCacheGroupMetadata(group_idx=0, kind=v1.KV_CACHE_SPEC_KIND_MLA_ATTENTION, block_size=2),
-        v1.KVCacheGroupMetadata(group_idx=1, kind=v1.KV_CACHE_SPEC_KIND_SLIDING_WINDOW_MLA, block_size=4, sliding_window=8),
+        v1.KVCacheGroupMetadata(
+            group_idx=1, kind=v1.KV_CACHE_SPEC_KIND_SLIDING_WINDOW_MLA, block_size=4, sliding_window=8
+        ),
         v1.KVCacheGroupMetadata(group_idx=2, kind=v1.KV_CACHE_SPEC_KIND_UNKNOWN, block_size=2),
         v1.KVCacheGroupMetadata(group_idx=3, kind=v1.KV_CACHE_SPEC_KIND_SLIDING_WINDOW, block_size=2),  # no window
-        v1.KVCacheGroupMetadata(group_idx=4, kind=v1.KV_CACHE_SPEC_KIND_CHUNKED_LOCAL_ATTENTION, block_size=2,
-                                attention_chunk_size=8),
+        v1.KVCacheGroupMetadata(
+            group_idx=4, kind=v1.KV_CACHE_SPEC_KIND_CHUNKED_LOCAL_ATTENTION, block_size=2, attention_chunk_size=8
+        ),
         v1.KVCacheGroupMetadata(group_idx=5, kind=v1.KV_CACHE_SPEC_KIND_MAMBA, block_size=2),
     ]
     predictor = HitPredictor(_metadata(groups, block_hash_format=v1.BLOCK_HASH_FORMAT_DIGEST), PrefixIndex())
     assert [r.rule for r in predictor.rules] == [
-        "full_attention", "sliding_window", "full_attention", "full_attention", "chunked_local_attention", "mamba",
+        "full_attention",
+        "sliding_window",
+        "full_attention",
+        "full_attention",
+        "chunked_local_attention",
+        "mamba",
     ]
     assert predictor.rules[1].sliding_window == 8 and predictor.rules[4].attention_chunk_size == 8
     hashes = predictor.hash_prompt(list(range(8)))
@@ -321,7 +337,9 @@ def _metadata_of(manager: KVCacheManager) -> v1.GetKVCacheGroupMetadataResponse:
     groups = []
     for g in md.groups:
         group = v1.KVCacheGroupMetadata(
-            group_idx=g.group_idx, kind=KV_CACHE_SPEC_KIND_TO_PROTO[g.kind], block_size=g.block_size,
+            group_idx=g.group_idx,
+            kind=KV_CACHE_SPEC_KIND_TO_PROTO[g.kind],
+            block_size=g.block_size,
             num_blocks=g.num_blocks,
         )
         if g.sliding_window is not None:
@@ -334,7 +352,9 @@ def _metadata_of(manager: KVCacheManager) -> v1.GetKVCacheGroupMetadataResponse:
         hash_algorithm=md.hash_algorithm,
         hash_seed=md.hash_seed,
         hash_block_size=md.hash_block_size,
-        block_hash_format=v1.BLOCK_HASH_FORMAT_DIGEST if md.block_hash_format == "digest" else v1.BLOCK_HASH_FORMAT_INT64,
+        block_hash_format=v1.BLOCK_HASH_FORMAT_DIGEST
+        if md.block_hash_format == "digest"
+        else v1.BLOCK_HASH_FORMAT_INT64,
     )
 
 
@@ -366,8 +386,13 @@ _Op = Union[
 ]
 _ops = st.lists(
     st.one_of(
-        st.tuples(st.just("admit"), _prompts, st.lists(st.integers(1, 5), max_size=12), st.booleans(),
-                  st.sampled_from(["incremental", "full"])),
+        st.tuples(
+            st.just("admit"),
+            _prompts,
+            st.lists(st.integers(1, 5), max_size=12),
+            st.booleans(),
+            st.sampled_from(["incremental", "full"]),
+        ),
         st.tuples(st.just("free_oldest")),
         st.tuples(st.just("reset")),
         st.tuples(st.just("evict"), st.lists(st.integers(1, 39), max_size=3)),
@@ -425,5 +450,8 @@ async def test_watcher_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="max_retries"):
         RetryPolicy(max_retries=-1)
     assert [RetryPolicy(initial_backoff_s=0.1, max_backoff_s=0.5).backoff_s(n) for n in (1, 2, 3, 4)] == [
-        0.1, 0.2, 0.4, 0.5,
+        0.1,
+        0.2,
+        0.4,
+        0.5,
     ]

@@ -99,6 +99,7 @@ if TYPE_CHECKING:
     from kvservice_client._proto.kvservice import v1
     from kvservice_client.client import AsyncKVCacheClient, KVCacheClient
     from kvservice_client.convert import batch_to_proto, event_to_proto, proto_to_batch, proto_to_event
+    from kvservice_client.errors import KVServiceError, StatusCode
     from kvservice_client.events import (
         AllBlocksCleared,
         BlockRemoved,
@@ -108,7 +109,6 @@ if TYPE_CHECKING:
         encode_event_batch,
     )
     from kvservice_client.hashing import BlockHasher
-    from kvservice_client.errors import KVServiceError, StatusCode
     from kvservice_client.jetstream import InstanceMirror, JetStreamWatcher, MirrorState, ResyncNeededError
     from kvservice_client.step import StepBuilder, decode_new_block_ids, step_results
     from kvservice_client.tls import TLSConfig

@@ -41,21 +41,19 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice_client.convert import PayloadFormatLike
 from kvservice_client.errors import KVServiceError, StatusCode
-from kvservice_client.request_builders import (
+from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
     ReportMode,
+    _build,
+    _lora_proto,
+    _mm_feature_proto,
+    _report_mode_value,
+    _require_no_fields,
     allocate_slots_request,
     free_request,
     get_computed_blocks_request,
     ping_request,
     stream_events_request,
     take_events_request,
-)
-from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
-    _build,
-    _lora_proto,
-    _mm_feature_proto,
-    _report_mode_value,
-    _require_no_fields,
 )
 from kvservice_client.step import (
     StepBuilder,
@@ -127,7 +125,9 @@ silently ends with UNAVAILABLE within about 40 s and an :class:`EventWatcher` re
 accepts pings this often (its ``keepalive_min_client_interval_s`` defaults to 5 s)."""
 
 
-def _channel_options(options: Sequence[tuple[str, Any]] | None, extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+def _channel_options(
+    options: Sequence[tuple[str, Any]] | None, extra: Sequence[tuple[str, Any]] = ()
+) -> list[tuple[str, Any]]:
     """``options`` plus ``extra`` (the TLS settings') plus the default receive limit and keepalive,
     where they set none."""
     out = [*extra, *(options or ())]
@@ -162,8 +162,10 @@ def _open_channel(
         if options is not None:
             raise TypeError("options apply only when target is an address")
         if creds is not None:
-            raise TypeError("TLS settings (tls, root_certificates, private_key, certificate_chain, credentials) "
-                            "apply only when target is an address")
+            raise TypeError(
+                "TLS settings (tls, root_certificates, private_key, certificate_chain, credentials) "
+                "apply only when target is an address"
+            )
         return target, False
     if creds is None:
         return channel_module.insecure_channel(target, options=_channel_options(options)), True
@@ -516,8 +518,13 @@ class KVCacheClient(_ClientBase):
                 together, naming the field) or the call did.
             TypeError: a request message together with field arguments, or one string of ids.
         """
-        ops = StepBuilder().decode(request_ids, new_token_ids, num_new_token_ids=num_new_token_ids,
-                                   num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        ops = StepBuilder().decode(
+            request_ids,
+            new_token_ids,
+            num_new_token_ids=num_new_token_ids,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
         return decode_result(self.step(ops, timeout=timeout, metadata=metadata))
 
     def stream_events(
@@ -594,9 +601,7 @@ class KVCacheClient(_ClientBase):
         Raises:
             KVServiceError: OUT_OF_RANGE, FAILED_PRECONDITION, INVALID_ARGUMENT, ...
         """
-        request = take_events_request(
-            consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format
-        )
+        request = take_events_request(consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format)
         return self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     def get_kv_cache_group_metadata(
@@ -873,8 +878,13 @@ class AsyncKVCacheClient(_ClientBase):
                 together, naming the field) or the call did.
             TypeError: a request message together with field arguments, or one string of ids.
         """
-        ops = StepBuilder().decode(request_ids, new_token_ids, num_new_token_ids=num_new_token_ids,
-                                   num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        ops = StepBuilder().decode(
+            request_ids,
+            new_token_ids,
+            num_new_token_ids=num_new_token_ids,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
         return decode_result(await self.step(ops, timeout=timeout, metadata=metadata))
 
     def stream_events(
@@ -951,9 +961,7 @@ class AsyncKVCacheClient(_ClientBase):
         Raises:
             KVServiceError: OUT_OF_RANGE, FAILED_PRECONDITION, INVALID_ARGUMENT, ...
         """
-        request = take_events_request(
-            consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format
-        )
+        request = take_events_request(consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format)
         return await self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
     async def get_kv_cache_group_metadata(

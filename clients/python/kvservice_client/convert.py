@@ -93,9 +93,7 @@ def payload_format_value(payload_format: PayloadFormatLike) -> int:
         try:
             return _PAYLOAD_FORMATS[payload_format]
         except KeyError:
-            raise ValueError(
-                f"payload_format must be 'protobuf' or 'msgpack'; got {payload_format!r}"
-            ) from None
+            raise ValueError(f"payload_format must be 'protobuf' or 'msgpack'; got {payload_format!r}") from None
     if payload_format not in pb.PayloadFormat.values():
         raise ValueError(f"payload_format: unknown PayloadFormat value {payload_format!r}")
     return payload_format
@@ -343,9 +341,7 @@ def _fill_extra_keys(
         if block_keys is None:
             continue
         if not isinstance(block_keys, (list, tuple)) or not block_keys:
-            raise ValueError(
-                f"extra_keys[{block_idx}]: expected None or a non-empty list of keys; got {block_keys!r}"
-            )
+            raise ValueError(f"extra_keys[{block_idx}]: expected None or a non-empty list of keys; got {block_keys!r}")
         for key_idx, key in enumerate(block_keys):
             extra_key = block.keys.add()
             if isinstance(key, str):

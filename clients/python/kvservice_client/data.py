@@ -45,6 +45,7 @@ __all__ = [
     "write_blocks",
 ]
 
+
 def block_checksum(data: bytes | bytearray | memoryview) -> int:
     """xxh3_64 (seed 0) of a block's bytes, as WriteBlocks / ReadBlocks carry it."""
     return xxhash.xxh3_64_intdigest(data)
@@ -130,8 +131,10 @@ class _Assembler:
             self._parts = []
             return ReadBlock(chunk.block_index, chunk.group_idx, chunk.block_id, None, None, True)
         if chunk.offset_bytes != self._offset:
-            raise KVServiceError(grpc.StatusCode.DATA_LOSS, f"block {chunk.block_index}: chunk at offset "
-                                 f"{chunk.offset_bytes}, expected {self._offset}")
+            raise KVServiceError(
+                grpc.StatusCode.DATA_LOSS,
+                f"block {chunk.block_index}: chunk at offset {chunk.offset_bytes}, expected {self._offset}",
+            )
         self._parts.append(chunk.data)
         self._offset += len(chunk.data)
         if not chunk.HasField("checksum"):
@@ -147,7 +150,9 @@ def _options(client: Any, method: str, timeout: Timeout, metadata: Metadata) -> 
     return client._call_options(method, timeout, metadata)  # noqa: SLF001 (the client's one option path)
 
 
-def attach_kv_cache(client: KVCacheClient, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:
+def attach_kv_cache(
+    client: KVCacheClient, *, timeout: Timeout = None, metadata: Metadata = None
+) -> pb.AttachKVCacheResponse:
     """The server's description of its KV memory (``AttachKVCache``); map it with
     ``kvservice_client.torch_view.KVCacheView`` (or :func:`kvservice_client.torch_view.attach`).
 
@@ -156,7 +161,9 @@ def attach_kv_cache(client: KVCacheClient, *, timeout: Timeout = None, metadata:
             (a watcher token; or auth off and the call came neither over loopback nor a Unix socket).
     """
     try:
-        return client.stub.AttachKVCache(pb.AttachKVCacheRequest(), **_options(client, "AttachKVCache", timeout, metadata))
+        return client.stub.AttachKVCache(
+            pb.AttachKVCacheRequest(), **_options(client, "AttachKVCache", timeout, metadata)
+        )
     except grpc.RpcError as err:
         raise KVServiceError.from_rpc_error(err) from err
 
@@ -214,7 +221,9 @@ def iter_read_blocks(
         KVServiceError: NOT_FOUND (a hash not cached, named), INVALID_ARGUMENT, FAILED_PRECONDITION,
             DATA_LOSS (a checksum that does not match) ...
     """
-    call = client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=list(refs)), **_options(client, "ReadBlocks", timeout, metadata))
+    call = client.stub.ReadBlocks(
+        pb.ReadBlocksRequest(blocks=list(refs)), **_options(client, "ReadBlocks", timeout, metadata)
+    )
     assembler = _Assembler()
     try:
         for chunk in call:
@@ -245,7 +254,9 @@ async def awrite_blocks(
 ) -> pb.WriteBlocksResponse:
     """:func:`write_blocks` for an :class:`AsyncKVCacheClient`."""
     if chunk_bytes is None:
-        chunk_bytes = (await client.get_kv_cache_group_metadata(timeout=timeout, metadata=metadata)).max_data_chunk_bytes or 1
+        chunk_bytes = (
+            await client.get_kv_cache_group_metadata(timeout=timeout, metadata=metadata)
+        ).max_data_chunk_bytes or 1
     try:
         return await client.stub.WriteBlocks(
             write_block_chunks(request_id, blocks, chunk_bytes), **_options(client, "WriteBlocks", timeout, metadata)
@@ -258,7 +269,9 @@ async def aiter_read_blocks(
     client: AsyncKVCacheClient, refs: Iterable[pb.BlockRef], *, timeout: Timeout = None, metadata: Metadata = None
 ) -> AsyncIterator[ReadBlock]:
     """:func:`iter_read_blocks` for an :class:`AsyncKVCacheClient`."""
-    call = client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=list(refs)), **_options(client, "ReadBlocks", timeout, metadata))
+    call = client.stub.ReadBlocks(
+        pb.ReadBlocksRequest(blocks=list(refs)), **_options(client, "ReadBlocks", timeout, metadata)
+    )
     assembler = _Assembler()
     try:
         async for chunk in call:

@@ -27,23 +27,23 @@ class StatusCode(enum.Enum):
     comparisons; :attr:`grpc_code` converts.
     """
 
-    OK = (0, 'ok')
-    CANCELLED = (1, 'cancelled')
-    UNKNOWN = (2, 'unknown')
-    INVALID_ARGUMENT = (3, 'invalid argument')
-    DEADLINE_EXCEEDED = (4, 'deadline exceeded')
-    NOT_FOUND = (5, 'not found')
-    ALREADY_EXISTS = (6, 'already exists')
-    PERMISSION_DENIED = (7, 'permission denied')
-    RESOURCE_EXHAUSTED = (8, 'resource exhausted')
-    FAILED_PRECONDITION = (9, 'failed precondition')
-    ABORTED = (10, 'aborted')
-    OUT_OF_RANGE = (11, 'out of range')
-    UNIMPLEMENTED = (12, 'unimplemented')
-    INTERNAL = (13, 'internal')
-    UNAVAILABLE = (14, 'unavailable')
-    DATA_LOSS = (15, 'data loss')
-    UNAUTHENTICATED = (16, 'unauthenticated')
+    OK = (0, "ok")
+    CANCELLED = (1, "cancelled")
+    UNKNOWN = (2, "unknown")
+    INVALID_ARGUMENT = (3, "invalid argument")
+    DEADLINE_EXCEEDED = (4, "deadline exceeded")
+    NOT_FOUND = (5, "not found")
+    ALREADY_EXISTS = (6, "already exists")
+    PERMISSION_DENIED = (7, "permission denied")
+    RESOURCE_EXHAUSTED = (8, "resource exhausted")
+    FAILED_PRECONDITION = (9, "failed precondition")
+    ABORTED = (10, "aborted")
+    OUT_OF_RANGE = (11, "out of range")
+    UNIMPLEMENTED = (12, "unimplemented")
+    INTERNAL = (13, "internal")
+    UNAVAILABLE = (14, "unavailable")
+    DATA_LOSS = (15, "data loss")
+    UNAUTHENTICATED = (16, "unauthenticated")
 
     def __int__(self) -> int:
         return int(self.value[0])
@@ -124,8 +124,9 @@ class KVServiceError(Exception):
         details = details_fn() if callable(details_fn) else None
         trailing_fn = getattr(err, "trailing_metadata", None)
         trailing = trailing_fn() if callable(trailing_fn) else None
-        return cls(StatusCode.of(code), details if details is not None else str(err),
-                   trailing_metadata=tuple(trailing or ()))
+        return cls(
+            StatusCode.of(code), details if details is not None else str(err), trailing_metadata=tuple(trailing or ())
+        )
 
     @classmethod
     def from_op_status(cls, status: pb.OpStatus) -> KVServiceError:

@@ -112,9 +112,7 @@ def get_hash_fn(algorithm: str) -> Callable[[Any], bytes]:
     try:
         return _HASH_FNS[algorithm]
     except KeyError:
-        raise ValueError(
-            f"hash_algorithm must be one of {', '.join(HASH_ALGORITHMS)}; got {algorithm!r}"
-        ) from None
+        raise ValueError(f"hash_algorithm must be one of {', '.join(HASH_ALGORITHMS)}; got {algorithm!r}") from None
 
 
 def block_hash_to_int(block_hash: bytes) -> int:
@@ -180,9 +178,7 @@ class BlockHasher:
         self.hash_fn = get_hash_fn(algorithm)
         self.root_hash: bytes = self.hash_fn(seed)
 
-    def hash_block(
-        self, parent_block_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None
-    ) -> bytes:
+    def hash_block(self, parent_block_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None) -> bytes:
         """Hash one full block; ``parent_block_hash`` None means block 0 (chains the root hash)."""
         parent = self.root_hash if parent_block_hash is None else parent_block_hash
         return self.hash_fn((parent, tuple(token_ids), extra_keys))
@@ -216,8 +212,9 @@ class BlockHasher:
         simple = lora_key is None and not mm_features and (not cache_salt or start > 0)
         if simple and _hashchain is not None and self.algorithm in _COMPILED_LAYOUTS:
             try:
-                _hashchain.extend(block_hashes, token_ids, start, end, block_size, parent,
-                                  _COMPILED_LAYOUTS[self.algorithm])
+                _hashchain.extend(
+                    block_hashes, token_ids, start, end, block_size, parent, _COMPILED_LAYOUTS[self.algorithm]
+                )
                 return end - start
             except (ValueError, TypeError):  # ids or a shape it does not cover: the rule below does
                 pass
@@ -458,9 +455,7 @@ class _MergedBlockHashes(Sequence[bytes]):
         return b"".join(self._hashes[idx * scale : (idx + 1) * scale])
 
 
-def resolve_block_hashes(
-    block_hashes: Sequence[bytes], hash_block_size: int, block_size: int
-) -> Sequence[bytes]:
+def resolve_block_hashes(block_hashes: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:
     """View hashes computed at ``hash_block_size`` tokens as hashes of ``block_size``-token blocks.
 
     A group whose block size is ``k * hash_block_size`` sees block ``j``'s hash as the
@@ -473,7 +468,5 @@ def resolve_block_hashes(
     if block_size == hash_block_size:
         return block_hashes
     if hash_block_size < 1 or block_size < hash_block_size or block_size % hash_block_size:
-        raise ValueError(
-            f"block_size {block_size} must be a multiple of the hash block size {hash_block_size}"
-        )
+        raise ValueError(f"block_size {block_size} must be a multiple of the hash block size {hash_block_size}")
     return _MergedBlockHashes(block_hashes, block_size // hash_block_size)

@@ -156,7 +156,11 @@ class NatsCredentialsRefusedError(RuntimeError):
 
 
 async def connect_nats(
-    nats: Any, servers: list[str], *, connect_timeout_s: float, error_cb: Callable[[Exception], Any] | None = None,
+    nats: Any,
+    servers: list[str],
+    *,
+    connect_timeout_s: float,
+    error_cb: Callable[[Exception], Any] | None = None,
     **options: Any,
 ) -> Any:
     """``nats.connect(servers=servers, **options)``, bounded by ``connect_timeout_s`` seconds, and
@@ -179,8 +183,9 @@ async def connect_nats(
 
     connecting = loop.create_task(nats.connect(servers=servers, error_cb=on_error, **options))
     try:
-        done, _ = await asyncio.wait({connecting, refused}, timeout=connect_timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {connecting, refused}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
     except BaseException:
         connecting.cancel()
         raise
@@ -212,7 +217,6 @@ def import_nats(needed_by: str = "JetStreamWatcher", extra: str = "kvservice-cli
     except ImportError as e:
         raise RuntimeError(f"{needed_by} needs nats-py, which is not installed ({e}): pip install '{extra}'") from None
     return nats
-
 
 
 class MirrorState(str, enum.Enum):
@@ -419,8 +423,12 @@ class JetStreamWatcher:
             # Reconnects forever once connected; the first connection is bounded.
             assert self._servers is not None
             self._nc = await connect_nats(
-                nats, self._servers, connect_timeout_s=self._connect_timeout_s, error_cb=on_error,
-                max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                nats,
+                self._servers,
+                connect_timeout_s=self._connect_timeout_s,
+                error_cb=on_error,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
             )
         try:
             await self._subscribe(api)
@@ -695,5 +703,9 @@ class JetStreamWatcher:
         mirror.last_seq = part.seq
         mirror.state = MirrorState.SYNCED
         mirror.resync_reason = None
-        logger.info("JetStream watcher: instance %s rebuilt from a snapshot at seq %d of epoch %s",
-                    mirror.instance, part.seq, part.epoch)
+        logger.info(
+            "JetStream watcher: instance %s rebuilt from a snapshot at seq %d of epoch %s",
+            mirror.instance,
+            part.seq,
+            part.epoch,
+        )

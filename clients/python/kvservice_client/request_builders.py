@@ -45,9 +45,7 @@ _REPORT_MODES: dict[str, int] = {
 def _require_no_fields(request: Message, **fields: Any) -> None:
     given = sorted(name for name, value in fields.items() if value not in (None, (), [], 0, b"", "", False))
     if given:
-        raise TypeError(
-            f"pass either a {type(request).__name__} or its fields, not both (got {', '.join(given)})"
-        )
+        raise TypeError(f"pass either a {type(request).__name__} or its fields, not both (got {', '.join(given)})")
 
 
 def _report_mode_value(mode: ReportMode) -> int:

@@ -99,5 +99,7 @@ def resolve_channel_security(
         return tls.channel_credentials(), tls.channel_options()
     if not (tls or given):
         return None, []
-    config = TLSConfig(root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain)
+    config = TLSConfig(
+        root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
+    )
     return config.channel_credentials(), []

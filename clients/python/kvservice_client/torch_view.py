@@ -64,10 +64,21 @@ def _map_storage(storage: pb.KVCacheStorage, device: str) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         return rebuild_cuda_tensor(  # type: ignore[no-any-return]
-            torch.Tensor, (storage.size_bytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8,
-            storage.cuda_device, storage.cuda_ipc_handle, storage.size_bytes, storage.cuda_storage_offset_bytes,
-            False, storage.cuda_ref_counter_handle, storage.cuda_ref_counter_offset,
-            storage.cuda_event_handle or None, storage.cuda_event_sync_required,
+            torch.Tensor,
+            (storage.size_bytes,),
+            (1,),
+            0,
+            torch.storage.TypedStorage,
+            torch.uint8,
+            storage.cuda_device,
+            storage.cuda_ipc_handle,
+            storage.size_bytes,
+            storage.cuda_storage_offset_bytes,
+            False,
+            storage.cuda_ref_counter_handle,
+            storage.cuda_ref_counter_offset,
+            storage.cuda_event_handle or None,
+            storage.cuda_event_sync_required,
         )
     raise ValueError(f"storage {storage.storage_idx} has neither a shared-memory name nor a CUDA IPC handle ({device})")
 
@@ -109,9 +120,13 @@ class KVCacheView:
             base = storages[v.storage_idx]
             dtype = _torch_dtype(v.dtype)
             if v.offset_bytes % dtype.itemsize:
-                raise ValueError(f"view ({v.group_idx}, {v.view_idx}): offset {v.offset_bytes} is not a multiple of "
-                                 f"{dtype.itemsize} bytes")
-            tensor = torch.as_strided(base.view(dtype), tuple(v.shape), tuple(v.strides), v.offset_bytes // dtype.itemsize)
+                raise ValueError(
+                    f"view ({v.group_idx}, {v.view_idx}): offset {v.offset_bytes} is not a multiple of "
+                    f"{dtype.itemsize} bytes"
+                )
+            tensor = torch.as_strided(
+                base.view(dtype), tuple(v.shape), tuple(v.strides), v.offset_bytes // dtype.itemsize
+            )
             group_views[v.group_idx].append((v.view_idx, tensor, v.block_axis))
         self._groups: tuple[tuple[tuple[torch.Tensor, int], ...], ...] = tuple(
             tuple((t, axis) for _idx, t, axis in sorted(views, key=lambda x: x[0])) for views in group_views
@@ -180,8 +195,10 @@ class KVCacheView:
             self._control = None
 
     def __repr__(self) -> str:
-        return f"KVCacheView(epoch={self.epoch!r}, device={self.device}, num_groups={len(self._groups)}, " \
-               f"num_blocks={self.num_blocks})"
+        return (
+            f"KVCacheView(epoch={self.epoch!r}, device={self.device}, num_groups={len(self._groups)}, "
+            f"num_blocks={self.num_blocks})"
+        )
 
 
 def attach(client: KVCacheClient, *, timeout: Timeout = None, metadata: Metadata = None) -> KVCacheView:

@@ -47,13 +47,13 @@ import grpc.aio
 from kvservice_client import events as ev
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError, Metadata
-from kvservice_client.errors import StatusCode
 from kvservice_client.convert import (
     PayloadFormatLike,
     kv_cache_spec_kind_from_proto,
     payload_format_value,
     proto_to_batch,
 )
+from kvservice_client.errors import StatusCode
 from kvservice_client.hashing import (
     BlockHasher,
     LoRA,
@@ -454,9 +454,14 @@ class EventWatcher:
             cancelling = getattr(asyncio.current_task(), "cancelling", None)
             if self._closed or cancelling is None or cancelling():
                 raise
-            await self._queue.put(_Failure(KVServiceError(
-                grpc.StatusCode.CANCELLED, "event stream: the call was cancelled under the watcher (channel closed)"
-            )))
+            await self._queue.put(
+                _Failure(
+                    KVServiceError(
+                        grpc.StatusCode.CANCELLED,
+                        "event stream: the call was cancelled under the watcher (channel closed)",
+                    )
+                )
+            )
         except BaseException as err:  # handed to the caller; the task itself ends cleanly
             await self._queue.put(_Failure(err))
 

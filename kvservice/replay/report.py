@@ -161,11 +161,20 @@ class ModeReport:
     Attributes:
         mode: the report mode (``"incremental"`` or ``"full"``).
         num_requests: requests replayed.
-        num_prompt_tokens: prompt tokens over all requests.
-        num_hit_tokens: prompt tokens the server reported as prefix-cache hits.
-        num_prompt_blocks: prompt blocks over all requests (as the producer counts them, e.g.
+        num_prompt_tokens: tokens over every admission (a request readmitted after a recompute
+            preemption counts again, with its outputs so far).
+        num_hit_tokens: tokens the server reported as prefix-cache hits, over every admission.
+        num_prompt_blocks: blocks over every admission (as the producer counts them, e.g.
             full blocks per prompt).
-        num_hit_blocks: prompt blocks the server reported as prefix-cache hits.
+        num_hit_blocks: blocks the server reported as prefix-cache hits, over every admission.
+        num_first_admission_prompt_tokens: prompt tokens of the requests admitted, each counted at
+            its first admission only (the trace's prompts, as ``replay.multi`` counts them).
+        num_first_admission_hit_tokens: the prefix-cache hit of each request's first admission,
+            in tokens, summed. A readmission's hit on its own just-computed prefix does not count,
+            so, unlike ``num_hit_tokens``, this rate does not rise when a small pool thrashes.
+        num_prefill_tokens: tokens actually computed by prefill, in tokens (every admission's and
+            prefill chunk's scheduled tokens, recomputation after preemption included; hits and
+            decode tokens excluded; ``SchedulerStats.num_prefill_tokens``).
         agreement: the watcher's predicted hits against the server's actual hits.
         num_events: KV events the watcher received.
         num_batches: event batches the watcher received.
@@ -190,6 +199,9 @@ class ModeReport:
     num_hit_tokens: int
     num_prompt_blocks: int
     num_hit_blocks: int
+    num_first_admission_prompt_tokens: int
+    num_first_admission_hit_tokens: int
+    num_prefill_tokens: int
     agreement: AgreementStats
     num_events: int
     num_batches: int
@@ -205,8 +217,15 @@ class ModeReport:
 
     @property
     def hit_rate_tokens_pct(self) -> float | None:
-        """Prefix-cache hit rate in tokens, percent (None without prompt tokens)."""
+        """Prefix-cache hit rate in tokens over every admission, percent (None without prompt
+        tokens)."""
         return _pct(self.num_hit_tokens, self.num_prompt_tokens)
+
+    @property
+    def first_admission_hit_rate_tokens_pct(self) -> float | None:
+        """Prefix-cache hit rate in tokens over each request's first admission, percent (None
+        without prompt tokens)."""
+        return _pct(self.num_first_admission_hit_tokens, self.num_first_admission_prompt_tokens)
 
     @property
     def hit_rate_blocks_pct(self) -> float | None:
@@ -312,6 +331,9 @@ _MODE_SCALAR_FIELDS = (
     "num_hit_tokens",
     "num_prompt_blocks",
     "num_hit_blocks",
+    "num_first_admission_prompt_tokens",
+    "num_first_admission_hit_tokens",
+    "num_prefill_tokens",
     "num_events",
     "num_batches",
     "num_preemptions",
@@ -337,6 +359,7 @@ def _mode_to_dict(m: ModeReport) -> dict[str, Any]:
     d: dict[str, Any] = {k: getattr(m, k) for k in _MODE_SCALAR_FIELDS}
     d["hit_rate_tokens_pct"] = m.hit_rate_tokens_pct
     d["hit_rate_blocks_pct"] = m.hit_rate_blocks_pct
+    d["first_admission_hit_rate_tokens_pct"] = m.first_admission_hit_rate_tokens_pct
     d["agreement"] = _agreement_to_dict(m.agreement)
     d["rpc_latency"] = {k: getattr(m.rpc_latency, k) for k in _LATENCY_FIELDS}
     d["series"] = [list(p) for p in m.series]
@@ -470,6 +493,8 @@ def _mode_rows(m: ModeReport, *, late: bool, kv_data: bool = False) -> list[tupl
         ("prompt tokens", _fmt_int(m.num_prompt_tokens)),
         ("prefix hit rate (tokens)", _fmt_pct(m.hit_rate_tokens_pct)),
         ("prefix hit rate (blocks)", _fmt_pct(m.hit_rate_blocks_pct)),
+        ("prefix hit rate, first admissions (tokens)", _fmt_pct(m.first_admission_hit_rate_tokens_pct)),
+        ("tokens prefilled (recompute included)", _fmt_int(m.num_prefill_tokens)),
         *_fmt_agreement(m.agreement),
         *late_rows,
         ("events / batches received", f"{_fmt_int(m.num_events)} / {_fmt_int(m.num_batches)}"),

@@ -306,6 +306,7 @@ def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
     w0 = run.watchers[0]
     predicted = [a.prediction(0) // bs for a in admissions]
     actual = [a.actual_hit_tokens // bs for a in admissions]
+    firsts = [a for a in admissions if not a.readmission]
     return ModeReport(
         mode=run.mode,
         num_requests=run.stats.num_finished,
@@ -313,6 +314,9 @@ def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
         num_hit_tokens=sum(a.actual_hit_tokens for a in admissions),
         num_prompt_blocks=sum(a.num_tokens // bs for a in admissions),
         num_hit_blocks=sum(a.actual_hit_tokens // bs for a in admissions),
+        num_first_admission_prompt_tokens=sum(a.num_tokens for a in firsts),
+        num_first_admission_hit_tokens=sum(a.actual_hit_tokens for a in firsts),
+        num_prefill_tokens=run.stats.num_prefill_tokens,
         agreement=AgreementStats.from_pairs(predicted, actual),
         num_events=w0.num_events,
         num_batches=w0.num_batches,

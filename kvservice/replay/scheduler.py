@@ -167,6 +167,10 @@ class SchedulerStats:
         num_steps: scheduler steps.
         num_rpcs: Step RPCs (steps plus preemption retries).
         num_preemptions: preemptions.
+        num_prefill_tokens: tokens computed while their request was prefilling, in tokens: each
+            admission's and each later prefill chunk's ``num_scheduled_tokens``, so the tokens a
+            recompute preemption makes a request compute again count again, and prefix-cache hits
+            do not count (decode tokens do not count either).
         rpc_latency_ms: each Step RPC's round trip, in milliseconds.
         num_finished: requests that finished.
         num_skipped: trace requests skipped: prompt of ``max_model_len`` tokens or more.
@@ -179,6 +183,7 @@ class SchedulerStats:
     num_steps: int = 0
     num_rpcs: int = 0
     num_preemptions: int = 0
+    num_prefill_tokens: int = 0
     rpc_latency_ms: list[float] = field(default_factory=list)
     num_finished: int = 0
     num_skipped: int = 0
@@ -329,6 +334,8 @@ class ReplayScheduler:
         self, r: ReplayRequest, response: pb.AllocateSlotsResponse, *, admitted: bool = False
     ) -> None:
         num_computed_before = r.num_computed_tokens
+        if num_computed_before < len(r.token_ids):  # a prefill chunk (a decode step has computed every token)
+            self.stats.num_prefill_tokens += response.num_scheduled_tokens
         self._apply(r, response)
         if self.kv_worker is not None:
             if admitted:

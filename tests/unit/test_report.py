@@ -33,6 +33,9 @@ def _mode(name: str, series: list[tuple[int, int, int]], **overrides: object) ->
         num_hit_tokens=3_000,
         num_prompt_blocks=750,
         num_hit_blocks=180,
+        num_first_admission_prompt_tokens=10_000,
+        num_first_admission_hit_tokens=1_500,
+        num_prefill_tokens=9_250,
         agreement=AgreementStats.from_series(series),
         num_events=4_321,
         num_batches=987,
@@ -112,6 +115,53 @@ def test_mode_hit_rates() -> None:
     assert (zero.hit_rate_tokens_pct, zero.hit_rate_blocks_pct) == (None, None)
 
 
+def test_summarise_counts_first_admissions_apart_from_readmissions() -> None:
+    """Three admissions at block size 4: request 0 (16 tokens, no hit), request 1 (24 tokens, an
+    8-token hit), then request 0 again after a recompute preemption (40 tokens: its prompt and 24
+    outputs, a 36-token hit on its own just-computed blocks). The per-admission rate counts the
+    readmission's hit; the first-admission rate counts the two prompts only."""
+    from types import SimpleNamespace
+
+    from kvservice.replay.runner import ModeRun, summarise
+    from kvservice.replay.scheduler import Admission, SchedulerStats
+    from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+
+    stats = SchedulerStats(
+        admissions=[
+            Admission(0, "r0", 16, 0, 0, False, (0,)),
+            Admission(1, "r1", 24, 8, 8, False, (8,)),
+            Admission(0, "r0", 40, 32, 36, True, (32,)),
+        ],
+        num_preemptions=1,
+        num_prefill_tokens=16 + 16 + 4,
+        num_finished=2,
+        rpc_latency_ms=[1.0, 3.0],
+    )
+    watcher = SimpleNamespace(num_events=7, num_batches=5)
+    run = ModeRun(
+        "full",
+        stats,
+        [watcher],
+        None,
+        0,
+        pool_blocks=15,
+        block_size=4,  # type: ignore[list-item]
+        usage=pb.GetUsageResponse(),
+        mirror_capacity=0,
+    )
+    m = summarise(run, wall_time_s=0.5)
+    assert (m.num_prompt_tokens, m.num_hit_tokens) == (16 + 24 + 40, 0 + 8 + 36) == (80, 44)
+    assert (m.num_prompt_blocks, m.num_hit_blocks) == (4 + 6 + 10, 0 + 2 + 9) == (20, 11)
+    assert m.hit_rate_tokens_pct == 55.0 and m.hit_rate_blocks_pct == 55.0
+    assert (m.num_first_admission_prompt_tokens, m.num_first_admission_hit_tokens) == (40, 8)
+    assert m.first_admission_hit_rate_tokens_pct == 20.0
+    assert m.num_prefill_tokens == 36
+    assert (m.num_requests, m.num_preemptions, m.num_events, m.num_batches) == (2, 1, 7, 5)
+    assert m.series == [(0, 0, 0), (1, 2, 2), (2, 8, 9)]
+    none = _mode("full", [], num_first_admission_prompt_tokens=0, num_first_admission_hit_tokens=0)
+    assert none.first_admission_hit_rate_tokens_pct is None
+
+
 def test_report_validates_modes() -> None:
     with pytest.raises(ValueError, match="one or two modes; got 0"):
         _report(modes=[])
@@ -148,6 +198,9 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert [m["mode"] for m in data["modes"]] == ["incremental", "full"]
     inc = data["modes"][0]
     assert inc["hit_rate_tokens_pct"] == 25.0 and inc["agreement"]["exact_match_pct"] == 60.0
+    assert inc["first_admission_hit_rate_tokens_pct"] == 15.0
+    assert (inc["num_first_admission_prompt_tokens"], inc["num_first_admission_hit_tokens"]) == (10_000, 1_500)
+    assert inc["num_prefill_tokens"] == 9_250
     assert inc["series"] == [[0, 0, 0], [1, 2, 2], [2, 3, 5], [3, 4, 4], [4, 1, 0]]
     assert data["modes"][1]["late_watcher"]["num_exact"] == 1
     assert data["modes"][0]["late_watcher"] is None
@@ -183,6 +236,8 @@ def test_render_table_both_modes_side_by_side() -> None:
 
     assert row("prefix hit rate (tokens)") == ["25.00 %", "25.00 %"]
     assert row("prefix hit rate (blocks)") == ["24.00 %", "24.00 %"]
+    assert row("prefix hit rate, first admissions (tokens)") == ["15.00 %", "15.00 %"]
+    assert row("tokens prefilled (recompute included)") == ["9,250", "9,250"]
     assert row("exact match") == ["60.00 % of 5", "100.00 % of 5"]
     assert row("mean abs error (blocks)") == ["0.600", "0.000"]
     assert row("mean depth predicted / actual") == ["2.00 / 2.20", "2.20 / 2.20"]

@@ -369,9 +369,15 @@ def _mode_to_dict(m: ModeReport) -> dict[str, Any]:
     return d
 
 
+_FIELDS_ADDED_LATER = frozenset(
+    {"num_first_admission_prompt_tokens", "num_first_admission_hit_tokens", "num_prefill_tokens"}
+)
+"""Absent from reports written before they existed: read as 0 (their rates as unknown)."""
+
+
 def _mode_from_dict(d: dict[str, Any]) -> ModeReport:
     return ModeReport(
-        **{k: d[k] for k in _MODE_SCALAR_FIELDS},
+        **{k: d.get(k, 0) if k in _FIELDS_ADDED_LATER else d[k] for k in _MODE_SCALAR_FIELDS},
         agreement=_agreement_from_dict(d["agreement"]),
         rpc_latency=LatencySummary(**{k: d["rpc_latency"][k] for k in _LATENCY_FIELDS}),
         series=[(int(i), int(p), int(a)) for i, p, a in d.get("series", [])],

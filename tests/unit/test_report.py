@@ -294,3 +294,22 @@ def test_the_error_panel_clips_outliers_beyond_the_bulk() -> None:
     assert error_axis_bound(np.array([], dtype=np.int64)) == 2
     assert error_axis_bound(np.array([-32] * 96 + [-455] * 4)) == 48  # the replay's incremental mode, in short
     assert error_axis_bound(np.arange(-50, 51)) >= 50  # evenly spread: nothing clipped
+
+
+def test_a_report_written_before_the_first_admission_fields_still_reads(tmp_path):
+    """report.json files from before the first-admission and prefill counts load, with those
+    counts 0 and their rate unknown."""
+    path = write_json(_report(), tmp_path / "report.json")
+    data = json.loads(path.read_text())
+    for mode in data["modes"]:
+        for key in (
+            "num_first_admission_prompt_tokens",
+            "num_first_admission_hit_tokens",
+            "num_prefill_tokens",
+            "first_admission_hit_rate_tokens_pct",
+        ):
+            mode.pop(key)
+    path.write_text(json.dumps(data))
+    [mode] = read_json(path).modes[:1]
+    assert (mode.num_first_admission_prompt_tokens, mode.num_prefill_tokens) == (0, 0)
+    assert mode.first_admission_hit_rate_tokens_pct is None

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 import kvservice_client
+import kvservice_client.client as client_module
 from kvservice_client import (
     AsyncKVCacheClient,
     KVCacheClient,
@@ -145,6 +146,49 @@ def test_the_twin_methods_have_identical_signatures_and_docs(name: str):
 
 def test_the_constructors_take_the_same_arguments():
     assert _normalized_signature(KVCacheClient.__init__) == _normalized_signature(AsyncKVCacheClient.__init__)
+
+
+RPC_METHODS = {
+    "get_computed_blocks": "pb.GetComputedBlocksResponse",
+    "allocate_slots": "pb.AllocateSlotsResponse",
+    "free": "pb.FreeResponse",
+    "reset_prefix_cache": "pb.ResetPrefixCacheResponse",
+    "get_usage": "pb.GetUsageResponse",
+    "step": "pb.StepResponse",
+    "decode": "pb.DecodeResponse",
+    "take_events": "pb.TakeEventsResponse",
+    "get_kv_cache_group_metadata": "pb.GetKVCacheGroupMetadataResponse",
+    "ping": "pb.PingResponse",
+}
+
+
+def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
+    """Both clients' RPC methods come from one table (client._KVCacheServiceRPCs); each client
+    holds its own function per entry, with the entry's docstring and the method's return type."""
+    table = {
+        name for name, entry in vars(client_module._KVCacheServiceRPCs).items() if isinstance(entry, client_module._RPC)
+    }
+    assert table == {*RPC_METHODS, "stream_events"}
+    returns = {
+        cls: {name: inspect.signature(vars(cls)[name]).return_annotation for name in table}
+        for cls in (KVCacheClient, AsyncKVCacheClient)
+    }
+    assert returns[KVCacheClient] == {**RPC_METHODS, "stream_events": "Iterator[pb.EventBatch]"}
+    assert returns[AsyncKVCacheClient] == {**RPC_METHODS, "stream_events": "AsyncIterator[pb.EventBatch]"}
+    for cls in (KVCacheClient, AsyncKVCacheClient):
+        for name in table:
+            function = vars(cls)[name]
+            assert inspect.isfunction(function)
+            assert (function.__qualname__, function.__module__) == (f"{cls.__name__}.{name}", "kvservice_client.client")
+            assert function.__doc__ == vars(client_module._KVCacheServiceRPCs)[name].build.__doc__
+
+
+def test_a_table_entry_needs_keyword_only_timeout_and_metadata():
+    def build(self, request_id: str, timeout: object = None, *, metadata: object = None) -> pb.FreeRequest:
+        return pb.FreeRequest(request_id=request_id)
+
+    with pytest.raises(TypeError, match="build: needs a keyword-only 'timeout' defaulting to None"):
+        client_module._unary("Free", pb.FreeResponse)(build)
 
 
 # --- StatusCode and KVServiceError ------------------------------------------------------------

@@ -34,7 +34,17 @@ from __future__ import annotations
 
 import datetime
 import inspect
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, Union, overload
 
 import grpc
@@ -205,7 +215,7 @@ def _base_metadata(token: str | None, metadata: Metadata) -> tuple[tuple[str, st
     return pairs
 
 
-def _iterate_stream(call: Any) -> Iterator[Any]:
+def _iterate_stream(call: Any) -> Generator[Any, None, None]:
     try:
         yield from call
     except grpc.RpcError as err:
@@ -214,7 +224,7 @@ def _iterate_stream(call: Any) -> Iterator[Any]:
         call.cancel()
 
 
-async def _aiterate_stream(call: Any) -> AsyncIterator[Any]:
+async def _aiterate_stream(call: Any) -> AsyncGenerator[Any, None]:
     try:
         async for item in call:
             yield item
@@ -786,7 +796,7 @@ class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _rpc(self, method: str, request: Message, timeout: Timeout, metadata: Metadata) -> Any:
+    def _rpc(self, method: str, request: Message | Iterator[Message], timeout: Timeout, metadata: Metadata) -> Any:
         """The one call path: deadline and metadata in, ``grpc.RpcError`` out as KVServiceError."""
         multicallable = getattr(self._stub, method)
         options = self._call_options(method, timeout, metadata)
@@ -817,7 +827,7 @@ class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAs
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _rpc(self, method: str, request: Message, timeout: Timeout, metadata: Metadata) -> Any:
+    def _rpc(self, method: str, request: Message | Iterator[Message], timeout: Timeout, metadata: Metadata) -> Any:
         """The one call path: deadline and metadata in, ``AioRpcError`` out as KVServiceError.
 
         Returns an awaitable for unary methods and an async iterator for streaming ones.

@@ -45,7 +45,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, Union, overload
 
 import grpc
 import grpc.aio
@@ -289,6 +289,7 @@ _CLIENT_ARGS_DOC = """
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_Q = TypeVar("_Q", bound=Message)
 _ChannelT = TypeVar("_ChannelT", grpc.Channel, grpc.aio.Channel)
 # KVCacheServiceAsyncStub exists only in the generated .pyi (the runtime has one stub class).
 _StubT = TypeVar("_StubT", "pb_grpc.KVCacheServiceStub", "pb_grpc.KVCacheServiceAsyncStub")
@@ -353,7 +354,6 @@ class _RPC:
 
         function = call_async if asynchronous and not self.streaming else call
         annotation = self.annotation(asynchronous)
-        function.__name__ = build.__name__
         function.__doc__ = build.__doc__
         function.__annotations__ = {**build.__annotations__, "return": annotation}
         function.__signature__ = inspect.signature(build).replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
@@ -420,6 +420,42 @@ def _stream(method: str, returns: type[_R]) -> Callable[[Callable[Concatenate[An
         return _StreamRPC(method, build, returns, None)
 
     return entry
+
+
+class _WholeRequestBuild(Protocol[_Q]):
+    """The request builder of an RPC whose request has no fields (see :func:`_whole_request`)."""
+
+    def __call__(
+        self, client: Any, request: _Q | None = None, *, timeout: Timeout = None, metadata: Metadata = None
+    ) -> _Q: ...
+
+
+def _whole_request(request_type: type[_Q], doc: str) -> _WholeRequestBuild[_Q]:
+    """The request builder, with ``doc`` as its method's docstring, of an RPC whose request
+    message has no fields: the method takes that message or nothing (an empty one)."""
+
+    def build(client: Any, request: Any = None, *, timeout: Timeout = None, metadata: Metadata = None) -> Any:
+        return request if request is not None else request_type()
+
+    message = f"pb.{request_type.__name__}"
+    signature = inspect.signature(build)
+    client, request, *call = signature.parameters.values()
+    build.__signature__ = signature.replace(  # type: ignore[attr-defined]  # inspect reads a function's __signature__; functions do not declare it
+        parameters=[
+            client.replace(name="self", annotation=inspect.Parameter.empty),
+            request.replace(annotation=f"{message} | None"),
+            *call,
+        ],
+        return_annotation=message,
+    )
+    build.__annotations__ = {
+        "request": f"{message} | None",
+        "timeout": "Timeout",
+        "metadata": "Metadata",
+        "return": message,
+    }
+    build.__doc__ = doc
+    return build
 
 
 class _KVCacheServiceRPCs:
@@ -521,35 +557,52 @@ class _KVCacheServiceRPCs:
         """
         return free_request(request_id)
 
-    @_unary("ResetPrefixCache", pb.ResetPrefixCacheResponse)
-    def reset_prefix_cache(
-        self,
-        request: pb.ResetPrefixCacheRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.ResetPrefixCacheRequest:
-        """Drop every cached block (refused, ``reset = False``, while any block is held).
+    reset_prefix_cache = _unary("ResetPrefixCache", pb.ResetPrefixCacheResponse)(
+        _whole_request(
+            pb.ResetPrefixCacheRequest,
+            """Drop every cached block: no prefix-cache hit is left (one AllBlocksCleared event).
 
-        Raises:
-            KVServiceError: the call failed.
-        """
-        return request if request is not None else pb.ResetPrefixCacheRequest()
+            Refused while any request holds a block: ``reset`` is then False and nothing changed
+            (vLLM's ``BlockPool.reset_prefix_cache`` refuses likewise).
 
-    @_unary("GetUsage", pb.GetUsageResponse)
-    def get_usage(
-        self,
-        request: pb.GetUsageRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.GetUsageRequest:
-        """Pool usage (fraction 0..1, blocks) and prefix-cache counters (tokens, requests).
+            Args:
+                request: a ``ResetPrefixCacheRequest`` (it has no fields; None: an empty one).
+                timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+                metadata: extra metadata for this call.
 
-        Raises:
-            KVServiceError: the call failed.
-        """
-        return request if request is not None else pb.GetUsageRequest()
+            Returns:
+                ``reset``: True when the cache was cleared.
+
+            Raises:
+                KVServiceError: PERMISSION_DENIED (a watcher's or a worker's token: only a
+                    scheduler's may change the cache), UNAUTHENTICATED, UNAVAILABLE, ...
+            """,
+        )
+    )
+
+    get_usage = _unary("GetUsage", pb.GetUsageResponse)(
+        _whole_request(
+            pb.GetUsageRequest,
+            """Pool usage and prefix-cache counters.
+
+            Args:
+                request: a ``GetUsageRequest`` (it has no fields; None: an empty one).
+                timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+                metadata: extra metadata for this call.
+
+            Returns:
+                ``usage`` (the fraction of the pool's blocks in use, 0..1, the null block
+                excluded); ``num_free_blocks``, ``num_total_blocks`` and ``num_cached_blocks``
+                (blocks); ``num_running_requests`` and ``num_waiting_requests``; the counters of
+                vLLM's ``PrefixCacheStats``: ``prefix_cache_requests`` (requests),
+                ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens).
+
+            Raises:
+                KVServiceError: UNAUTHENTICATED (a token is required and none or an unknown one
+                    came; every role may call it), UNAVAILABLE, DEADLINE_EXCEEDED, ...
+            """,
+        )
+    )
 
     @_unary("Step", pb.StepResponse)
     def step(
@@ -700,20 +753,29 @@ class _KVCacheServiceRPCs:
         """
         return take_events_request(consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format)
 
-    @_unary("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataResponse)
-    def get_kv_cache_group_metadata(
-        self,
-        request: pb.GetKVCacheGroupMetadataRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.GetKVCacheGroupMetadataRequest:
-        """Per-group layout (block size in tokens, bytes per block ...), the hash rule, the epoch.
+    get_kv_cache_group_metadata = _unary("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataResponse)(
+        _whole_request(
+            pb.GetKVCacheGroupMetadataRequest,
+            """The layout and the rules a client needs to hash prompts and read events and blocks.
 
-        Raises:
-            KVServiceError: the call failed.
-        """
-        return request if request is not None else pb.GetKVCacheGroupMetadataRequest()
+            Args:
+                request: a ``GetKVCacheGroupMetadataRequest`` (no fields; None: an empty one).
+                timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+                metadata: extra metadata for this call.
+
+            Returns:
+                Per KV cache group, in group_idx order: its kind, block size (tokens), sliding
+                window, layers and bytes per block; the block hash rule (``hash_algorithm``,
+                ``hash_seed``, ``hash_block_size`` in tokens); the ``epoch`` and the event log's
+                ``head_seq``; ``max_data_chunk_bytes`` (0 on a meta device); the KV cache tensors
+                and the server's build.
+
+            Raises:
+                KVServiceError: UNAUTHENTICATED (every role may call it), UNAVAILABLE,
+                    DEADLINE_EXCEEDED, ...
+            """,
+        )
+    )
 
     @_unary("Ping", pb.PingResponse)
     def ping(
@@ -844,6 +906,7 @@ def _install_rpcs(cls: type[_ClientBase[Any, Any]], asynchronous: bool) -> None:
     for name, entry in vars(_KVCacheServiceRPCs).items():
         if isinstance(entry, _RPC):
             function = entry.function(asynchronous)
+            function.__name__ = name
             function.__module__ = cls.__module__
             function.__qualname__ = f"{cls.__qualname__}.{name}"
             setattr(cls, name, function)

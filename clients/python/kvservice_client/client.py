@@ -285,7 +285,8 @@ _CLIENT_ARGS_DOC = """
 # convert(await self._rpc(...))`` in AsyncKVCacheClient. The entries' typed ``__get__`` overloads
 # tell a type checker what those functions are (the same parameters; the response, a coroutine
 # of it, an iterator or an async iterator), so mypy and IDEs see precise signatures while the
-# runtime classes hold ordinary functions with real signatures and docstrings for help().
+# runtime classes hold ordinary functions with real signatures and docstrings for help(). The
+# RPCs whose request has no fields share one builder, made by _whole_request.
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

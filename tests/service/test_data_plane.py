@@ -19,8 +19,17 @@ import torch
 
 from kvservice.server.data_plane import _peer_is_local, block_checksum
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.client import AsyncKVCacheClient, KVServiceError
-from kvservice_client.data import aattach_kv_cache, aread_blocks, awrite_blocks, block_ref, write_block_chunks
+from kvservice_client.client import AsyncKVCacheClient, KVCacheClient, KVServiceError
+from kvservice_client.data import (
+    aattach_kv_cache,
+    aread_blocks,
+    attach_kv_cache,
+    awrite_blocks,
+    block_ref,
+    read_blocks,
+    write_block_chunks,
+    write_blocks,
+)
 from kvservice_client.hashing import BlockHasher
 from kvservice_client.torch_view import KVCacheView, KVCacheViewClosedError, aattach
 
@@ -170,6 +179,37 @@ async def test_write_then_read_by_id_and_by_hash(start_kv_server, connect):
     digests = BlockHasher(4).hash_prompt(PROMPT)
     blocks = await aread_blocks(client, [block_ref(0, block_hash=digests[2]), block_ref(0, block_id=1)])
     assert [(b.block_index, b.block_id, b.data == pattern(b.block_id)) for b in blocks] == [(0, 3, True), (1, 1, True)]
+
+
+async def test_the_blocking_helpers_write_read_and_attach(start_kv_server, connect):
+    """write_blocks, read_blocks and attach_kv_cache on a KVCacheClient (run in a thread: the
+    server shares this loop). With no chunk_bytes, write_blocks asks the server's chunk limit
+    (4,096 bytes here; a larger chunk would be refused)."""
+    running = await start_kv_server(**CPU, data_chunk_bytes=4096)
+    client = await connect(running)
+    ids = list((await admit(client, "w", PROMPT)).new_block_ids[0].block_ids)
+
+    def blocking() -> tuple[pb.WriteBlocksResponse, list, pb.AttachKVCacheResponse, tuple[grpc.StatusCode, str]]:
+        with KVCacheClient(running.address, timeout=10.0) as sync_client:
+            written = write_blocks(sync_client, "w", [(0, b, pattern(b)) for b in ids])
+            blocks = read_blocks(sync_client, [block_ref(0, block_id=b) for b in ids])
+            description = attach_kv_cache(sync_client)
+            with pytest.raises(KVServiceError) as err:
+                write_blocks(sync_client, "nobody", [(0, 1, pattern(1))])
+            return written, blocks, description, (err.value.code, err.value.message)
+
+    written, blocks, description, error = await asyncio.to_thread(blocking)
+    assert (written.num_blocks_written, written.num_bytes_written) == (3, 3 * BLOCK_BYTES)
+    assert [(b.block_index, b.block_id, b.data == pattern(b.block_id)) for b in blocks] == [
+        (0, 1, True),
+        (1, 2, True),
+        (2, 3, True),
+    ]
+    assert (description.epoch, description.max_data_chunk_bytes) == (running.event_log.epoch, 4096)
+    assert error == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "block 1 (group 0): request 'nobody' is not running (unknown, waiting or freed); nothing was written",
+    )
 
 
 async def test_writes_go_only_to_blocks_a_running_request_computes(start_kv_server, connect):

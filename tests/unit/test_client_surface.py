@@ -3,21 +3,26 @@ status enum and TLSConfig (no server)."""
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import inspect
 import pkgutil
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
 
 import kvservice_client
+import kvservice_client.client as client_module
 from kvservice_client import (
     AsyncKVCacheClient,
     KVCacheClient,
     KVServiceError,
     StatusCode,
+    StepBuilder,
     TLSConfig,
 )
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
@@ -145,6 +150,160 @@ def test_the_twin_methods_have_identical_signatures_and_docs(name: str):
 
 def test_the_constructors_take_the_same_arguments():
     assert _normalized_signature(KVCacheClient.__init__) == _normalized_signature(AsyncKVCacheClient.__init__)
+
+
+RPC_METHODS = {
+    "get_computed_blocks": "pb.GetComputedBlocksResponse",
+    "allocate_slots": "pb.AllocateSlotsResponse",
+    "free": "pb.FreeResponse",
+    "reset_prefix_cache": "pb.ResetPrefixCacheResponse",
+    "get_usage": "pb.GetUsageResponse",
+    "step": "pb.StepResponse",
+    "decode": "pb.DecodeResponse",
+    "take_events": "pb.TakeEventsResponse",
+    "get_kv_cache_group_metadata": "pb.GetKVCacheGroupMetadataResponse",
+    "ping": "pb.PingResponse",
+}
+
+
+def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
+    """Both clients' RPC methods come from one table (client._KVCacheServiceRPCs); each client
+    holds its own function per entry, with the entry's docstring and the method's return type."""
+    table = {
+        name for name, entry in vars(client_module._KVCacheServiceRPCs).items() if isinstance(entry, client_module._RPC)
+    }
+    assert table == {*RPC_METHODS, "stream_events"}
+    returns = {
+        cls: {name: inspect.signature(vars(cls)[name]).return_annotation for name in table}
+        for cls in (KVCacheClient, AsyncKVCacheClient)
+    }
+    assert returns[KVCacheClient] == {**RPC_METHODS, "stream_events": "Iterator[pb.EventBatch]"}
+    assert returns[AsyncKVCacheClient] == {**RPC_METHODS, "stream_events": "AsyncIterator[pb.EventBatch]"}
+    for cls in (KVCacheClient, AsyncKVCacheClient):
+        for name in table:
+            function = vars(cls)[name]
+            assert inspect.isfunction(function)
+            assert (function.__qualname__, function.__module__) == (f"{cls.__name__}.{name}", "kvservice_client.client")
+            assert function.__doc__ == vars(client_module._KVCacheServiceRPCs)[name].build.__doc__
+
+
+def _calls_of_each_method(client: Any) -> list[tuple[str, Callable[[], object]]]:
+    """(method name, a call of it) for each RPC method of ``client``."""
+    return [
+        (
+            "get_computed_blocks",
+            lambda: client.get_computed_blocks("r", [1, 2], kv_cache_report_mode="full", timeout=2.0),
+        ),
+        ("allocate_slots", lambda: client.allocate_slots("r", 4, new_token_ids=[7], metadata={"k": "v"})),
+        ("free", lambda: client.free(pb.FreeRequest(request_id="r"))),
+        ("reset_prefix_cache", lambda: client.reset_prefix_cache()),
+        ("get_usage", lambda: client.get_usage(GIVEN_USAGE_REQUEST, timeout=datetime.timedelta(seconds=3))),
+        ("step", lambda: client.step(StepBuilder().get_usage())),
+        ("decode", lambda: client.decode(["a", "b"], [5, 6])),
+        ("stream_events", lambda: client.stream_events(start_seq=3)),
+        ("take_events", lambda: client.take_events("c", max_batches=2)),
+        ("get_kv_cache_group_metadata", lambda: client.get_kv_cache_group_metadata()),
+        ("ping", lambda: client.ping(b"x")),
+    ]
+
+
+GIVEN_USAGE_REQUEST = pb.GetUsageRequest()
+DECODED = pb.DecodeResponse(num_groups=1, changed_indices=[1])
+
+
+def _answer(method: str) -> object:
+    if method == "Step":
+        return pb.StepResponse(results=[pb.StepOpResult(decode=DECODED)])
+    return f"{method} answer"
+
+
+EXPECTED_RPCS = [
+    (
+        "GetComputedBlocks",
+        pb.GetComputedBlocksRequest(
+            request_id="r", prompt_token_ids=[1, 2], kv_cache_report_mode=pb.KV_CACHE_REPORT_MODE_FULL
+        ),
+        2.0,
+        None,
+    ),
+    ("AllocateSlots", pb.AllocateSlotsRequest(request_id="r", num_new_tokens=4, new_token_ids=[7]), None, {"k": "v"}),
+    ("Free", pb.FreeRequest(request_id="r"), None, None),
+    ("ResetPrefixCache", pb.ResetPrefixCacheRequest(), None, None),
+    ("GetUsage", pb.GetUsageRequest(), datetime.timedelta(seconds=3), None),
+    ("Step", pb.StepRequest(ops=[pb.StepOp(get_usage=pb.GetUsageRequest())]), None, None),
+    (
+        "Step",
+        pb.StepRequest(ops=[pb.StepOp(decode=pb.DecodeRequest(request_ids=["a", "b"], new_token_ids=[5, 6]))]),
+        None,
+        None,
+    ),
+    ("StreamEvents", pb.StreamEventsRequest(start=pb.EVENT_START_SEQ, start_seq=3), None, None),
+    ("TakeEvents", pb.TakeEventsRequest(consumer="c", max_batches=2), None, None),
+    ("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataRequest(), None, None),
+    ("Ping", pb.PingRequest(payload=b"x"), None, None),
+]
+
+
+EXPECTED_RESULTS = [
+    ("get_computed_blocks", "GetComputedBlocks answer"),
+    ("allocate_slots", "AllocateSlots answer"),
+    ("free", "Free answer"),
+    ("reset_prefix_cache", "ResetPrefixCache answer"),
+    ("get_usage", "GetUsage answer"),
+    ("step", _answer("Step")),
+    ("decode", DECODED),
+    ("stream_events", "StreamEvents answer"),
+    ("take_events", "TakeEvents answer"),
+    ("get_kv_cache_group_metadata", "GetKVCacheGroupMetadata answer"),
+    ("ping", "Ping answer"),
+]
+
+
+def test_each_blocking_method_sends_its_rpc_the_request_its_arguments_make():
+    sent: list[tuple[str, object, object, object]] = []
+
+    class Recording(KVCacheClient):
+        def _rpc(self, method, request, timeout, metadata):
+            sent.append((method, request, timeout, metadata))
+            return _answer(method)
+
+    with Recording("127.0.0.1:1") as client:
+        results = [(name, call()) for name, call in _calls_of_each_method(client)]
+    assert sent == EXPECTED_RPCS
+    assert sent[3][1] is not GIVEN_USAGE_REQUEST and sent[4][1] is GIVEN_USAGE_REQUEST  # a given request is sent as is
+    assert results == EXPECTED_RESULTS
+
+
+async def test_each_async_method_sends_its_rpc_the_request_its_arguments_make():
+    sent: list[tuple[str, object, object, object]] = []
+
+    class Recording(AsyncKVCacheClient):
+        def _rpc(self, method, request, timeout, metadata):
+            sent.append((method, request, timeout, metadata))
+            if method == "StreamEvents":
+                return _answer(method)  # the async client's _rpc gives streams as they are
+
+            async def answer() -> object:
+                return _answer(method)
+
+            return answer()
+
+    async with Recording("127.0.0.1:1") as client:
+        results = []
+        for name, call in _calls_of_each_method(client):
+            result = call()
+            results.append((name, result if name == "stream_events" else await result))
+    assert sent == EXPECTED_RPCS
+    assert sent[4][1] is GIVEN_USAGE_REQUEST
+    assert results == EXPECTED_RESULTS
+
+
+def test_a_table_entry_needs_keyword_only_timeout_and_metadata():
+    def build(self, request_id: str, timeout: object = None, *, metadata: object = None) -> pb.FreeRequest:
+        return pb.FreeRequest(request_id=request_id)
+
+    with pytest.raises(TypeError, match="build: needs a keyword-only 'timeout' defaulting to None"):
+        client_module._unary("Free", pb.FreeResponse)(build)
 
 
 # --- StatusCode and KVServiceError ------------------------------------------------------------

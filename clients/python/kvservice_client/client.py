@@ -20,9 +20,12 @@ mutual TLS, a target name override), or ready ``credentials``; the client then o
 channel. Without any of them the channel is plain text. The loose ``root_certificates``,
 ``private_key`` and ``certificate_chain`` arguments are still accepted.
 
-The two clients have the same public methods, with the same signatures and docstrings (a test
-pins it); the async client's are coroutines, except ``stream_events``, which returns an async
-iterator. The request messages are built by :mod:`kvservice_client.request_builders`.
+The two clients have the same public methods, with the same signatures and docstrings: each RPC
+method is written once, in one table (``_KVCacheServiceRPCs``: its parameters, its docstring, the
+request it builds, the response type and how the answer is converted), and each client gets an
+ordinary function per entry, blocking in :class:`KVCacheClient`, a coroutine in
+:class:`AsyncKVCacheClient` (except ``stream_events``, which returns an async iterator); a test
+pins the parity. The request messages are built by :mod:`kvservice_client.request_builders`.
 
 Units: token counts in tokens, block ids as pool indices, timeouts in seconds.
 """
@@ -30,8 +33,19 @@ Units: token counts in tokens, block ids as pool indices, timeouts in seconds.
 from __future__ import annotations
 
 import datetime
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Union
+import inspect
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, Union, overload
 
 import grpc
 import grpc.aio
@@ -201,7 +215,7 @@ def _base_metadata(token: str | None, metadata: Metadata) -> tuple[tuple[str, st
     return pairs
 
 
-def _iterate_stream(call: Any) -> Iterator[Any]:
+def _iterate_stream(call: Any) -> Generator[Any, None, None]:
     try:
         yield from call
     except grpc.RpcError as err:
@@ -210,7 +224,7 @@ def _iterate_stream(call: Any) -> Iterator[Any]:
         call.cancel()
 
 
-async def _aiterate_stream(call: Any) -> AsyncIterator[Any]:
+async def _aiterate_stream(call: Any) -> AsyncGenerator[Any, None]:
     try:
         async for item in call:
             yield item
@@ -261,77 +275,194 @@ _CLIENT_ARGS_DOC = """
 """
 
 
-class _ClientBase:
-    """What both clients share: the stub, the default deadline and metadata."""
+# --- The RPC table ----------------------------------------------------------------------------
+#
+# Each RPC method of the two clients is written once, in _KVCacheServiceRPCs below: a function
+# whose parameters and docstring are the method's and whose body builds the request message. A
+# decorator turns it into an entry of the table (_UnaryRPC or _StreamRPC: the RPC's name, its
+# response type, how the answer is converted), and _install_rpcs gives each client its own plain
+# function per entry: ``return convert(self._rpc(...))`` in KVCacheClient, ``return
+# convert(await self._rpc(...))`` in AsyncKVCacheClient. The entries' typed ``__get__`` overloads
+# tell a type checker what those functions are (the same parameters; the response, a coroutine
+# of it, an iterator or an async iterator), so mypy and IDEs see precise signatures while the
+# runtime classes hold ordinary functions with real signatures and docstrings for help(). The
+# RPCs whose request has no fields share one builder, made by _whole_request.
 
-    def __init__(self, stub: Any, *, token: str | None, metadata: Metadata, timeout: Timeout) -> None:
-        self._stub = stub
-        self._metadata = _base_metadata(token, metadata)
-        self._default_timeout = _timeout_seconds(timeout)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Q = TypeVar("_Q", bound=Message)
+_ChannelT = TypeVar("_ChannelT", grpc.Channel, grpc.aio.Channel)
+# KVCacheServiceAsyncStub exists only in the generated .pyi (the runtime has one stub class).
+_StubT = TypeVar("_StubT", "pb_grpc.KVCacheServiceStub", "pb_grpc.KVCacheServiceAsyncStub")
 
-    def _call_options(self, method: str, timeout: Timeout, metadata: Metadata) -> dict[str, Any]:
-        seconds = _timeout_seconds(timeout)
-        if seconds is None and method not in _STREAMING_METHODS:
-            seconds = self._default_timeout
-        pairs = self._metadata + _metadata_pairs(metadata)
-        return {"timeout": seconds, "metadata": pairs or None}
+_CALL_PARAMETERS = ("timeout", "metadata")
 
 
-class KVCacheClient(_ClientBase):
-    __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
+class _RPC:
+    """One entry of the table: the RPC ``method``, ``build`` (the client method's parameters and
+    docstring; called with the method's arguments, it returns the request message; ``timeout``
+    and ``metadata`` are the call's, which ``build`` leaves alone), ``returns`` (the message type
+    the method returns, or its iterator yields) and ``convert`` (the RPC's response -> that
+    message; None: the response itself)."""
+
+    streaming = False
 
     def __init__(
         self,
-        target: str | grpc.Channel,
-        *,
-        token: str | None = None,
-        metadata: Metadata = None,
-        timeout: Timeout = None,
-        options: Sequence[tuple[str, Any]] | None = None,
-        tls: bool | TLSConfig = False,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        method: str,
+        build: Callable[..., Message],
+        returns: type[Any],
+        convert: Callable[[Any], Any] | None,
     ) -> None:
-        channel, self._owns_channel = _open_channel(
-            target, grpc, options, tls, root_certificates, private_key, certificate_chain, credentials
-        )
-        self._channel: grpc.Channel = channel
-        super().__init__(pb_grpc.KVCacheServiceStub(channel), token=token, metadata=metadata, timeout=timeout)
+        parameters = inspect.signature(build).parameters
+        for name in _CALL_PARAMETERS:
+            parameter = parameters.get(name)
+            if (
+                parameter is None
+                or parameter.kind is not inspect.Parameter.KEYWORD_ONLY
+                or parameter.default is not None
+            ):
+                raise TypeError(f"{build.__qualname__}: needs a keyword-only {name!r} defaulting to None")
+        self.method = method
+        self.build = build
+        self.returns = returns
+        self.convert = convert
 
-    @property
-    def channel(self) -> grpc.Channel:
-        """The underlying channel."""
-        return self._channel
-
-    @property
-    def stub(self) -> pb_grpc.KVCacheServiceStub:
-        """The generated stub (no deadline, metadata or error translation applied)."""
-        return self._stub  # type: ignore[no-any-return]  # the stub is held untyped: one attribute for the sync and the aio stub
-
-    def close(self) -> None:
-        """Close the channel if this client opened it."""
-        if self._owns_channel:
-            self._channel.close()
-
-    def __enter__(self) -> KVCacheClient:
+    def __get__(self, client: Any, owner: Any = None) -> Any:
+        # Reached only through the table class itself: each client class holds its own function
+        # under the entry's name (_install_rpcs), which shadows the entry.
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def annotation(self, asynchronous: bool) -> str:
+        """The return annotation of the client function (an ``async def`` names the awaited
+        value)."""
+        return f"pb.{self.returns.__name__}"
 
-    def _rpc(self, method: str, request: Message, timeout: Timeout, metadata: Metadata) -> Any:
-        """The one call path: deadline and metadata in, ``grpc.RpcError`` out as KVServiceError."""
-        multicallable = getattr(self._stub, method)
-        options = self._call_options(method, timeout, metadata)
-        if method in _STREAMING_METHODS:
-            return _iterate_stream(multicallable(request, **options))
-        try:
-            return multicallable(request, **options)
-        except grpc.RpcError as err:
-            raise KVServiceError.from_rpc_error(err) from err
+    def function(self, asynchronous: bool) -> Callable[..., Any]:
+        """The client method: the request from ``build``, sent through the client's ``_rpc``
+        (awaited by the async client's unary methods)."""
+        method, build, convert = self.method, self.build, self.convert
 
+        def call(client: Any, *args: Any, **kwargs: Any) -> Any:
+            request = build(client, *args, **kwargs)
+            response = client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
+            return response if convert is None else convert(response)
+
+        async def call_async(client: Any, *args: Any, **kwargs: Any) -> Any:
+            request = build(client, *args, **kwargs)
+            response = await client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
+            return response if convert is None else convert(response)
+
+        function = call_async if asynchronous and not self.streaming else call
+        annotation = self.annotation(asynchronous)
+        function.__doc__ = build.__doc__
+        function.__annotations__ = {**build.__annotations__, "return": annotation}
+        function.__signature__ = inspect.signature(build).replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
+        return function
+
+
+class _UnaryRPC(_RPC, Generic[_P, _R]):
+    """A unary RPC: the sync client's method returns ``_R``, the async client's is a coroutine of it."""
+
+    @overload
+    def __get__(self, client: None, owner: type[KVCacheClient]) -> Callable[Concatenate[KVCacheClient, _P], _R]: ...
+    @overload
+    def __get__(
+        self, client: None, owner: type[AsyncKVCacheClient]
+    ) -> Callable[Concatenate[AsyncKVCacheClient, _P], Coroutine[Any, Any, _R]]: ...
+    @overload
+    def __get__(self, client: KVCacheClient, owner: Any = None) -> Callable[_P, _R]: ...
+    @overload
+    def __get__(self, client: AsyncKVCacheClient, owner: Any = None) -> Callable[_P, Coroutine[Any, Any, _R]]: ...
+    def __get__(self, client: Any, owner: Any = None) -> Any:
+        return super().__get__(client, owner)
+
+
+class _StreamRPC(_RPC, Generic[_P, _R]):
+    """A server-streaming RPC: the sync client's method returns an iterator of ``_R``, the async
+    client's (a plain function, not a coroutine) an async iterator."""
+
+    streaming = True
+
+    @overload
+    def __get__(
+        self, client: None, owner: type[KVCacheClient]
+    ) -> Callable[Concatenate[KVCacheClient, _P], Iterator[_R]]: ...
+    @overload
+    def __get__(
+        self, client: None, owner: type[AsyncKVCacheClient]
+    ) -> Callable[Concatenate[AsyncKVCacheClient, _P], AsyncIterator[_R]]: ...
+    @overload
+    def __get__(self, client: KVCacheClient, owner: Any = None) -> Callable[_P, Iterator[_R]]: ...
+    @overload
+    def __get__(self, client: AsyncKVCacheClient, owner: Any = None) -> Callable[_P, AsyncIterator[_R]]: ...
+    def __get__(self, client: Any, owner: Any = None) -> Any:
+        return super().__get__(client, owner)
+
+    def annotation(self, asynchronous: bool) -> str:
+        return f"{'AsyncIterator' if asynchronous else 'Iterator'}[pb.{self.returns.__name__}]"
+
+
+def _unary(
+    method: str, returns: type[_R], convert: Callable[[Any], _R] | None = None
+) -> Callable[[Callable[Concatenate[Any, _P], Message]], _UnaryRPC[_P, _R]]:
+    """Makes a request builder the table's entry of the unary RPC ``method``."""
+
+    def entry(build: Callable[Concatenate[Any, _P], Message]) -> _UnaryRPC[_P, _R]:
+        return _UnaryRPC(method, build, returns, convert)
+
+    return entry
+
+
+def _stream(method: str, returns: type[_R]) -> Callable[[Callable[Concatenate[Any, _P], Message]], _StreamRPC[_P, _R]]:
+    """Makes a request builder the table's entry of the server-streaming RPC ``method``."""
+
+    def entry(build: Callable[Concatenate[Any, _P], Message]) -> _StreamRPC[_P, _R]:
+        return _StreamRPC(method, build, returns, None)
+
+    return entry
+
+
+class _WholeRequestBuild(Protocol[_Q]):
+    """The request builder of an RPC whose request has no fields (see :func:`_whole_request`)."""
+
+    def __call__(
+        self, client: Any, request: _Q | None = None, *, timeout: Timeout = None, metadata: Metadata = None
+    ) -> _Q: ...
+
+
+def _whole_request(request_type: type[_Q], doc: str) -> _WholeRequestBuild[_Q]:
+    """The request builder, with ``doc`` as its method's docstring, of an RPC whose request
+    message has no fields: the method takes that message or nothing (an empty one)."""
+
+    def build(client: Any, request: Any = None, *, timeout: Timeout = None, metadata: Metadata = None) -> Any:
+        return request if request is not None else request_type()
+
+    message = f"pb.{request_type.__name__}"
+    signature = inspect.signature(build)
+    client, request, *call = signature.parameters.values()
+    build.__signature__ = signature.replace(  # type: ignore[attr-defined]  # inspect reads a function's __signature__; functions do not declare it
+        parameters=[
+            client.replace(name="self", annotation=inspect.Parameter.empty),
+            request.replace(annotation=f"{message} | None"),
+            *call,
+        ],
+        return_annotation=message,
+    )
+    build.__annotations__ = {
+        "request": f"{message} | None",
+        "timeout": "Timeout",
+        "metadata": "Metadata",
+        "return": message,
+    }
+    build.__doc__ = doc
+    return build
+
+
+class _KVCacheServiceRPCs:
+    """The table of RPC methods both clients have (see the comment above :class:`_RPC`)."""
+
+    @_unary("GetComputedBlocks", pb.GetComputedBlocksResponse)
     def get_computed_blocks(
         self,
         request_id: str | pb.GetComputedBlocksRequest,
@@ -344,7 +475,7 @@ class KVCacheClient(_ClientBase):
         mm_features: Iterable[pb.MultiModalFeature | HashingMultiModalFeature] = (),
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> pb.GetComputedBlocksResponse:
+    ) -> pb.GetComputedBlocksRequest:
         """Look up a prompt's prefix-cache hit; registers the request on first sight.
 
         Args:
@@ -368,11 +499,11 @@ class KVCacheClient(_ClientBase):
             KVServiceError: INVALID_ARGUMENT (a malformed field, named), ALREADY_EXISTS, ...
             TypeError: a request message together with field arguments.
         """
-        request = get_computed_blocks_request(
+        return get_computed_blocks_request(
             request_id, prompt_token_ids, session_id, kv_cache_report_mode, lora, cache_salt, mm_features
         )
-        return self._rpc("GetComputedBlocks", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
 
+    @_unary("AllocateSlots", pb.AllocateSlotsResponse)
     def allocate_slots(
         self,
         request_id: str | pb.AllocateSlotsRequest,
@@ -382,7 +513,7 @@ class KVCacheClient(_ClientBase):
         new_token_ids: Iterable[int] = (),
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> pb.AllocateSlotsResponse:
+    ) -> pb.AllocateSlotsRequest:
         """Allocate KV slots for the tokens a request computes this step.
 
         Args:
@@ -402,16 +533,16 @@ class KVCacheClient(_ClientBase):
             KVServiceError: NOT_FOUND (unknown request), INVALID_ARGUMENT, ...
             TypeError: neither a request nor ``num_new_tokens``; or both a request and fields.
         """
-        request = allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
-        return self._rpc("AllocateSlots", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+        return allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
 
+    @_unary("Free", pb.FreeResponse)
     def free(
         self,
         request_id: str | pb.FreeRequest,
         *,
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> pb.FreeResponse:
+    ) -> pb.FreeRequest:
         """Free every block a request holds and forget the request.
 
         Args:
@@ -425,45 +556,63 @@ class KVCacheClient(_ClientBase):
         Raises:
             KVServiceError: NOT_FOUND (unknown request), ...
         """
-        return self._rpc("Free", free_request(request_id), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+        return free_request(request_id)
 
-    def reset_prefix_cache(
-        self,
-        request: pb.ResetPrefixCacheRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.ResetPrefixCacheResponse:
-        """Drop every cached block (refused, ``reset = False``, while any block is held).
+    reset_prefix_cache = _unary("ResetPrefixCache", pb.ResetPrefixCacheResponse)(
+        _whole_request(
+            pb.ResetPrefixCacheRequest,
+            """Drop every cached block: no prefix-cache hit is left (one AllBlocksCleared event).
 
-        Raises:
-            KVServiceError: the call failed.
-        """
-        request = request if request is not None else pb.ResetPrefixCacheRequest()
-        return self._rpc("ResetPrefixCache", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+            Refused while any request holds a block: ``reset`` is then False and nothing changed
+            (vLLM's ``BlockPool.reset_prefix_cache`` refuses likewise).
 
-    def get_usage(
-        self,
-        request: pb.GetUsageRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.GetUsageResponse:
-        """Pool usage (fraction 0..1, blocks) and prefix-cache counters (tokens, requests).
+            Args:
+                request: a ``ResetPrefixCacheRequest`` (it has no fields; None: an empty one).
+                timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+                metadata: extra metadata for this call.
 
-        Raises:
-            KVServiceError: the call failed.
-        """
-        request = request if request is not None else pb.GetUsageRequest()
-        return self._rpc("GetUsage", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+            Returns:
+                ``reset``: True when the cache was cleared.
 
+            Raises:
+                KVServiceError: PERMISSION_DENIED (a watcher's or a worker's token: only a
+                    scheduler's may change the cache), UNAUTHENTICATED, UNAVAILABLE, ...
+            """,
+        )
+    )
+
+    get_usage = _unary("GetUsage", pb.GetUsageResponse)(
+        _whole_request(
+            pb.GetUsageRequest,
+            """Pool usage and prefix-cache counters.
+
+            Args:
+                request: a ``GetUsageRequest`` (it has no fields; None: an empty one).
+                timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+                metadata: extra metadata for this call.
+
+            Returns:
+                ``usage`` (the fraction of the pool's blocks in use, 0..1, the null block
+                excluded); ``num_free_blocks``, ``num_total_blocks`` and ``num_cached_blocks``
+                (blocks); ``num_running_requests`` and ``num_waiting_requests``; the counters of
+                vLLM's ``PrefixCacheStats``: ``prefix_cache_requests`` (requests),
+                ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens).
+
+            Raises:
+                KVServiceError: UNAUTHENTICATED (a token is required and none or an unknown one
+                    came; every role may call it), UNAVAILABLE, DEADLINE_EXCEEDED, ...
+            """,
+        )
+    )
+
+    @_unary("Step", pb.StepResponse)
     def step(
         self,
         ops: pb.StepRequest | StepBuilder | Iterable[pb.StepOp],
         *,
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> pb.StepResponse:
+    ) -> pb.StepRequest:
         """Run a scheduler step's worth of ops in one round trip, in order.
 
         Args:
@@ -478,8 +627,9 @@ class KVCacheClient(_ClientBase):
         Raises:
             KVServiceError: the whole call failed (e.g. INVALID_ARGUMENT for too many ops).
         """
-        return self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+        return step_request(ops)
 
+    @_unary("Step", pb.DecodeResponse, convert=decode_result)
     def decode(
         self,
         request_ids: Sequence[str] | pb.DecodeRequest,
@@ -490,7 +640,7 @@ class KVCacheClient(_ClientBase):
         num_lookahead_tokens: Iterable[int] = (),
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> pb.DecodeResponse:
+    ) -> pb.StepRequest:
         """A decode step of many running requests in one Step op (one round trip).
 
         For each request ``i`` in order, exactly ``allocate_slots(request_ids[i],
@@ -525,8 +675,9 @@ class KVCacheClient(_ClientBase):
             num_new_tokens=num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
         )
-        return decode_result(self.step(ops, timeout=timeout, metadata=metadata))
+        return ops.build()
 
+    @_stream("StreamEvents", pb.EventBatch)
     def stream_events(
         self,
         request: pb.StreamEventsRequest | None = None,
@@ -538,7 +689,7 @@ class KVCacheClient(_ClientBase):
         payload_format: PayloadFormatLike | None = None,
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> Iterator[pb.EventBatch]:
+    ) -> pb.StreamEventsRequest:
         """Subscribe to the KV event stream.
 
         Starts from ``start_seq`` (replaying retained batches), from a snapshot, or (neither) from
@@ -566,9 +717,9 @@ class KVCacheClient(_ClientBase):
                 behind; names its last seq), ...
             ValueError: both ``start_seq`` and ``snapshot``.
         """
-        request = stream_events_request(request, start_seq, epoch, snapshot, group_idxs, payload_format)
-        return self._rpc("StreamEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+        return stream_events_request(request, start_seq, epoch, snapshot, group_idxs, payload_format)
 
+    @_unary("TakeEvents", pb.TakeEventsResponse)
     def take_events(
         self,
         consumer: str | pb.TakeEventsRequest,
@@ -581,7 +732,7 @@ class KVCacheClient(_ClientBase):
         payload_format: PayloadFormatLike | None = None,
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> pb.TakeEventsResponse:
+    ) -> pb.TakeEventsRequest:
         """Pull the batches since a named consumer's cursor.
 
         Args:
@@ -601,48 +752,60 @@ class KVCacheClient(_ClientBase):
         Raises:
             KVServiceError: OUT_OF_RANGE, FAILED_PRECONDITION, INVALID_ARGUMENT, ...
         """
-        request = take_events_request(consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format)
-        return self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+        return take_events_request(consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format)
 
-    def get_kv_cache_group_metadata(
-        self,
-        request: pb.GetKVCacheGroupMetadataRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.GetKVCacheGroupMetadataResponse:
-        """Per-group layout (block size in tokens, bytes per block ...), the hash rule, the epoch.
+    get_kv_cache_group_metadata = _unary("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataResponse)(
+        _whole_request(
+            pb.GetKVCacheGroupMetadataRequest,
+            """The layout and the rules a client needs to hash prompts and read events and blocks.
 
-        Raises:
-            KVServiceError: the call failed.
-        """
-        request = request if request is not None else pb.GetKVCacheGroupMetadataRequest()
-        return self._rpc("GetKVCacheGroupMetadata", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+            Args:
+                request: a ``GetKVCacheGroupMetadataRequest`` (no fields; None: an empty one).
+                timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+                metadata: extra metadata for this call.
 
+            Returns:
+                Per KV cache group, in group_idx order: its kind, block size (tokens), sliding
+                window, layers and bytes per block; the block hash rule (``hash_algorithm``,
+                ``hash_seed``, ``hash_block_size`` in tokens); the ``epoch`` and the event log's
+                ``head_seq``; ``max_data_chunk_bytes`` (0 on a meta device); the KV cache tensors
+                and the server's build.
+
+            Raises:
+                KVServiceError: UNAUTHENTICATED (every role may call it), UNAVAILABLE,
+                    DEADLINE_EXCEEDED, ...
+            """,
+        )
+    )
+
+    @_unary("Ping", pb.PingResponse)
     def ping(
         self,
         payload: bytes | pb.PingRequest = b"",
         *,
         timeout: Timeout = None,
         metadata: Metadata = None,
-    ) -> pb.PingResponse:
+    ) -> pb.PingRequest:
         """Echo ``payload`` (latency baseline, liveness).
 
         Raises:
             KVServiceError: the call failed (UNAVAILABLE when the server cannot be reached).
         """
-        return self._rpc("Ping", ping_request(payload), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+        return ping_request(payload)
 
 
-class AsyncKVCacheClient(_ClientBase):
-    __doc__ = (
-        "``grpc.aio`` client of ``kvservice.v1.KVCacheService``; the async twin of :class:`KVCacheClient`\n"
-        "(same methods, as coroutines; ``stream_events`` returns an async iterator).\n" + _CLIENT_ARGS_DOC
-    )
+# --- The two clients --------------------------------------------------------------------------
+
+
+class _ClientBase(_KVCacheServiceRPCs, Generic[_ChannelT, _StubT]):
+    """What both clients share: the channel, the stub, the default deadline and metadata, and the
+    RPC methods of the table. ``_channel_module`` is ``grpc`` or ``grpc.aio``."""
+
+    _channel_module: ClassVar[Any]
 
     def __init__(
         self,
-        target: str | grpc.aio.Channel,
+        target: str | _ChannelT,
         *,
         token: str | None = None,
         metadata: Metadata = None,
@@ -655,20 +818,66 @@ class AsyncKVCacheClient(_ClientBase):
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         channel, self._owns_channel = _open_channel(
-            target, grpc.aio, options, tls, root_certificates, private_key, certificate_chain, credentials
+            target, self._channel_module, options, tls, root_certificates, private_key, certificate_chain, credentials
         )
-        self._channel: grpc.aio.Channel = channel
-        super().__init__(pb_grpc.KVCacheServiceStub(channel), token=token, metadata=metadata, timeout=timeout)
+        self._channel: _ChannelT = channel
+        self._stub: _StubT = pb_grpc.KVCacheServiceStub(channel)
+        self._metadata = _base_metadata(token, metadata)
+        self._default_timeout = _timeout_seconds(timeout)
 
     @property
-    def channel(self) -> grpc.aio.Channel:
+    def channel(self) -> _ChannelT:
         """The underlying channel."""
         return self._channel
 
     @property
-    def stub(self) -> pb_grpc.KVCacheServiceAsyncStub:
+    def stub(self) -> _StubT:
         """The generated stub (no deadline, metadata or error translation applied)."""
-        return self._stub  # type: ignore[no-any-return]  # the stub is held untyped: one attribute for the sync and the aio stub
+        return self._stub
+
+    def _call_options(self, method: str, timeout: Timeout, metadata: Metadata) -> dict[str, Any]:
+        seconds = _timeout_seconds(timeout)
+        if seconds is None and method not in _STREAMING_METHODS:
+            seconds = self._default_timeout
+        pairs = self._metadata + _metadata_pairs(metadata)
+        return {"timeout": seconds, "metadata": pairs or None}
+
+
+class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
+    __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
+
+    _channel_module: ClassVar[Any] = grpc
+
+    def close(self) -> None:
+        """Close the channel if this client opened it."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _rpc(self, method: str, request: Message | Iterator[Message], timeout: Timeout, metadata: Metadata) -> Any:
+        """The one call path: deadline and metadata in, ``grpc.RpcError`` out as KVServiceError."""
+        multicallable = getattr(self._stub, method)
+        options = self._call_options(method, timeout, metadata)
+        if method in _STREAMING_METHODS:
+            return _iterate_stream(multicallable(request, **options))
+        try:
+            return multicallable(request, **options)
+        except grpc.RpcError as err:
+            raise KVServiceError.from_rpc_error(err) from err
+
+
+class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"]):
+    __doc__ = (
+        "``grpc.aio`` client of ``kvservice.v1.KVCacheService``; the async twin of :class:`KVCacheClient`\n"
+        "(same methods, as coroutines; ``stream_events`` returns an async iterator).\n" + _CLIENT_ARGS_DOC
+    )
+
+    _channel_module: ClassVar[Any] = grpc.aio
 
     async def close(self) -> None:
         """Close the channel if this client opened it."""
@@ -681,7 +890,7 @@ class AsyncKVCacheClient(_ClientBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _rpc(self, method: str, request: Message, timeout: Timeout, metadata: Metadata) -> Any:
+    def _rpc(self, method: str, request: Message | Iterator[Message], timeout: Timeout, metadata: Metadata) -> Any:
         """The one call path: deadline and metadata in, ``AioRpcError`` out as KVServiceError.
 
         Returns an awaitable for unary methods and an async iterator for streaming ones.
@@ -692,303 +901,17 @@ class AsyncKVCacheClient(_ClientBase):
             return _aiterate_stream(call)
         return _await_unary(call)
 
-    async def get_computed_blocks(
-        self,
-        request_id: str | pb.GetComputedBlocksRequest,
-        prompt_token_ids: Iterable[int] = (),
-        *,
-        session_id: str | None = None,
-        kv_cache_report_mode: ReportMode = None,
-        lora: pb.LoRA | HashingLoRA | None = None,
-        cache_salt: str | None = None,
-        mm_features: Iterable[pb.MultiModalFeature | HashingMultiModalFeature] = (),
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.GetComputedBlocksResponse:
-        """Look up a prompt's prefix-cache hit; registers the request on first sight.
 
-        Args:
-            request_id: the request's unique id (1..256 bytes of UTF-8), or a whole
-                ``GetComputedBlocksRequest`` (then pass no other field).
-            prompt_token_ids: the prompt's token ids (tokens).
-            session_id: echoed on the BlockStored events the request triggers.
-            kv_cache_report_mode: ``"incremental"`` or ``"full"`` (None: the server's default,
-                incremental).
-            lora: the LoRA adapter (a proto ``LoRA`` or a :class:`kvservice_client.hashing.LoRA`).
-            cache_salt: isolates the request's prefix cache.
-            mm_features: multimodal placeholders (proto or :mod:`kvservice_client.hashing` ones).
-            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
-            metadata: extra metadata for this call.
+def _install_rpcs(cls: type[_ClientBase[Any, Any]], asynchronous: bool) -> None:
+    """Gives ``cls`` a plain function per entry of the table, under the entry's name."""
+    for name, entry in vars(_KVCacheServiceRPCs).items():
+        if isinstance(entry, _RPC):
+            function = entry.function(asynchronous)
+            function.__name__ = name
+            function.__module__ = cls.__module__
+            function.__qualname__ = f"{cls.__qualname__}.{name}"
+            setattr(cls, name, function)
 
-        Returns:
-            The hit: ``num_computed_tokens`` (tokens, a multiple of the block size) and per group
-            the hit's block ids.
 
-        Raises:
-            KVServiceError: INVALID_ARGUMENT (a malformed field, named), ALREADY_EXISTS, ...
-            TypeError: a request message together with field arguments.
-        """
-        request = get_computed_blocks_request(
-            request_id, prompt_token_ids, session_id, kv_cache_report_mode, lora, cache_salt, mm_features
-        )
-        return await self._rpc("GetComputedBlocks", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def allocate_slots(
-        self,
-        request_id: str | pb.AllocateSlotsRequest,
-        num_new_tokens: int | None = None,
-        *,
-        num_lookahead_tokens: int = 0,
-        new_token_ids: Iterable[int] = (),
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.AllocateSlotsResponse:
-        """Allocate KV slots for the tokens a request computes this step.
-
-        Args:
-            request_id: the request (registered by :meth:`get_computed_blocks`), or a whole
-                ``AllocateSlotsRequest``.
-            num_new_tokens: most tokens to compute this step (tokens, >= 1).
-            num_lookahead_tokens: extra slots to reserve (tokens; speculative decoding).
-            new_token_ids: token ids appended since the last call (decode outputs).
-            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
-            metadata: extra metadata for this call.
-
-        Returns:
-            ``allocated`` (False when too few blocks are free: a normal answer, nothing changed),
-            the new block ids per group, and the token counts.
-
-        Raises:
-            KVServiceError: NOT_FOUND (unknown request), INVALID_ARGUMENT, ...
-            TypeError: neither a request nor ``num_new_tokens``; or both a request and fields.
-        """
-        request = allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
-        return await self._rpc("AllocateSlots", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def free(
-        self,
-        request_id: str | pb.FreeRequest,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.FreeResponse:
-        """Free every block a request holds and forget the request.
-
-        Args:
-            request_id: the request, or a ``FreeRequest``.
-            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
-            metadata: extra metadata for this call.
-
-        Returns:
-            ``num_freed_blocks`` (blocks, over all groups).
-
-        Raises:
-            KVServiceError: NOT_FOUND (unknown request), ...
-        """
-        return await self._rpc("Free", free_request(request_id), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def reset_prefix_cache(
-        self,
-        request: pb.ResetPrefixCacheRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.ResetPrefixCacheResponse:
-        """Drop every cached block (refused, ``reset = False``, while any block is held).
-
-        Raises:
-            KVServiceError: the call failed.
-        """
-        request = request if request is not None else pb.ResetPrefixCacheRequest()
-        return await self._rpc("ResetPrefixCache", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def get_usage(
-        self,
-        request: pb.GetUsageRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.GetUsageResponse:
-        """Pool usage (fraction 0..1, blocks) and prefix-cache counters (tokens, requests).
-
-        Raises:
-            KVServiceError: the call failed.
-        """
-        request = request if request is not None else pb.GetUsageRequest()
-        return await self._rpc("GetUsage", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def step(
-        self,
-        ops: pb.StepRequest | StepBuilder | Iterable[pb.StepOp],
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.StepResponse:
-        """Run a scheduler step's worth of ops in one round trip, in order.
-
-        Args:
-            ops: a ``StepRequest``, a :class:`StepBuilder`, or ``StepOp`` messages.
-            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
-            metadata: extra metadata for this call.
-
-        Returns:
-            One result per op, in order; unpack with :func:`step_results`. A failed op is an
-            ``error`` result, not an exception.
-
-        Raises:
-            KVServiceError: the whole call failed (e.g. INVALID_ARGUMENT for too many ops).
-        """
-        return await self._rpc("Step", step_request(ops), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def decode(
-        self,
-        request_ids: Sequence[str] | pb.DecodeRequest,
-        new_token_ids: Iterable[int] = (),
-        *,
-        num_new_token_ids: Iterable[int] = (),
-        num_new_tokens: Iterable[int] = (),
-        num_lookahead_tokens: Iterable[int] = (),
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.DecodeResponse:
-        """A decode step of many running requests in one Step op (one round trip).
-
-        For each request ``i`` in order, exactly ``allocate_slots(request_ids[i],
-        num_new_tokens[i], num_lookahead_tokens=num_lookahead_tokens[i], new_token_ids=<its
-        slice>)``: same results, refusals, errors and events; only what changed comes back.
-
-        Args:
-            request_ids: running (admitted) requests.
-            new_token_ids: tokens appended since the last call, request after request (request
-                ``i`` owns the next ``num_new_token_ids[i]``; one each when that is empty).
-            num_new_token_ids: tokens each request appends (empty: 1 each).
-            num_new_tokens: most tokens each computes this step (empty: its appended count).
-            num_lookahead_tokens: extra slots per request, in tokens (empty: 0 each).
-            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
-            metadata: extra metadata for this call.
-
-        Returns:
-            ``changed_indices`` (requests that got new blocks; unpack their ids with
-            :func:`decode_new_block_ids`), ``refused_indices`` (too few free blocks: nothing
-            changed for them) and per failed item its index and ``OpStatus`` (NOT_FOUND for an
-            unknown id, INVALID_ARGUMENT for one not running or a bad field).
-
-        Raises:
-            KVServiceError: the whole op failed (INVALID_ARGUMENT: lists that do not fit
-                together, naming the field) or the call did.
-            TypeError: a request message together with field arguments, or one string of ids.
-        """
-        ops = StepBuilder().decode(
-            request_ids,
-            new_token_ids,
-            num_new_token_ids=num_new_token_ids,
-            num_new_tokens=num_new_tokens,
-            num_lookahead_tokens=num_lookahead_tokens,
-        )
-        return decode_result(await self.step(ops, timeout=timeout, metadata=metadata))
-
-    def stream_events(
-        self,
-        request: pb.StreamEventsRequest | None = None,
-        *,
-        start_seq: int | None = None,
-        epoch: str | None = None,
-        snapshot: bool = False,
-        group_idxs: Iterable[int] = (),
-        payload_format: PayloadFormatLike | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> AsyncIterator[pb.EventBatch]:
-        """Subscribe to the KV event stream.
-
-        Starts from ``start_seq`` (replaying retained batches), from a snapshot, or (neither) from
-        the live head. Leaving the loop (``for``, or ``async for`` on the async client) or closing
-        the iterator cancels the call.
-
-        Args:
-            request: a whole ``StreamEventsRequest`` (then pass no other field).
-            start_seq: the first seq to deliver (>= 1).
-            epoch: the epoch ``start_seq`` belongs to (None: the current one).
-            snapshot: start with a snapshot batch, then follow live.
-            group_idxs: only these groups' events (empty: all).
-            payload_format: ``"protobuf"`` (default) or ``"msgpack"``; decode either with
-                :func:`kvservice_client.convert.proto_to_batch`.
-            timeout: deadline for the whole stream (None: none, whatever the client's default).
-            metadata: extra metadata for this call.
-
-        Returns:
-            An iterator of ``EventBatch`` messages, in seq order (an async iterator from the async
-            client).
-
-        Raises:
-            KVServiceError: while iterating: OUT_OF_RANGE (start below retention; the message names
-                the oldest seq held), FAILED_PRECONDITION (another epoch), RESOURCE_EXHAUSTED (fell
-                behind; names its last seq), ...
-            ValueError: both ``start_seq`` and ``snapshot``.
-        """
-        request = stream_events_request(request, start_seq, epoch, snapshot, group_idxs, payload_format)
-        return self._rpc("StreamEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def take_events(
-        self,
-        consumer: str | pb.TakeEventsRequest,
-        *,
-        max_batches: int = 0,
-        snapshot: bool = False,
-        start_seq: int = 0,
-        epoch: str | None = None,
-        group_idxs: Iterable[int] = (),
-        payload_format: PayloadFormatLike | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.TakeEventsResponse:
-        """Pull the batches since a named consumer's cursor.
-
-        Args:
-            consumer: the consumer's name (1..256 bytes), or a whole ``TakeEventsRequest``.
-            max_batches: most batches to return (0: the server's limit).
-            snapshot: restart this consumer from a snapshot batch.
-            start_seq: reposition the consumer at this seq first (0: keep its cursor).
-            epoch: the epoch ``start_seq`` belongs to (None: the current one).
-            group_idxs: only these groups' events (empty: all).
-            payload_format: ``"protobuf"`` (default) or ``"msgpack"``.
-            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
-            metadata: extra metadata for this call.
-
-        Returns:
-            The batches in seq order, the consumer's next seq, and the epoch.
-
-        Raises:
-            KVServiceError: OUT_OF_RANGE, FAILED_PRECONDITION, INVALID_ARGUMENT, ...
-        """
-        request = take_events_request(consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format)
-        return await self._rpc("TakeEvents", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def get_kv_cache_group_metadata(
-        self,
-        request: pb.GetKVCacheGroupMetadataRequest | None = None,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.GetKVCacheGroupMetadataResponse:
-        """Per-group layout (block size in tokens, bytes per block ...), the hash rule, the epoch.
-
-        Raises:
-            KVServiceError: the call failed.
-        """
-        request = request if request is not None else pb.GetKVCacheGroupMetadataRequest()
-        return await self._rpc("GetKVCacheGroupMetadata", request, timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
-
-    async def ping(
-        self,
-        payload: bytes | pb.PingRequest = b"",
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.PingResponse:
-        """Echo ``payload`` (latency baseline, liveness).
-
-        Raises:
-            KVServiceError: the call failed (UNAVAILABLE when the server cannot be reached).
-        """
-        return await self._rpc("Ping", ping_request(payload), timeout, metadata)  # type: ignore[no-any-return]  # _rpc is the one untyped call path of every RPC; the method's annotation is the RPC's response
+_install_rpcs(KVCacheClient, asynchronous=False)
+_install_rpcs(AsyncKVCacheClient, asynchronous=True)

@@ -19,16 +19,29 @@ in memory at a time; the async twins (``awrite_blocks``, ``aiter_read_blocks``) 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+import inspect
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Iterator
+from contextlib import aclosing, closing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
 import xxhash
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.client import AsyncKVCacheClient, KVCacheClient, KVServiceError, Metadata, Timeout
+from kvservice_client.client import (
+    AsyncKVCacheClient,
+    KVCacheClient,
+    KVServiceError,
+    Metadata,
+    Timeout,
+    _aiterate_stream,
+    _iterate_stream,
+)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 __all__ = [
     "ReadBlock",
@@ -146,14 +159,72 @@ class _Assembler:
         return ReadBlock(chunk.block_index, chunk.group_idx, chunk.block_id, data, chunk.checksum, False)
 
 
-def _options(client: Any, method: str, timeout: Timeout, metadata: Metadata) -> dict[str, Any]:
-    options: dict[str, Any] = client._call_options(method, timeout, metadata)  # noqa: SLF001 (the client's one option path)
-    return options
+# Each unary helper is written once, as a plan: a generator that takes the client first, yields
+# each call it makes (what a client method or the client's ``_rpc`` returns) and is sent that
+# call's answer. _blocking runs a plan on a KVCacheClient, whose calls answer at once;
+# _awaiting runs it on an AsyncKVCacheClient, awaiting each call. Both give the helper the plan's
+# name, docstring and parameters.
+
+_Plan = Generator[Any, Any, _R]
 
 
-def attach_kv_cache(
-    client: KVCacheClient, *, timeout: Timeout = None, metadata: Metadata = None
-) -> pb.AttachKVCacheResponse:
+def _advance(steps: Generator[Any, Any, Any], answer: Any) -> tuple[bool, Any]:
+    """Sends ``answer`` into a running plan: ``(True, its result)`` once it returns, else
+    ``(False, the next call it makes)``."""
+    try:
+        return False, steps.send(answer)
+    except StopIteration as done:
+        return True, done.value
+
+
+def _named(helper: Callable[..., Any], plan: Callable[..., Any], prefix: str, client_type: str) -> None:
+    returns = plan.__annotations__["return"]
+    if not (returns.startswith("_Plan[") and returns.endswith("]")):
+        raise TypeError(f"{plan.__qualname__}: annotate its return as _Plan[<what the helper returns>]")
+    signature = inspect.signature(plan)
+    client, *rest = signature.parameters.values()
+    helper.__name__ = helper.__qualname__ = prefix + plan.__name__.lstrip("_")
+    helper.__doc__ = plan.__doc__
+    helper.__signature__ = signature.replace(  # type: ignore[attr-defined]  # inspect reads a function's __signature__; functions do not declare it
+        parameters=[client.replace(annotation=client_type), *rest], return_annotation=returns[len("_Plan[") : -1]
+    )
+
+
+def _blocking(plan: Callable[Concatenate[Any, _P], _Plan[_R]]) -> Callable[Concatenate[KVCacheClient, _P], _R]:
+    """The helper that runs ``plan`` on a :class:`KVCacheClient`."""
+
+    def helper(client: KVCacheClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        steps = plan(client, *args, **kwargs)
+        done, value = _advance(steps, None)
+        while not done:
+            done, value = _advance(steps, value)
+        result: _R = value
+        return result
+
+    _named(helper, plan, "", "KVCacheClient")
+    return helper
+
+
+def _awaiting(
+    plan: Callable[Concatenate[Any, _P], _Plan[_R]],
+) -> Callable[Concatenate[AsyncKVCacheClient, _P], Coroutine[Any, Any, _R]]:
+    """The helper (a coroutine function) that runs ``plan`` on an :class:`AsyncKVCacheClient`."""
+
+    async def helper(client: AsyncKVCacheClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        steps = plan(client, *args, **kwargs)
+        done, value = _advance(steps, None)
+        while not done:
+            done, value = _advance(steps, await value)
+        result: _R = value
+        return result
+
+    _named(helper, plan, "a", "AsyncKVCacheClient")
+    return helper
+
+
+def _attach_kv_cache(
+    client: Any, *, timeout: Timeout = None, metadata: Metadata = None
+) -> _Plan[pb.AttachKVCacheResponse]:
     """The server's description of its KV memory (``AttachKVCache``); map it with
     ``kvservice_client.torch_view.KVCacheView`` (or :func:`kvservice_client.torch_view.attach`).
 
@@ -161,35 +232,21 @@ def attach_kv_cache(
         KVServiceError: FAILED_PRECONDITION ("no memory behind a meta device"), PERMISSION_DENIED
             (a watcher token; or auth off and the call came neither over loopback nor a Unix socket).
     """
-    try:
-        return client.stub.AttachKVCache(
-            pb.AttachKVCacheRequest(), **_options(client, "AttachKVCache", timeout, metadata)
-        )
-    except grpc.RpcError as err:
-        raise KVServiceError.from_rpc_error(err) from err
+    response: pb.AttachKVCacheResponse = yield client._rpc(
+        "AttachKVCache", pb.AttachKVCacheRequest(), timeout, metadata
+    )
+    return response
 
 
-async def aattach_kv_cache(
-    client: AsyncKVCacheClient, *, timeout: Timeout = None, metadata: Metadata = None
-) -> pb.AttachKVCacheResponse:
-    """:func:`attach_kv_cache` for an :class:`AsyncKVCacheClient`."""
-    try:
-        return await client.stub.AttachKVCache(
-            pb.AttachKVCacheRequest(), **_options(client, "AttachKVCache", timeout, metadata)
-        )
-    except grpc.aio.AioRpcError as err:
-        raise KVServiceError.from_rpc_error(err) from err
-
-
-def write_blocks(
-    client: KVCacheClient,
+def _write_blocks(
+    client: Any,
     request_id: str,
     blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
     *,
     chunk_bytes: int | None = None,
     timeout: Timeout = None,
     metadata: Metadata = None,
-) -> pb.WriteBlocksResponse:
+) -> _Plan[pb.WriteBlocksResponse]:
     """Write whole blocks of a running request (WriteBlocks).
 
     Args:
@@ -204,13 +261,22 @@ def write_blocks(
             INVALID_ARGUMENT (a bad chunk: the field is named), PERMISSION_DENIED ...
     """
     if chunk_bytes is None:
-        chunk_bytes = client.get_kv_cache_group_metadata(timeout=timeout, metadata=metadata).max_data_chunk_bytes or 1
-    try:
-        return client.stub.WriteBlocks(
-            write_block_chunks(request_id, blocks, chunk_bytes), **_options(client, "WriteBlocks", timeout, metadata)
-        )
-    except grpc.RpcError as err:
-        raise KVServiceError.from_rpc_error(err) from err
+        layout = yield client.get_kv_cache_group_metadata(timeout=timeout, metadata=metadata)
+        chunk_bytes = layout.max_data_chunk_bytes or 1
+    chunks = write_block_chunks(request_id, blocks, chunk_bytes)
+    response: pb.WriteBlocksResponse = yield client._rpc("WriteBlocks", chunks, timeout, metadata)
+    return response
+
+
+attach_kv_cache = _blocking(_attach_kv_cache)
+aattach_kv_cache = _awaiting(_attach_kv_cache)
+write_blocks = _blocking(_write_blocks)
+awrite_blocks = _awaiting(_write_blocks)
+
+
+def _read_blocks_call(client: Any, refs: Iterable[pb.BlockRef], timeout: Timeout, metadata: Metadata) -> Any:
+    options = client._call_options("ReadBlocks", timeout, metadata)
+    return client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=list(refs)), **options)
 
 
 def iter_read_blocks(
@@ -222,19 +288,11 @@ def iter_read_blocks(
         KVServiceError: NOT_FOUND (a hash not cached, named), INVALID_ARGUMENT, FAILED_PRECONDITION,
             DATA_LOSS (a checksum that does not match) ...
     """
-    call = client.stub.ReadBlocks(
-        pb.ReadBlocksRequest(blocks=list(refs)), **_options(client, "ReadBlocks", timeout, metadata)
-    )
     assembler = _Assembler()
-    try:
-        for chunk in call:
-            block = assembler.feed(chunk)
-            if block is not None:
+    with closing(_iterate_stream(_read_blocks_call(client, refs, timeout, metadata))) as chunks:
+        for chunk in chunks:
+            if (block := assembler.feed(chunk)) is not None:
                 yield block
-    except grpc.RpcError as err:
-        raise KVServiceError.from_rpc_error(err) from err
-    finally:
-        call.cancel()
 
 
 def read_blocks(
@@ -244,45 +302,15 @@ def read_blocks(
     return list(iter_read_blocks(client, refs, timeout=timeout, metadata=metadata))
 
 
-async def awrite_blocks(
-    client: AsyncKVCacheClient,
-    request_id: str,
-    blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
-    *,
-    chunk_bytes: int | None = None,
-    timeout: Timeout = None,
-    metadata: Metadata = None,
-) -> pb.WriteBlocksResponse:
-    """:func:`write_blocks` for an :class:`AsyncKVCacheClient`."""
-    if chunk_bytes is None:
-        chunk_bytes = (
-            await client.get_kv_cache_group_metadata(timeout=timeout, metadata=metadata)
-        ).max_data_chunk_bytes or 1
-    try:
-        return await client.stub.WriteBlocks(
-            write_block_chunks(request_id, blocks, chunk_bytes), **_options(client, "WriteBlocks", timeout, metadata)
-        )
-    except grpc.aio.AioRpcError as err:
-        raise KVServiceError.from_rpc_error(err) from err
-
-
 async def aiter_read_blocks(
     client: AsyncKVCacheClient, refs: Iterable[pb.BlockRef], *, timeout: Timeout = None, metadata: Metadata = None
 ) -> AsyncIterator[ReadBlock]:
     """:func:`iter_read_blocks` for an :class:`AsyncKVCacheClient`."""
-    call = client.stub.ReadBlocks(
-        pb.ReadBlocksRequest(blocks=list(refs)), **_options(client, "ReadBlocks", timeout, metadata)
-    )
     assembler = _Assembler()
-    try:
-        async for chunk in call:
-            block = assembler.feed(chunk)
-            if block is not None:
+    async with aclosing(_aiterate_stream(_read_blocks_call(client, refs, timeout, metadata))) as chunks:
+        async for chunk in chunks:
+            if (block := assembler.feed(chunk)) is not None:
                 yield block
-    except grpc.aio.AioRpcError as err:
-        raise KVServiceError.from_rpc_error(err) from err
-    finally:
-        call.cancel()
 
 
 async def aread_blocks(

@@ -247,8 +247,8 @@ async def replay_policy(
         requests: the trace (default: loaded from ``config``).
         feed_factory: builds each instance's mirror (default: a
             :class:`~kvservice.replay.jetstream_feed.JetStreamFeeds` of this run with
-            ``config.nats_url``, else :func:`~kvservice.replay.routing.grpc_stream_feed`). With ``config.nats_url`` every
-            server publishes to a stream of this run, deleted at the end.
+            ``config.nats_url``, else :func:`~kvservice.replay.routing.grpc_stream_feed`). With
+            ``config.nats_url`` every server publishes to a stream of this run, deleted at the end.
         progress: told ``(policy, requests finished)`` as the replay goes (it draws nothing itself).
         runs: when given, the raw :class:`PolicyRun` is appended.
 

@@ -27,6 +27,7 @@ turns over the instances, the router sends a turn to the instance that holds its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -272,7 +273,11 @@ async def replay_policy(
     scheduler_config = dataclasses.replace(config.scheduler, kv_cache_report_mode=config.report_mode)
     servers = []
     instances: list[Instance] = []
-    try:
+    # Unwound last in, first out, each step even when one before it raised: the feeds, then each
+    # instance's client and server, then the run's stream.
+    async with contextlib.AsyncExitStack() as closing:
+        if nats_feeds is not None:
+            closing.push_async_callback(nats_feeds.delete_stream)
         for i in range(config.instances):
             server = await start_server(
                 port=0,
@@ -284,8 +289,10 @@ async def replay_policy(
                 grace_seconds=1.0,
                 **(nats_feeds.server_settings(i) if nats_feeds is not None else {}),
             )
+            closing.push_async_callback(server.stop, 0)
             servers.append(server)
             client = AsyncKVCacheClient(server.address, timeout=120.0)
+            closing.push_async_callback(client.close)
             metadata = await client.get_kv_cache_group_metadata()
             pool_blocks = metadata.groups[0].num_blocks - 1
             capacity = config.mirror_capacity if config.mirror_capacity is not None else pool_blocks
@@ -293,6 +300,7 @@ async def replay_policy(
         router = Router(policy, instances)
         for inst in instances:  # every feed is built before any starts (FeedFactory)
             inst.feed = feed_factory(inst)
+            closing.push_async_callback(inst.feed.close)
             inst.predictor = HitPredictor(inst.metadata, inst.feed.index)
             inst.scheduler = ReplayScheduler(
                 inst.client,
@@ -316,15 +324,6 @@ async def replay_policy(
         run = PolicyRun(
             policy, router.decisions, instances, num_skipped, [server.cached_hashes() for server in servers]
         )
-    finally:
-        for inst in instances:
-            if inst.feed is not None:
-                await inst.feed.close()
-            await inst.client.close()
-        for server in servers:
-            await server.stop(0)
-        if nats_feeds is not None:
-            await nats_feeds.delete_stream()
     run.wall_time_s = time.perf_counter() - started
     if runs is not None:
         runs.append(run)

@@ -476,7 +476,8 @@ def _replay_instances(options: dict[str, Any]) -> None:
     """``replay --instances N`` (N >= 2): routed against round-robin (kvservice.replay.multi)."""
     from pathlib import Path
 
-    from kvservice.replay.multi import MultiReplayConfig, render_multi_table, run_multi_replay, write_multi_json
+    from kvservice.replay.multi import MultiReplayConfig, run_multi_replay
+    from kvservice.replay.multi_report import render_multi_table, write_multi_json
     from kvservice.replay.scheduler import SchedulerConfig
     from kvservice_client.client import KVServiceError
 

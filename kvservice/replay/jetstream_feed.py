@@ -2,7 +2,7 @@
 over NATS JetStream instead of one gRPC ``StreamEvents`` stream per instance.
 
 One policy run (N fresh embedded servers) is one :class:`JetStreamFeeds`: a
-:data:`~kvservice.replay.multi.FeedFactory` that also names the NATS settings of each server it
+:data:`~kvservice.replay.routing.FeedFactory` that also names the NATS settings of each server it
 feeds (:meth:`JetStreamFeeds.server_settings`). Every run draws a fresh run id, so the two policy
 processes, and reruns against the same NATS server, never share a stream, a subject or a consumer:
 
@@ -13,7 +13,7 @@ processes, and reruns against the same NATS server, never share a stream, a subj
   deliver-all, so it reads each server's batches from seq 1) holds one
   :class:`~kvservice_client.jetstream.InstanceMirror` per server; each instance's
   :class:`JetStreamFeed` is a view of its mirror implementing
-  :class:`~kvservice.replay.multi.MirrorFeed`.
+  :class:`~kvservice.replay.routing.MirrorFeed`.
 
 The freshness contract is the gRPC feed's: :meth:`JetStreamFeed.wait_applied` returns once the
 instance's mirror applied every batch up to ``seq`` (the event log's seq, which the sink carries in
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 
 class Instance(Protocol):
-    """What a feed reads of a policy run's server (``kvservice.replay.multi.Instance`` has it; a
-    protocol here, so this module does not import the one that imports it)."""
+    """What a feed reads of a policy run's server (:class:`kvservice.replay.routing.Instance` has
+    it; a protocol here, so a feed depends on these three fields only)."""
 
     @property
     def idx(self) -> int: ...
@@ -64,7 +64,7 @@ def describe_jetstream_feed(nats_url: str) -> str:
 
 class JetStreamFeed:
     """One instance's mirror, kept by the run's shared :class:`JetStreamWatcher` (a
-    :class:`~kvservice.replay.multi.MirrorFeed`).
+    :class:`~kvservice.replay.routing.MirrorFeed`).
 
     Attributes:
         name: the instance's ``nats_instance`` (its subject's last token).
@@ -129,7 +129,7 @@ class JetStreamFeed:
 
 
 class JetStreamFeeds:
-    """The JetStream :data:`~kvservice.replay.multi.FeedFactory` of one policy run.
+    """The JetStream :data:`~kvservice.replay.routing.FeedFactory` of one policy run.
 
     Calling it with an instance builds that instance's (unstarted) :class:`JetStreamFeed`; every
     feed is built before any is started (the watcher, created at the first start, takes every

@@ -2,33 +2,16 @@
 
 The same trace is replayed twice, each time through N fresh embedded servers (one scheduler per
 server, the :class:`~kvservice.replay.scheduler.ReplayScheduler` of the single-server replay), once
-per routing policy, in two worker processes:
-
-* ``routed``: a router keeps one mirror per instance (a :class:`MirrorFeed`; by default a
-  ``StreamEvents`` watcher, snapshot first, feeding a
-  :class:`~kvservice_client.watcher.PrefixIndex` as large as the instance's pool). For each arriving request it hashes the prompt
-  once, predicts the prefix-cache hit on every instance with a
-  :class:`~kvservice_client.watcher.HitPredictor`, and sends it to the instance with the longest
-  predicted hit; ties go to the least loaded instance (fewest routed requests not yet finished),
-  then round-robin (the first tied instance at or after ``trace index mod N``).
-* ``round-robin``: request ``i`` of the trace goes to instance ``i mod N``. Its mirrors only
-  predict at admission (for the report), never route.
+per routing policy, in two worker processes. This module runs a policy; the router, its two
+policies, the freshness rule and the mirrors' feed seam are :mod:`kvservice.replay.routing`, and the
+report (what a run's figures mean, its JSON and table) is :mod:`kvservice.replay.multi_report`.
 
 Simulated time is shared: one clock advances ``step_ms`` per tick; at each tick the requests that
 arrived are routed, then every instance with work runs one scheduler step (the instances' Step
 RPCs run concurrently). When no instance has work the clock jumps to the next arrival, as a
-single scheduler does.
-
-**Freshness rule.** A routing decision uses only what the mirrors have applied, and each mirror is
-waited for up to the ``StepResponse.head_seq`` its instance's scheduler last received (every Step
-of the previous tick has returned, and only that scheduler changes its server), so the router
-sees each instance's cache exactly as it stands when the request arrives, bounded only by the
-mirror's capacity. It never asks a server for a hit. Requests that arrive in the same tick are
-routed in trace order against that same state (none of them is admitted yet); the load tie-break
-counts the ones already routed. The router predicts at arrival; the request may wait before it
-is admitted, so the report gives both the routing prediction against the hit the server used at
-the request's first admission, and each instance mirror's prediction at admission (as the
-single-server replay reports).
+single scheduler does. Each server is started by ``kvservice.server.app.start_server`` and, of
+what that returns, the run uses only its address, ``check_invariants``, ``cached_hashes`` and
+``stop``; everything else goes through the client, over gRPC (docs/ARCHITECTURE.md §1.2).
 
 **Pool and load.** Each instance is the single-server replay's server: ``num_blocks`` blocks
 (32,768 by default), and the trace arrives N times faster (``arrival_rate_scale``, default N:
@@ -39,85 +22,47 @@ trace's own rate leaves each instance room for a few of the trace's long prompts
 back, and recomputed prefills dominate both the run time and the hit counts.) Routing matters
 because conversations come back to their earlier turns: round-robin scatters a conversation's
 turns over the instances, the router sends a turn to the instance that holds its history.
-
-**A limit of longest-hit routing.** An instance whose cache lost a prefix that every request
-shares (a system prompt) predicts less than every warm instance for every request, so it receives
-none and never warms again (the balance row shows it). The embedded trace opens with ten
-requests at once, so every instance warms at the start; a trace that opens with one request at a
-time sends everything to the first instance.
-
-**Hit rates** are counted over each request's first admission, i.e. over the trace's prompts (the
-same tokens for both policies); a recompute after a preemption hits its own blocks, which says
-nothing about routing, and is reported apart.
-
-**Feeds.** A mirror is "a :class:`~kvservice_client.watcher.PrefixIndex` fed by some transport":
-:class:`MirrorFeed` is that seam (``index``, ``start``, ``wait_applied(seq)``, ``close``), built per
-instance by a :data:`FeedFactory`. :func:`grpc_stream_feed` is the gRPC ``StreamEvents`` feed (the
-default); with ``nats_url`` (``--nats-url``) every server publishes to NATS JetStream and
-:class:`~kvservice.replay.jetstream_feed.JetStreamFeeds` feeds the mirrors from one durable consumer
-(a stream per policy run). Both carry the event log's seq, so the freshness rule and the results
-are the same over either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import io
-import json
 import math
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from kvservice.replay.multi_report import MultiReport, PolicyReport
 from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
-from kvservice.replay.report import (
-    _LATENCY_FIELDS,
-    AgreementStats,
-    LatencySummary,
-    _agreement_from_dict,
-    _agreement_to_dict,
-    _fmt_pct,
-    _pct,
-    write_json_with_compact_lists,
+from kvservice.replay.report import AgreementStats, LatencySummary
+from kvservice.replay.routing import (
+    GRPC_FEED_NAME,
+    POLICIES,
+    FeedFactory,
+    Instance,
+    Router,
+    RoutingDecision,
+    grpc_stream_feed,
 )
-from kvservice.replay.runner import DEFAULT_NUM_BLOCKS, MirrorWatcher, ReplayConfig, load_requests
+from kvservice.replay.runner import DEFAULT_NUM_BLOCKS, ReplayConfig, load_requests
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig
 from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits
-from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient
-from kvservice_client.watcher import HitPredictor, PrefixIndex
+from kvservice_client.watcher import HitPredictor
 
 __all__ = [
-    "GRPC_FEED_NAME",
-    "MULTI_REPORT_SCHEMA",
-    "POLICIES",
-    "FeedFactory",
-    "Instance",
-    "MirrorFeed",
     "MultiReplayConfig",
-    "MultiReport",
-    "PolicyReport",
     "PolicyRun",
-    "Router",
-    "RoutingDecision",
-    "grpc_stream_feed",
-    "read_multi_json",
-    "render_multi_table",
+    "load_scaled_requests",
     "replay_policy",
     "run_multi_replay",
-    "write_multi_json",
+    "summarise_policy",
 ]
-
-POLICIES = ("routed", "round-robin")
-"""The routing policies compared, in report order."""
-
-MULTI_REPORT_SCHEMA = "kvservice.replay.multi/v1"
-"""The ``schema`` value of a report written by :func:`write_multi_json`."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +83,7 @@ class MultiReplayConfig:
             forgets blocks its instance still holds cannot route to them; the single-server replay's
             default, half the pool, loses most conversation histories here); 0 = unbounded.
         scheduler: each instance's scheduler limits (its report mode is replaced by ``report_mode``).
-        policies: the policies to run, in order (a subset of :data:`POLICIES`).
+        policies: the policies to run, in order (a subset of :data:`~kvservice.replay.routing.POLICIES`).
         show_progress: draw progress bars.
         nats_url: NATS server URL(s): every server publishes to JetStream and the mirrors are fed
             over it (:class:`~kvservice.replay.jetstream_feed.JetStreamFeeds`); None = the gRPC feed.
@@ -200,167 +145,6 @@ def load_scaled_requests(config: MultiReplayConfig) -> list[TraceRequest]:
     if scale == 1.0:
         return requests
     return [dataclasses.replace(r, arrival_ms=r.arrival_ms / scale) for r in requests]
-
-
-# --------------------------------------------------------------------------------------------
-# Mirrors: the feed seam
-
-
-class MirrorFeed(Protocol):
-    """A per-instance mirror: a :class:`PrefixIndex` kept by some transport.
-
-    ``wait_applied(seq)`` is the freshness contract: it returns once every batch of the instance's
-    event log up to ``seq`` (the log's own seq, as ``StepResponse.head_seq`` names it) is applied
-    to ``index``; ``seq`` 0 means the initial state (a snapshot) is applied. Counters are for the
-    report.
-    """
-
-    index: PrefixIndex
-    num_events: int
-    num_batches: int
-
-    async def start(self) -> None:
-        """Start following; returns once the initial state is applied."""
-
-    async def wait_applied(self, seq: int) -> None:
-        """Return once every batch up to ``seq`` is applied (raises if the feed failed)."""
-
-    async def close(self) -> None:
-        """Stop following."""
-
-
-@dataclass
-class Instance:
-    """One server of a policy run, its scheduler and its mirror.
-
-    Attributes:
-        idx: the instance's number, 0..N-1.
-        address: its "host:port".
-        client: a client of it (the scheduler's and the feed's).
-        metadata: its ``GetKVCacheGroupMetadata``.
-        capacity_blocks: the mirror's capacity in blocks (None = unbounded).
-        scheduler: its scheduler (set once the feed is built).
-        feed: its mirror.
-        predictor: a :class:`HitPredictor` over ``feed.index``.
-    """
-
-    idx: int
-    address: str
-    client: AsyncKVCacheClient
-    metadata: pb.GetKVCacheGroupMetadataResponse
-    capacity_blocks: int | None
-    scheduler: ReplayScheduler | None = None
-    feed: MirrorFeed | None = None
-    predictor: HitPredictor | None = None
-
-    @property
-    def load(self) -> int:
-        """Requests routed here and not finished (pending, waiting or running)."""
-        s = self.scheduler
-        assert s is not None, "the instance has no scheduler yet"
-        return len(s.pending) + len(s.waiting) + len(s.running)
-
-
-FeedFactory = Callable[[Instance], MirrorFeed]
-"""Builds an (unstarted) mirror of one instance (a run builds every instance's before starting any)."""
-
-GRPC_FEED_NAME = "grpc StreamEvents (snapshot first)"
-"""The gRPC feed's name in a report's ``metadata["feed"]``."""
-
-
-def grpc_stream_feed(instance: Instance) -> MirrorFeed:
-    """The gRPC feed: a ``StreamEvents`` watcher (snapshot first) of ``instance`` applying every
-    batch to a :class:`PrefixIndex` of ``instance.capacity_blocks`` (the single-server replay's
-    :class:`~kvservice.replay.runner.MirrorWatcher`)."""
-    return MirrorWatcher(instance.client, instance.metadata, instance.capacity_blocks)
-
-
-# --------------------------------------------------------------------------------------------
-# Router
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingDecision:
-    """Where one request went and why.
-
-    Attributes:
-        index: the request's position in the trace.
-        instance: the instance chosen.
-        predicted_hit_tokens: per instance, the hit the router predicted (tokens); empty for
-            round-robin.
-        reason: "hit" (one instance had the longest predicted hit), "load" (tied on hit, least
-            loaded), "round-robin" (tied on both, or the round-robin policy).
-    """
-
-    index: int
-    instance: int
-    predicted_hit_tokens: tuple[int, ...] = ()
-    reason: str = "round-robin"
-
-
-class Router:
-    """Assigns each arriving request to an instance (see the module docstring for both policies).
-
-    Args:
-        policy: "routed" or "round-robin".
-        instances: the instances, each with its scheduler, feed and predictor.
-
-    Raises:
-        ValueError: an unknown policy, or instances that hash prompts differently.
-    """
-
-    def __init__(self, policy: str, instances: Sequence[Instance]) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
-        rules = {
-            (m.metadata.hash_algorithm, m.metadata.hash_seed, m.metadata.hash_block_size, m.metadata.block_hash_format)
-            for m in instances
-        }
-        if len(rules) != 1:
-            raise ValueError(f"instances must share one hash rule; got {sorted(map(str, rules))}")
-        self.policy = policy
-        self.instances = list(instances)
-        self.decisions: list[RoutingDecision] = []
-        self.hashes: dict[int, tuple[int, tuple[list, ...]]] = {}
-        """Prompt hashes computed at routing, by trace index: (prompt tokens, per-group hashes), kept
-        until the request's first admission (its instance's predictor reuses them)."""
-
-    async def route(self, index: int, request: TraceRequest) -> RoutingDecision:
-        """Choose the instance of request ``index`` (records the decision in :attr:`decisions`).
-
-        Raises:
-            RuntimeError: a mirror's feed ended.
-        """
-        n = len(self.instances)
-        if self.policy == "round-robin":
-            decision = RoutingDecision(index, index % n)
-        else:
-            first = self.instances[0]
-            assert first.predictor is not None
-            hashes = first.predictor.hash_prompt(request.prompt_token_ids)
-            num_tokens = len(request.prompt_token_ids)
-            self.hashes[index] = (num_tokens, hashes)
-            predicted = []
-            for inst in self.instances:
-                assert inst.feed is not None and inst.scheduler is not None and inst.predictor is not None
-                await inst.feed.wait_applied(inst.scheduler.head_seq)
-                predicted.append(inst.predictor.predict_hit_tokens_from_hashes(hashes, num_tokens))
-            best = max(predicted)
-            tied = [i for i in range(n) if predicted[i] == best]
-            reason = "hit"
-            if len(tied) > 1:
-                least = min(self.instances[i].load for i in tied)
-                tied = [i for i in tied if self.instances[i].load == least]
-                reason = "load" if len(tied) == 1 else "round-robin"
-            start = index % n
-            chosen = min(tied, key=lambda i: (i - start) % n)
-            decision = RoutingDecision(index, chosen, tuple(predicted), reason)
-        self.decisions.append(decision)
-        return decision
-
-
-# --------------------------------------------------------------------------------------------
-# A policy's run
 
 
 @dataclass
@@ -464,8 +248,8 @@ async def replay_policy(
         requests: the trace (default: loaded from ``config``).
         feed_factory: builds each instance's mirror (default: a
             :class:`~kvservice.replay.jetstream_feed.JetStreamFeeds` of this run with
-            ``config.nats_url``, else :func:`grpc_stream_feed`). With ``config.nats_url`` every
-            server publishes to a stream of this run, deleted at the end.
+            ``config.nats_url``, else :func:`~kvservice.replay.routing.grpc_stream_feed`). With
+            ``config.nats_url`` every server publishes to a stream of this run, deleted at the end.
         progress: told ``(policy, requests finished)`` as the replay goes (it draws nothing itself).
         runs: when given, the raw :class:`PolicyRun` is appended.
 
@@ -489,7 +273,11 @@ async def replay_policy(
     scheduler_config = dataclasses.replace(config.scheduler, kv_cache_report_mode=config.report_mode)
     servers = []
     instances: list[Instance] = []
-    try:
+    # Unwound last in, first out, each step even when one before it raised: the feeds, then each
+    # instance's client and server, then the run's stream.
+    async with contextlib.AsyncExitStack() as closing:
+        if nats_feeds is not None:
+            closing.push_async_callback(nats_feeds.delete_stream)
         for i in range(config.instances):
             server = await start_server(
                 port=0,
@@ -501,8 +289,10 @@ async def replay_policy(
                 grace_seconds=1.0,
                 **(nats_feeds.server_settings(i) if nats_feeds is not None else {}),
             )
+            closing.push_async_callback(server.stop, 0)
             servers.append(server)
             client = AsyncKVCacheClient(server.address, timeout=120.0)
+            closing.push_async_callback(client.close)
             metadata = await client.get_kv_cache_group_metadata()
             pool_blocks = metadata.groups[0].num_blocks - 1
             capacity = config.mirror_capacity if config.mirror_capacity is not None else pool_blocks
@@ -510,6 +300,7 @@ async def replay_policy(
         router = Router(policy, instances)
         for inst in instances:  # every feed is built before any starts (FeedFactory)
             inst.feed = feed_factory(inst)
+            closing.push_async_callback(inst.feed.close)
             inst.predictor = HitPredictor(inst.metadata, inst.feed.index)
             inst.scheduler = ReplayScheduler(
                 inst.client,
@@ -533,15 +324,6 @@ async def replay_policy(
         run = PolicyRun(
             policy, router.decisions, instances, num_skipped, [server.cached_hashes() for server in servers]
         )
-    finally:
-        for inst in instances:
-            if inst.feed is not None:
-                await inst.feed.close()
-            await inst.client.close()
-        for server in servers:
-            await server.stop(0)
-        if nats_feeds is not None:
-            await nats_feeds.delete_stream()
     run.wall_time_s = time.perf_counter() - started
     if runs is not None:
         runs.append(run)
@@ -549,7 +331,7 @@ async def replay_policy(
 
 
 def summarise_policy(run: PolicyRun, config: MultiReplayConfig) -> PolicyReport:
-    """The :class:`PolicyReport` of a run."""
+    """The :class:`~kvservice.replay.multi_report.PolicyReport` of a run."""
     bs = run.instances[0].metadata.groups[0].block_size
     schedulers = [inst.scheduler for inst in run.instances if inst.scheduler is not None]
     assert len(schedulers) == len(run.instances), "every instance has its scheduler once the run started"
@@ -684,322 +466,3 @@ def _feed_name(config: MultiReplayConfig, feed_factory: FeedFactory | None) -> s
     if feed_factory is None or feed_factory is grpc_stream_feed:
         return GRPC_FEED_NAME
     return repr(feed_factory)
-
-
-# --------------------------------------------------------------------------------------------
-# Report
-
-
-@dataclass(slots=True)
-class PolicyReport:
-    """The figures of one policy (sums over its instances).
-
-    Attributes:
-        policy: "routed" or "round-robin".
-        num_requests: requests that finished.
-        num_skipped: trace requests not routed (prompt of ``max_model_len`` tokens or more).
-        num_prompt_tokens, num_hit_tokens: the trace's prompt tokens and those the servers hit, at
-            each request's first admission.
-        num_prompt_blocks, num_hit_blocks: the same in full blocks.
-        num_admitted_tokens, num_admitted_hit_tokens: tokens and hits over every admission,
-            recomputes after a preemption included (a recompute hits its own blocks).
-        num_requests_per_instance: requests routed to each instance (index = instance).
-        num_prompt_tokens_per_instance, num_hit_tokens_per_instance: per instance, as the totals.
-        num_decisions_by_reason: routing decisions by what decided them ("hit", "load",
-            "round-robin").
-        routing_agreement: the router's predicted hit on the chosen instance at arrival against
-            the hit the server used at the request's first admission (None for round-robin).
-        admission_agreement: each instance mirror's prediction just before each admission against
-            the hit used (every admission).
-        num_preemptions: preemptions over all instances.
-        num_steps: scheduler steps over all instances (one Step RPC each, at least).
-        num_events, num_batches: events and batches the mirrors received.
-        rpc_latency: every Step RPC's round trip.
-        wall_time_s: the policy's wall-clock time (servers started and stopped), in seconds.
-        mirror_capacity_blocks: each mirror's capacity (0 = unbounded).
-        block_size: the servers' block size (group 0), in tokens.
-        max_model_len: the servers' longest request, in tokens.
-        assignments: per routed request, (trace index, instance), in arrival order.
-        hit_series: per request, (trace index, prompt tokens, hit tokens) at its first admission,
-            in trace order (the routing plot's hit rate over time).
-    """
-
-    policy: str
-    num_requests: int
-    num_skipped: int
-    num_prompt_tokens: int
-    num_hit_tokens: int
-    num_prompt_blocks: int
-    num_hit_blocks: int
-    num_admitted_tokens: int
-    num_admitted_hit_tokens: int
-    num_requests_per_instance: list[int]
-    num_prompt_tokens_per_instance: list[int]
-    num_hit_tokens_per_instance: list[int]
-    num_decisions_by_reason: dict[str, int]
-    routing_agreement: AgreementStats | None
-    admission_agreement: AgreementStats
-    num_preemptions: int
-    num_steps: int
-    num_events: int
-    num_batches: int
-    rpc_latency: LatencySummary
-    wall_time_s: float
-    mirror_capacity_blocks: int
-    block_size: int
-    max_model_len: int
-    assignments: list[tuple[int, int]] = field(default_factory=list)
-    hit_series: list[tuple[int, int, int]] = field(default_factory=list)
-
-    @property
-    def hit_rate_tokens_pct(self) -> float | None:
-        """Prefix-cache hit rate in tokens, percent (None without prompt tokens)."""
-        return _pct(self.num_hit_tokens, self.num_prompt_tokens)
-
-    @property
-    def hit_rate_blocks_pct(self) -> float | None:
-        """Prefix-cache hit rate in blocks, percent (None without prompt blocks)."""
-        return _pct(self.num_hit_blocks, self.num_prompt_blocks)
-
-    _SCALARS = (
-        "policy",
-        "num_requests",
-        "num_skipped",
-        "num_prompt_tokens",
-        "num_hit_tokens",
-        "num_prompt_blocks",
-        "num_hit_blocks",
-        "num_admitted_tokens",
-        "num_admitted_hit_tokens",
-        "num_requests_per_instance",
-        "num_prompt_tokens_per_instance",
-        "num_hit_tokens_per_instance",
-        "num_decisions_by_reason",
-        "num_preemptions",
-        "num_steps",
-        "num_events",
-        "num_batches",
-        "wall_time_s",
-        "mirror_capacity_blocks",
-        "block_size",
-        "max_model_len",
-    )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready plain data (derived percentages included for readers)."""
-        d: dict[str, Any] = {k: getattr(self, k) for k in self._SCALARS}
-        d["hit_rate_tokens_pct"] = self.hit_rate_tokens_pct
-        d["hit_rate_blocks_pct"] = self.hit_rate_blocks_pct
-        d["routing_agreement"] = _agreement_to_dict(self.routing_agreement)
-        d["admission_agreement"] = _agreement_to_dict(self.admission_agreement)
-        d["rpc_latency"] = {k: getattr(self.rpc_latency, k) for k in _LATENCY_FIELDS}
-        d["assignments"] = [list(p) for p in self.assignments]
-        d["hit_series"] = [list(p) for p in self.hit_series]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PolicyReport:
-        """Rebuilds from :meth:`to_dict` output (derived fields are ignored).
-
-        Raises:
-            KeyError: a required field is missing.
-        """
-        routing = d.get("routing_agreement")
-        return cls(
-            **{k: d[k] for k in cls._SCALARS},
-            routing_agreement=_agreement_from_dict(routing) if routing else None,
-            admission_agreement=_agreement_from_dict(d["admission_agreement"]),
-            rpc_latency=LatencySummary(**{k: d["rpc_latency"][k] for k in _LATENCY_FIELDS}),
-            assignments=[(int(i), int(j)) for i, j in d.get("assignments", [])],
-            hit_series=[(int(i), int(n), int(h)) for i, n, h in d.get("hit_series", [])],
-        )
-
-
-@dataclass(slots=True)
-class MultiReport:
-    """A multi-instance replay: its setting and one :class:`PolicyReport` per policy.
-
-    Attributes:
-        trace_path, num_trace_lines: the trace and the lines (requests) replayed.
-        preset, block_size: every server's layout (block size in tokens).
-        instances: servers per policy.
-        num_blocks_per_instance: each instance's pool, in blocks.
-        arrival_rate_scale: the trace's arrival times were divided by this.
-        report_mode: the ``kv_cache_report_mode`` of every request.
-        policies: per policy, in run order.
-        ideal_hit_rate_tokens_pct: the infinite-cache prefix hit rate of the trace at ``block_size``.
-        metadata: other run facts, JSON scalars only.
-    """
-
-    trace_path: str
-    num_trace_lines: int
-    preset: str
-    block_size: int
-    instances: int
-    num_blocks_per_instance: int
-    arrival_rate_scale: float
-    report_mode: str
-    policies: list[PolicyReport]
-    ideal_hit_rate_tokens_pct: float | None = None
-    metadata: dict[str, str | int | float | bool | None] = field(default_factory=dict)
-
-    def policy(self, name: str) -> PolicyReport:
-        """The report of policy ``name``.
-
-        Raises:
-            KeyError: that policy did not run.
-        """
-        for p in self.policies:
-            if p.policy == name:
-                return p
-        raise KeyError(name)
-
-    def gain(self) -> tuple[float, float | None] | None:
-        """(routed - round-robin hit rate in percentage points, routed / round-robin), in tokens;
-        None unless both ran with prompt tokens (the ratio is None when round-robin hit nothing)."""
-        try:
-            routed, rr = self.policy("routed").hit_rate_tokens_pct, self.policy("round-robin").hit_rate_tokens_pct
-        except KeyError:
-            return None
-        if routed is None or rr is None:
-            return None
-        return routed - rr, (routed / rr if rr else None)
-
-    _SCALARS = (
-        "trace_path",
-        "num_trace_lines",
-        "preset",
-        "block_size",
-        "instances",
-        "num_blocks_per_instance",
-        "arrival_rate_scale",
-        "report_mode",
-        "ideal_hit_rate_tokens_pct",
-    )
-
-    def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-ready plain data (the gain included for readers)."""
-        gain = self.gain()
-        return {
-            "schema": MULTI_REPORT_SCHEMA,
-            **{k: getattr(self, k) for k in self._SCALARS},
-            "gain_hit_rate_tokens_points": gain[0] if gain else None,
-            "gain_hit_rate_tokens_ratio": gain[1] if gain else None,
-            "metadata": dict(self.metadata),
-            "policies": [p.to_dict() for p in self.policies],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MultiReport:
-        """Rebuilds a report from :meth:`to_dict` output (derived fields are ignored).
-
-        Raises:
-            ValueError: an unknown ``schema``.
-            KeyError: a required field is missing.
-        """
-        if data.get("schema") != MULTI_REPORT_SCHEMA:
-            raise ValueError(f"unknown report schema {data.get('schema')!r}; expected {MULTI_REPORT_SCHEMA!r}")
-        return cls(
-            **{k: data[k] for k in cls._SCALARS},
-            policies=[PolicyReport.from_dict(p) for p in data["policies"]],
-            metadata=dict(data.get("metadata", {})),
-        )
-
-
-def write_multi_json(report: MultiReport, path: str | Path) -> Path:
-    """Writes ``report`` as JSON (indented; each assignment list on one line), creating parent
-    folders. Returns the path written."""
-    data = report.to_dict()
-    return write_json_with_compact_lists(
-        data, path, [(p, key) for p in data["policies"] for key in ("assignments", "hit_series")]
-    )
-
-
-def read_multi_json(path: str | Path) -> MultiReport:
-    """Reads a report written by :func:`write_multi_json`.
-
-    Raises:
-        ValueError: not JSON, or an unknown schema.
-        KeyError: a required field is missing.
-    """
-    return MultiReport.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
-
-def _fmt_capacity(blocks: int) -> str:
-    return f"{blocks:,} blocks" if blocks else "unbounded"
-
-
-def _fmt_agreement(a: AgreementStats | None) -> str:
-    if a is None:
-        return "-"
-    return f"{_fmt_pct(a.exact_match_pct)} of {a.num_compared:,}, MAE {a.mean_abs_error_blocks:.3f}"
-
-
-def _policy_rows(p: PolicyReport) -> list[tuple[str, str]]:
-    lat = p.rpc_latency
-    reasons = p.num_decisions_by_reason
-    per_instance_hit = " / ".join(
-        f"{100.0 * h / t:.1f}" if t else "-"
-        for h, t in zip(p.num_hit_tokens_per_instance, p.num_prompt_tokens_per_instance, strict=True)
-    )
-    return [
-        ("requests", f"{p.num_requests:,}"),
-        ("prompt tokens", f"{p.num_prompt_tokens:,}"),
-        ("prefix hit rate (tokens)", _fmt_pct(p.hit_rate_tokens_pct)),
-        ("prefix hit rate (blocks)", _fmt_pct(p.hit_rate_blocks_pct)),
-        ("with recomputes after preemption (tokens)", _fmt_pct(_pct(p.num_admitted_hit_tokens, p.num_admitted_tokens))),
-        ("requests per instance", " / ".join(f"{n:,}" for n in p.num_requests_per_instance)),
-        ("hit rate per instance (tokens, %)", per_instance_hit),
-        (
-            "decided by hit / load / round-robin",
-            f"{reasons.get('hit', 0):,} / {reasons.get('load', 0):,} / {reasons.get('round-robin', 0):,}",
-        ),
-        ("routing prediction vs hit: exact, MAE", _fmt_agreement(p.routing_agreement)),
-        ("mirror at admission: exact, MAE", _fmt_agreement(p.admission_agreement)),
-        ("preemptions", f"{p.num_preemptions:,}"),
-        ("scheduler steps", f"{p.num_steps:,}"),
-        ("RPC latency p50 / p99 (ms)", "-" if lat.p50_ms is None else f"{lat.p50_ms:.3f} / {lat.p99_ms:.3f}"),
-        ("events / batches received", f"{p.num_events:,} / {p.num_batches:,}"),
-        ("wall time (s)", f"{p.wall_time_s:.2f}"),
-    ]
-
-
-def render_multi_table(report: MultiReport, *, width: int = 120) -> str:
-    """The report as a plain-text terminal table (rich, no colour codes), policies side by side,
-    then the gain and the ideal hit rate."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=(
-            f"kvservice replay --instances {report.instances}: {Path(report.trace_path).name} "
-            f"({report.num_trace_lines:,} lines), report mode {report.report_mode}\n"
-            f"preset {report.preset}, block_size {report.block_size} tokens; per instance: {report.num_blocks_per_instance:,} "
-            f"blocks, mirror {_fmt_capacity(report.policies[0].mirror_capacity_blocks)}; arrivals "
-            f"{report.arrival_rate_scale:g}x the trace's rate"
-            + (f"\nmirrors fed by {report.metadata['feed']}" if report.metadata.get("feed") else "")
-        ),
-        title_justify="left",
-    )
-    table.add_column("metric")
-    for p in report.policies:
-        table.add_column(p.policy, justify="right")
-    rows = [_policy_rows(p) for p in report.policies]
-    for i, (label, _) in enumerate(rows[0]):
-        table.add_row(label, *(r[i][1] for r in rows))
-    notes = []
-    gain = report.gain()
-    if gain is not None:
-        ratio = "-" if gain[1] is None else f"{gain[1]:.2f}x"
-        notes.append(f"gain, routed over round-robin: {gain[0]:+.2f} points of prefix hit rate (tokens), ratio {ratio}")
-    skipped = max(p.num_skipped for p in report.policies)
-    if skipped:
-        notes.append(f"skipped {skipped:,} trace requests whose prompt is max_model_len tokens or longer")
-    if report.ideal_hit_rate_tokens_pct is not None:
-        notes.append(f"ideal prefix hit rate, infinite cache (tokens): {_fmt_pct(report.ideal_hit_rate_tokens_pct)}")
-    buffer = io.StringIO()
-    console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False, markup=False)
-    console.print(table)
-    for note in notes:
-        console.print(note, soft_wrap=True)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"

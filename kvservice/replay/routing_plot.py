@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvservice.replay.multi import MultiReport
+from kvservice.replay.multi_report import MultiReport
 
 __all__ = ["plot_routing", "rolling_hit_rate_pct", "routing_title"]
 

@@ -20,6 +20,7 @@ hot prefixes stay.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -145,14 +146,17 @@ class MirrorWatcher:
         await self.wait_applied(0)
 
     async def _run(self) -> None:
-        async for watched in self.watcher:
-            self.index.apply_batch(watched.batch)
-            self.num_batches += 1
-            self.num_events += len(watched.batch.events)
-            if watched.snapshot_more:
-                continue  # the mirror matches the server only once the snapshot is whole
-            self.applied_seq = watched.seq
-            self._progress.set()
+        try:
+            async for watched in self.watcher:
+                self.index.apply_batch(watched.batch)
+                self.num_batches += 1
+                self.num_events += len(watched.batch.events)
+                if watched.snapshot_more:
+                    continue  # the mirror matches the server only once the snapshot is whole
+                self.applied_seq = watched.seq
+                self._progress.set()
+        finally:
+            self._progress.set()  # a waiter wakes and finds the task ended
 
     async def wait_applied(self, seq: int) -> None:
         """Return once every batch up to ``seq`` is applied.
@@ -160,15 +164,13 @@ class MirrorWatcher:
         Raises:
             the watcher task's error, if it failed.
         """
+        assert self._task is not None
         while self.applied_seq < seq:
-            self._progress.clear()
-            assert self._task is not None
-            done, _ = await asyncio.wait(
-                {self._task, asyncio.ensure_future(self._progress.wait())}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if self._task in done:
+            if self._task.done():
                 self._task.result()
                 raise RuntimeError("the event stream ended")
+            self._progress.clear()
+            await self._progress.wait()
 
     async def close(self) -> None:
         """Stop following."""
@@ -218,8 +220,11 @@ async def run_mode(
     progress: ProgressCallback | None = None,
 ) -> ModeRun:
     """Replay ``requests`` in one report mode against the server at ``address``; ``progress``
-    is told ``(mode, requests finished)`` after every step."""
-    async with AsyncKVCacheClient(address, timeout=120.0) as client:
+    is told ``(mode, requests finished)`` after every step.
+
+    However it ends, every watcher is closed before the client (a replay that fails leaves no
+    watcher task behind to fail later, unseen)."""
+    async with AsyncKVCacheClient(address, timeout=120.0) as client, contextlib.AsyncExitStack() as watching:
         metadata = await client.get_kv_cache_group_metadata()
         pool_blocks = metadata.groups[0].num_blocks - 1
         capacity = config.mirror_capacity
@@ -228,6 +233,7 @@ async def run_mode(
         capacity_blocks = capacity or None
         watchers = [MirrorWatcher(client, metadata, capacity_blocks) for _ in range(config.watchers)]
         for w in watchers:
+            watching.push_async_callback(w.close)
             await w.start()
         late: MirrorWatcher | None = None
         late_join_admission = -1
@@ -254,6 +260,7 @@ async def run_mode(
                 progress(mode, stats.num_finished)
             if config.late_watcher and late is None and len(stats.admissions) >= num_requests // 2:
                 late = MirrorWatcher(client, metadata, capacity_blocks)
+                watching.push_async_callback(late.close)
                 await late.start()
                 late_join_admission = len(stats.admissions)
 
@@ -280,7 +287,7 @@ async def run_mode(
         usage = await client.get_usage()
         for w in watchers + ([late] if late is not None else []):
             await w.wait_applied(scheduler.head_seq)
-        run = ModeRun(
+        return ModeRun(
             mode,
             stats,
             watchers,
@@ -294,9 +301,6 @@ async def run_mode(
             preset=metadata.preset,
             kv_data=kv_worker.stats.to_dict() if kv_worker is not None else None,
         )
-        for w in watchers + ([late] if late is not None else []):
-            await w.close()
-        return run
 
 
 def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:

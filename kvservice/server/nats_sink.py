@@ -81,6 +81,7 @@ from kvservice_client.jetstream import (
     redact_url,
     subject_for,
 )
+from kvservice_client.jetstream import import_nats as client_import_nats
 
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog
@@ -100,20 +101,14 @@ __all__ = [
 
 
 def import_nats() -> Any:
-    """Import nats-py.
+    """Import nats-py for the sink: :func:`kvservice_client.jetstream.import_nats`, the error named
+    after the server's setting.
 
     Raises:
-        RuntimeError: nats-py is not installed (the message names ``pip install 'kvservice[nats]'``).
+        RuntimeError: nats-py is not installed (``nats_url needs nats-py, ...: pip install
+            'kvservice[nats]'``).
     """
-    try:
-        import nats
-        import nats.js.api
-        import nats.js.errors
-    except ImportError as e:
-        raise RuntimeError(
-            f"nats_url needs nats-py, which is not installed ({e}): pip install 'kvservice[nats]'"
-        ) from None
-    return nats
+    return client_import_nats("nats_url", "kvservice[nats]")
 
 
 def default_instance(hostname: str, port: int) -> str:

@@ -19,16 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.replay.multi import (
-    MultiReplayConfig,
-    PolicyRun,
-    grpc_stream_feed,
-    load_scaled_requests,
-    read_multi_json,
-    render_multi_table,
-    run_multi_replay,
-    write_multi_json,
-)
+from kvservice.replay.multi import MultiReplayConfig, PolicyRun, load_scaled_requests, run_multi_replay
+from kvservice.replay.multi_report import read_multi_json, render_multi_table, write_multi_json
+from kvservice.replay.routing import grpc_stream_feed
 from kvservice.replay.scheduler import SchedulerConfig
 
 NUM_CONVERSATIONS = 12

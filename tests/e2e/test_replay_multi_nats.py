@@ -18,7 +18,9 @@ import nats
 import pytest
 
 from kvservice.replay.jetstream_feed import JetStreamFeed
-from kvservice.replay.multi import GRPC_FEED_NAME, PolicyRun, render_multi_table, run_multi_replay
+from kvservice.replay.multi import PolicyRun, run_multi_replay
+from kvservice.replay.multi_report import render_multi_table
+from kvservice.replay.routing import GRPC_FEED_NAME
 from tests.e2e.test_replay_multi import NUM_REQUESTS, config, write_conversation_trace
 from tests.service.test_nats import NatsServer, nats_server, nats_server_binary  # noqa: F401 (nats_server: fixture)
 

@@ -248,3 +248,28 @@ def test_the_replay_reaches_no_part_of_a_running_server():
             if isinstance(node, ast.Attribute) and node.attr in _RUNNING_SERVER_PARTS:
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
     assert bad == []
+
+
+_REPLAY_REPORTS = ("kvservice.replay.report", "kvservice.replay.multi_report")
+
+
+@pytest.mark.parametrize("report", _REPLAY_REPORTS)
+def test_a_replay_report_imports_no_run_router_client_or_server(report: str):
+    """A replay's report is plain figures (docs/ARCHITECTURE.md §1): it imports only the other
+    report modules of the replay, and nothing of the client or the server."""
+    bad = [
+        _where(i)
+        for i in _imports_of(report)
+        if (target := _internal(i.imported)) is not None and target not in _REPLAY_REPORTS
+    ]
+    assert bad == []
+
+
+def test_the_router_imports_neither_the_run_nor_its_report():
+    """``replay.routing`` (feed seam, Instance, Router) sits below the run that drives it."""
+    bad = [
+        _where(i)
+        for i in _imports_of("kvservice.replay.routing")
+        if _internal(i.imported) in ("kvservice.replay.multi", "kvservice.replay.multi_report")
+    ]
+    assert bad == []

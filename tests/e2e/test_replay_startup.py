@@ -5,6 +5,7 @@ Its speed is measured by ``scripts/bench/replay_startup.py``, not here."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from kvservice.replay.plot_process import PlotProcess
 from kvservice.replay.report import plot_agreement, read_json
+from kvservice.replay.runner import ReplayConfig
 
 SCRIPT = textwrap.dedent(
     """
@@ -85,3 +87,20 @@ def test_without_the_process_the_plot_renders_here(tmp_path, capfd):
     png = plots.render(report, tmp_path / "here.png")
     assert capfd.readouterr().err == ""
     assert png.read_bytes() == plot_agreement(read_json(report), tmp_path / "in-process.png").read_bytes()
+
+
+def _mode_in_worker(mode: str, config: ReplayConfig) -> tuple[str, int, bool, bool]:
+    """A mode worker's entry (``runner._replay_mode_in_process``), then what the worker imported."""
+    from kvservice.replay.runner import _replay_mode_in_process
+
+    result = _replay_mode_in_process(mode, config)
+    return result.report.mode, result.report.num_requests, "torch" in sys.modules, "matplotlib" in sys.modules
+
+
+async def test_the_mode_workers_import_neither_torch_nor_matplotlib():
+    from kvservice.replay.progress import Progress, run_in_workers
+
+    config = ReplayConfig(limit=1, show_progress=False)
+    progress = Progress(["incremental", "full"], 1, bar=False, stream=io.StringIO())
+    results = await run_in_workers(_mode_in_worker, [("incremental", config), ("full", config)], progress)
+    assert results == [("incremental", 1, False, False), ("full", 1, False, False)]

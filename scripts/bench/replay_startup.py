@@ -1,11 +1,13 @@
 """The replay's fixed start-up cost, as a ratio to a bare ``import torch`` measured in the same run.
 
-    python scripts/bench/replay_startup.py [--rounds 5] [--cold-bytecode]
+    python scripts/bench/replay_startup.py [--rounds 5] [--cold-bytecode] [--baseline-src DIR]
 
 Alternates ``python -c "import torch"`` and ``kvservice replay --limit 1 --no-progress`` (each a
 fresh process, same interpreter), ``--rounds`` times each, and prints per command the median, the
 spread (min, max) and every sample, the ratio of the medians (target: <= 1.5) and the replay's
 time to its first line of output (target: < 1 s), with the load average before and after.
+``--baseline-src DIR`` adds, in each round, the replay of another checkout (e.g. ``git archive``
+of main unpacked in DIR, run through ``PYTHONPATH``), so before and after share one run's load.
 
 Bytecode: by default both commands run with Python's bytecode cache in a temporary folder
 (``PYTHONPYCACHEPREFIX``, ``PYTHONDONTWRITEBYTECODE`` unset) after one untimed run of each fills
@@ -31,10 +33,17 @@ def replay_command(out: str) -> list[str]:
     return [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "1", "--no-progress", "--out", out]
 
 
-def timed(args: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(seconds to exit, seconds to the first line of stdout)."""
+def baseline_env(env: dict[str, str], src: str) -> dict[str, str]:
+    """``env`` with the checkout at ``src`` (server and client packages) ahead of the installed one
+    (run in ``src`` too: ``python -m`` puts the working folder first on ``sys.path``)."""
+    paths = [src, os.path.join(src, "clients", "python"), env.get("PYTHONPATH", "")]
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def timed(args: list[str], env: dict[str, str], cwd: str | None = None) -> tuple[float, float]:
+    """(seconds to exit, seconds to the first line of stdout), run in ``cwd``."""
     start = time.perf_counter()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     assert proc.stdout is not None
     first = proc.stdout.readline()
     first_s = time.perf_counter() - start if first else float("nan")
@@ -64,9 +73,10 @@ def main() -> int:
     parser.add_argument(
         "--cold-bytecode", action="store_true", help="keep the environment's bytecode settings (see the docstring)"
     )
+    parser.add_argument("--baseline-src", help="also time the replay of the checkout in this folder, each round")
     options = parser.parse_args()
     print(f"load average before: {load_average()} ({os.cpu_count()} CPUs)")
-    torch_s, replay_s, first_s = [], [], []
+    torch_s, replay_s, first_s, base_s, base_first_s = [], [], [], [], []
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as pycache:
         env = dict(os.environ)
         if not options.cold_bytecode:
@@ -74,17 +84,30 @@ def main() -> int:
             env["PYTHONPYCACHEPREFIX"] = pycache
             timed(TORCH, env)  # fill the cache, untimed
             timed(replay_command(out), env)
+            if options.baseline_src:
+                timed(replay_command(out), baseline_env(env, options.baseline_src), cwd=options.baseline_src)
         for _ in range(options.rounds):
             torch_s.append(timed(TORCH, env)[0])
             total, first = timed(replay_command(out), env)
             replay_s.append(total)
             first_s.append(first)
+            if options.baseline_src:
+                total, first = timed(
+                    replay_command(out), baseline_env(env, options.baseline_src), cwd=options.baseline_src
+                )
+                base_s.append(total)
+                base_first_s.append(first)
     t, r = statistics.median(torch_s), statistics.median(replay_s)
     print(f"bytecode: {'as the environment has it' if options.cold_bytecode else 'cached (filled by one untimed run)'}")
     print(describe("import torch", torch_s))
     print(describe("kvservice replay --limit 1", replay_s))
     print(f"ratio replay / import torch (medians): {r / t:.2f} (target <= 1.5)")
     print(describe("first line after", first_s) + " (target < 1)")
+    if base_s:
+        b = statistics.median(base_s)
+        print(describe(f"baseline {options.baseline_src}: kvservice replay --limit 1", base_s))
+        print(f"baseline ratio replay / import torch (medians): {b / t:.2f}")
+        print(describe("baseline first line after", base_first_s))
     print(f"load average after: {load_average()}")
     return 0
 

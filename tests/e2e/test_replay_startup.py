@@ -1,5 +1,6 @@
 """``kvservice replay``'s start-up path: the default replay (a ``meta`` pool) imports neither torch
-nor matplotlib in its own process; the agreement plot is rendered by a process of its own
+nor matplotlib in its own process, and freezes its objects at exit (the interpreter's teardown
+then skips traversing them); the agreement plot is rendered by a process of its own
 (``kvservice.replay.plot_process``) and is the PNG an in-process render writes, byte for byte.
 Its speed is measured by ``scripts/bench/replay_startup.py``, not here."""
 
@@ -18,9 +19,12 @@ from kvservice.replay.runner import ReplayConfig
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import atexit, gc, json, sys
 
     from kvservice.cli import main
+
+    # Runs after the replay's own atexit handler (last registered, first run).
+    atexit.register(lambda: print(json.dumps({"frozen at exit": gc.get_freeze_count() > 0}), flush=True))
 
     try:
         main(["replay", "--limit", "1", "--no-progress", "--out", sys.argv[1]])
@@ -35,9 +39,10 @@ def test_the_default_replay_imports_neither_torch_nor_matplotlib_and_writes_the_
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert json.loads(lines[-1]) == {"exit": 0, "torch": False, "matplotlib": False}
+    assert json.loads(lines[-2]) == {"exit": 0, "torch": False, "matplotlib": False}
+    assert json.loads(lines[-1]) == {"frozen at exit": True}  # the teardown skips a last traversal
     assert lines[0].startswith("replay: the embedded Mooncake sample, first 1 requests; preset llama-3-8b")
-    assert lines[-2] == f"wrote {tmp_path / 'report.json'} and {tmp_path / 'agreement.png'}"
+    assert lines[-3] == f"wrote {tmp_path / 'report.json'} and {tmp_path / 'agreement.png'}"
     assert "rendering the plot here" not in out.stderr  # the plot process rendered it
     in_process = plot_agreement(read_json(tmp_path / "report.json"), tmp_path / "in-process.png")
     assert (tmp_path / "agreement.png").read_bytes() == in_process.read_bytes()

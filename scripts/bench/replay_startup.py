@@ -40,16 +40,25 @@ def baseline_env(env: dict[str, str], src: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
-def timed(args: list[str], env: dict[str, str], cwd: str | None = None) -> tuple[float, float]:
-    """(seconds to exit, seconds to the first line of stdout), run in ``cwd``."""
+CPU: dict[str, list[float]] = {}
+"""CPU seconds (user + system, the processes it waited for included) per command name."""
+
+
+def timed(args: list[str], env: dict[str, str], cwd: str | None = None, *, name: str = "") -> tuple[float, float]:
+    """(seconds to exit, seconds to the first line of stdout), run in ``cwd``; its CPU seconds go
+    to ``CPU[name]``."""
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     assert proc.stdout is not None
     first = proc.stdout.readline()
     first_s = time.perf_counter() - start if first else float("nan")
     rest = proc.stdout.read()
-    if proc.wait() != 0:
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed:\n{first}{rest}")
+    if name:
+        CPU.setdefault(name, []).append(usage.ru_utime + usage.ru_stime)
     return time.perf_counter() - start, first_s
 
 
@@ -87,13 +96,16 @@ def main() -> int:
             if options.baseline_src:
                 timed(replay_command(out), baseline_env(env, options.baseline_src), cwd=options.baseline_src)
         for _ in range(options.rounds):
-            torch_s.append(timed(TORCH, env)[0])
-            total, first = timed(replay_command(out), env)
+            torch_s.append(timed(TORCH, env, name="import torch")[0])
+            total, first = timed(replay_command(out), env, name="replay")
             replay_s.append(total)
             first_s.append(first)
             if options.baseline_src:
                 total, first = timed(
-                    replay_command(out), baseline_env(env, options.baseline_src), cwd=options.baseline_src
+                    replay_command(out),
+                    baseline_env(env, options.baseline_src),
+                    cwd=options.baseline_src,
+                    name="baseline",
                 )
                 base_s.append(total)
                 base_first_s.append(first)
@@ -108,6 +120,8 @@ def main() -> int:
         print(describe(f"baseline {options.baseline_src}: kvservice replay --limit 1", base_s))
         print(f"baseline ratio replay / import torch (medians): {b / t:.2f}")
         print(describe("baseline first line after", base_first_s))
+    cpu = ", ".join(f"{name} {statistics.median(xs):.2f}" for name, xs in CPU.items())
+    print(f"CPU seconds, medians (user + system, the plot process included): {cpu}")
     print(f"load average after: {load_average()}")
     return 0
 

@@ -46,6 +46,9 @@ class PlotProcess:
         self._why_not: str | None = None
         if not enabled:
             return
+        if not sys.executable:  # an embedded interpreter: no Python to start
+            self._why_not = "no Python executable to start the plot process with"
+            return
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "kvservice.replay.plot_process"],

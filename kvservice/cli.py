@@ -406,8 +406,9 @@ def _replay_one_instance(options: dict[str, Any], plots: PlotProcess) -> None:
     out = Path(options["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     json_path = write_json(report, out / "report.json")
+    plots.submit(json_path, out / "agreement.png")  # drawn while the table is printed
     click.echo(render_table(report))
-    png_path = plots.render(json_path, out / "agreement.png")
+    png_path = plots.result()
     click.echo(f"wrote {json_path} and {png_path}")
 
 

@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from kvservice.replay.plot_process import PlotProcess
 from kvservice.replay.report import plot_agreement, read_json
 from kvservice.replay.runner import ReplayConfig
@@ -109,3 +111,15 @@ async def test_the_mode_workers_import_neither_torch_nor_matplotlib():
     progress = Progress(["incremental", "full"], 1, bar=False, stream=io.StringIO())
     results = await run_in_workers(_mode_in_worker, [("incremental", config), ("full", config)], progress)
     assert results == [("incremental", 1, False, False), ("full", 1, False, False)]
+
+
+def test_the_result_comes_after_a_submit(tmp_path):
+    report = _report_json(tmp_path)
+    with PlotProcess() as plots:
+        with pytest.raises(RuntimeError, match=r"result\(\) before submit\(\)"):
+            plots.result()
+        plots.submit(report, tmp_path / "submitted.png")
+        assert plots.result() == tmp_path / "submitted.png"
+    assert (tmp_path / "submitted.png").read_bytes() == plot_agreement(
+        read_json(report), tmp_path / "in-process.png"
+    ).read_bytes()

@@ -359,8 +359,13 @@ class KVCacheTensors:
 
     @property
     def device(self) -> torch.device:
-        """The device the pool lives on."""
-        return self._pool()[0].device
+        """The device the pool lives on (imports torch; :attr:`device_type` and :attr:`device_name`
+        do not)."""
+        if self._raw is None:
+            import torch
+
+            return torch.device(self._device_name)
+        return self._raw.device
 
     @property
     def device_type(self) -> str:

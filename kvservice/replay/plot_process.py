@@ -2,9 +2,9 @@
 
 Importing matplotlib and a first render cost about as much as a short replay itself (0.9 s of
 ``kvservice replay --limit 1``'s 3.3 s on an idle machine, before this module). So the CLI starts
-:class:`PlotProcess` as the replay starts: the process imports matplotlib and renders a throwaway
-figure (fonts, text layout and the layout engine loaded) while the replay runs on another core,
-then waits. Once the report is written, :meth:`PlotProcess.submit` hands it the report's JSON
+:class:`PlotProcess` as the replay starts: the process imports matplotlib (0.35-0.45 s) while
+the replay runs on another core, then waits. (A throwaway render first, to load fonts and the
+layout engine, was tried: the real render took as long after it, 0.17-0.21 s, so it only cost CPU.) Once the report is written, :meth:`PlotProcess.submit` hands it the report's JSON
 path (the CLI prints the table meanwhile) and :meth:`PlotProcess.result` waits for the PNG. The
 process reads the report back (``read_json`` returns what ``write_json`` wrote, unchanged) and
 calls the same :func:`~kvservice.replay.report.plot_agreement`, so the PNG is the one an
@@ -13,7 +13,7 @@ in-process render writes, byte for byte.
 The protocol is one line each way: the parent writes ``{"report": json path, "png": png path}``
 (JSON) to the process's stdin; the process answers ``ok <png path>`` on stdout and exits, or exits
 non-zero with its traceback on stderr (a temporary file). When the replay fails,
-:meth:`PlotProcess.close` kills it (it holds nothing: its warm-up render goes to ``os.devnull``).
+:meth:`PlotProcess.close` kills it (it holds nothing).
 When the process cannot start or fails, :meth:`PlotProcess.result` renders in this process
 instead and says why on stderr, so the PNG is always written.
 
@@ -22,6 +22,7 @@ This module imports neither matplotlib nor torch in the parent.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -164,44 +165,16 @@ def _close(stream: IO[str] | None) -> None:
             pass
 
 
-def _warm_up() -> None:
-    """Render a small two-mode report to nowhere, so the real render finds matplotlib's fonts,
-    text layout and layout engine loaded."""
-    from kvservice.replay.report import AgreementStats, LatencySummary, ModeReport, ReplayReport, plot_agreement
-
-    series = [(i, i % 3, i % 2) for i in range(60)]
-    modes = [
-        ModeReport(
-            mode=mode,
-            num_requests=60,
-            num_prompt_tokens=0,
-            num_hit_tokens=0,
-            num_prompt_blocks=0,
-            num_hit_blocks=0,
-            num_first_admission_prompt_tokens=0,
-            num_first_admission_hit_tokens=0,
-            num_prefill_tokens=0,
-            agreement=AgreementStats.from_series(series),
-            num_events=0,
-            num_batches=0,
-            num_preemptions=0,
-            rpc_latency=LatencySummary.from_samples([1.0]),
-            wall_time_s=0.0,
-            mirror_capacity_blocks=32,
-            pool_size_blocks=63,
-            series=series,
-        )
-        for mode in ("incremental", "full")
-    ]
-    report = ReplayReport(
-        trace_path="warm-up", num_trace_lines=60, preset="warm-up", block_size=16, num_blocks=64, modes=modes
-    )
-    plot_agreement(report, os.devnull)
+def _preload() -> None:
+    """Import, now, what :func:`~kvservice.replay.report.plot_agreement` imports when it runs."""
+    for name in ("kvservice.replay.report", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        importlib.import_module(name)
 
 
 def main() -> int:
-    """The process: warm up, read one request line, render, answer (none when stdin ends first)."""
-    _warm_up()
+    """The process: import matplotlib, read one request line, render, answer (none when stdin
+    ends first)."""
+    _preload()
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # the replay ended without a report

@@ -1,7 +1,9 @@
 """KV cache tensors in device memory, sized from a :class:`~kvservice.core.kv_cache_spec.KVCacheConfig`.
 
-This module and the server are the only places that import torch. The core hands out block ids;
-this module holds the memory those ids name: one flat pool of ``num_blocks * bytes_per_block``
+This module and the server are the only places that import torch, and only where memory is
+allocated or viewed: on ``meta`` (the replay's default) nothing imports it, since the pool's
+shapes, dtypes and sizes come from the config alone (its views are built on first use). The core
+hands out block ids; this module holds the memory those ids name: one flat pool of ``num_blocks * bytes_per_block``
 bytes that every KV cache group views, as vLLM 0.33's hybrid allocator lays it out (placement from
 :mod:`kvservice.core.kv_cache_planning`; block 0, the null block, is allocated like any other block
 and never written by a model). Every byte comes from one allocator call
@@ -17,8 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvservice.core.kv_cache_planning import KVCacheTensor, get_num_blocks
 from kvservice.core.kv_cache_spec import (
@@ -33,6 +34,9 @@ from kvservice.core.kv_cache_spec import (
     get_kv_cache_spec_kind,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "KVCacheAllocationError",
     "KVCacheAllocator",
@@ -40,6 +44,7 @@ __all__ = [
     "allocate_kv_cache_tensors",
     "allocate_zeroed",
     "cuda_memory_budget",
+    "is_meta_device",
     "num_blocks_from_budget",
     "resolve_device",
     "torch_dtype",
@@ -79,6 +84,8 @@ class KVCacheAllocationError(MemoryError):
 
 def _describe_available_devices() -> str:
     """A human list of the device values that would resolve here."""
+    import torch
+
     choices = ["auto", "cpu", "meta"]
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
@@ -87,6 +94,12 @@ def _describe_available_devices() -> str:
     else:
         choices.append("(no CUDA device)")
     return ", ".join(choices)
+
+
+def is_meta_device(device: torch.device | str) -> bool:
+    """Whether ``device`` (a torch device or a :func:`resolve_device` value) is ``meta``, decided
+    without importing torch."""
+    return device.strip().lower() == "meta" if isinstance(device, str) else device.type == "meta"
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -105,6 +118,8 @@ def resolve_device(spec: str) -> torch.device:
         ValueError: ``spec`` is none of the above, or names CUDA (or a CUDA index) this machine
             does not have. The message names ``device`` and lists what is available.
     """
+    import torch
+
     value = str(spec).strip().lower()
     if value == "cpu":
         return torch.device("cpu")
@@ -137,6 +152,8 @@ def torch_dtype(name: str) -> torch.dtype:
     Raises:
         ValueError: unknown dtype name (lists the known ones).
     """
+    import torch
+
     size_bytes = dtype_size_bytes(name)  # raises ValueError for unknown names
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -152,31 +169,37 @@ def torch_dtype(name: str) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------
 
 
-def _page_shape(spec: KVCacheSpec) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and dtype of one layer's page of ``spec`` (one block), padding excluded."""
+def _page_layout(spec: KVCacheSpec) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype name (torch's, a key of ``DTYPE_SIZE_BYTES``) of one layer's page of
+    ``spec`` (one block), padding excluded. Needs no torch."""
     if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
         if spec.num_kv_heads != 1:
             raise ValueError(
                 f"an MLA spec holds one latent per token, so num_kv_heads must be 1; got {spec.num_kv_heads}"
             )
-        return (spec.block_size, spec.head_size), torch_dtype(spec.dtype)
+        dtype_size_bytes(spec.dtype)  # raises ValueError for unknown names
+        return (spec.block_size, spec.head_size), spec.dtype
     if isinstance(spec, AttentionSpec):
         # vLLM 0.33's LBNHC page: per token, per KV head, K (head_size) then V (head_size).
-        return (spec.block_size, spec.num_kv_heads, 2 * spec.head_size), torch_dtype(spec.dtype)
+        dtype_size_bytes(spec.dtype)
+        return (spec.block_size, spec.num_kv_heads, 2 * spec.head_size), spec.dtype
     if isinstance(spec, MambaSpec):
         if len(spec.shapes) != len(spec.dtypes):
             raise ValueError(
                 f"a MambaSpec needs one dtype per state shape; got {len(spec.shapes)} shapes "
                 f"and {len(spec.dtypes)} dtypes"
             )
-        return (spec.real_page_size_bytes,), torch.uint8
+        return (spec.real_page_size_bytes,), "uint8"
     raise ValueError(f"no tensor layout for KV cache spec {type(spec).__name__}")
 
 
-def _tensor_view(raw: torch.Tensor, tensor: KVCacheTensor, num_blocks: int) -> torch.Tensor:
-    """``[L, num_blocks, *page shape]`` over ``raw`` (a flat byte tensor) as ``tensor`` places it."""
-    page_shape, dtype = _page_shape(tensor.kv_cache_spec)
-    itemsize = dtype.itemsize
+def _check_placement(tensor: KVCacheTensor) -> None:
+    """``tensor``'s offset and strides are whole elements of its dtype (a view can be built).
+
+    Raises:
+        ValueError: one is not; the message names the layer, the field and the bytes.
+    """
+    itemsize = dtype_size_bytes(_page_layout(tensor.kv_cache_spec)[1])
     for what, value in (
         ("offset", tensor.offset),
         ("layer_stride", tensor.layer_stride),
@@ -187,6 +210,14 @@ def _tensor_view(raw: torch.Tensor, tensor: KVCacheTensor, num_blocks: int) -> t
                 f"KV cache tensor of {tensor.layer_names[0]}: {what} {value} bytes is not a multiple of "
                 f"its dtype's {itemsize} bytes"
             )
+
+
+def _tensor_view(raw: torch.Tensor, tensor: KVCacheTensor, num_blocks: int) -> torch.Tensor:
+    """``[L, num_blocks, *page shape]`` over ``raw`` (a flat byte tensor) as ``tensor`` places it."""
+    page_shape, dtype_name = _page_layout(tensor.kv_cache_spec)
+    _check_placement(tensor)
+    dtype = torch_dtype(dtype_name)
+    itemsize = dtype.itemsize
     usable = raw.numel() - raw.numel() % itemsize
     typed = raw[:usable].view(dtype)
     inner_strides = []
@@ -236,9 +267,15 @@ class KVCacheTensors:
     Raises:
         ValueError: ``raw_tensors`` is not one flat byte tensor of at least the pool's size, or a
             spec has no tensor layout.
+
+    :meth:`on_meta` makes the ``meta`` pool without torch: everything but the views (and
+    :attr:`raw_tensors`, :attr:`device`) comes from the config; the views, ``meta`` tensors, are
+    built when first asked for.
     """
 
     def __init__(self, config: KVCacheConfig, raw_tensors: Sequence[torch.Tensor]) -> None:
+        import torch
+
         raw_tensors = tuple(raw_tensors)
         if len(raw_tensors) != 1:
             raise ValueError(f"raw_tensors must hold one flat pool tensor; got {len(raw_tensors)}")
@@ -247,13 +284,53 @@ class KVCacheTensors:
             raise ValueError(f"the pool tensor must be 1-D uint8 or int8; got {raw.dtype} of shape {list(raw.shape)}")
         if raw.numel() < config.total_bytes:
             raise ValueError(f"the pool tensor has {raw.numel()} bytes; the config needs {config.total_bytes}")
+        self._set_config(config)
+        self._raw: torch.Tensor | None = raw.view(torch.uint8)
+        self._device_name = str(raw.device)
+        self._device_type = raw.device.type
+        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = self._build_views(self._raw)
+
+    @classmethod
+    def on_meta(cls, config: KVCacheConfig) -> KVCacheTensors:
+        """The pool of ``config`` on the ``meta`` device (shapes and dtypes only, no storage),
+        made without importing torch; the views are built (torch imported) on first use.
+
+        Raises:
+            ValueError: a spec has no tensor layout, or a tensor's placement is not in whole
+                elements of its dtype.
+        """
+        self = cls.__new__(cls)
+        for tensor in config.kv_cache_tensors:
+            _page_layout(tensor.kv_cache_spec)
+            _check_placement(tensor)
+        self._set_config(config)
+        self._raw = None
+        self._device_name = self._device_type = "meta"
+        self._views = None
+        return self
+
+    def _set_config(self, config: KVCacheConfig) -> None:
         self._config = config
-        self._raw = raw.view(torch.uint8)
         self._kv_cache_tensors = config.kv_cache_tensors
-        views: list[list[torch.Tensor]] = [[] for _ in config.kv_cache_groups]
+        dtype_names: list[list[str]] = [[] for _ in config.kv_cache_groups]
         for tensor in self._kv_cache_tensors:
-            views[tensor.group_idx].append(_tensor_view(self._raw, tensor, config.num_blocks))
-        self._views = tuple(tuple(v) for v in views)
+            dtype_names[tensor.group_idx].append(_page_layout(tensor.kv_cache_spec)[1])
+        self._dtype_names = tuple(tuple(names) for names in dtype_names)
+
+    def _build_views(self, raw: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
+        views: list[list[torch.Tensor]] = [[] for _ in self._config.kv_cache_groups]
+        for tensor in self._kv_cache_tensors:
+            views[tensor.group_idx].append(_tensor_view(raw, tensor, self._config.num_blocks))
+        return tuple(tuple(v) for v in views)
+
+    def _pool(self) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, ...], ...]]:
+        """The flat pool and the views (built now on a :meth:`on_meta` pool's first use)."""
+        if self._raw is None or self._views is None:
+            import torch
+
+            self._raw = torch.empty(self._config.total_bytes, dtype=torch.uint8, device="meta")
+            self._views = self._build_views(self._raw)
+        return self._raw, self._views
 
     @property
     def config(self) -> KVCacheConfig:
@@ -263,7 +340,7 @@ class KVCacheTensors:
     @property
     def raw_tensors(self) -> tuple[torch.Tensor, ...]:
         """The flat ``uint8`` backing allocation(s) every view aliases (one: the pool)."""
-        return (self._raw,)
+        return (self._pool()[0],)
 
     @property
     def kv_cache_tensors(self) -> tuple[KVCacheTensor, ...]:
@@ -273,7 +350,7 @@ class KVCacheTensors:
     @property
     def num_groups(self) -> int:
         """KV cache groups."""
-        return len(self._views)
+        return len(self._dtype_names)
 
     @property
     def num_blocks(self) -> int:
@@ -282,12 +359,27 @@ class KVCacheTensors:
 
     @property
     def device(self) -> torch.device:
-        """The device the pool lives on."""
+        """The device the pool lives on (imports torch; :attr:`device_type` and :attr:`device_name`
+        do not)."""
+        if self._raw is None:
+            import torch
+
+            return torch.device(self._device_name)
         return self._raw.device
 
+    @property
+    def device_type(self) -> str:
+        """The device's type: ``"cpu"``, ``"cuda"`` or ``"meta"`` (no torch needed)."""
+        return self._device_type
+
+    @property
+    def device_name(self) -> str:
+        """The device as torch writes it (``"cpu"``, ``"cuda:0"``, ``"meta"``; no torch needed)."""
+        return self._device_name
+
     def _check_group_idx(self, group_idx: int) -> None:
-        if not 0 <= group_idx < len(self._views):
-            raise IndexError(f"group_idx must be in [0, {len(self._views)}); got {group_idx}")
+        if not 0 <= group_idx < len(self._dtype_names):
+            raise IndexError(f"group_idx must be in [0, {len(self._dtype_names)}); got {group_idx}")
 
     def tensors(self, group_idx: int) -> tuple[torch.Tensor, ...]:
         """Group ``group_idx``'s views, one per KV cache tensor of the group (layouts in the class
@@ -297,7 +389,7 @@ class KVCacheTensors:
             IndexError: no such group.
         """
         self._check_group_idx(group_idx)
-        return self._views[group_idx]
+        return self._pool()[1][group_idx]
 
     def block_dims(self, group_idx: int) -> tuple[int, ...]:
         """Per view of group ``group_idx``, the axis a block id indexes (1 for every view).
@@ -305,7 +397,8 @@ class KVCacheTensors:
         Raises:
             IndexError: no such group.
         """
-        return tuple(1 for _ in self.tensors(group_idx))
+        self._check_group_idx(group_idx)
+        return tuple(1 for _ in self._dtype_names[group_idx])
 
     def bytes_per_block(self, group_idx: int | None = None) -> int:
         """Bytes of one block id.
@@ -345,6 +438,18 @@ class KVCacheTensors:
         """
         return tuple(t.dtype for t in self.tensors(group_idx))
 
+    def dtype_name(self, group_idx: int) -> str | None:
+        """:meth:`dtype` as torch names it without the ``torch.`` prefix (``"bfloat16"``,
+        ``"uint8"``), from the specs (no torch needed); None when the views' dtypes differ or
+        the group has no tensors.
+
+        Raises:
+            IndexError: no such group.
+        """
+        self._check_group_idx(group_idx)
+        names = set(self._dtype_names[group_idx])
+        return names.pop() if len(names) == 1 else None
+
     def block_view(self, group_idx: int, block_id: int) -> tuple[torch.Tensor, ...]:
         """Block ``block_id``'s memory in group ``group_idx``'s layers: one view per KV cache tensor
         of the group, shaped as :meth:`tensors` without the block axis (``[L, B, H, 2 * D]``,
@@ -364,15 +469,19 @@ class KVCacheTensors:
     def describe(self) -> str:
         """A short human summary: the device and pool size, then per group its kind, layers and
         bytes per block."""
-        storage = " (meta: shapes only, nothing allocated)" if self.device.type == "meta" else ""
+        storage = " (meta: shapes only, nothing allocated)" if self._device_type == "meta" else ""
         lines = [
-            f"KV cache on {self.device}{storage}: one pool of {self.num_blocks} blocks x "
+            f"KV cache on {self._device_name}{storage}: one pool of {self.num_blocks} blocks x "
             f"{_format_bytes(self.bytes_per_block())} = {_format_bytes(self.total_bytes)}, "
             f"{self.num_groups} groups viewing it"
         ]
-        for group_idx, (group, views) in enumerate(zip(self._config.kv_cache_groups, self._views)):
+        layouts: list[list[str]] = [[] for _ in self._config.kv_cache_groups]
+        for tensor in self._kv_cache_tensors:  # the views' shapes, from the config (no torch needed)
+            page_shape, dtype_name = _page_layout(tensor.kv_cache_spec)
+            layouts[tensor.group_idx].append(f"{[tensor.num_layers, self.num_blocks, *page_shape]} {dtype_name}")
+        for group_idx, (group, shapes_of_views) in enumerate(zip(self._config.kv_cache_groups, layouts)):
             kind = get_kv_cache_spec_kind(group.kv_cache_spec).value
-            shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in views)
+            shapes = ", ".join(shapes_of_views)
             lines.append(
                 f"  group {group_idx} {kind} ({group.num_layers} layers): {shapes or 'no tensors'}; "
                 f"{_format_bytes(self.bytes_per_block(group_idx))}/block"
@@ -381,7 +490,7 @@ class KVCacheTensors:
 
     def __repr__(self) -> str:
         return (
-            f"KVCacheTensors(device={self.device}, num_groups={self.num_groups}, "
+            f"KVCacheTensors(device={self._device_name}, num_groups={self.num_groups}, "
             f"num_blocks={self.num_blocks}, total_bytes={self.total_bytes})"
         )
 
@@ -421,6 +530,8 @@ def cuda_memory_budget(device: torch.device | str, fraction: float) -> int:
         ValueError: ``fraction`` is outside ``(0, 1]``, or ``device`` is not a CUDA device (or CUDA
             is not available).
     """
+    import torch
+
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"memory fraction must be in (0, 1]; got {fraction}")
     resolved = resolve_device(device) if isinstance(device, str) else device
@@ -454,6 +565,8 @@ def _available_memory_bytes(device: torch.device) -> int | None:
     if device.type == "meta":
         return None
     if device.type == "cuda":
+        import torch
+
         free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
         return int(free_bytes)
     if device.type == "cpu":
@@ -463,13 +576,15 @@ def _available_memory_bytes(device: torch.device) -> int | None:
 
 def _is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is torch (or Python) failing to allocate memory."""
+    import torch
+
     if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):  # torch >= 2.5 aliases it as torch.OutOfMemoryError
         return True
     message = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
-KVCacheAllocator = Callable[[int, torch.device], torch.Tensor]
+KVCacheAllocator = Callable[[int, "torch.device"], "torch.Tensor"]
 """Makes a KV cache pool: ``(num_bytes, device) -> 1-D uint8 (or int8) tensor of num_bytes bytes``
 (:func:`allocate_zeroed`, or :class:`kvservice.shm.SharedMemoryAllocator`: POSIX shared memory,
 zero-filled by the kernel)."""
@@ -483,6 +598,8 @@ def allocate_zeroed(num_bytes: int, device: torch.device) -> torch.Tensor:
     committed (host RSS shows it) and an over-commit fails here, at start, rather than later under
     load or through the kernel's OOM killer. It costs one pass over the memory at start.
     """
+    import torch
+
     if device.type == "meta":
         return torch.empty(num_bytes, dtype=torch.uint8, device=device)
     return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
@@ -500,6 +617,9 @@ def allocate_kv_cache_tensors(
     ``MemAvailable``; CUDA: ``torch.cuda.mem_get_info``; ``meta``: always fits, since nothing is
     allocated). An allocator failure that still happens is re-raised as the same error.
 
+    ``device`` ``"meta"`` (the string) with the default allocator imports no torch: the pool is
+    :meth:`KVCacheTensors.on_meta`.
+
     Args:
         config: the block count and groups to size the pool from.
         device: a torch device or a :func:`resolve_device` value (``"auto"``, ``"cpu"``, ``"cuda"``,
@@ -515,11 +635,14 @@ def allocate_kv_cache_tensors(
         ValueError: a bad ``device`` value, a spec with no tensor layout, or an allocator that
             returned something other than a 1-D byte tensor of at least the pool's size.
     """
+    if allocator is None and isinstance(device, str) and is_meta_device(device):
+        return KVCacheTensors.on_meta(config)
     resolved = resolve_device(device) if isinstance(device, str) else device
     allocator = allocator or allocate_zeroed
     bytes_asked = config.total_bytes
     for tensor in config.kv_cache_tensors:  # a spec with no layout fails before any allocation
-        _page_shape(tensor.kv_cache_spec)
+        _page_layout(tensor.kv_cache_spec)
+        torch_dtype(_page_layout(tensor.kv_cache_spec)[1])
     bytes_available = _available_memory_bytes(resolved)
     if bytes_available is not None and bytes_asked > bytes_available:
         raise KVCacheAllocationError(bytes_asked, bytes_available, resolved)
@@ -529,6 +652,8 @@ def allocate_kv_cache_tensors(
         if not _is_out_of_memory(exc):
             raise
         if resolved.type == "cuda":
+            import torch
+
             torch.cuda.empty_cache()  # hand back what the partial allocation cached
         raise KVCacheAllocationError(bytes_asked, _available_memory_bytes(resolved), resolved) from exc
     return KVCacheTensors(config, [raw])

@@ -9,12 +9,10 @@ seconds and when a mode ends, so a log shows the run is alive without a bar's co
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TextIO
 
 __all__ = ["Progress", "ProgressCallback", "QueueDrain", "run_in_workers", "worker_progress", "worker_reporter"]
@@ -156,6 +154,9 @@ async def run_in_workers(entry: Callable[..., Any], jobs: Sequence[tuple[Any, ..
     Returns:
         The results, in job order.
     """
+    import multiprocessing  # here, not at the top: a replay of a few requests never starts workers
+    from concurrent.futures import ProcessPoolExecutor
+
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     drain = QueueDrain(queue, progress)

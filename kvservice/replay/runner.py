@@ -449,9 +449,10 @@ async def replay_mode(
 
 PARALLEL_MIN_REQUESTS = 200
 """Below this many requests the modes run one after the other in this process. A worker process
-first pays its own start-up (the server and torch imported again: about one ``import torch``, 2 to 8
-s here) which a mode this short (about 0.1 s per request on a loaded 2-core machine) does not win
-back; longer replays run one worker per mode, in parallel."""
+first pays its own start-up (the replay and the server imported again, torch too on a device with
+memory: 0.4 to 0.7 s on a loaded 2-core machine with ``meta``, about one ``import torch`` more
+otherwise) which a mode this short (about 0.1 s per request there) does not win back; longer
+replays run one worker per mode, in parallel."""
 
 
 def _replay_mode_in_process(mode: str, config: ReplayConfig) -> ModeResult:

@@ -41,6 +41,7 @@ from kvservice.memory import (
     KVCacheTensors,
     allocate_kv_cache_tensors,
     cuda_memory_budget,
+    is_meta_device,
     num_blocks_from_budget,
     resolve_device,
 )
@@ -397,7 +398,7 @@ def _resolve_num_blocks(cache: CacheSettings, kv_cache_config_groups: Any, devic
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
-    elif device.type == "cuda":
+    elif not isinstance(device, str) and device.type == "cuda":
         budget = cuda_memory_budget(device, cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
     else:
         if cache.gpu_memory_utilization is not None:
@@ -422,7 +423,8 @@ class _Core:
 
 
 def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, list[str], str]:
-    """The pool's size and max_model_len resolved (the config says them); the device.
+    """The pool's size and max_model_len resolved (the config says them); the device (a torch
+    device, or the string ``"meta"``: a meta pool needs no torch, so none is imported for it).
 
     A request the pool cannot hold would be registered and then never allocated: a preset's
     max_model_len is lowered to what fits; an explicit one is kept (the engine refuses longer
@@ -430,7 +432,7 @@ def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, 
     """
     cache = config.cache
     layout = _model_kv_layout(cache)
-    device = resolve_device(cache.device)
+    device = "meta" if is_meta_device(cache.device) else resolve_device(cache.device)
     groups = layout.kv_cache_groups()
     kv_cache_config = KVCacheConfig(_resolve_num_blocks(cache, groups, device), groups)
     fits = max_tokens_in_pool(kv_cache_config)
@@ -461,14 +463,15 @@ def _build_core(config: ServerConfig) -> _Core:
     config, kv_cache_config, device, notes, layout_name = _size_pool(config)
     cache = config.cache
     # The data plane: CPU memory in POSIX shared memory (a control segment on CUDA too).
+    device_type = "meta" if isinstance(device, str) else device.type
     shm = None
-    if device.type in ("cpu", "cuda"):
+    if device_type in ("cpu", "cuda"):
         from kvservice.shm import SharedMemoryAllocator, remove_stale_segments
 
         remove_stale_segments()
         shm = SharedMemoryAllocator()
     try:
-        tensors = allocate_kv_cache_tensors(kv_cache_config, device, allocator=shm if device.type == "cpu" else None)
+        tensors = allocate_kv_cache_tensors(kv_cache_config, device, allocator=shm if device_type == "cpu" else None)
     except BaseException:
         if shm is not None:
             shm.close()
@@ -504,8 +507,8 @@ def _build_core(config: ServerConfig) -> _Core:
     metadata = build_metadata_response(
         engine,
         epoch=event_log.epoch,
-        device=str(device),
-        dtypes=[tensors.dtype(g) and str(tensors.dtype(g)).removeprefix("torch.") for g in range(manager.num_groups)],  # type: ignore[misc]  # a group without tensors gives None, kept as None
+        device=tensors.device_name,
+        dtypes=[tensors.dtype_name(g) for g in range(manager.num_groups)],
         preset=layout_name,
         data_parallel_rank=events.data_parallel_rank,
     )
@@ -519,11 +522,11 @@ def _build_core(config: ServerConfig) -> _Core:
         max_step_tokens=limits.max_step_tokens,
         snapshots=snapshots,
     )
-    if device.type != "meta":
+    if device_type != "meta":
         metadata.max_data_chunk_bytes = limits.chunk_bytes
     if shm is not None:
         shm.set_epoch(event_log.epoch)
-        if device.type == "cpu":
+        if device_type == "cpu":
             notes.append(
                 f"KV memory in {len(shm.segments)} POSIX shared-memory segments (mode 0600): workers attach with AttachKVCache"
             )

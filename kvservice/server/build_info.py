@@ -39,8 +39,9 @@ def _version(package: str) -> str:
 
 def build_info() -> dict[str, str]:
     """``version``, ``git_commit``, ``python_version``, ``grpc_version``, ``protobuf_version``,
-    ``torch_version`` (the fields of the proto's ``BuildInfo``; "" where not known; torch only
-    when it is already imported, so asking never loads it)."""
+    ``torch_version`` (the fields of the proto's ``BuildInfo``; "" where not known). Asking never
+    loads torch: its version is the imported module's, else the installed distribution's (a
+    ``meta`` server never imports torch)."""
     torch = sys.modules.get("torch")
     return {
         "version": _version("kvservice"),
@@ -48,7 +49,7 @@ def build_info() -> dict[str, str]:
         "python_version": platform.python_version(),
         "grpc_version": _version("grpcio"),
         "protobuf_version": _version("protobuf"),
-        "torch_version": str(getattr(torch, "__version__", "")) if torch is not None else "",
+        "torch_version": str(getattr(torch, "__version__", "")) if torch is not None else _version("torch"),
     }
 
 

@@ -31,7 +31,8 @@ block of that group carries it) and checked again before every chunk is copied (
 the check and the copy): when it left the cache, or was reused, meanwhile, the stream says
 ``evicted`` for it and sends no more of it.
 
-The data plane never touches the event log and changes no cache state.
+The data plane never touches the event log and changes no cache state. It imports torch only
+where it touches memory, so a ``meta`` server (no memory: every call is refused) never loads it.
 """
 
 from __future__ import annotations
@@ -40,16 +41,18 @@ import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 import xxhash
 
 from kvservice.core.engine import KVCacheEngine
 from kvservice.core.request import Request
 from kvservice.memory import KVCacheTensors
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +175,11 @@ def describe_memory(
         DataPlaneError: FAILED_PRECONDITION on ``meta`` ("no memory behind a meta device") or CPU
             memory not in shared memory.
     """
-    device = tensors.device
-    if device.type == "meta":
+    if tensors.device_type == "meta":
         raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, NO_MEMORY)
+    import torch
+
+    device = tensors.device
     response = pb.AttachKVCacheResponse(
         epoch=epoch,
         device=str(device),
@@ -236,6 +241,8 @@ def _byte_rows(view: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``view``'s bytes as a 2-D uint8 tensor ``[rows, row_bytes]``, rows in row-major order, and
     whether it shares ``view``'s memory (False only for layouts whose leading axes cannot be
     merged: then it is a copy, fine for reading)."""
+    import torch
+
     raw = view.view(torch.uint8) if view.dim() else view.reshape(1).view(torch.uint8)
     shape, strides = raw.shape, raw.stride()
     k = raw.dim()
@@ -253,6 +260,8 @@ def _byte_rows(view: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _wide(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` as int64 when each row is whole 8-byte words (copies of wide elements run at memory
     speed; byte-wise strided copies do not)."""
+    import torch
+
     return rows.view(torch.int64) if rows.shape[1] % 8 == 0 and rows.stride(0) % 8 == 0 else rows
 
 
@@ -290,6 +299,8 @@ class _BlockBytes:
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Overwrite the whole block with ``data`` (``total`` bytes)."""
         assert len(data) == self.total
+        import torch
+
         base = 0
         for view, rows, shares, size in zip(self.views, self.rows, self.shares, self.sizes):
             if size:
@@ -337,7 +348,7 @@ class DataPlane:
         self.shm = shm
         self.chunk_bytes = chunk_bytes
         self.attach_requires_local = attach_requires_local
-        self.has_memory = tensors.device.type != "meta"
+        self.has_memory = tensors.device_type != "meta"
         self._pool = engine.manager.block_pool
         self._coordinator = engine.manager.coordinator
         self._num_groups = tensors.num_groups

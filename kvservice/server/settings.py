@@ -882,8 +882,8 @@ class SettingInfo:
         return str(value)
 
 
-def _type_of(section: type, f: dataclasses.Field[Any]) -> tuple[str, bool]:
-    hint = typing.get_type_hints(section)[f.name]
+def _type_of(hints: dict[str, Any], f: dataclasses.Field[Any]) -> tuple[str, bool]:
+    hint = hints[f.name]
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else ()
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if args else hint
@@ -892,11 +892,12 @@ def _type_of(section: type, f: dataclasses.Field[Any]) -> tuple[str, bool]:
 
 def _rows() -> Iterator[SettingInfo]:
     for section in SECTIONS:
+        hints = typing.get_type_hints(section)  # once per section: it evaluates every annotation
         for f in dataclasses.fields(section):
             meta = f.metadata.get("setting")
             if meta is None:
                 continue
-            type_name, optional = _type_of(section, f)
+            type_name, optional = _type_of(hints, f)
             if meta.parse == "bytes":
                 type_name = "bytes"
             yield SettingInfo(meta.flat or f.name, section.name, f.name, f.default, type_name, optional, meta)

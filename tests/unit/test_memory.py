@@ -456,6 +456,47 @@ def test_available_cpu_memory_reads_proc_meminfo(monkeypatch: pytest.MonkeyPatch
     assert memory._available_cpu_memory_bytes() is None
 
 
+def _config_with_every_layout() -> KVCacheConfig:
+    """Attention (two heads), MLA and Mamba groups in one pool."""
+    return make_config(
+        make_group(FullAttentionSpec(4, num_kv_heads=2, head_size=8, dtype="bfloat16"), 2, "a"),
+        make_group(MLAAttentionSpec(4, num_kv_heads=1, head_size=16, dtype="float16"), 1, "m"),
+        make_group(MAMBA_SPEC, 2, "s"),
+        num_blocks=6,
+    )
+
+
+@pytest.mark.parametrize("preset_name", ["llama-3-8b", "gemma-3-27b", "deepseek-v3", "llama-4-scout"])
+def test_the_meta_pool_made_without_torch_is_the_one_torch_makes(preset_name: str) -> None:
+    """``allocate_kv_cache_tensors(config, "meta")`` (no torch until a view is asked for) gives the
+    views, dtypes, sizes and description of the pool built eagerly on ``torch.device("meta")``."""
+    for config in (get_preset(preset_name).kv_cache_config(9, block_size=16), _config_with_every_layout()):
+        lazy, eager = allocate_kv_cache_tensors(config, "meta"), allocate_kv_cache_tensors(config, META)
+        assert (lazy.device_type, lazy.device_name) == (eager.device_type, eager.device_name) == ("meta", "meta")
+        assert lazy.num_groups == eager.num_groups == len(config.kv_cache_groups)
+        for g in range(lazy.num_groups):
+            expected = eager.dtype(g)
+            assert lazy.dtype_name(g) == (None if expected is None else str(expected).removeprefix("torch."))
+            assert lazy.block_dims(g) == eager.block_dims(g)
+            assert lazy.bytes_per_block(g) == eager.bytes_per_block(g)
+        assert lazy.describe() == eager.describe()  # from the config alone: no view built yet
+        assert lazy.device == META and lazy._views is None
+        for g in range(lazy.num_groups):
+            assert [(t.shape, t.stride(), t.dtype, t.storage_offset()) for t in lazy.tensors(g)] == [
+                (t.shape, t.stride(), t.dtype, t.storage_offset()) for t in eager.tensors(g)
+            ]
+        assert lazy.raw_tensors[0].numel() == eager.raw_tensors[0].numel()
+
+
+def test_dtype_names_of_every_layout_on_cpu() -> None:
+    kv = allocate_kv_cache_tensors(_config_with_every_layout(), CPU)
+    assert [kv.dtype_name(g) for g in range(3)] == ["bfloat16", "float16", "uint8"]
+    assert [str(kv.dtype(g)) for g in range(3)] == ["torch.bfloat16", "torch.float16", "torch.uint8"]
+    assert (kv.device_type, kv.device_name) == ("cpu", "cpu")
+    with pytest.raises(IndexError, match=r"group_idx must be in \[0, 3\); got 3"):
+        kv.dtype_name(3)
+
+
 def test_meta_device_allocates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     # No available-memory check applies to meta: even "0 bytes free" on the host lets it through.
     monkeypatch.setattr(memory, "_available_cpu_memory_bytes", lambda: 0)

@@ -405,15 +405,17 @@ class KVCacheServicer:
                 grpc.StatusCode.INVALID_ARGUMENT, f"ops: {num_ops} ops, above max_step_ops {self.max_step_ops}"
             )
         kinds = [op.WhichOneof("op") for op in step_ops]
+        # Each op's own message, read once (every access to a oneof member makes a new wrapper).
+        subs: list[Any] = [getattr(op, which) if which is not None else None for which, op in zip(kinds, step_ops)]
         num_tokens = 0
-        for which, op in zip(kinds, step_ops):
+        for which, sub in zip(kinds, subs):
             if which == "get_computed_blocks":
-                num_tokens += len(op.get_computed_blocks.prompt_token_ids)
+                num_tokens += len(sub.prompt_token_ids)
             elif which == "allocate_slots":
-                num_tokens += len(op.allocate_slots.new_token_ids)
+                num_tokens += len(sub.new_token_ids)
             elif which == "decode":
-                num_tokens += len(op.decode.new_token_ids)
-                num_ops += len(op.decode.request_ids) - 1
+                num_tokens += len(sub.new_token_ids)
+                num_ops += len(sub.request_ids) - 1
         if num_ops > self.max_step_ops:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -428,7 +430,7 @@ class KVCacheServicer:
         response = pb.StepResponse()
         results = response.results
         ops, fills = self._ops, self._step_fills
-        for which, op in zip(kinds, step_ops):
+        for which, sub in zip(kinds, subs):
             if which is None:
                 results.add(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set"))
                 continue
@@ -436,14 +438,14 @@ class KVCacheServicer:
             if fill is not None:
                 result = results.add()
                 try:
-                    fill(getattr(op, which), getattr(result, which))  # raises before writing anything
+                    fill(sub, getattr(result, which))  # raises before writing anything
                 except Exception as exc:
                     code, message = status_for(exc)
                     result.error.code = code.value[0]  # setting error clears the oneof's other member
                     result.error.message = message
                 continue
             try:
-                answer = ops[which](getattr(op, which))
+                answer = ops[which](sub)
             except Exception as exc:
                 code, message = status_for(exc)
                 results.add(error=pb.OpStatus(code=code.value[0], message=message))

@@ -106,9 +106,9 @@ def _fill_groups(field: Any, block_ids: tuple[list[int], ...]) -> None:
 
 
 def _computed_blocks_response(result: ComputedBlocksResult) -> pb.GetComputedBlocksResponse:
-    return pb.GetComputedBlocksResponse(
-        num_computed_tokens=result.num_computed_tokens, block_ids=_groups(result.block_ids)
-    )
+    response = pb.GetComputedBlocksResponse(num_computed_tokens=result.num_computed_tokens)
+    _fill_groups(response.block_ids, result.block_ids)  # in place: no per-group message to copy in
+    return response
 
 
 def _allocate_response(result: AllocateResult) -> pb.AllocateSlotsResponse:
@@ -273,7 +273,9 @@ class KVCacheServicer:
             kv_cache_report_mode=mode,
             lora=lora,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features],
+            mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features]
+            if request.mm_features
+            else (),
         )
 
     def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:

@@ -1,5 +1,7 @@
 """RPC: unary round trips against a no-op RPC (Ping) on the same server, and Step batches against
-the in-process engine rate.
+the in-process engine running the same op sequence (:func:`in_process_step_rate`; the older
+one-request-at-a-time rate, :func:`in_process_rate`, is kept beside it), with the server process's
+CPU per request against the engine's.
 
 The server runs in its own process (``kvservice serve --device meta``), so client and server each
 have a core, as in a deployment; the baselines are measured in the same run.

@@ -177,7 +177,8 @@ def bench_hashing(quick: bool) -> list[Row]:
 
 
 def bench_rpc(quick: bool) -> list[Row]:
-    """Unary calls against a Ping, Steps of admissions against the in-process engine, and decode
+    """Unary calls against a Ping, Steps of admissions against the in-process engine on the same
+    ops (and the server's CPU per request against the engine's), and decode
     steps (256 and 64 running requests, per-request ops and the decode op) against a Ping; each
     ratio is per round, against the same round's baseline."""
     rounds = [rpc_bench.run(quick) for _ in range(1 if quick else 3)]

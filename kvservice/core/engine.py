@@ -239,8 +239,10 @@ class KVCacheEngine:
             )
         prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
         limit = self.limits.max_string_bytes
-        _check_string("session_id", session_id, limit)
-        _check_string("cache_salt", cache_salt, limit)
+        if session_id is not None:
+            _check_string("session_id", session_id, limit)
+        if cache_salt is not None:
+            _check_string("cache_salt", cache_salt, limit)
         if lora is not None:
             _check_string("lora.lora_name", lora.lora_name, limit, allow_empty=False)
             _check_string("lora.lora_path", lora.lora_path, limit)

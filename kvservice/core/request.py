@@ -28,6 +28,8 @@ class KVCacheReportMode(str, enum.Enum):
         Raises:
             ValueError: ``value`` is not "incremental" or "full" (the message names the value).
         """
+        if type(value) is cls:  # already a mode (the engine's calls): Enum's lookup is the slow path
+            return value
         try:
             return cls(value)
         except ValueError:

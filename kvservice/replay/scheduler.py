@@ -8,8 +8,9 @@ RPCs (one per scheduler step in the common case):
   as the service answers (time compression).
 * each step: one ``Step`` RPC carries the frees of requests that finished last step and, for
   running requests oldest first, a prefill chunk (chunked prefill) or one decode token (the token
-  sampled last step is appended with ``new_token_ids``), within the token budget
-  ``max_num_batched_tokens``. Then, if no request was preempted, waiting requests are admitted
+  sampled last step is appended), within the token budget ``max_num_batched_tokens``: each run of
+  consecutive decodes is one ``decode`` op (packed arrays, answering only what changed; the same
+  semantics as one ``allocate_slots`` with ``new_token_ids`` per request, in the same order). Then, if no request was preempted, waiting requests are admitted
   (``GetComputedBlocks`` + ``AllocateSlots``) while fewer than ``max_num_seqs`` run and budget is
   left. Each admission is its own ``Step`` round trip: the hit of a request depends on blocks the
   ops before it cached or evicted, so a watcher can predict it exactly only once it has applied
@@ -47,6 +48,7 @@ from typing import Any
 from kvservice.replay.traces import TraceRequest, output_token_ids
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError
+from kvservice_client.step import decode_new_block_ids
 
 __all__ = ["Admission", "ReplayRequest", "ReplayScheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -237,6 +239,7 @@ class ReplayScheduler:
         self.head_seq = 0
         self.clock_ms = 0.0
         self._last_scheduled = 0
+        self._num_groups = 1  # KV cache groups, as the last decode op's answer says
         self._mode = (
             pb.KV_CACHE_REPORT_MODE_FULL
             if config.kv_cache_report_mode == "full"
@@ -370,23 +373,46 @@ class ReplayScheduler:
     async def _step(self) -> None:
         cfg = self.config
         ops: list[pb.StepOp] = [self._free_op(r) for r in self.to_free]
-        num_frees = len(ops)
         self.to_free = []
         budget = cfg.max_num_batched_tokens
-        scheduled: list[ReplayRequest] = []
+        # Per scheduled request, in running order: its op's index and its index in that decode op
+        # (-1: its own allocate_slots op, a prefill chunk).
+        scheduled: list[tuple[ReplayRequest, int, int]] = []
+        decode_ids: list[str] = []
+        decode_tokens: list[int] = []
         for r in self.running:
             if budget <= 0:
                 break
-            op, n = self._running_op(r, budget)
-            ops.append(op)
-            scheduled.append(r)
-            budget -= n
+            if r.num_computed_tokens < len(r.token_ids):
+                if decode_ids:
+                    ops.append(pb.StepOp(decode=pb.DecodeRequest(request_ids=decode_ids, new_token_ids=decode_tokens)))
+                    decode_ids, decode_tokens = [], []
+                op, n = self._running_op(r, budget)
+                scheduled.append((r, len(ops), -1))
+                ops.append(op)
+                budget -= n
+            else:
+                assert r.pending_token is not None
+                scheduled.append((r, len(ops), len(decode_ids)))
+                decode_ids.append(r.request_id)
+                decode_tokens.append(r.pending_token)
+                budget -= 1
+        if decode_ids:
+            ops.append(pb.StepOp(decode=pb.DecodeRequest(request_ids=decode_ids, new_token_ids=decode_tokens)))
         failed: list[ReplayRequest] = []
         if ops:
             results = await self._call(ops)
-            for r, result in zip(scheduled, results[num_frees:], strict=True):
-                if result.allocate_slots.allocated:
-                    self._apply_allocation(r, result.allocate_slots)
+            decoded: dict[int, tuple[set[int], dict[int, tuple[list[int], ...]]]] = {}
+            for r, op_index, k in scheduled:
+                if k < 0:
+                    response = results[op_index].allocate_slots
+                else:
+                    if op_index not in decoded:
+                        decoded[op_index] = self._decoded(results[op_index].decode)
+                    refused, new_blocks = decoded[op_index]
+                    response = self._decode_response(r, k in refused, new_blocks.get(k))
+                if response.allocated:
+                    self._apply_allocation(r, response)
                 else:
                     failed.append(r)
             await self._flush_kv()
@@ -405,6 +431,33 @@ class ReplayScheduler:
                 break  # it stays waiting (registered on the server)
             self.waiting.popleft()
             budget -= self._last_scheduled
+
+    def _decoded(self, response: pb.DecodeResponse) -> tuple[set[int], dict[int, tuple[list[int], ...]]]:
+        """A decode op's refusals and new blocks by index.
+
+        Raises:
+            KVServiceError: an item failed (as its own ``allocate_slots`` op would have).
+        """
+        if response.error_indices:
+            raise KVServiceError.from_op_status(response.errors[0])
+        self._num_groups = response.num_groups
+        return set(response.refused_indices), decode_new_block_ids(response)
+
+    def _decode_response(
+        self, r: ReplayRequest, refused: bool, new_block_ids: tuple[list[int], ...] | None
+    ) -> pb.AllocateSlotsResponse:
+        """The ``AllocateSlotsResponse`` one decode's own ``allocate_slots`` op would have got: one
+        token scheduled and computed, appended to the request's tokens (nothing when refused)."""
+        if refused:
+            return pb.AllocateSlotsResponse(allocated=False)
+        groups = new_block_ids if new_block_ids is not None else tuple([] for _ in range(self._num_groups))
+        return pb.AllocateSlotsResponse(
+            allocated=True,
+            new_block_ids=[pb.GroupBlockIds(block_ids=ids) for ids in groups],
+            num_scheduled_tokens=1,
+            num_computed_tokens=r.num_computed_tokens + 1,
+            num_tokens=len(r.token_ids) + 1,
+        )
 
     async def _admit(self, r: ReplayRequest, budget: int) -> bool:
         """Look up and allocate one waiting request in its own round trip, after the predictor

@@ -365,16 +365,16 @@ class DataPlane:
 
     def note_allocated(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
         """Record the blocks ``AllocateSlots`` just gave ``request_id`` (per group, appended to its
-        block table): these, and only these, it may write."""
-        if not any(new_block_ids):
+        block table): these, and only these, it may write. Nothing on meta, where no block is ever
+        written or read (every data-plane call is refused there before it asks)."""
+        if not self.has_memory or not any(new_block_ids):
             return
         request = self.engine.requests[request_id]
         tables = self._coordinator.get_blocks(request_id)
         allocated_to = self._allocated_to
         for g, ids in enumerate(new_block_ids):
-            start = len(tables[g]) - len(ids)
-            for i, block_id in enumerate(ids):
-                allocated_to[block_id] = (request, g, start + i)
+            for position, block_id in enumerate(ids, len(tables[g]) - len(ids)):
+                allocated_to[block_id] = (request, g, position)
 
     # -- rules -------------------------------------------------------------------------------------
 

@@ -106,9 +106,9 @@ def _fill_groups(field: Any, block_ids: tuple[list[int], ...]) -> None:
 
 
 def _computed_blocks_response(result: ComputedBlocksResult) -> pb.GetComputedBlocksResponse:
-    return pb.GetComputedBlocksResponse(
-        num_computed_tokens=result.num_computed_tokens, block_ids=_groups(result.block_ids)
-    )
+    response = pb.GetComputedBlocksResponse(num_computed_tokens=result.num_computed_tokens)
+    _fill_groups(response.block_ids, result.block_ids)  # in place: no per-group message to copy in
+    return response
 
 
 def _allocate_response(result: AllocateResult) -> pb.AllocateSlotsResponse:
@@ -273,7 +273,9 @@ class KVCacheServicer:
             kv_cache_report_mode=mode,
             lora=lora,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features],
+            mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features]
+            if request.mm_features
+            else (),
         )
 
     def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
@@ -405,15 +407,17 @@ class KVCacheServicer:
                 grpc.StatusCode.INVALID_ARGUMENT, f"ops: {num_ops} ops, above max_step_ops {self.max_step_ops}"
             )
         kinds = [op.WhichOneof("op") for op in step_ops]
+        # Each op's own message, read once (every access to a oneof member makes a new wrapper).
+        subs: list[Any] = [getattr(op, which) if which is not None else None for which, op in zip(kinds, step_ops)]
         num_tokens = 0
-        for which, op in zip(kinds, step_ops):
+        for which, sub in zip(kinds, subs):
             if which == "get_computed_blocks":
-                num_tokens += len(op.get_computed_blocks.prompt_token_ids)
+                num_tokens += len(sub.prompt_token_ids)
             elif which == "allocate_slots":
-                num_tokens += len(op.allocate_slots.new_token_ids)
+                num_tokens += len(sub.new_token_ids)
             elif which == "decode":
-                num_tokens += len(op.decode.new_token_ids)
-                num_ops += len(op.decode.request_ids) - 1
+                num_tokens += len(sub.new_token_ids)
+                num_ops += len(sub.request_ids) - 1
         if num_ops > self.max_step_ops:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -428,7 +432,7 @@ class KVCacheServicer:
         response = pb.StepResponse()
         results = response.results
         ops, fills = self._ops, self._step_fills
-        for which, op in zip(kinds, step_ops):
+        for which, sub in zip(kinds, subs):
             if which is None:
                 results.add(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set"))
                 continue
@@ -436,14 +440,14 @@ class KVCacheServicer:
             if fill is not None:
                 result = results.add()
                 try:
-                    fill(getattr(op, which), getattr(result, which))  # raises before writing anything
+                    fill(sub, getattr(result, which))  # raises before writing anything
                 except Exception as exc:
                     code, message = status_for(exc)
                     result.error.code = code.value[0]  # setting error clears the oneof's other member
                     result.error.message = message
                 continue
             try:
-                answer = ops[which](getattr(op, which))
+                answer = ops[which](sub)
             except Exception as exc:
                 code, message = status_for(exc)
                 results.add(error=pb.OpStatus(code=code.value[0], message=message))

@@ -34,9 +34,12 @@ payload format, memoized on the :class:`Snapshot`, so a burst of subscribers sha
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
-from array import array
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from functools import lru_cache
+from itertools import chain, islice, repeat
+from operator import itemgetter
 from typing import Any, Union, cast
 
 from kvservice.core.errors import ShuttingDownError
@@ -58,6 +61,30 @@ part boundary), so one cut holds the loop for about 500 blocks' worth of work at
 
 _Key = tuple[int, Any]  # (group_idx, block hash)
 
+_held: Callable[[Any], Any] = itemgetter(1)
+"""A (key, block or None) pair's block: true where the block was held."""
+
+_CHUNK_BLOCKS = 64
+"""Blocks one cached :class:`struct.Struct` splits at once (:func:`_block_token_bytes`)."""
+
+
+@lru_cache(maxsize=256)
+def _splitter(width: int, num_blocks: int) -> struct.Struct:
+    """A Struct that splits ``num_blocks * width`` bytes into ``num_blocks`` bytes of ``width``."""
+    return struct.Struct(f"{width}s" * num_blocks)
+
+
+def _block_token_bytes(token_ids: Sequence[int], num_blocks: int, width: int) -> list[bytes]:
+    """Per block, its token ids as int64 in native byte order (``array('q', ids).tobytes()`` of
+    the block's ``width // 8`` ids), first block first: two C-level passes per event (one pack of
+    every id, one split), not a slice per block. The ids are in int64 range (checked at the edge)."""
+    data = struct.pack(f"{len(token_ids)}q", *token_ids)
+    full = num_blocks - num_blocks % _CHUNK_BLOCKS
+    out = list(chain.from_iterable(_splitter(width, _CHUNK_BLOCKS).iter_unpack(memoryview(data)[: full * width])))
+    if full < num_blocks:
+        out.extend(_splitter(width, num_blocks - full).unpack_from(data, full * width))
+    return out
+
 
 MirroredBlock = tuple
 """One cached block as the mirror holds it: a plain tuple (immutable, so a cut may share it; and
@@ -69,6 +96,22 @@ PARENT, TOKEN_IDS, BLOCK_SIZE, LORA_ID, LORA_NAME, MEDIUM, HAS_EXTRA_KEYS, EXTRA
 ``block_size`` token ids (int64 in native byte order, as ``array('q').tobytes()``); block_size, lora_id, lora_name, medium of the
 BlockStored that announced it; whether that event carried ``extra_keys`` at all; this block's own
 entry of them (None when it had none)."""
+
+
+def _records(event: BlockStored, n: int) -> Iterator[MirroredBlock]:
+    """The :data:`MirroredBlock` of each of the event's ``n`` blocks, last block first."""
+    bs = event.block_size
+    extra = event.extra_keys
+    return zip(
+        chain(islice(reversed(event.block_hashes), 1, None), (event.parent_block_hash,)),  # each block's parent
+        reversed(_block_token_bytes(event.token_ids, n, 8 * bs)),
+        repeat(bs),
+        repeat(event.lora_id),
+        repeat(event.lora_name),
+        repeat(event.medium),
+        repeat(extra is not None),
+        reversed(extra) if extra is not None else repeat(None),
+    )
 
 
 class CachedSetMirror:
@@ -97,53 +140,66 @@ class CachedSetMirror:
         self._blocks: dict[_Key, MirroredBlock] = {}
 
     def apply(self, seq: int, events: Sequence[KVEvent]) -> None:
-        """Apply one batch's events (in order) and record its seq."""
+        """Apply one batch's events (in order) and record its seq.
+
+        Each event is applied in C-level passes over its hashes (``zip``/``map`` into one
+        ``dict.update``), not a Python loop per block, so recording a block costs about what the
+        objects it keeps cost (a key, a tuple, a ``block_size * 8``-byte string). An event that
+        names one hash twice (never one chain's, whose hashes each cover their parent) is applied
+        block by block, as the rule reads.
+        """
         blocks = self._blocks
         tokens = self.num_tokens_per_group
         for event in events:
             if type(event) is BlockStored:
                 g = cast(int, event.group_idx)  # the engine's events always name their group
                 hashes = event.block_hashes
-                if event.reused:
-                    for h in reversed(hashes):
-                        key = (g, h)
-                        block = blocks.pop(key, None)
-                        if block is not None:
-                            blocks[key] = block
+                n = len(hashes)
+                keys = list(zip(repeat(g, n), reversed(hashes)))  # applied last to first
+                if event.reused:  # refresh the blocks held: they move to the most recent end
+                    if len(set(hashes)) < n:
+                        self._refresh_per_block(keys)
+                    else:
+                        refreshed: Iterator[Any] = filter(_held, zip(keys, list(map(blocks.pop, keys, repeat(None)))))
+                        blocks.update(refreshed)
                     continue
-                bs = event.block_size
-                # One C-level conversion per event, then a slice (its own bytes) per block.
-                all_tokens = array("q", event.token_ids).tobytes()
-                width = 8 * bs
-                extra = event.extra_keys
-                lora_id, lora_name, medium = event.lora_id, event.lora_name, event.medium
-                for i in range(len(hashes) - 1, -1, -1):
-                    parent = hashes[i - 1] if i else event.parent_block_hash
-                    key = (g, hashes[i])
-                    old = blocks.pop(key, None)
-                    if old is not None:
-                        tokens[g] -= old[BLOCK_SIZE]
-                    blocks[key] = (
-                        parent,
-                        all_tokens[i * width : (i + 1) * width],
-                        bs,
-                        lora_id,
-                        lora_name,
-                        medium,
-                        extra is not None,
-                        extra[i] if extra is not None else None,
-                    )
-                    tokens[g] += bs
+                if not blocks.keys().isdisjoint(keys):  # hashes stored again move to the most recent end
+                    tokens[g] -= sum(map(itemgetter(BLOCK_SIZE), filter(None, map(blocks.pop, keys, repeat(None)))))
+                size = len(blocks)
+                blocks.update(zip(keys, _records(event, n)))
+                if len(blocks) - size < n:  # one hash twice: undo, then block by block
+                    for key in keys:
+                        blocks.pop(key, None)
+                    self._store_per_block(event, g)
+                else:
+                    tokens[g] += event.block_size * n
             elif type(event) is BlockRemoved:
                 g = cast(int, event.group_idx)  # the engine's events always name their group
-                for h in event.block_hashes:
-                    old = blocks.pop((g, h), None)
-                    if old is not None:
-                        tokens[g] -= old[BLOCK_SIZE]
+                hashes = event.block_hashes
+                removed = filter(None, map(blocks.pop, zip(repeat(g, len(hashes)), hashes), repeat(None)))
+                tokens[g] -= sum(map(itemgetter(BLOCK_SIZE), removed))
             elif type(event) is AllBlocksCleared:
                 blocks.clear()
                 self.num_tokens_per_group = tokens = [0] * self.num_groups
         self.seq = seq
+
+    def _store_per_block(self, event: BlockStored, g: int) -> None:
+        """:meth:`apply`'s store, one block at a time (the rule as written)."""
+        blocks, tokens, hashes, bs = self._blocks, self.num_tokens_per_group, event.block_hashes, event.block_size
+        for key, record in zip(zip(repeat(g), reversed(hashes)), _records(event, len(hashes))):
+            old = blocks.pop(key, None)
+            if old is not None:
+                tokens[g] -= old[BLOCK_SIZE]
+            blocks[key] = record
+            tokens[g] += bs
+
+    def _refresh_per_block(self, keys: list[_Key]) -> None:
+        """:meth:`apply`'s reuse report, one block at a time (the rule as written)."""
+        blocks = self._blocks
+        for key in keys:
+            block = blocks.pop(key, None)
+            if block is not None:
+                blocks[key] = block
 
     @property
     def num_blocks(self) -> int:

@@ -1,5 +1,7 @@
 """RPC: unary round trips against a no-op RPC (Ping) on the same server, and Step batches against
-the in-process engine rate.
+the in-process engine running the same op sequence (:func:`in_process_step_rate`; the older
+one-request-at-a-time rate, :func:`in_process_rate`, is kept beside it), with the server process's
+CPU per request against the engine's.
 
 The server runs in its own process (``kvservice serve --device meta``), so client and server each
 have a core, as in a deployment; the baselines are measured in the same run.
@@ -7,6 +9,8 @@ have a core, as in a deployment; the baselines are measured in the same run.
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 
 from kvservice.core.engine import KVCacheEngine
@@ -23,6 +27,13 @@ except ImportError:
     from scripts.bench.workloads import prompts
 
 NUM_BLOCKS = 8192
+
+
+@functools.lru_cache(maxsize=4)
+def _prompts(num_requests: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """:func:`prompts` without shared prefixes, made once per run (the served and the in-process
+    runs admit the same prompts; the engine copies what it keeps)."""
+    return prompts(num_requests, prompt_len, 0.0, seed=seed)
 
 
 def unary(client: KVCacheClient, n: int, prompt_len: int = 256) -> dict[str, float]:
@@ -78,10 +89,59 @@ def in_process_rate(num_requests: int, prompt_len: int = 2048) -> float:
     return num_requests / (time.perf_counter() - start)
 
 
+def step_sequence(ops_per_step: int, num_requests: int) -> list[tuple[range, range]]:
+    """The op sequence of :func:`step_rate` (and of :func:`in_process_step_rate`): per step, the
+    requests it frees (the previous step's) and the requests it admits."""
+    return [
+        (range(max(lo - ops_per_step, 0), lo), range(lo, min(lo + ops_per_step, num_requests)))
+        for lo in range(0, num_requests, ops_per_step)
+    ]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def in_process_step_rate(ops_per_step: int, num_requests: int, prompt_len: int = 2048) -> tuple[float, float]:
+    """Requests admitted per second by the engine itself running the same op sequence as a served
+    Step of ``ops_per_step`` admissions (:func:`step_rate`): each step frees the previous step's
+    requests, then looks up and allocates its own, then takes the events (a served Step publishes
+    once). Events on, the same hashing as the server's default; no gRPC, protobuf, event log or
+    snapshot mirror. The pool is filled first, so evictions start at once, as on the bench's
+    server, which has served the other rows before.
+
+    Returns:
+        (requests/s, CPU seconds of this process per request).
+    """
+    engine = KVCacheEngine(
+        KVCacheManager(get_preset("llama-3-8b").kv_cache_config(NUM_BLOCKS), 131072, kv_events=KVEventsConfig())
+    )
+    warm = _prompts(NUM_BLOCKS * 16 // prompt_len, prompt_len, 5)
+    for i, tokens in enumerate(warm):
+        engine.get_computed_blocks(f"w{i}", tokens)
+        engine.allocate_slots(f"w{i}", prompt_len)
+        engine.free(f"w{i}")
+    engine.take_events()
+    seq = _prompts(num_requests, prompt_len, 4)
+    ids = [f"s{ops_per_step}-{j}" for j in range(num_requests)]
+    start, cpu = time.perf_counter(), time.process_time()
+    for frees, admits in step_sequence(ops_per_step, num_requests):
+        for j in frees:
+            engine.free(ids[j])
+        for j in admits:
+            engine.get_computed_blocks(ids[j], seq[j])
+            engine.allocate_slots(ids[j], prompt_len)
+        engine.take_events()
+    return num_requests / (time.perf_counter() - start), (time.process_time() - cpu) / num_requests
+
+
 def step_rate(client: KVCacheClient, ops_per_step: int, num_requests: int, prompt_len: int = 2048) -> float:
     """Requests admitted per second when each Step carries ``ops_per_step`` admissions (lookup +
     allocate) and the frees of the previous step's requests."""
-    seq = prompts(num_requests, prompt_len, 0.0, seed=4)
+    seq = _prompts(num_requests, prompt_len, 4)
     steps = []
     for lo in range(0, num_requests, ops_per_step):
         ops = [
@@ -123,16 +183,28 @@ def run(quick: bool = False) -> dict[str, float]:
     n_step = 128 if quick else 1024
     out: dict[str, float] = {}
     before = in_process_rate(n_step // 2)
+    same_before = {k: in_process_step_rate(k, max(n_step, k) if k > 1 else n_step // 4) for k in (1, 16, 64, 256)}
     # Steps of 256 admissions of 2,048 tokens: above the default max_step_tokens (262,144).
     with (
-        serve("--device", "meta", "--num-blocks", str(NUM_BLOCKS), "--max-step-tokens", str(1 << 20)) as address,
+        serve(
+            "--device", "meta", "--num-blocks", str(NUM_BLOCKS), "--max-step-tokens", str(1 << 20), with_pid=True
+        ) as (address, pid),
         KVCacheClient(address) as client,
     ):
         out.update(unary(client, n_unary))
         for k in (1, 16, 64, 256):
-            out[f"step_{k}_requests_per_s"] = step_rate(client, k, max(n_step, k) if k > 1 else n_step // 4)
+            n = max(n_step, k) if k > 1 else n_step // 4
+            cpu = process_cpu_s(pid)
+            out[f"step_{k}_requests_per_s"] = step_rate(client, k, n)
+            # The server's CPU per request (a shared machine slows the wall clock of two processes
+            # handing off far more than one process's CPU time).
+            out[f"step_{k}_server_cpu_us"] = (process_cpu_s(pid) - cpu) / n * 1e6
     # The baseline before and after the served runs, so a machine that slows down moves both.
     out["in_process_requests_per_s"] = (before + in_process_rate(n_step // 2)) / 2
+    for k, (rate, cpu_s) in same_before.items():
+        after, after_cpu_s = in_process_step_rate(k, max(n_step, k) if k > 1 else n_step // 4)
+        out[f"in_process_step_{k}_requests_per_s"] = (rate + after) / 2
+        out[f"in_process_step_{k}_cpu_us"] = (cpu_s + after_cpu_s) / 2 * 1e6
     return out
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+import sys
 from array import array
 
-from kvservice.server.snapshot import BLOCK_SIZE, CachedSetMirror
+import pytest
+
+from kvservice.server.snapshot import BLOCK_SIZE, UNPACKED_TOKENS, CachedSetMirror
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -86,10 +89,12 @@ def random_events(rng: random.Random, num_events: int) -> list[KVEvent]:
     return events
 
 
-def test_the_bulk_apply_keeps_exactly_what_the_per_block_rule_keeps_in_the_same_order():
+@pytest.mark.parametrize("unpacked_tokens", [0, 300, UNPACKED_TOKENS])
+def test_the_bulk_apply_keeps_exactly_what_the_per_block_rule_keeps_in_the_same_order(unpacked_tokens):
+    """Whether records are packed at once, soon or late, and however often they are compacted."""
     rng = random.Random(17)
     for trial in range(30):
-        mirror = CachedSetMirror(2, ["full_attention", "sliding_window"], [None, 8])
+        mirror = CachedSetMirror(2, ["full_attention", "sliding_window"], [None, 8], unpacked_tokens=unpacked_tokens)
         blocks: dict = {}
         tokens = [0, 0]
         for seq in range(1, 21):
@@ -97,8 +102,10 @@ def test_the_bulk_apply_keeps_exactly_what_the_per_block_rule_keeps_in_the_same_
             mirror.apply(seq, batch)
             reference_apply(blocks, tokens, batch)
             assert list(mirror.view().items()) == list(blocks.items()), (trial, seq)
+            assert mirror.pinned_token_ids() <= 2 * sum(tokens), (trial, seq)
             assert mirror.num_tokens_per_group == tokens, (trial, seq)
             assert mirror.seq == seq
+            assert mirror.num_unpacked_tokens <= unpacked_tokens + 150 * 3, (trial, seq)  # one event above, at most
 
 
 def test_a_stored_hash_already_present_moves_to_the_most_recent_end_and_is_counted_once():
@@ -127,3 +134,62 @@ def test_a_stored_hash_already_present_moves_to_the_most_recent_end_and_is_count
     assert list(mirror.view()) == [(0, 2), (0, 1)]
     assert mirror.view()[(0, 1)][5] == "CPU"
     assert mirror.num_tokens_per_group == [4]
+
+
+def chain_event(first_hash: int, num_blocks: int, block_size: int = 4) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(range(first_hash, first_hash + num_blocks)),
+        parent_block_hash=None,
+        token_ids=list(range(10_000 + first_hash * block_size, 10_000 + (first_hash + num_blocks) * block_size)),
+        block_size=block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+    )
+
+
+def test_surviving_blocks_of_a_long_prompt_do_not_pin_it():
+    """Issue 15 item 2: the record of a 100-block prompt is compacted once fewer than half of its
+    blocks are live; the survivors keep their parents, tokens and places, and the event's token
+    list is let go."""
+    mirror = CachedSetMirror(1, ["full_attention"], [None])
+    event = chain_event(0, 100)
+    mirror.apply(1, [event, chain_event(1000, 2)])
+    before = mirror.view()
+    expected = {key: before[key] for key in before}
+    assert mirror.pinned_token_ids() == 102 * 4 and mirror.num_unpacked_tokens == 102 * 4
+    mirror.apply(2, [BlockRemoved(block_hashes=list(range(50)), medium="GPU", group_idx=0)])
+    assert mirror.pinned_token_ids() == 102 * 4  # half live: not yet
+    mirror.apply(3, [BlockRemoved(block_hashes=[50, 52, 99], medium="GPU", group_idx=0)])
+    assert mirror.pinned_token_ids() == 49 * 4  # 47 of 100 live (and 2 more): only they stay
+    assert mirror.num_unpacked_tokens == 2 * 4 and mirror.num_tokens_per_group == [49 * 4]
+    refs = sys.getrefcount(event.token_ids)
+    del event
+    assert refs == 2  # the local name and getrefcount's argument: the mirror let the list go
+    after = mirror.view()
+    live = [key for key in expected if key[1] not in {*range(51), 52, 99}]
+    assert list(after) == live
+    assert {key: after[key] for key in after} == {key: expected[key] for key in live}
+    assert after[(0, 51)][0] == 50 and after[(0, 53)][0] == 52  # parents written out
+    # The view taken before still reads the blocks as they were then.
+    assert {key: before[key] for key in before} == expected
+
+
+def test_token_lists_beyond_the_budget_are_packed_oldest_first():
+    mirror = CachedSetMirror(1, ["full_attention"], [None], unpacked_tokens=10 * 4)
+    events = [chain_event(100 * r, 4) for r in range(5)]  # 16 tokens each
+    mirror.apply(1, events)
+    assert mirror.num_unpacked_tokens == 32  # the two newest
+    records = [mirror._blocks[(0, 100 * r)] for r in range(5)]
+    assert [type(r.tokens) for r in records] == [bytes, bytes, bytes, list, list]
+    assert records[0].tokens == array("q", events[0].token_ids).tobytes()
+    mirror.apply(2, [BlockRemoved(block_hashes=[400, 401, 402, 403], medium="GPU", group_idx=0)])
+    assert mirror.num_unpacked_tokens == 16  # a record gone leaves the budget
+    mirror.apply(3, [AllBlocksCleared()])
+    assert mirror.num_unpacked_tokens == 0 and mirror.num_blocks == 0
+
+
+def test_a_bad_budget_is_refused():
+    with pytest.raises(ValueError, match="unpacked_tokens must be >= 0; got -1"):
+        CachedSetMirror(1, ["full_attention"], [None], unpacked_tokens=-1)

@@ -191,27 +191,40 @@ class BlockView(Mapping):
     """(group_idx, hash) -> :data:`MirroredBlock` over a table of :class:`_Stored` records, in the
     table's order; each block's tuple is made when first read and then kept (so a cut that reads a
     block twice gets the same tuple). The table must not change while it is read through this
-    (a cut reads a copy)."""
+    (a cut reads a copy).
 
-    def __init__(self, records: dict[_Key, _Stored]) -> None:
+    Args:
+        records: the table: keyed by (group_idx, hash), or by hash alone (``by_hash``: one group,
+            group_idx 0).
+    """
+
+    def __init__(self, records: dict[Any, _Stored], by_hash: bool = False) -> None:
         self._records = records
+        self._by_hash = by_hash
         self._blocks: dict[_Key, MirroredBlock] = {}
 
     def __getitem__(self, key: _Key) -> MirroredBlock:
         block = self._blocks.get(key)
         if block is None:
-            block = self._blocks[key] = self._records[key].block(key[1])
+            if self._by_hash and key[0] != 0:
+                raise KeyError(key)
+            record = self._records[key[1] if self._by_hash else key]
+            block = self._blocks[key] = record.block(key[1])
         return block
 
     def get(self, key: _Key, default: Any = None) -> Any:
-        if key not in self._records:
+        if key not in self:
             return default
         return self[key]
 
     def __contains__(self, key: object) -> bool:
+        if self._by_hash:
+            return type(key) is tuple and len(key) == 2 and key[0] == 0 and key[1] in self._records
         return key in self._records
 
     def __iter__(self) -> Iterator[_Key]:
+        if self._by_hash:
+            return zip(repeat(0), self._records)
         return iter(self._records)
 
     def __len__(self) -> int:
@@ -268,7 +281,8 @@ class CachedSetMirror:
         self.unpacked_tokens = unpacked_tokens
         self.seq = 0
         self.num_tokens_per_group = [0] * num_groups
-        self._blocks: dict[_Key, _Stored] = {}
+        self._by_hash = num_groups == 1  # one group: keyed by the hash alone (no key tuple per block)
+        self._blocks: dict[Any, _Stored] = {}
         self._unpacked: dict[_Stored, int] = {}  # records still holding lists, oldest first: their group
         self._num_unpacked_tokens = 0
 
@@ -282,12 +296,14 @@ class CachedSetMirror:
         """
         blocks = self._blocks
         tokens = self.num_tokens_per_group
+        by_hash = self._by_hash
         for event in events:
             if type(event) is BlockStored:
                 g = cast(int, event.group_idx)  # the engine's events always name their group
                 hashes = event.block_hashes
                 n = len(hashes)
-                keys = list(zip(repeat(g, n), reversed(hashes)))  # applied last to first
+                # applied last to first
+                keys: list[Any] = list(reversed(hashes)) if by_hash else list(zip(repeat(g, n), reversed(hashes)))
                 if event.reused:  # refresh the blocks held: they move to the most recent end
                     if len(set(hashes)) < n:
                         self._refresh_per_block(keys)
@@ -314,7 +330,8 @@ class CachedSetMirror:
             elif type(event) is BlockRemoved:
                 g = cast(int, event.group_idx)  # the engine's events always name their group
                 hashes = event.block_hashes
-                self._drop(g, list(filter(None, map(blocks.pop, zip(repeat(g, len(hashes)), hashes), repeat(None)))))
+                removed = hashes if by_hash else zip(repeat(g, len(hashes)), hashes)
+                self._drop(g, list(filter(None, map(blocks.pop, removed, repeat(None)))))
             elif type(event) is AllBlocksCleared:
                 blocks.clear()
                 self._unpacked.clear()
@@ -343,7 +360,12 @@ class CachedSetMirror:
         """Move the live blocks of ``record`` (under half of its blocks) to a record of their own,
         keeping their places in the table."""
         blocks = self._blocks
-        live = [i for i, h in enumerate(record.hashes) if blocks.get((g, h)) is record and record.position(h) == i]
+        by_hash = self._by_hash
+        live = [
+            i
+            for i, h in enumerate(record.hashes)
+            if blocks.get(h if by_hash else (g, h)) is record and record.position(h) == i
+        ]
         width = record.block_size
         old_tokens = record.tokens
         if type(old_tokens) is bytes:
@@ -366,7 +388,7 @@ class CachedSetMirror:
         )
         moved.num_live = len(live)
         for h in moved.hashes:
-            blocks[(g, h)] = moved  # an existing key keeps its place
+            blocks[h if by_hash else (g, h)] = moved  # an existing key keeps its place
         if self._unpacked.pop(record, None) is not None:
             self._num_unpacked_tokens -= len(record.hashes) * width
         record.num_live = 0
@@ -406,6 +428,8 @@ class CachedSetMirror:
 
     def cached_hashes(self) -> list[set]:
         """Per group, the hashes held (what a watcher applying every batch holds)."""
+        if self._by_hash:
+            return [set(self._blocks)]
         groups: list[set] = [set() for _ in range(self.num_groups)]
         for g, h in self._blocks:
             groups[g].add(h)
@@ -415,7 +439,7 @@ class CachedSetMirror:
         """The table as it is now, block by block (one C-level copy of the table; a block's tuple
         is made when read): a cut reads it while the mirror moves on (records are never changed
         in what a view reads: a compaction makes a new record, packing keeps the ids)."""
-        return BlockView(self._blocks.copy())
+        return BlockView(self._blocks.copy(), self._by_hash)
 
     def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVEvent]:
         """The whole snapshot's events at once (tests and small caches; servers use a

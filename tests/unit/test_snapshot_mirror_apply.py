@@ -53,7 +53,7 @@ def reference_apply(blocks: dict, tokens: list[int], events: list[KVEvent]) -> l
     return tokens
 
 
-def random_events(rng: random.Random, num_events: int) -> list[KVEvent]:
+def random_events(rng: random.Random, num_events: int, num_groups: int = 2) -> list[KVEvent]:
     """Events over a small hash space (so stores of present hashes, reuses of absent ones and
     removals of unknown ones all happen), two groups, blocks of 2 and 3 tokens, runs of 1 to 150
     blocks (across the 64-block split), with and without extra keys, and now and then an event
@@ -61,7 +61,7 @@ def random_events(rng: random.Random, num_events: int) -> list[KVEvent]:
     events: list[KVEvent] = []
     for _ in range(num_events):
         kind = rng.random()
-        g = rng.randrange(2)
+        g = rng.randrange(num_groups)
         n = rng.choice([1, 2, 63, 64, 65, 150]) if rng.random() < 0.3 else rng.randrange(1, 20)
         # Mostly distinct hashes, as one chain's are; sometimes one hash twice (applied block by block).
         hashes = rng.sample(range(400), n) if rng.random() < 0.8 else [rng.randrange(400) for _ in range(n)]
@@ -89,16 +89,23 @@ def random_events(rng: random.Random, num_events: int) -> list[KVEvent]:
     return events
 
 
+@pytest.mark.parametrize("num_groups", [1, 2])
 @pytest.mark.parametrize("unpacked_tokens", [0, 300, UNPACKED_TOKENS])
-def test_the_bulk_apply_keeps_exactly_what_the_per_block_rule_keeps_in_the_same_order(unpacked_tokens):
-    """Whether records are packed at once, soon or late, and however often they are compacted."""
+def test_the_bulk_apply_keeps_exactly_what_the_per_block_rule_keeps_in_the_same_order(unpacked_tokens, num_groups):
+    """Whether records are packed at once, soon or late, and however often they are compacted;
+    one group (a table keyed by hash) or two."""
     rng = random.Random(17)
     for trial in range(30):
-        mirror = CachedSetMirror(2, ["full_attention", "sliding_window"], [None, 8], unpacked_tokens=unpacked_tokens)
+        mirror = CachedSetMirror(
+            num_groups,
+            ["full_attention", "sliding_window"][:num_groups],
+            [None, 8][:num_groups],
+            unpacked_tokens=unpacked_tokens,
+        )
         blocks: dict = {}
-        tokens = [0, 0]
+        tokens = [0] * num_groups
         for seq in range(1, 21):
-            batch = random_events(rng, rng.randrange(1, 8))
+            batch = random_events(rng, rng.randrange(1, 8), num_groups)
             mirror.apply(seq, batch)
             reference_apply(blocks, tokens, batch)
             assert list(mirror.view().items()) == list(blocks.items()), (trial, seq)
@@ -181,7 +188,7 @@ def test_token_lists_beyond_the_budget_are_packed_oldest_first():
     events = [chain_event(100 * r, 4) for r in range(5)]  # 16 tokens each
     mirror.apply(1, events)
     assert mirror.num_unpacked_tokens == 32  # the two newest
-    records = [mirror._blocks[(0, 100 * r)] for r in range(5)]
+    records = [mirror._blocks[100 * r] for r in range(5)]  # one group: keyed by hash
     assert [type(r.tokens) for r in records] == [bytes, bytes, bytes, list, list]
     assert records[0].tokens == array("q", events[0].token_ids).tobytes()
     mirror.apply(2, [BlockRemoved(block_hashes=[400, 401, 402, 403], medium="GPU", group_idx=0)])
@@ -193,3 +200,15 @@ def test_token_lists_beyond_the_budget_are_packed_oldest_first():
 def test_a_bad_budget_is_refused():
     with pytest.raises(ValueError, match="unpacked_tokens must be >= 0; got -1"):
         CachedSetMirror(1, ["full_attention"], [None], unpacked_tokens=-1)
+
+
+def test_the_view_of_a_one_group_mirror_reads_keys_as_group_and_hash():
+    mirror = CachedSetMirror(1, ["full_attention"], [None])
+    mirror.apply(1, [chain_event(5, 2)])
+    view = mirror.view()
+    assert list(view) == [(0, 6), (0, 5)] and len(view) == 2
+    assert (0, 5) in view and (1, 5) not in view and 5 not in view
+    assert view.get((1, 5)) is None and view[(0, 6)][0] == 5
+    with pytest.raises(KeyError):
+        view[(1, 5)]
+    assert mirror.cached_hashes() == [{5, 6}]

@@ -88,6 +88,7 @@ class _Stored:
     block of the run (the table maps each block's key to it), never copied per block.
 
     Attributes:
+        group_idx: the KV cache group.
         hashes: the blocks' hashes, in the event's order (parent first).
         parents: per block, its parent hash; None: the chain rule (``hashes[i - 1]``, and
             ``parent_block_hash`` for the first), as in the event.
@@ -99,6 +100,7 @@ class _Stored:
     """
 
     __slots__ = (
+        "group_idx",
         "hashes",
         "parents",
         "parent_block_hash",
@@ -114,6 +116,7 @@ class _Stored:
 
     def __init__(
         self,
+        group_idx: int,
         hashes: list,
         parents: list | None,
         parent_block_hash: Any,
@@ -124,6 +127,7 @@ class _Stored:
         extra_keys: list | None,
         tokens: Any,
     ) -> None:
+        self.group_idx = group_idx
         self.hashes = hashes
         self.parents = parents
         self.parent_block_hash = parent_block_hash
@@ -139,6 +143,7 @@ class _Stored:
     @classmethod
     def of(cls, event: BlockStored) -> _Stored:
         return cls(
+            cast(int, event.group_idx),  # the engine's events always name their group
             event.block_hashes,
             None,
             event.parent_block_hash,
@@ -168,6 +173,31 @@ class _Stored:
         if self.parents is not None:
             return self.parents[i]
         return self.hashes[i - 1] if i else self.parent_block_hash
+
+    def blocks(self) -> list[MirroredBlock]:
+        """Every block's :data:`MirroredBlock`, in :attr:`hashes` order (C-level passes; packs the
+        record first)."""
+        self.pack()
+        n = len(self.hashes)
+        width = 8 * self.block_size
+        data = memoryview(cast(bytes, self.tokens))
+        parents = self.parents if self.parents is not None else [self.parent_block_hash, *self.hashes[: n - 1]]
+        extra = self.extra_keys
+        return list(
+            zip(
+                parents,
+                map(
+                    bytes,
+                    map(data.__getitem__, map(slice, range(0, n * width, width), range(width, (n + 1) * width, width))),
+                ),
+                repeat(self.block_size),
+                repeat(self.lora_id),
+                repeat(self.lora_name),
+                repeat(self.medium),
+                repeat(extra is not None),
+                extra if extra is not None else repeat(None),
+            )
+        )
 
     def block(self, block_hash: Any) -> MirroredBlock:
         """The :data:`MirroredBlock` of one of its blocks (packs the record first)."""
@@ -229,6 +259,31 @@ class BlockView(Mapping):
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def fill(self, step_blocks: int = 4096) -> Iterator[dict[_Key, MirroredBlock]]:
+        """Make every block's tuple, record by record, pausing (yielding an empty dict) after
+        about ``step_blocks`` blocks; the last item is the filled table: a plain dict in this
+        view's order, which a cut then reads at dict speed."""
+        records, by_hash, made = self._records, self._by_hash, self._blocks
+        done = 0
+        for record in dict.fromkeys(records.values()):
+            g = record.group_idx
+            for i, (h, block) in enumerate(zip(record.hashes, record.blocks())):
+                if records.get(h if by_hash else (g, h)) is record and record.position(h) == i:
+                    made.setdefault((g, h), block)
+            done += len(record.hashes)
+            if done >= step_blocks:
+                done = 0
+                yield {}
+        if by_hash:
+            yield {key: made[key] for key in zip(repeat(0), records)}
+        else:
+            yield {key: made[key] for key in records}
+
+    def filled(self) -> dict[_Key, MirroredBlock]:
+        """:meth:`fill` at once (tests, small caches, synchronous callers)."""
+        *_, table = self.fill(1 << 62)
+        return table
 
 
 class CachedSetMirror:
@@ -376,6 +431,7 @@ class CachedSetMirror:
             )
         extra = record.extra_keys
         moved = _Stored(
+            g,
             [record.hashes[i] for i in live],
             [record.parent_of(i) for i in live],
             record.parent_of(live[0]),
@@ -444,7 +500,7 @@ class CachedSetMirror:
     def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVEvent]:
         """The whole snapshot's events at once (tests and small caches; servers use a
         :class:`SnapshotSource`)."""
-        view = self.view()
+        view = self.view().filled()
         return [
             materialize(view, item, self.group_kinds, self.group_windows) for item in snapshot_runs(view, group_idxs)
         ]
@@ -745,9 +801,15 @@ class SnapshotSource:
 
     async def _produce(self, snap: Snapshot) -> None:
         limit = self.part_tokens
-        view = snap.view
         error: BaseException | None = None
         try:
+            if isinstance(snap.view, BlockView):  # every block's tuple first, in steps; then dict speed
+                for table in snap.view.fill(max(1, YIELD_EVERY_TOKENS // 16)):
+                    if table:
+                        snap.view = table
+                    else:
+                        await asyncio.sleep(0)
+            view = snap.view
             part: list[_Run] = []
             part_tokens = 0
             since_yield = 0

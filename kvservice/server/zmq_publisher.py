@@ -392,7 +392,7 @@ class ZmqEventPublisher:
                 # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a
                 # second BlockStored per block to a vLLM reader, which ignores ``reused``.
                 mirror = self._snapshots.mirror
-                view = mirror.view()
+                view = mirror.view().filled()
                 events = [
                     materialize(view, item, mirror.group_kinds, mirror.group_windows)
                     for item in snapshot_runs(view, None)

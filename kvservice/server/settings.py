@@ -451,6 +451,10 @@ class EventsSettings(_Section):
         max_streams: open StreamEvents subscriptions at once; one more is RESOURCE_EXHAUSTED.
         max_snapshot_cuts: snapshots cut at once. Callers asking at the same head share one cut;
             at the bound a caller joins the newest cut of its group filter in production, or waits.
+        max_snapshot_bytes_in_flight: snapshot part bytes being written at once, over all
+            StreamEvents snapshot streams (a stream waits its turn beyond it; a part bigger than
+            it goes alone), bytes: bounds how much of the loop snapshot writing takes from other
+            calls however many clients ask for snapshots at once.
         kv_events_medium: the ``medium`` of every event ("GPU", as vLLM's primary pool always
             says, whatever the device: consumers such as Dynamo's indexer file other media in
             their host/offload tiers); "CPU" or another tier name for a deployment that wants the
@@ -487,6 +491,13 @@ class EventsSettings(_Section):
     max_streams: int = setting(1024, "Open StreamEvents subscriptions.", check=at_least(1))
     max_snapshot_cuts: int = setting(
         2, "Snapshots cut at once (callers at the same head share one cut).", check=at_least(1)
+    )
+    max_snapshot_bytes_in_flight: int = setting(
+        1024 * 1024,
+        "Snapshot part bytes being written at once over all streams, e.g. 1MiB.",
+        parse="bytes",
+        check=at_least(1),
+        default_text="1MiB",
     )
     kv_events_medium: str = setting(
         "GPU",

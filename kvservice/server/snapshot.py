@@ -209,6 +209,18 @@ tuples it is at most about 22,000 items."""
 _GC_CHUNK = 32
 
 
+def _runs(g: int, reused: bool, hashes: list, blocks: list) -> Iterator[_Run]:
+    """One chain segment (parent first) as runs of at most ``YIELD_EVERY_TOKENS`` token ids (at
+    least one block each): a longer chain (a 128k-token prompt) is several BlockStored, each naming
+    the block before it as its parent, so encoding one event never holds the loop for more."""
+    step = max(1, YIELD_EVERY_TOKENS // blocks[0][BLOCK_SIZE])
+    if len(blocks) <= step:
+        yield g, reused, _chunked(hashes), _chunked(blocks)
+        return
+    for i in range(0, len(blocks), step):
+        yield g, reused, _chunked(hashes[i : i + step]), _chunked(blocks[i : i + step])
+
+
 def _chunked(items: list) -> tuple[tuple, ...]:
     n = _GC_CHUNK
     if len(items) <= n:
@@ -240,8 +252,9 @@ def snapshot_runs(table: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] 
     The first half gives the cached set (a consumer building a tree meets every parent before its
     children). The second half, like a reuse report, changes no presence; a consumer that bounds
     its index by recency of announcement (an LRU) ends up ordered as one that watched from the
-    start would be. Consecutive blocks of one chain share one BlockStored, so one event carries at
-    most one chain (at most max_model_len tokens).
+    start would be. Consecutive blocks of one chain share one BlockStored, up to about
+    ``YIELD_EVERY_TOKENS`` token ids (a longer chain goes in several, each naming the block before it
+    as its parent).
     """
     yield None
     # Half 1: parents first. Walk each block's ancestors up to an emitted (or absent) one.
@@ -276,10 +289,10 @@ def snapshot_runs(table: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] 
             run_blocks.extend(chain_blocks)
         else:
             if run_blocks:
-                yield run_g, False, _chunked(run_hashes), _chunked(run_blocks)
+                yield from _runs(run_g, False, run_hashes, run_blocks)
             run_g, run_hashes, run_blocks = g, chain_hashes, chain_blocks
     if run_blocks:
-        yield run_g, False, _chunked(run_hashes), _chunked(run_blocks)
+        yield from _runs(run_g, False, run_hashes, run_blocks)
     del emitted
     # Half 2: recency order, least recent first; a run is a chain listed child first.
     run_hashes, run_blocks = [], []
@@ -293,12 +306,12 @@ def snapshot_runs(table: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] 
             if run_blocks:
                 run_hashes.reverse()
                 run_blocks.reverse()
-                yield run_g, True, _chunked(run_hashes), _chunked(run_blocks)
+                yield from _runs(run_g, True, run_hashes, run_blocks)
             run_g, run_hashes, run_blocks = g, [h], [block]
     if run_blocks:
         run_hashes.reverse()
         run_blocks.reverse()
-        yield run_g, True, _chunked(run_hashes), _chunked(run_blocks)
+        yield from _runs(run_g, True, run_hashes, run_blocks)
 
 
 def materialize(item: _Run, group_kinds: Sequence[str | None], group_windows: Sequence[int | None]) -> KVEvent:

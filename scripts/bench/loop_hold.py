@@ -8,7 +8,7 @@ Measured with the server's own handlers on its loop (no network, so the figure i
   (GetComputedBlocks + AllocateSlots each), block size 16 (``--step-tokens`` for another size);
 * one 131,072-token prompt (GetComputedBlocks, then AllocateSlots), max_model_len 131,072;
 * a snapshot of 1,048,576 cached blocks (16 tokens each) cut and encoded for a stream, part by part
-  as StreamEvents does: the longest gap between two turns of a ticker task on the loop.
+  and in steps as StreamEvents does: the longest gap between two turns of a ticker task on the loop.
 
 Each figure is the maximum over its rounds (a hold is a worst case), beside the time one GetUsage
 takes on the same loop (the baseline), and their ratio.
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvservice.server.app import start_server  # noqa: E402
-from kvservice.server.encoding import encoded_snapshot_part  # noqa: E402
+from kvservice.server.encoding import encoded_snapshot_part_in_steps  # noqa: E402
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb  # noqa: E402
 from kvservice_client.events import BlockStored  # noqa: E402
 
@@ -173,7 +173,7 @@ async def snapshot_hold(num_blocks: int, chain: int = 64) -> dict[str, float]:
         num_bytes = 0
         async for i, more in snap.iter_parts():
             num_bytes += len(
-                encoded_snapshot_part(
+                await encoded_snapshot_part_in_steps(
                     snap,
                     i,
                     more=more,

@@ -546,7 +546,8 @@ class SnapshotSource:
     as it was at the watermark; when the last production ends a task applies the held batches,
     yielding every ``YIELD_EVERY_TOKENS`` tokens of events. Meanwhile callers join a cut at the
     mirror's seq or wait; no new cut starts until the mirror has caught up (so holding back is
-    bounded by one production).
+    bounded by one production). Held batches stay in memory until applied, even if the event log
+    has dropped them meanwhile (outside ``max_bytes``): one production's worth of batches.
 
     Args:
         mirror: the mirror to cut (fed by the event log through :meth:`on_batch`; see :meth:`attach`).

@@ -70,9 +70,12 @@ DEFAULT_SNAPSHOT_BYTES_IN_FLIGHT = 1024 * 1024
 """The default :class:`ByteBudget` of snapshot part bytes being written, over all streams
 (``max_snapshot_bytes_in_flight``)."""
 
-YIELD_EVERY_TOKENS = 8_192
+YIELD_EVERY_TOKENS = 2_048
 """A cut in production yields to the loop after about this many token ids of events (and at every
-part boundary), so one cut holds the loop for about 500 blocks' worth of work at a time."""
+part boundary), a part is serialized in steps of about this many, and a snapshot event carries at
+most about this many (at least one block): so a snapshot holds the loop for about 128 blocks'
+worth of work at a time (at 1M cached blocks, 16 tokens each: the loop thread's CPU between two
+turns p99 1.75 ms with one client, against 3.3 ms at 8,192 here)."""
 
 _Key = tuple[int, Any]  # (group_idx, block hash)
 

@@ -503,6 +503,7 @@ def _build_core(config: ServerConfig) -> _Core:
         part_tokens=events.snapshot_part_tokens,
         max_concurrent_cuts=events.max_snapshot_cuts,
         max_bytes_in_flight=events.max_snapshot_bytes_in_flight,
+        max_bytes_per_s=events.max_snapshot_bytes_per_s,
     )
     metadata = build_metadata_response(
         engine,

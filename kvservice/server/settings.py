@@ -455,6 +455,10 @@ class EventsSettings(_Section):
             StreamEvents snapshot streams (a stream waits its turn beyond it; a part bigger than
             it goes alone), bytes: bounds how much of the loop snapshot writing takes from other
             calls however many clients ask for snapshots at once.
+        max_snapshot_bytes_per_s: the rate of that budget, bytes per second on average (bursts up
+            to ``max_snapshot_bytes_in_flight``): bounds what snapshot traffic takes from other
+            calls and from clients sharing the machine (a million 16-token blocks, about 100 MB,
+            stream in under 2 s at the default).
         kv_events_medium: the ``medium`` of every event ("GPU", as vLLM's primary pool always
             says, whatever the device: consumers such as Dynamo's indexer file other media in
             their host/offload tiers); "CPU" or another tier name for a deployment that wants the
@@ -498,6 +502,13 @@ class EventsSettings(_Section):
         parse="bytes",
         check=at_least(1),
         default_text="1MiB",
+    )
+    max_snapshot_bytes_per_s: int = setting(
+        64 * 1024 * 1024,
+        "Snapshot part bytes written per second over all streams, on average, e.g. 64MiB.",
+        parse="bytes",
+        check=at_least(1),
+        default_text="64MiB",
     )
     kv_events_medium: str = setting(
         "GPU",

@@ -30,9 +30,10 @@ Cost rules (issue 15):
   at the mirror's seq (in production, its watermark may be below the log's head while batches are
   held, which is still exact: the caller follows batches from that watermark + 1, which are
   retained; or done, when no batch is held), or waits for a slot or for the mirror to catch up.
-* Every stream writes its parts within one shared :class:`ByteBudget` (``max_bytes_in_flight``):
-  however many streams read snapshots at once, about that many bytes are being written, so the
-  loop's share of the writing is bounded and other calls get their turns.
+* Every stream writes its parts within one shared :class:`ByteBudget` (``max_bytes_in_flight``,
+  ``max_bytes_per_s``): however many streams read snapshots at once, at most that many bytes are
+  being written, at most that rate on average, one write started per turn of the loop, so other
+  calls get their turns and snapshot traffic takes a bounded share of the machine.
 * :meth:`SnapshotSource.min_bytes` is a lower bound on a snapshot's encoded size known before any
   cut (one byte per token id, twice: both halves carry every block), so an answer
   with a byte limit (TakeEvents) is refused at once when the bound is above it.
@@ -55,6 +56,7 @@ from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored,
 
 __all__ = [
     "DEFAULT_SNAPSHOT_BYTES_IN_FLIGHT",
+    "DEFAULT_SNAPSHOT_BYTES_PER_S",
     "ByteBudget",
     "CachedSetMirror",
     "MirroredBlock",
@@ -63,12 +65,17 @@ __all__ = [
     "YIELD_EVERY_TOKENS",
     "materialize",
     "run_tokens",
+    "yield_for_as_long",
     "snapshot_runs",
 ]
 
 DEFAULT_SNAPSHOT_BYTES_IN_FLIGHT = 1024 * 1024
 """The default :class:`ByteBudget` of snapshot part bytes being written, over all streams
 (``max_snapshot_bytes_in_flight``)."""
+
+DEFAULT_SNAPSHOT_BYTES_PER_S = 64 * 1024 * 1024
+"""The default rate of that budget, bytes per second (``max_snapshot_bytes_per_s``): a snapshot of a
+million 16-token blocks (about 100 MB) streams in under 2 s."""
 
 YIELD_EVERY_TOKENS = 2_048
 """A cut in production yields to the loop after about this many token ids of events (and at every
@@ -78,6 +85,15 @@ worth of work at a time (at 1M cached blocks, 16 tokens each: the loop thread's 
 turns p99 1.75 ms with one client, against 3.3 ms at 8,192 here)."""
 
 _Key = tuple[int, Any]  # (group_idx, block hash)
+
+
+async def yield_for_as_long(started: float) -> float:
+    """Yield to the loop for as long as the step since ``started`` (a ``time.perf_counter()``)
+    took, and return when the next step starts: a cut's production, or a part's encoding, takes at
+    most about half of the loop's time however long it is, so other calls stay served (and a
+    machine the server shares with its clients keeps CPU for them). Returns the next start."""
+    await asyncio.sleep(time.perf_counter() - started)
+    return time.perf_counter()
 
 
 MirroredBlock = tuple
@@ -466,53 +482,80 @@ class Snapshot:
 
 
 class ByteBudget:
-    """Bytes in flight shared by every snapshot stream, let in one writer per turn of the loop.
+    """Snapshot bytes being written, shared by every snapshot stream: at most ``max_bytes`` in
+    flight, at most ``bytes_per_s`` on average, one writer let in per turn of the loop.
 
     A part's encoded bytes count from before its write until the write completes (the client
     took it, or gRPC buffered it within its HTTP/2 flow-control window). A writer waits (first
     come, first served) while its part would take ``in_flight`` above ``max_bytes`` (a part bigger
-    than the whole budget goes alone, when nothing else is in flight), and at most one writer is
-    let in per turn of the event loop: starting a write copies and frames its bytes on the loop
-    (about 0.2 ms per 100 KB here), so however many streams read snapshots at once, another call
-    waits behind at most one part's write start, and at most ``max_bytes`` of snapshot sit in
-    gRPC's buffers.
+    than the whole budget goes alone, when nothing else is in flight), while the rate's bucket
+    (``max_bytes`` deep) is in debt, and until the loop's next turn after the last writer let in.
+    Starting a write copies and frames its bytes on the loop (about 0.1 ms per 100 KB here), so
+    another call waits behind at most one part's write start however many streams read snapshots,
+    and the rate bounds what snapshot writing (and encoding, and the readers' parsing, where they
+    share the machine) takes from everything else.
 
     Args:
-        max_bytes: the budget, bytes (>= 1).
+        max_bytes: bytes in flight, and the bucket's depth (>= 1).
+        bytes_per_s: average bytes per second let in (>= 1).
 
     Attributes:
         in_flight: bytes acquired and not yet released.
         peak: the most ``in_flight`` has been.
-        num_waits: acquisitions that had to wait (for bytes, or for the loop's next turn).
+        num_waits: acquisitions that had to wait (for bytes, the rate, or the loop's next turn).
+        num_bytes: bytes let in so far.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, bytes_per_s: float = float("inf")) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1; got {max_bytes}")
+        if not bytes_per_s >= 1:
+            raise ValueError(f"bytes_per_s must be >= 1; got {bytes_per_s}")
         self.max_bytes = max_bytes
+        self.bytes_per_s = bytes_per_s
         self.in_flight = 0
         self.peak = 0
         self.num_waits = 0
+        self.num_bytes = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self._let_in_this_turn = False
+        self._closed_until_next_turn = False
+        self._credit = float(max_bytes)  # the rate's bucket, bytes (negative: in debt)
+        self._credit_at = time.monotonic()
 
     def _fits(self, num_bytes: int) -> bool:
-        return not self._let_in_this_turn and (self.in_flight == 0 or self.in_flight + num_bytes <= self.max_bytes)
+        return not self._closed_until_next_turn and (
+            self.in_flight == 0 or self.in_flight + num_bytes <= self.max_bytes
+        )
+
+    def _refill(self) -> float:
+        if self.bytes_per_s == float("inf"):
+            return float(self.max_bytes)
+        now = time.monotonic()
+        self._credit = min(float(self.max_bytes), self._credit + (now - self._credit_at) * self.bytes_per_s)
+        self._credit_at = now
+        return self._credit
 
     def _take(self, num_bytes: int) -> None:
         self.in_flight += num_bytes
         self.peak = max(self.peak, self.in_flight)
-        self._let_in_this_turn = True
-        asyncio.get_running_loop().call_soon(self._next_turn)  # runs in the loop's next turn
+        self.num_bytes += num_bytes
+        if self.bytes_per_s != float("inf"):
+            self._credit -= num_bytes
+        self._closed_until_next_turn = True
+        loop = asyncio.get_running_loop()
+        if self._credit < 0:  # in debt: the next writer waits until the bucket is back at 0
+            loop.call_later(-self._credit / self.bytes_per_s, self._next_turn)
+        else:
+            loop.call_soon(self._next_turn)  # runs in the loop's next turn
 
     def _next_turn(self) -> None:
-        self._let_in_this_turn = False
+        self._closed_until_next_turn = False
         self._wake()
 
     async def acquire(self, num_bytes: int) -> None:
-        """Wait until ``num_bytes`` fit and it is this writer's turn, then count them in flight
-        (pair with :meth:`release`)."""
-        if not self._waiters and self._fits(num_bytes):
+        """Wait until ``num_bytes`` fit, the rate allows and it is this writer's turn, then count
+        them in flight (pair with :meth:`release`)."""
+        if not self._waiters and self._fits(num_bytes) and self._refill() >= 0:
             self._take(num_bytes)
             return
         self.num_waits += 1
@@ -529,13 +572,17 @@ class ByteBudget:
             raise
 
     def release(self, num_bytes: int) -> None:
-        """Count ``num_bytes`` out of flight and let the next waiter in (at the loop's next turn at the latest)."""
+        """Count ``num_bytes`` out of flight and let the next waiter in (when the turn and the rate allow)."""
         self.in_flight -= num_bytes
         self._wake()
 
     def _wake(self) -> None:
         waiters = self._waiters
         if waiters and self._fits(waiters[0][0]):
+            if self._refill() < 0:  # in debt, and no timer pending (it would have closed the turn)
+                self._closed_until_next_turn = True
+                asyncio.get_running_loop().call_later(-self._credit / self.bytes_per_s, self._next_turn)
+                return
             num_bytes, future = waiters.popleft()
             self._take(num_bytes)
             future.set_result(None)
@@ -558,6 +605,7 @@ class SnapshotSource:
         max_concurrent_cuts: cuts produced at once (>= 1).
         max_bytes_in_flight: the :class:`ByteBudget` every snapshot stream writes its parts within,
             bytes (>= 1).
+        max_bytes_per_s: that budget's rate, bytes per second (>= 1).
 
     Attributes:
         num_cuts: cuts made (a burst of callers at one head makes one).
@@ -573,6 +621,7 @@ class SnapshotSource:
         part_tokens: int = 32_768,
         max_concurrent_cuts: int = 2,
         max_bytes_in_flight: int = DEFAULT_SNAPSHOT_BYTES_IN_FLIGHT,
+        max_bytes_per_s: float = DEFAULT_SNAPSHOT_BYTES_PER_S,
     ) -> None:
         if part_tokens < 1:
             raise ValueError(f"part_tokens must be >= 1; got {part_tokens}")
@@ -581,7 +630,7 @@ class SnapshotSource:
         self.mirror = mirror
         self.part_tokens = part_tokens
         self.max_concurrent_cuts = max_concurrent_cuts
-        self.budget = ByteBudget(max_bytes_in_flight)
+        self.budget = ByteBudget(max_bytes_in_flight, max_bytes_per_s)
         self.num_cuts = 0
         self.pending: deque[Any] = deque()
         self._latest: dict[tuple[int, ...] | None, Snapshot] = {}  # per filter, the newest cut
@@ -598,6 +647,7 @@ class SnapshotSource:
         part_tokens: int = 32_768,
         max_concurrent_cuts: int = 2,
         max_bytes_in_flight: int = DEFAULT_SNAPSHOT_BYTES_IN_FLIGHT,
+        max_bytes_per_s: float = DEFAULT_SNAPSHOT_BYTES_PER_S,
     ) -> SnapshotSource:
         """A source whose mirror follows ``event_log`` (a :class:`~kvservice.server.event_log.EventLog`):
         call before any batch is appended, and before other listeners are added."""
@@ -607,6 +657,7 @@ class SnapshotSource:
             part_tokens=part_tokens,
             max_concurrent_cuts=max_concurrent_cuts,
             max_bytes_in_flight=max_bytes_in_flight,
+            max_bytes_per_s=max_bytes_per_s,
         )
         event_log.add_listener(source.on_batch)
         return source
@@ -705,6 +756,7 @@ class SnapshotSource:
             part: list[_Run] = []
             part_tokens = 0
             since_yield = 0
+            started = time.perf_counter()
             for item in snapshot_runs(self.mirror.table, snap.group_idxs):
                 size = run_tokens(item)
                 if part and part_tokens + size > limit:
@@ -716,7 +768,7 @@ class SnapshotSource:
                 since_yield += size
                 if since_yield >= YIELD_EVERY_TOKENS:
                     since_yield = 0
-                    await asyncio.sleep(0)
+                    started = await yield_for_as_long(started)
             snap._add_part(part, part_tokens)
         except BaseException as exc:  # a failed cut fails its callers, never the loop
             error = exc if isinstance(exc, Exception) else ShuttingDownError("snapshot cut cancelled: shutting down")

@@ -121,6 +121,7 @@ async def test_snapshot_streams_write_within_the_shared_bytes_in_flight_budget_a
     sizes = [len(b.SerializeToString()) for b in snapshots[0]]
     assert len(sizes) == 9 and max(sizes) < 1300  # parts fit, so the budget is what bounds them
     assert budget.peak <= 1300 and budget.in_flight == 0
+    assert budget.num_bytes == 3 * sum(sizes)  # every part of every stream went through it
     assert budget.num_waits > 0  # three streams at once: some waited their turn
     expected = {(g, h) for g, hashes in enumerate(pool_hashes(running)) for h in hashes}
     for parts in snapshots:

@@ -7,6 +7,8 @@ import gc
 import sys
 from array import array
 
+import pytest
+
 from kvservice.server.event_log import EventLog
 from kvservice.server.snapshot import (
     PARENT,
@@ -163,3 +165,20 @@ async def test_the_byte_budget_lets_one_writer_in_per_loop_turn_within_its_bytes
     assert budget.in_flight == 0 and budget.num_waits > 0
     assert max(held) == 150 and budget.peak == 150  # the 150-byte part went alone
     assert all(h <= 100 for h in held if h != 150) and 80 in held  # two 40-byte parts at once
+
+
+async def test_the_byte_budget_s_rate_makes_a_writer_wait_while_its_bucket_is_in_debt():
+    budget = ByteBudget(100, bytes_per_s=1)  # a 100-byte bucket, refilled at 1 byte a second
+    await budget.acquire(100)  # the full bucket, down to 0
+    budget.release(100)
+    await asyncio.sleep(0)  # the next turn
+    await budget.acquire(1000)  # a bucket at 0 lets one more in, into debt (1,000 s of refill)
+    budget.release(1000)
+    waiting = asyncio.ensure_future(budget.acquire(1))  # in debt: waits for the refill
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done() and budget.num_waits == 1 and budget.in_flight == 0
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not budget._waiters and budget.num_bytes == 1100

@@ -9,11 +9,9 @@ subscriber gets the same bytes.
 
 from __future__ import annotations
 
-import time
-
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.server.event_log import EventLog, LogEntry, filter_events
-from kvservice.server.snapshot import YIELD_EVERY_TOKENS, Snapshot, materialize, run_tokens, yield_for_as_long
+from kvservice.server.snapshot import YIELD_EVERY_TOKENS, HalfShare, Snapshot, materialize, run_tokens
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import batch_to_proto
 from kvservice_client.events import KVEventBatch
@@ -98,7 +96,7 @@ async def _serialize_part_in_steps(
     snap: Snapshot, i: int, *, more: bool, payload_format: int, epoch: str, data_parallel_rank: int | None
 ) -> bytes:
     """:func:`snapshot_part_message` serialized in steps of about ``YIELD_EVERY_TOKENS`` token ids,
-    yielding to the loop between steps for as long as each took (``yield_for_as_long``) (protobuf format; a msgpack part is one ``bytes`` field, made
+    yielding to the loop between steps (:class:`~kvservice.server.snapshot.HalfShare`: at most about half the loop) (protobuf format; a msgpack part is one ``bytes`` field, made
     in one go).
 
     The parsed message is the same: concatenated serialized messages parse as their merge
@@ -115,14 +113,14 @@ async def _serialize_part_in_steps(
     pieces: list[bytes] = []
     events = []
     num_tokens = 0
-    started = time.perf_counter()
+    share = HalfShare()
     for item in snap.parts[i]:
         events.append(materialize(item, kinds, windows))
         num_tokens += run_tokens(item)
         if num_tokens >= YIELD_EVERY_TOKENS:
             pieces.append(batch_to_proto(KVEventBatch(0.0, events, None), seq=0, epoch="").SerializeToString())
             events, num_tokens = [], 0
-            started = await yield_for_as_long(started)
+            await share.step()
     if events:
         pieces.append(batch_to_proto(KVEventBatch(0.0, events, None), seq=0, epoch="").SerializeToString())
     scalars = batch_to_proto(KVEventBatch(snap.ts, [], data_parallel_rank), seq=snap.seq, epoch=epoch, snapshot=True)

@@ -65,7 +65,7 @@ __all__ = [
     "YIELD_EVERY_TOKENS",
     "materialize",
     "run_tokens",
-    "yield_for_as_long",
+    "HalfShare",
     "snapshot_runs",
 ]
 
@@ -77,7 +77,7 @@ DEFAULT_SNAPSHOT_BYTES_PER_S = 64 * 1024 * 1024
 """The default rate of that budget, bytes per second (``max_snapshot_bytes_per_s``): a snapshot of a
 million 16-token blocks (about 100 MB) streams in under 2 s."""
 
-YIELD_EVERY_TOKENS = 2_048
+YIELD_EVERY_TOKENS = 1_024
 """A cut in production yields to the loop after about this many token ids of events (and at every
 part boundary), a part is serialized in steps of about this many, and a snapshot event carries at
 most about this many (at least one block): so a snapshot holds the loop for about 128 blocks'
@@ -87,13 +87,29 @@ turns p99 1.75 ms with one client, against 3.3 ms at 8,192 here)."""
 _Key = tuple[int, Any]  # (group_idx, block hash)
 
 
-async def yield_for_as_long(started: float) -> float:
-    """Yield to the loop for as long as the step since ``started`` (a ``time.perf_counter()``)
-    took, and return when the next step starts: a cut's production, or a part's encoding, takes at
-    most about half of the loop's time however long it is, so other calls stay served (and a
-    machine the server shares with its clients keeps CPU for them). Returns the next start."""
-    await asyncio.sleep(time.perf_counter() - started)
-    return time.perf_counter()
+class HalfShare:
+    """Yields for a task doing snapshot work in steps (a cut's production, a part's encoding), so
+    that it takes at most about half of the loop's time however long it is: between steps it
+    yields a turn (``sleep(0)``), and once its steps since the last pause add up to
+    ``PAUSE_AFTER_S`` it sleeps that long (one timer per couple of milliseconds, not per step:
+    the loop's timers round up to 1 ms). Other calls so wait behind at most one step, and a
+    machine the server shares with its clients keeps CPU for them."""
+
+    PAUSE_AFTER_S = 0.002
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._worked = 0.0
+
+    async def step(self) -> None:
+        """Yield between two steps (the time since the last one returned counts as work)."""
+        self._worked += time.perf_counter() - self._started
+        if self._worked >= self.PAUSE_AFTER_S:
+            await asyncio.sleep(self._worked)
+            self._worked = 0.0
+        else:
+            await asyncio.sleep(0)
+        self._started = time.perf_counter()
 
 
 MirroredBlock = tuple
@@ -756,7 +772,7 @@ class SnapshotSource:
             part: list[_Run] = []
             part_tokens = 0
             since_yield = 0
-            started = time.perf_counter()
+            share = HalfShare()
             for item in snapshot_runs(self.mirror.table, snap.group_idxs):
                 size = run_tokens(item)
                 if part and part_tokens + size > limit:
@@ -768,7 +784,7 @@ class SnapshotSource:
                 since_yield += size
                 if since_yield >= YIELD_EVERY_TOKENS:
                     since_yield = 0
-                    started = await yield_for_as_long(started)
+                    await share.step()
             snap._add_part(part, part_tokens)
         except BaseException as exc:  # a failed cut fails its callers, never the loop
             error = exc if isinstance(exc, Exception) else ShuttingDownError("snapshot cut cancelled: shutting down")

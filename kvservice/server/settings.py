@@ -441,7 +441,7 @@ class EventsSettings(_Section):
             ended with RESOURCE_EXHAUSTED.
         max_consumers: named TakeEvents consumers tracked at once.
         snapshot_part_tokens: token ids per snapshot message, about (a snapshot goes in parts; a
-            protobuf part is encoded in steps of about 2,048 token ids that yield to the loop).
+            protobuf part is encoded in steps of about 1,024 token ids that yield to the loop).
         stalled_write_timeout_s: the longest one stream write may take, seconds (the client stopped
             reading, or its connection died silently), behind or not: then the stream is ended with
             DEADLINE_EXCEEDED naming the bound; also how long an ended subscriber's handler may stay

@@ -320,7 +320,7 @@ class RunningServer:
         """Per KV cache group (index = group_idx), the block hashes cached now, in their published
         form: what a watcher that applied every batch holds (docs/ARCHITECTURE.md §3.4)."""
         assert self.snapshots is not None
-        return self.snapshots.mirror.cached_hashes()
+        return self.snapshots.cached_hashes()  # the mirror's, with any batches a cut holds back
 
     async def stop(self, grace: float | None = None, *, drain_delay_s: float = 0.0) -> None:
         """Stop gracefully, in this order (each step's ``time.monotonic()`` goes into
@@ -502,7 +502,11 @@ def _build_core(config: ServerConfig) -> _Core:
     )
     # First listener: the mirror a snapshot is cut from is up to date when any other listener runs.
     snapshots = SnapshotSource.attach(
-        event_log, part_tokens=events.snapshot_part_tokens, max_concurrent_cuts=events.max_snapshot_cuts
+        event_log,
+        part_tokens=events.snapshot_part_tokens,
+        max_concurrent_cuts=events.max_snapshot_cuts,
+        max_bytes_in_flight=events.max_snapshot_bytes_in_flight,
+        max_bytes_per_s=events.max_snapshot_bytes_per_s,
     )
     metadata = build_metadata_response(
         engine,

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.server.event_log import EventLog, LogEntry, filter_events
-from kvservice.server.snapshot import Snapshot
+from kvservice.server.snapshot import YIELD_EVERY_TOKENS, HalfShare, Snapshot, materialize, run_tokens
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import batch_to_proto
 from kvservice_client.events import KVEventBatch
 
-__all__ = ["batch_message", "check_format", "encoded_batch", "encoded_snapshot_part", "snapshot_part_message"]
+__all__ = [
+    "batch_message",
+    "check_format",
+    "encoded_batch",
+    "encoded_snapshot_part",
+    "encoded_snapshot_part_in_steps",
+    "snapshot_part_message",
+]
 
 _FORMATS = (pb.PAYLOAD_FORMAT_UNSPECIFIED, pb.PAYLOAD_FORMAT_PROTOBUF, pb.PAYLOAD_FORMAT_MSGPACK)
 
@@ -82,4 +89,56 @@ def encoded_snapshot_part(
         lambda s, j: snapshot_part_message(
             s, j, more=more, payload_format=payload_format, epoch=epoch, data_parallel_rank=data_parallel_rank
         ).SerializeToString(),
+    )
+
+
+async def _serialize_part_in_steps(
+    snap: Snapshot, i: int, *, more: bool, payload_format: int, epoch: str, data_parallel_rank: int | None
+) -> bytes:
+    """:func:`snapshot_part_message` serialized in steps of about ``YIELD_EVERY_TOKENS`` token ids,
+    yielding to the loop between steps (:class:`~kvservice.server.snapshot.HalfShare`: at most about half the loop) (protobuf format; a msgpack part is one ``bytes`` field, made
+    in one go).
+
+    The parsed message is the same: concatenated serialized messages parse as their merge
+    (repeated ``events`` appended in order, a scalar set by a later piece wins), so each step
+    serializes an ``EventBatch`` holding only its events (``ts`` 0, which proto3 leaves out), and
+    one holding every scalar field and no event comes last: the same length as serializing the
+    whole message at once.
+    """
+    if payload_format == pb.PAYLOAD_FORMAT_MSGPACK:
+        return snapshot_part_message(
+            snap, i, more=more, payload_format=payload_format, epoch=epoch, data_parallel_rank=data_parallel_rank
+        ).SerializeToString()
+    kinds, windows = snap.group_kinds, snap.group_windows
+    pieces: list[bytes] = []
+    events = []
+    num_tokens = 0
+    share = HalfShare()
+    for item in snap.parts[i]:
+        events.append(materialize(item, kinds, windows))
+        num_tokens += run_tokens(item)
+        if num_tokens >= YIELD_EVERY_TOKENS:
+            pieces.append(batch_to_proto(KVEventBatch(0.0, events, None), seq=0, epoch="").SerializeToString())
+            events, num_tokens = [], 0
+            await share.step()
+    if events:
+        pieces.append(batch_to_proto(KVEventBatch(0.0, events, None), seq=0, epoch="").SerializeToString())
+    scalars = batch_to_proto(KVEventBatch(snap.ts, [], data_parallel_rank), seq=snap.seq, epoch=epoch, snapshot=True)
+    scalars.snapshot_more = more
+    pieces.append(scalars.SerializeToString())
+    return b"".join(pieces)
+
+
+async def encoded_snapshot_part_in_steps(
+    snap: Snapshot, i: int, *, more: bool, payload_format: int, epoch: str, data_parallel_rank: int | None
+) -> bytes:
+    """:func:`encoded_snapshot_part`, the same bytes' meaning, made in steps that yield to the loop
+    (so encoding a part holds the loop for about ``YIELD_EVERY_TOKENS`` token ids at a time), once
+    per payload format and shared (callers meanwhile wait for the one encoding)."""
+    return await snap.encoded_in_steps(
+        i,
+        ("EventBatch", payload_format),
+        lambda s, j: _serialize_part_in_steps(
+            s, j, more=more, payload_format=payload_format, epoch=epoch, data_parallel_rank=data_parallel_rank
+        ),
     )

@@ -40,7 +40,7 @@ from kvservice.server.encoding import (
     batch_message,
     check_format,
     encoded_batch,
-    encoded_snapshot_part,
+    encoded_snapshot_part_in_steps,
     snapshot_part_message,
 )
 from kvservice.server.event_log import EventLog, LogEntry, Subscriber
@@ -503,11 +503,16 @@ class KVCacheServicer:
         try:
             if snapshot is not None:
                 rank = log.data_parallel_rank
+                budget = self.snapshots.budget  # shared by every snapshot stream: bounds the loop's writing
                 async for i, more in snapshot.iter_parts():
-                    data = encoded_snapshot_part(
+                    data = await encoded_snapshot_part_in_steps(
                         snapshot, i, more=more, payload_format=payload_format, epoch=log.epoch, data_parallel_rank=rank
                     )
-                    await self._write(context, sub, data, snapshot.seq)
+                    await budget.acquire(len(data))
+                    try:
+                        await self._write(context, sub, data, snapshot.seq)
+                    finally:
+                        budget.release(len(data))
             while True:
                 sub.raise_if_ended()
                 entries = log.entries_from(sub.next_seq)

@@ -440,8 +440,8 @@ class EventsSettings(_Section):
         max_subscriber_lag: batches a stream subscriber may fall behind the head before it is
             ended with RESOURCE_EXHAUSTED.
         max_consumers: named TakeEvents consumers tracked at once.
-        snapshot_part_tokens: token ids per snapshot message, about (a snapshot goes in parts; each
-            part is encoded in one go on the loop, so this bounds that hold too: about 15 ms here).
+        snapshot_part_tokens: token ids per snapshot message, about (a snapshot goes in parts; a
+            protobuf part is encoded in steps of about 1,024 token ids that yield to the loop).
         stalled_write_timeout_s: the longest one stream write may take, seconds (the client stopped
             reading, or its connection died silently), behind or not: then the stream is ended with
             DEADLINE_EXCEEDED naming the bound; also how long an ended subscriber's handler may stay
@@ -451,6 +451,14 @@ class EventsSettings(_Section):
         max_streams: open StreamEvents subscriptions at once; one more is RESOURCE_EXHAUSTED.
         max_snapshot_cuts: snapshots cut at once. Callers asking at the same head share one cut;
             at the bound a caller joins the newest cut of its group filter in production, or waits.
+        max_snapshot_bytes_in_flight: snapshot part bytes being written at once, over all
+            StreamEvents snapshot streams (a stream waits its turn beyond it; a part bigger than
+            it goes alone), bytes: bounds how much of the loop snapshot writing takes from other
+            calls however many clients ask for snapshots at once.
+        max_snapshot_bytes_per_s: the rate of that budget, bytes per second on average (bursts up
+            to ``max_snapshot_bytes_in_flight``): bounds what snapshot traffic takes from other
+            calls and from clients sharing the machine (a million 16-token blocks, about 100 MB,
+            stream in under 2 s at the default).
         kv_events_medium: the ``medium`` of every event ("GPU", as vLLM's primary pool always
             says, whatever the device: consumers such as Dynamo's indexer file other media in
             their host/offload tiers); "CPU" or another tier name for a deployment that wants the
@@ -487,6 +495,20 @@ class EventsSettings(_Section):
     max_streams: int = setting(1024, "Open StreamEvents subscriptions.", check=at_least(1))
     max_snapshot_cuts: int = setting(
         2, "Snapshots cut at once (callers at the same head share one cut).", check=at_least(1)
+    )
+    max_snapshot_bytes_in_flight: int = setting(
+        1024 * 1024,
+        "Snapshot part bytes being written at once over all streams, e.g. 1MiB.",
+        parse="bytes",
+        check=at_least(1),
+        default_text="1MiB",
+    )
+    max_snapshot_bytes_per_s: int = setting(
+        64 * 1024 * 1024,
+        "Snapshot part bytes written per second over all streams, on average, e.g. 64MiB.",
+        parse="bytes",
+        check=at_least(1),
+        default_text="64MiB",
     )
     kv_events_medium: str = setting(
         "GPU",

@@ -37,8 +37,9 @@ replay from 0 (one "gap" line in its log), and is answered with the whole epoch,
 **A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
 batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
 cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them), as
-*one* batch with the wire seq of the head it was cut at, then the retained batches after that head
-(none: the snapshot is cut at the head), then the end marker. A consumer that applies the replay in
+*one* batch with the wire seq it was cut at (the snapshot mirror's seq), then the batches after
+that seq (none, unless a gRPC snapshot cut is in production and the mirror holds batches back),
+then the end marker. A consumer that applies the replay in
 order ends exact whatever it missed (vLLM's buffer answers from the oldest retained batch instead,
 leaving such a consumer partial for good). Two differences from the gRPC snapshot:
 
@@ -386,20 +387,22 @@ class ZmqEventPublisher:
                     "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
                     start_seq,
                     base + oldest,
-                    base + log.head_seq,
+                    base + self._snapshots.mirror.seq,
                 )
                 # One batch, not the gRPC stream's parts: see "A start below retention" above.
                 # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a
                 # second BlockStored per block to a vLLM reader, which ignores ``reused``.
-                mirror = self._snapshots.mirror
-                view = mirror.view().filled()
+                # Read synchronously from the mirror's own table: nothing applies a batch meanwhile.
+                source = self._snapshots
+                mirror = source.mirror
                 events = [
-                    materialize(view, item, mirror.group_kinds, mirror.group_windows)
-                    for item in snapshot_runs(view, None)
+                    materialize(item, mirror.group_kinds, mirror.group_windows)
+                    for item in snapshot_runs(mirror.table.filled(), None)
                     if item is None or not item[1]
                 ]
                 snapshot = KVEventBatch(time.time(), events, log.data_parallel_rank)
-                messages = [(base + log.head_seq, encode_event_batch(snapshot))]
+                messages = [(base + mirror.seq, encode_event_batch(snapshot))]
+                messages.extend((base + e.seq, e.msgpack) for e in source.pending)  # held back by a gRPC cut
             else:
                 if start_seq <= base:
                     messages.append((base, self._epoch_start))

@@ -6,7 +6,8 @@
 
 stall: a server (meta device, block size 16) holding ``--blocks`` cached blocks; one client's
 GetUsage latency (p50/p99, sync client, this process) while idle, then while N other clients (a
-separate process) loop StreamEvents(SNAPSHOT) to the end of each snapshot; the figure is the loaded
+separate process) loop StreamEvents(SNAPSHOT) to the end of each snapshot (until the deadline, then
+they stop mid-snapshot: "snapshots done" counts whole ones); the figure is the loaded
 p99 as a ratio to the idle p99 of the same run (target <= 3x).
 
 memory: server RSS growth (VmRSS) in two workloads, each on a fresh server:
@@ -128,7 +129,12 @@ async def _snapshot_load(address: str, num_clients: int, seconds: float) -> int:
                 continue
             done += 1
 
-    await asyncio.gather(*(loop(clients[i % len(clients)]) for i in range(num_clients)))
+    try:  # stop at the deadline, mid-snapshot if need be (a rate-bounded 1M-block snapshot takes seconds)
+        await asyncio.wait_for(
+            asyncio.gather(*(loop(clients[i % len(clients)]) for i in range(num_clients))), seconds + 1
+        )
+    except asyncio.TimeoutError:
+        pass
     for client in clients:
         await client.close()
     return done

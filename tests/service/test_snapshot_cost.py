@@ -106,3 +106,31 @@ async def test_a_take_events_snapshot_above_the_bound_after_the_cut_is_refused_e
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "above max_take_bytes 3072 a TakeEvents answer carries" in str(err.value)
     assert "at least" not in str(err.value) and running.snapshots.num_cuts == 1
+
+
+async def test_snapshot_streams_write_within_the_shared_bytes_in_flight_budget_and_stay_exact(start_kv_server, connect):
+    running = await start_kv_server(
+        num_blocks=200, max_model_len=256, snapshot_part_tokens=64, max_snapshot_bytes_in_flight=1300
+    )
+    scheduler = await connect(running)
+    await fill(scheduler, 4, 160)  # 160 cached blocks of 4 tokens: 9 parts per snapshot
+    head = running.event_log.head_seq
+    watchers = [await connect(running) for _ in range(3)]
+    snapshots = await asyncio.gather(*(read_snapshot(w.stream_events(snapshot=True)) for w in watchers))
+    budget = running.snapshots.budget
+    sizes = [len(b.SerializeToString()) for b in snapshots[0]]
+    assert len(sizes) == 9 and max(sizes) < 1300  # parts fit, so the budget is what bounds them
+    assert budget.peak <= 1300 and budget.in_flight == 0
+    assert budget.num_bytes == 3 * sum(sizes)  # every part of every stream went through it
+    assert budget.num_waits > 0  # three streams at once: some waited their turn
+    expected = {(g, h) for g, hashes in enumerate(pool_hashes(running)) for h in hashes}
+    for parts in snapshots:
+        assert [b.seq for b in parts] == [head] * 9 and [b.snapshot_more for b in parts] == [True] * 8 + [False]
+        stored = {
+            (e.group_idx, h)
+            for b in parts
+            for e in events_of(b)
+            if isinstance(e, BlockStored) and not e.reused
+            for h in e.block_hashes
+        }
+        assert stored == expected

@@ -7,8 +7,17 @@ import gc
 import sys
 from array import array
 
+import pytest
+
 from kvservice.server.event_log import EventLog
-from kvservice.server.snapshot import PARENT, TOKEN_IDS, YIELD_EVERY_TOKENS, CachedSetMirror, SnapshotSource
+from kvservice.server.snapshot import (
+    PARENT,
+    TOKEN_IDS,
+    YIELD_EVERY_TOKENS,
+    ByteBudget,
+    CachedSetMirror,
+    SnapshotSource,
+)
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -119,3 +128,57 @@ async def test_min_bytes_is_a_lower_bound_known_before_the_cut():
     log, source = log_with_source()
     log.append([stored([1, 2, 3], None, 100)])
     assert source.min_bytes(None) == 2 * 12 and source.min_bytes((0,)) == 24 and source.num_cuts == 0
+
+
+async def test_batches_appended_while_a_cut_is_produced_are_held_back_then_applied_in_order():
+    log, source = log_with_source(part_tokens=64)
+    log.append([stored([c], None, 4 * c) for c in range(400)])  # 1,600 tokens
+    expected = source.mirror.events()
+    snap = await source.get()
+    assert not snap.done
+    log.append([BlockRemoved(block_hashes=list(range(200)), medium="CPU", group_idx=0)])  # seq 2
+    log.append([stored([5000, 5001], None, 7)])  # seq 3
+    assert source.mirror.seq == 1 and [e.seq for e in source.pending] == [2, 3] and source.head_seq == 3
+    assert source.cached_hashes() == [set(range(200, 400)) | {5000, 5001}]  # the held batches on top
+    assert await source.get() is snap  # joins the cut in production, at the mirror's seq
+    await snap.wait_done()
+    assert [e for i in range(len(snap.parts)) for e in snap.part_events(i)] == expected  # exact at seq 1
+    after = await source.get()  # waits for the mirror to catch up, then cuts at the head
+    assert after.seq == 3 and not source.pending and source.num_cuts == 2
+    assert source.mirror.cached_hashes() == [set(range(200, 400)) | {5000, 5001}]
+    # The first cut's parts still read as at seq 1, though the mirror moved on.
+    assert [e for i in range(len(snap.parts)) for e in snap.part_events(i)] == expected
+
+
+async def test_the_byte_budget_lets_one_writer_in_per_loop_turn_within_its_bytes():
+    budget = ByteBudget(100)
+    held: list[int] = []
+
+    async def writer(n: int) -> None:
+        for _ in range(5):
+            await budget.acquire(n)
+            held.append(budget.in_flight)
+            await asyncio.sleep(0)  # the write
+            budget.release(n)
+
+    await asyncio.gather(writer(40), writer(40), writer(40), writer(150))
+    assert budget.in_flight == 0 and budget.num_waits > 0
+    assert max(held) == 150 and budget.peak == 150  # the 150-byte part went alone
+    assert all(h <= 100 for h in held if h != 150) and 80 in held  # two 40-byte parts at once
+
+
+async def test_the_byte_budget_s_rate_makes_a_writer_wait_while_its_bucket_is_in_debt():
+    budget = ByteBudget(100, bytes_per_s=1)  # a 100-byte bucket, refilled at 1 byte a second
+    await budget.acquire(100)  # the full bucket, down to 0
+    budget.release(100)
+    await asyncio.sleep(0)  # the next turn
+    await budget.acquire(1000)  # a bucket at 0 lets one more in, into debt (1,000 s of refill)
+    budget.release(1000)
+    waiting = asyncio.ensure_future(budget.acquire(1))  # in debt: waits for the refill
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done() and budget.num_waits == 1 and budget.in_flight == 0
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not budget._waiters and budget.num_bytes == 1100

@@ -246,9 +246,10 @@ class _Stored:
 
 class BlockView(Mapping):
     """(group_idx, hash) -> :data:`MirroredBlock` over a table of :class:`_Stored` records, in the
-    table's order; each block's tuple is made when first read and then kept (so a cut that reads a
-    block twice gets the same tuple). The table must not change while it is read through this
-    (a cut reads a copy).
+    table's order. A record's blocks' tuples are made together (C-level passes) the first time
+    one of them is read, then kept as long as this view (so a block read twice is the same
+    tuple). The table must not change while it is read through this (a :class:`SnapshotSource`
+    holds batches back while a cut reads the mirror's own table).
 
     Args:
         records: the table: keyed by (group_idx, hash), or by hash alone (``by_hash``: one group,
@@ -258,26 +259,35 @@ class BlockView(Mapping):
     def __init__(self, records: dict[Any, _Stored], by_hash: bool = False) -> None:
         self._records = records
         self._by_hash = by_hash
-        self._blocks: dict[_Key, MirroredBlock] = {}
+        self._made: dict[_Stored, dict[Any, MirroredBlock]] = {}  # per record read, its blocks by hash
+
+    def _blocks_of(self, record: _Stored) -> dict[Any, MirroredBlock]:
+        blocks = self._made.get(record)
+        if blocks is None:  # the smallest index of a hash named twice wins, as it was applied
+            blocks = self._made[record] = dict(zip(reversed(record.hashes), reversed(record.blocks())))
+        return blocks
+
+    def _record(self, key: Any) -> _Stored | None:
+        if not self._by_hash:
+            return self._records.get(key)
+        if type(key) is not tuple or len(key) != 2 or key[0] != 0:
+            return None
+        return self._records.get(key[1])
 
     def __getitem__(self, key: _Key) -> MirroredBlock:
-        block = self._blocks.get(key)
-        if block is None:
-            if self._by_hash and key[0] != 0:
-                raise KeyError(key)
-            record = self._records[key[1] if self._by_hash else key]
-            block = self._blocks[key] = record.block(key[1])
-        return block
+        record = self._record(key)
+        if record is None:
+            raise KeyError(key)
+        return self._blocks_of(record)[key[1]]
 
     def get(self, key: _Key, default: Any = None) -> Any:
-        if key not in self:
+        record = self._record(key)
+        if record is None:
             return default
-        return self[key]
+        return self._blocks_of(record)[key[1]]
 
     def __contains__(self, key: object) -> bool:
-        if self._by_hash:
-            return type(key) is tuple and len(key) == 2 and key[0] == 0 and key[1] in self._records
-        return key in self._records
+        return self._record(key) is not None
 
     def __iter__(self) -> Iterator[_Key]:
         if self._by_hash:
@@ -287,34 +297,19 @@ class BlockView(Mapping):
     def __len__(self) -> int:
         return len(self._records)
 
-    def fill(self, step_blocks: int = 4096) -> Iterator[dict[_Key, MirroredBlock] | None]:
-        """Make every block's tuple, a record at a time (C-level passes per record), yielding None
-        after about ``step_blocks`` blocks so a caller can let the loop run; the last item is the
-        filled table: a plain dict in this view's order, which a cut then reads at dict speed.
-        The table must not change meanwhile (a :class:`SnapshotSource` holds batches back)."""
-        records, by_hash = self._records, self._by_hash
-        made: dict[_Stored, dict] = {}  # per record, its blocks' tuples by hash
-        out: dict[_Key, MirroredBlock] = {}
-        done = 0
-        for key, record in records.items():
-            blocks = made.get(record)
-            if blocks is None:  # the smallest index of a hash named twice wins, as applied
-                blocks = made[record] = dict(zip(reversed(record.hashes), reversed(record.blocks())))
-                done += len(record.hashes)
-            if by_hash:
-                out[(0, key)] = blocks[key]
-            else:
-                out[key] = blocks[key[1]]
-            if done >= step_blocks:
-                done = 0
-                yield None
-        yield out
+    def items(self) -> Iterator[tuple[_Key, MirroredBlock]]:  # type: ignore[override]  # one pass, not a set-like view: a cut reads each pair once
+        """The (key, block) pairs in the table's order."""
+        made_get, blocks_of = self._made.get, self._blocks_of
+        if self._by_hash:
+            for h, record in self._records.items():
+                yield (0, h), (made_get(record) or blocks_of(record))[h]
+        else:
+            for key, record in self._records.items():
+                yield key, (made_get(record) or blocks_of(record))[key[1]]
 
     def filled(self) -> dict[_Key, MirroredBlock]:
-        """:meth:`fill` at once (tests, small caches, synchronous callers)."""
-        *_, table = self.fill(1 << 62)
-        assert table is not None
-        return table
+        """Every block's tuple at once, as a plain dict in the table's order (tests, small caches)."""
+        return dict(self.items())
 
 
 class CachedSetMirror:
@@ -532,16 +527,14 @@ class CachedSetMirror:
         """The whole snapshot's events at once (tests and small caches; servers use a
         :class:`SnapshotSource`)."""
         return [
-            materialize(item, self.group_kinds, self.group_windows)
-            for item in snapshot_runs(self.table.filled(), group_idxs)
+            materialize(item, self.group_kinds, self.group_windows) for item in snapshot_runs(self.table, group_idxs)
         ]
 
     @property
     def table(self) -> BlockView:
         """The table itself (no copy), block by block, least recently announced first: read it
         only where nothing can apply a batch meanwhile (synchronously, or while a
-        :class:`SnapshotSource` holds batches back); never change it. A cut reads it through
-        :meth:`BlockView.fill`."""
+        :class:`SnapshotSource` holds batches back); never change it."""
         return BlockView(self._blocks, self._by_hash)
 
 
@@ -616,7 +609,7 @@ def _continues(before: MirroredBlock, before_hash: Any, block: MirroredBlock) ->
     return same
 
 
-def snapshot_runs(table: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
+def snapshot_runs(table: Mapping[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
     """The snapshot of ``table`` (a mirror's blocks, least recently announced first), one event (as
     a :data:`_Run`) at a time: AllBlocksCleared; BlockStored for every block, parents before
     children; then the same blocks re-announced in recency order (``reused``).
@@ -1113,13 +1106,7 @@ class SnapshotSource:
             part_tokens = 0
             since_yield = 0
             share = HalfShare()
-            # Every block's tuple first (from the records), in steps; the runs then read a dict.
-            table: dict[_Key, MirroredBlock] | None = None
-            for table in self.mirror.table.fill(max(1, YIELD_EVERY_TOKENS // 16)):
-                if table is None:
-                    await share.step()
-            assert table is not None
-            for item in snapshot_runs(table, snap.group_idxs):
+            for item in snapshot_runs(self.mirror.table, snap.group_idxs):
                 size = run_tokens(item)
                 if part and part_tokens + size > limit:
                     snap._add_part(part, part_tokens)

@@ -397,7 +397,7 @@ class ZmqEventPublisher:
                 mirror = source.mirror
                 events = [
                     materialize(item, mirror.group_kinds, mirror.group_windows)
-                    for item in snapshot_runs(mirror.table.filled(), None)
+                    for item in snapshot_runs(mirror.table, None)
                     if item is None or not item[1]
                 ]
                 snapshot = KVEventBatch(time.time(), events, log.data_parallel_rank)

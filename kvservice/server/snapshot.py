@@ -116,7 +116,9 @@ class _Stored:
 
     Attributes:
         group_idx: the KV cache group.
-        hashes: the blocks' hashes, in the event's order (parent first).
+        hashes: the blocks' hashes, in the event's order (parent first), as a tuple (a list would
+            stay tracked by the cycle collector, which would walk every cached hash in each full
+            collection).
         parents: per block, its parent hash; None: the chain rule (``hashes[i - 1]``, and
             ``parent_block_hash`` for the first), as in the event.
         parent_block_hash, block_size, lora_id, lora_name, medium: the event's.
@@ -144,8 +146,8 @@ class _Stored:
     def __init__(
         self,
         group_idx: int,
-        hashes: list,
-        parents: list | None,
+        hashes: tuple,
+        parents: tuple | None,
         parent_block_hash: Any,
         block_size: int,
         lora_id: int | None,
@@ -171,7 +173,7 @@ class _Stored:
     def of(cls, event: BlockStored) -> _Stored:
         return cls(
             cast(int, event.group_idx),  # the engine's events always name their group
-            event.block_hashes,
+            tuple(event.block_hashes),  # a tuple of ints or bytes: the cycle collector stops walking it
             None,
             event.parent_block_hash,
             event.block_size,
@@ -465,8 +467,8 @@ class CachedSetMirror:
         extra = record.extra_keys
         moved = _Stored(
             g,
-            [record.hashes[i] for i in live],
-            [record.parent_of(i) for i in live],
+            tuple([record.hashes[i] for i in live]),
+            tuple([record.parent_of(i) for i in live]),
             record.parent_of(live[0]),
             width,
             record.lora_id,

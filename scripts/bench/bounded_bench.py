@@ -108,8 +108,48 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _snapshot_load(address: str, num_clients: int, seconds: float) -> int:
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _snapshot_more(data: bytes) -> bool:
+    """``EventBatch.snapshot_more`` (field 8) read from the message's bytes without parsing the rest:
+    only the top-level fields are walked (a part has a few dozen), lengths skipped."""
+    more = False
+    i = 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        wire_type = key & 7
+        if wire_type == 0:
+            value, i = _varint(data, i)
+            if key >> 3 == 8:
+                more = bool(value)
+        elif wire_type == 2:
+            n, i = _varint(data, i)
+            i += n
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 5:
+            i += 4
+        else:
+            raise ValueError(f"wire type {wire_type}")
+    return more
+
+
+async def _snapshot_load(address: str, num_clients: int, seconds: float, readers: str = "parse") -> int:
+    """N snapshot clients; ``readers="raw"`` takes each message's bytes as they come and reads only
+    ``snapshot_more`` from them (the server's work is the same; the readers' parsing, which on a
+    real deployment runs on the routers' own machines, then takes little of this machine's CPU)."""
+    from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
     from kvservice_client.client import AsyncKVCacheClient
+    from kvservice_client.request_builders import stream_events_request
 
     done = 0
     end = time.monotonic() + seconds
@@ -122,9 +162,19 @@ async def _snapshot_load(address: str, num_clients: int, seconds: float) -> int:
         nonlocal done
         while time.monotonic() < end:
             try:
-                async for batch in client.stream_events(snapshot=True):
-                    if not batch.snapshot_more:
-                        break
+                if readers == "raw":
+                    raw = client.channel.unary_stream(
+                        "/kvservice.v1.KVCacheService/StreamEvents",
+                        request_serializer=pb.StreamEventsRequest.SerializeToString,
+                        response_deserializer=None,
+                    )
+                    async for data in raw(stream_events_request(None, None, None, True, (), None)):
+                        if not _snapshot_more(data):
+                            break
+                else:
+                    async for batch in client.stream_events(snapshot=True):
+                        if not batch.snapshot_more:
+                            break
             except Exception:  # a stream the server ended (fell behind ...): ask again
                 continue
             done += 1
@@ -140,7 +190,9 @@ async def _snapshot_load(address: str, num_clients: int, seconds: float) -> int:
     return done
 
 
-def stall(blocks: int, clients: list[int], seconds: float, server_src: str | None) -> list[dict]:
+def stall(
+    blocks: int, clients: list[int], seconds: float, server_src: str | None, readers: str = "parse"
+) -> list[dict]:
     from kvservice_client.client import KVCacheClient
 
     server = Server(
@@ -164,7 +216,7 @@ def stall(blocks: int, clients: list[int], seconds: float, server_src: str | Non
             idle = _latencies(client, seconds)
             for n in clients:
                 load = subprocess.Popen(
-                    [sys.executable, __file__, "_load", server.address, str(n), str(seconds + 2)],
+                    [sys.executable, __file__, "_load", server.address, str(n), str(seconds + 2), readers],
                     stdout=subprocess.PIPE,
                     text=True,
                     env=_env(None),
@@ -177,6 +229,7 @@ def stall(blocks: int, clients: list[int], seconds: float, server_src: str | Non
                     {
                         "blocks": cached,
                         "clients": n,
+                        "readers": readers,
                         "fill_s": fill_s,
                         "idle_p50_ms": _p(idle, 0.5) * 1e3,
                         "idle_p99_ms": _p(idle, 0.99) * 1e3,
@@ -300,7 +353,7 @@ def memory(server_src: str | None) -> list[dict]:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_load":
-        print(asyncio.run(_snapshot_load(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))))
+        print(asyncio.run(_snapshot_load(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["stall", "memory"])
@@ -308,10 +361,18 @@ if __name__ == "__main__":
     parser.add_argument("--clients", default="1,100")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--server-src")
+    parser.add_argument(
+        "--readers",
+        choices=["parse", "raw"],
+        default="parse",
+        help="snapshot clients parse every message (parse) or read only snapshot_more from its bytes (raw)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.what == "stall":
-        result = stall(args.blocks, [int(n) for n in args.clients.split(",")], args.seconds, args.server_src)
+        result = stall(
+            args.blocks, [int(n) for n in args.clients.split(",")], args.seconds, args.server_src, args.readers
+        )
     else:
         result = memory(args.server_src)
     if args.json:

@@ -231,6 +231,7 @@ class KVCacheServicer:
         self._step_fills: dict[str, Callable[[Any, Any], None]] = {
             "get_computed_blocks": self._fill_get_computed_blocks,
             "allocate_slots": self._fill_allocate_slots,
+            "free": self._fill_free,
         }
 
     # -- ops shared by unary calls and Step --------------------------------------------------
@@ -307,6 +308,12 @@ class KVCacheServicer:
 
     def _free(self, request: pb.FreeRequest) -> pb.FreeResponse:
         return pb.FreeResponse(num_freed_blocks=self.engine.free(request.request_id))
+
+    def _fill_free(self, request: pb.FreeRequest, out: pb.FreeResponse) -> None:
+        """As :meth:`_free`, written into a Step result's own message (no copy)."""
+        num_freed_blocks = self.engine.free(request.request_id)
+        out.SetInParent()  # a free of nothing answers an empty FreeResponse, not an unset result
+        out.num_freed_blocks = num_freed_blocks
 
     def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest) -> pb.ResetPrefixCacheResponse:
         return pb.ResetPrefixCacheResponse(reset=self.engine.reset_prefix_cache())

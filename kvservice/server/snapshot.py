@@ -7,11 +7,12 @@ server's cached set and misses nothing.
 
 Cost rules (issue 15):
 
-* The mirror (:class:`CachedSetMirror`) keeps, per cached (group_idx, block hash), only that
-  block's own ``block_size`` token ids (8 bytes each), its parent hash and its keys, in a
-  plain tuple the cycle collector stops tracking; never the
-  BlockStored that announced it, so one surviving block does not pin a whole prompt. It is fed by
-  an event-log listener; its ``seq`` is the last batch applied.
+* The mirror (:class:`CachedSetMirror`) keeps, per cached (group_idx, block hash), a reference to
+  one record per stored run (the BlockStored's hashes, token ids and keys), not an object per
+  block; a block's tuple is made when a cut reads it. A record whose blocks are mostly gone is
+  compacted to its live blocks, so one surviving block does not pin a whole prompt, and token ids
+  beyond the newest ``UNPACKED_TOKENS`` are packed to 8 bytes each. It is fed by an event-log
+  listener; its ``seq`` is the last batch applied.
 * :meth:`SnapshotSource.get` is the one entry point (gRPC ``StreamEvents`` and ``TakeEvents``
   use it; so can any other wire). Every caller that asks for the same group filter at the same
   mirror seq shares one cut (:attr:`SnapshotSource.num_cuts` counts cuts, exported as
@@ -47,10 +48,9 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterator, Sequence
-from functools import lru_cache
-from itertools import chain, islice, repeat
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterator, Mapping, Sequence
+from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any, Union, cast
 
@@ -90,28 +90,461 @@ thread's CPU between two turns had p99 3.3 ms at 8,192 and 1.75 ms at 2,048 here
 _Key = tuple[int, Any]  # (group_idx, block hash)
 
 _held: Callable[[Any], Any] = itemgetter(1)
-"""A (key, block or None) pair's block: true where the block was held."""
+"""A (key, record or None) pair's record: true where the block was held."""
 
-_CHUNK_BLOCKS = 64
-"""Blocks one cached :class:`struct.Struct` splits at once (:func:`_block_token_bytes`)."""
-
-
-@lru_cache(maxsize=256)
-def _splitter(width: int, num_blocks: int) -> struct.Struct:
-    """A Struct that splits ``num_blocks * width`` bytes into ``num_blocks`` bytes of ``width``."""
-    return struct.Struct(f"{width}s" * num_blocks)
+UNPACKED_TOKENS = 1 << 18
+"""Token ids the mirror keeps as the announcing events' own lists (about 40 bytes each: a list
+slot and an int object) before it packs the oldest into int64 bytes (8 each); see
+:class:`CachedSetMirror`. At most about 10 MiB of lists."""
 
 
-def _block_token_bytes(token_ids: Sequence[int], num_blocks: int, width: int) -> list[bytes]:
-    """Per block, its token ids as int64 in native byte order (``array('q', ids).tobytes()`` of
-    the block's ``width // 8`` ids), first block first: two C-level passes per event (one pack of
-    every id, one split), not a slice per block. The ids are in int64 range (checked at the edge)."""
-    data = struct.pack(f"{len(token_ids)}q", *token_ids)
-    full = num_blocks - num_blocks % _CHUNK_BLOCKS
-    out = list(chain.from_iterable(_splitter(width, _CHUNK_BLOCKS).iter_unpack(memoryview(data)[: full * width])))
-    if full < num_blocks:
-        out.extend(_splitter(width, num_blocks - full).unpack_from(data, full * width))
-    return out
+MirroredBlock = tuple
+"""One cached block as a cut reads it (made from the mirror's :class:`_Stored` record when read):
+a plain tuple (immutable, so a cut may share it; and untracked by CPython's cycle collector once
+it has looked at it, since it holds only ints, strings, None and bytes), indexed by:"""
+
+PARENT, TOKEN_IDS, BLOCK_SIZE, LORA_ID, LORA_NAME, MEDIUM, HAS_EXTRA_KEYS, EXTRA_KEYS = range(8)
+"""Fields of a :data:`MirroredBlock`: the parent block hash (None at block 0); this block's own
+``block_size`` token ids (int64 in native byte order, as ``array('q').tobytes()``); block_size, lora_id, lora_name, medium of the
+BlockStored that announced it; whether that event carried ``extra_keys`` at all; this block's own
+entry of them (None when it had none)."""
+
+
+class _Stored:
+    """The blocks one BlockStored announced, as the mirror holds them: one record shared by every
+    block of the run (the table maps each block's key to it), never copied per block.
+
+    Attributes:
+        group_idx: the KV cache group.
+        hashes: the blocks' hashes, in the event's order (parent first), as a tuple (a list would
+            stay tracked by the cycle collector, which would walk every cached hash in each full
+            collection).
+        parents: per block, its parent hash; None: the chain rule (``hashes[i - 1]``, and
+            ``parent_block_hash`` for the first), as in the event.
+        parent_block_hash, block_size, lora_id, lora_name, medium: the event's.
+        extra_keys: the event's (per block), or None.
+        tokens: the blocks' token ids, ``block_size`` per hash: the event's list (unpacked) or
+            int64 bytes in native byte order (packed; same ids).
+        num_live: blocks of this record the table maps to it.
+    """
+
+    __slots__ = (
+        "group_idx",
+        "hashes",
+        "parents",
+        "parent_block_hash",
+        "block_size",
+        "lora_id",
+        "lora_name",
+        "medium",
+        "extra_keys",
+        "tokens",
+        "num_live",
+        "_index",
+    )
+
+    def __init__(
+        self,
+        group_idx: int,
+        hashes: tuple,
+        parents: tuple | None,
+        parent_block_hash: Any,
+        block_size: int,
+        lora_id: int | None,
+        lora_name: str | None,
+        medium: str | None,
+        extra_keys: list | None,
+        tokens: Any,
+    ) -> None:
+        self.group_idx = group_idx
+        self.hashes = hashes
+        self.parents = parents
+        self.parent_block_hash = parent_block_hash
+        self.block_size = block_size
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+        self.medium = medium
+        self.extra_keys = extra_keys
+        self.tokens = tokens
+        self.num_live = 0
+        self._index: dict | None = None
+
+    @classmethod
+    def of(cls, event: BlockStored) -> _Stored:
+        return cls(
+            cast(int, event.group_idx),  # the engine's events always name their group
+            tuple(event.block_hashes),  # a tuple of ints or bytes: the cycle collector stops walking it
+            None,
+            event.parent_block_hash,
+            event.block_size,
+            event.lora_id,
+            event.lora_name,
+            event.medium,
+            event.extra_keys,
+            event.token_ids,
+        )
+
+    def pack(self) -> None:
+        """Hold the token ids as int64 bytes (one C-level pass; the event's list is let go)."""
+        if type(self.tokens) is not bytes:
+            self.tokens = struct.pack(f"{len(self.tokens)}q", *self.tokens)
+
+    def position(self, block_hash: Any) -> int:
+        """The index of ``block_hash`` in :attr:`hashes` (its last application: the smallest
+        index when an event named it twice, as hashes are applied last to first)."""
+        index = self._index
+        if index is None:
+            n = len(self.hashes)
+            index = self._index = dict(zip(reversed(self.hashes), range(n - 1, -1, -1)))
+        return index[block_hash]  # type: ignore[no-any-return]  # the dict maps hashes to ints
+
+    def parent_of(self, i: int) -> Any:
+        if self.parents is not None:
+            return self.parents[i]
+        return self.hashes[i - 1] if i else self.parent_block_hash
+
+    def blocks(self) -> list[MirroredBlock]:
+        """Every block's :data:`MirroredBlock`, in :attr:`hashes` order (C-level passes; packs the
+        record first)."""
+        self.pack()
+        n = len(self.hashes)
+        width = 8 * self.block_size
+        data = memoryview(cast(bytes, self.tokens))
+        parents = self.parents if self.parents is not None else [self.parent_block_hash, *self.hashes[: n - 1]]
+        extra = self.extra_keys
+        return list(
+            zip(
+                parents,
+                map(
+                    bytes,
+                    map(data.__getitem__, map(slice, range(0, n * width, width), range(width, (n + 1) * width, width))),
+                ),
+                repeat(self.block_size),
+                repeat(self.lora_id),
+                repeat(self.lora_name),
+                repeat(self.medium),
+                repeat(extra is not None),
+                extra if extra is not None else repeat(None),
+            )
+        )
+
+    def block(self, block_hash: Any) -> MirroredBlock:
+        """The :data:`MirroredBlock` of one of its blocks (packs the record first)."""
+        self.pack()
+        i = self.position(block_hash)
+        width = 8 * self.block_size
+        extra = self.extra_keys
+        return (
+            self.parent_of(i),
+            cast(bytes, self.tokens)[i * width : (i + 1) * width],
+            self.block_size,
+            self.lora_id,
+            self.lora_name,
+            self.medium,
+            extra is not None,
+            extra[i] if extra is not None else None,
+        )
+
+
+class BlockView(Mapping):
+    """(group_idx, hash) -> :data:`MirroredBlock` over a table of :class:`_Stored` records, in the
+    table's order. A record's blocks' tuples are made together (C-level passes) the first time
+    one of them is read, then kept as long as this view (so a block read twice is the same
+    tuple). The table must not change while it is read through this (a :class:`SnapshotSource`
+    holds batches back while a cut reads the mirror's own table).
+
+    Args:
+        records: the table: keyed by (group_idx, hash), or by hash alone (``by_hash``: one group,
+            group_idx 0).
+    """
+
+    def __init__(self, records: dict[Any, _Stored], by_hash: bool = False) -> None:
+        self._records = records
+        self._by_hash = by_hash
+        self._made: dict[_Stored, dict[Any, MirroredBlock]] = {}  # per record read, its blocks by hash
+
+    def _blocks_of(self, record: _Stored) -> dict[Any, MirroredBlock]:
+        blocks = self._made.get(record)
+        if blocks is None:  # the smallest index of a hash named twice wins, as it was applied
+            blocks = self._made[record] = dict(zip(reversed(record.hashes), reversed(record.blocks())))
+        return blocks
+
+    def _record(self, key: Any) -> _Stored | None:
+        if not self._by_hash:
+            return self._records.get(key)
+        if type(key) is not tuple or len(key) != 2 or key[0] != 0:
+            return None
+        return self._records.get(key[1])
+
+    def __getitem__(self, key: _Key) -> MirroredBlock:
+        record = self._record(key)
+        if record is None:
+            raise KeyError(key)
+        return self._blocks_of(record)[key[1]]
+
+    def get(self, key: _Key, default: Any = None) -> Any:
+        g, h = key  # the hot path of a cut's parent walk: one lookup, the record's blocks made once
+        if self._by_hash:
+            record = self._records.get(h) if g == 0 else None
+        else:
+            record = self._records.get(key)
+        if record is None:
+            return default
+        blocks = self._made.get(record)
+        if blocks is None:
+            blocks = self._blocks_of(record)
+        return blocks[h]
+
+    def __contains__(self, key: object) -> bool:
+        return self._record(key) is not None
+
+    def __iter__(self) -> Iterator[_Key]:
+        if self._by_hash:
+            return zip(repeat(0), self._records)
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def items(self) -> Iterator[tuple[_Key, MirroredBlock]]:  # type: ignore[override]  # one pass, not a set-like view: a cut reads each pair once
+        """The (key, block) pairs in the table's order."""
+        made_get, blocks_of = self._made.get, self._blocks_of
+        if self._by_hash:
+            for h, record in self._records.items():
+                yield (0, h), (made_get(record) or blocks_of(record))[h]
+        else:
+            for key, record in self._records.items():
+                yield key, (made_get(record) or blocks_of(record))[key[1]]
+
+    def filled(self) -> dict[_Key, MirroredBlock]:
+        """Every block's tuple at once, as a plain dict in the table's order (tests, small caches)."""
+        return dict(self.items())
+
+
+class CachedSetMirror:
+    """The cached set as the event batches describe it: (group_idx, hash) -> the record of the
+    BlockStored that announced the block (:class:`_Stored`); read per block through
+    :meth:`view`.
+
+    Ordered least recently announced first. Within one BlockStored the first block counts as the
+    most recent (hashes are applied last to first), as the server's free queue evicts a request's
+    deepest block first; reuse reports refresh.
+
+    Cost rules (issue 17; the pinning bound is issue 15's):
+
+    * Recording a BlockStored costs a key per block and one ``dict.update`` (C-level passes), no
+      object per block: every block of the event maps to one shared record, which holds the
+      event's own lists. A block's tuple is made only when a cut reads it.
+    * Its token ids stay the event's list (no per-token work) while they are among the newest
+      ``unpacked_tokens`` token ids recorded; then they are packed into int64 bytes (8 bytes a
+      token id, one C-level pass). A record whose blocks all went before that (a pool that turns
+      over quickly) is never packed.
+    * A record never pins much more than its live blocks: once fewer than half of its blocks are
+      live, the live ones move to a new record of their own (their own tokens packed, their
+      parents written out), so the token bytes pinned stay below twice the live blocks' own
+      (issue 15: one surviving block must not pin a whole prompt).
+
+    Args:
+        num_groups: KV cache groups.
+        group_kinds: per group, the kind string put on snapshot events.
+        group_windows: per group, the sliding window put on snapshot events.
+        unpacked_tokens: token ids kept as lists at most, about (>= 0; 0 packs at once).
+
+    Attributes:
+        seq: the seq of the last batch applied (0 before any).
+        num_tokens_per_group: per group, token ids held (block_size per cached block).
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        group_kinds: Sequence[str | None],
+        group_windows: Sequence[int | None],
+        *,
+        unpacked_tokens: int = UNPACKED_TOKENS,
+    ) -> None:
+        if unpacked_tokens < 0:
+            raise ValueError(f"unpacked_tokens must be >= 0; got {unpacked_tokens}")
+        self.num_groups = num_groups
+        self.group_kinds = tuple(group_kinds)
+        self.group_windows = tuple(group_windows)
+        self.unpacked_tokens = unpacked_tokens
+        self.seq = 0
+        self.num_tokens_per_group = [0] * num_groups
+        self._by_hash = num_groups == 1  # one group: keyed by the hash alone (no key tuple per block)
+        self._blocks: dict[Any, _Stored] = {}
+        self._unpacked: dict[_Stored, int] = {}  # records still holding lists, oldest first: their group
+        self._num_unpacked_tokens = 0
+
+    def apply(self, seq: int, events: Sequence[KVEvent]) -> None:
+        """Apply one batch's events (in order) and record its seq.
+
+        Each event is applied in C-level passes over its hashes (``zip``/``map`` into one
+        ``dict.update``), not a Python loop per block. An event that names one hash twice (never
+        one chain's, whose hashes each cover their parent) is applied block by block, as the rule
+        reads.
+        """
+        blocks = self._blocks
+        tokens = self.num_tokens_per_group
+        by_hash = self._by_hash
+        for event in events:
+            if type(event) is BlockStored:
+                g = cast(int, event.group_idx)  # the engine's events always name their group
+                hashes = event.block_hashes
+                n = len(hashes)
+                # applied last to first
+                keys: list[Any] = list(reversed(hashes)) if by_hash else list(zip(repeat(g, n), reversed(hashes)))
+                if event.reused:  # refresh the blocks held: they move to the most recent end
+                    if len(set(hashes)) < n:
+                        self._refresh_per_block(keys)
+                    else:
+                        refreshed: Iterator[Any] = filter(_held, zip(keys, list(map(blocks.pop, keys, repeat(None)))))
+                        blocks.update(refreshed)
+                    continue
+                if not blocks.keys().isdisjoint(keys):  # hashes stored again move to the most recent end
+                    self._drop(g, list(filter(None, map(blocks.pop, keys, repeat(None)))))
+                record = _Stored.of(event)
+                size = len(blocks)
+                blocks.update(zip(keys, repeat(record)))
+                added = len(blocks) - size
+                if added < n:  # one hash twice: the rule puts each at its last application
+                    for key in keys:
+                        blocks.pop(key, None)
+                        blocks[key] = record
+                record.num_live = added
+                tokens[g] += event.block_size * added
+                self._unpacked[record] = g
+                self._num_unpacked_tokens += len(event.token_ids)
+                if self._num_unpacked_tokens > self.unpacked_tokens:
+                    self._pack_oldest()
+            elif type(event) is BlockRemoved:
+                g = cast(int, event.group_idx)  # the engine's events always name their group
+                hashes = event.block_hashes
+                removed = hashes if by_hash else zip(repeat(g, len(hashes)), hashes)
+                self._drop(g, list(filter(None, map(blocks.pop, removed, repeat(None)))))
+            elif type(event) is AllBlocksCleared:
+                blocks.clear()
+                self._unpacked.clear()
+                self._num_unpacked_tokens = 0
+                self.num_tokens_per_group = tokens = [0] * self.num_groups
+        self.seq = seq
+
+    def _drop(self, g: int, records: list[_Stored]) -> None:
+        """Account for blocks of group ``g`` just popped from the table (their records, one per
+        block; usually all one record): live counts, token counts, then the pinning bound."""
+        if not records:
+            return
+        first = records[0]
+        counts = {first: len(records)} if records.count(first) == len(records) else Counter(records)
+        tokens = self.num_tokens_per_group
+        for record, count in counts.items():
+            record.num_live -= count
+            tokens[g] -= record.block_size * count
+            if record.num_live == 0:
+                if self._unpacked.pop(record, None) is not None:
+                    self._num_unpacked_tokens -= len(record.hashes) * record.block_size
+            elif 2 * record.num_live < len(record.hashes):
+                self._compact(g, record)
+
+    def _compact(self, g: int, record: _Stored) -> None:
+        """Move the live blocks of ``record`` (under half of its blocks) to a record of their own,
+        keeping their places in the table."""
+        blocks = self._blocks
+        by_hash = self._by_hash
+        live = [
+            i
+            for i, h in enumerate(record.hashes)
+            if blocks.get(h if by_hash else (g, h)) is record and record.position(h) == i
+        ]
+        width = record.block_size
+        old_tokens = record.tokens
+        if type(old_tokens) is bytes:
+            data = b"".join([old_tokens[8 * width * i : 8 * width * (i + 1)] for i in live])
+        else:
+            data = struct.pack(
+                f"{width * len(live)}q", *chain.from_iterable(old_tokens[width * i : width * (i + 1)] for i in live)
+            )
+        extra = record.extra_keys
+        moved = _Stored(
+            g,
+            tuple([record.hashes[i] for i in live]),
+            tuple([record.parent_of(i) for i in live]),
+            record.parent_of(live[0]),
+            width,
+            record.lora_id,
+            record.lora_name,
+            record.medium,
+            [extra[i] for i in live] if extra is not None else None,
+            data,
+        )
+        moved.num_live = len(live)
+        for h in moved.hashes:
+            blocks[h if by_hash else (g, h)] = moved  # an existing key keeps its place
+        if self._unpacked.pop(record, None) is not None:
+            self._num_unpacked_tokens -= len(record.hashes) * width
+        record.num_live = 0
+
+    def _pack_oldest(self) -> None:
+        """Pack the oldest unpacked records until the lists are within ``unpacked_tokens``."""
+        unpacked = self._unpacked
+        while self._num_unpacked_tokens > self.unpacked_tokens and unpacked:
+            record = next(iter(unpacked))
+            del unpacked[record]
+            self._num_unpacked_tokens -= len(record.hashes) * record.block_size
+            record.pack()
+
+    def _refresh_per_block(self, keys: list[_Key]) -> None:
+        """:meth:`apply`'s reuse report, one block at a time (the rule as written)."""
+        blocks = self._blocks
+        for key in keys:
+            block = blocks.pop(key, None)
+            if block is not None:
+                blocks[key] = block
+
+    @property
+    def num_blocks(self) -> int:
+        """Cached blocks held, over all groups."""
+        return len(self._blocks)
+
+    @property
+    def num_unpacked_tokens(self) -> int:
+        """Token ids held as the events' lists (at most about ``unpacked_tokens``)."""
+        return self._num_unpacked_tokens
+
+    def pinned_token_ids(self) -> int:
+        """Token ids the records of held blocks keep, over all of them (tests of the pinning
+        bound: at most twice the held blocks' own)."""
+        records = {id(r): r for r in self._blocks.values()}
+        return sum(len(r.hashes) * r.block_size for r in records.values())
+
+    def cached_hashes(self) -> list[set]:
+        """Per group, the hashes held (what a watcher applying every batch holds)."""
+        if self._by_hash:
+            return [set(self._blocks)]
+        groups: list[set] = [set() for _ in range(self.num_groups)]
+        for g, h in self._blocks:
+            groups[g].add(h)
+        return groups
+
+    def view(self) -> BlockView:
+        """The table as it is now, block by block (one C-level copy of the table; a block's tuple
+        is made when read): a cut reads it while the mirror moves on (records are never changed
+        in what a view reads: a compaction makes a new record, packing keeps the ids)."""
+        return BlockView(self._blocks.copy(), self._by_hash)
+
+    def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVEvent]:
+        """The whole snapshot's events at once (tests and small caches; servers use a
+        :class:`SnapshotSource`)."""
+        return [
+            materialize(item, self.group_kinds, self.group_windows) for item in snapshot_runs(self.table, group_idxs)
+        ]
+
+    @property
+    def table(self) -> BlockView:
+        """The table itself (no copy), block by block, least recently announced first: read it
+        only where nothing can apply a batch meanwhile (synchronously, or while a
+        :class:`SnapshotSource` holds batches back); never change it."""
+        return BlockView(self._blocks, self._by_hash)
 
 
 class HalfShare:
@@ -137,153 +570,6 @@ class HalfShare:
         else:
             await asyncio.sleep(0)
         self._started = time.perf_counter()
-
-
-MirroredBlock = tuple
-"""One cached block as the mirror holds it: a plain tuple (immutable, so a cut may share it; and
-untracked by CPython's cycle collector once it has looked at it, since it holds only ints,
-strings, None and bytes: a million of them add nothing to a collection's pause), indexed by:"""
-
-PARENT, TOKEN_IDS, BLOCK_SIZE, LORA_ID, LORA_NAME, MEDIUM, HAS_EXTRA_KEYS, EXTRA_KEYS = range(8)
-"""Fields of a :data:`MirroredBlock`: the parent block hash (None at block 0); this block's own
-``block_size`` token ids (int64 in native byte order, as ``array('q').tobytes()``); block_size, lora_id, lora_name, medium of the
-BlockStored that announced it; whether that event carried ``extra_keys`` at all; this block's own
-entry of them (None when it had none)."""
-
-
-def _records(event: BlockStored, n: int) -> Iterator[MirroredBlock]:
-    """The :data:`MirroredBlock` of each of the event's ``n`` blocks, last block first."""
-    bs = event.block_size
-    extra = event.extra_keys
-    return zip(
-        chain(islice(reversed(event.block_hashes), 1, None), (event.parent_block_hash,)),  # each block's parent
-        reversed(_block_token_bytes(event.token_ids, n, 8 * bs)),
-        repeat(bs),
-        repeat(event.lora_id),
-        repeat(event.lora_name),
-        repeat(event.medium),
-        repeat(extra is not None),
-        reversed(extra) if extra is not None else repeat(None),
-    )
-
-
-class CachedSetMirror:
-    """The cached set as the event batches describe it: (group_idx, hash) -> :class:`MirroredBlock`.
-
-    Ordered least recently announced first. Within one BlockStored the first block counts as the
-    most recent (hashes are applied last to first), as the server's free queue evicts a request's
-    deepest block first; reuse reports refresh.
-
-    Args:
-        num_groups: KV cache groups.
-        group_kinds: per group, the kind string put on snapshot events.
-        group_windows: per group, the sliding window put on snapshot events.
-
-    Attributes:
-        seq: the seq of the last batch applied (0 before any).
-        num_tokens_per_group: per group, token ids held (block_size per cached block).
-    """
-
-    def __init__(self, num_groups: int, group_kinds: Sequence[str | None], group_windows: Sequence[int | None]) -> None:
-        self.num_groups = num_groups
-        self.group_kinds = tuple(group_kinds)
-        self.group_windows = tuple(group_windows)
-        self.seq = 0
-        self.num_tokens_per_group = [0] * num_groups
-        self._blocks: dict[_Key, MirroredBlock] = {}
-
-    def apply(self, seq: int, events: Sequence[KVEvent]) -> None:
-        """Apply one batch's events (in order) and record its seq.
-
-        Each event is applied in C-level passes over its hashes (``zip``/``map`` into one
-        ``dict.update``), not a Python loop per block, so recording a block costs about what the
-        objects it keeps cost (a key, a tuple, a ``block_size * 8``-byte string). An event that
-        names one hash twice (never one chain's, whose hashes each cover their parent) is applied
-        block by block, as the rule reads.
-        """
-        blocks = self._blocks
-        tokens = self.num_tokens_per_group
-        for event in events:
-            if type(event) is BlockStored:
-                g = cast(int, event.group_idx)  # the engine's events always name their group
-                hashes = event.block_hashes
-                n = len(hashes)
-                keys = list(zip(repeat(g, n), reversed(hashes)))  # applied last to first
-                if event.reused:  # refresh the blocks held: they move to the most recent end
-                    if len(set(hashes)) < n:
-                        self._refresh_per_block(keys)
-                    else:
-                        refreshed: Iterator[Any] = filter(_held, zip(keys, list(map(blocks.pop, keys, repeat(None)))))
-                        blocks.update(refreshed)
-                    continue
-                if not blocks.keys().isdisjoint(keys):  # hashes stored again move to the most recent end
-                    tokens[g] -= sum(map(itemgetter(BLOCK_SIZE), filter(None, map(blocks.pop, keys, repeat(None)))))
-                size = len(blocks)
-                blocks.update(zip(keys, _records(event, n)))
-                if len(blocks) - size < n:  # one hash twice: undo, then block by block
-                    for key in keys:
-                        blocks.pop(key, None)
-                    self._store_per_block(event, g)
-                else:
-                    tokens[g] += event.block_size * n
-            elif type(event) is BlockRemoved:
-                g = cast(int, event.group_idx)  # the engine's events always name their group
-                hashes = event.block_hashes
-                removed = filter(None, map(blocks.pop, zip(repeat(g, len(hashes)), hashes), repeat(None)))
-                tokens[g] -= sum(map(itemgetter(BLOCK_SIZE), removed))
-            elif type(event) is AllBlocksCleared:
-                blocks.clear()
-                self.num_tokens_per_group = tokens = [0] * self.num_groups
-        self.seq = seq
-
-    def _store_per_block(self, event: BlockStored, g: int) -> None:
-        """:meth:`apply`'s store, one block at a time (the rule as written)."""
-        blocks, tokens, hashes, bs = self._blocks, self.num_tokens_per_group, event.block_hashes, event.block_size
-        for key, record in zip(zip(repeat(g), reversed(hashes)), _records(event, len(hashes))):
-            old = blocks.pop(key, None)
-            if old is not None:
-                tokens[g] -= old[BLOCK_SIZE]
-            blocks[key] = record
-            tokens[g] += bs
-
-    def _refresh_per_block(self, keys: list[_Key]) -> None:
-        """:meth:`apply`'s reuse report, one block at a time (the rule as written)."""
-        blocks = self._blocks
-        for key in keys:
-            block = blocks.pop(key, None)
-            if block is not None:
-                blocks[key] = block
-
-    @property
-    def num_blocks(self) -> int:
-        """Cached blocks held, over all groups."""
-        return len(self._blocks)
-
-    def cached_hashes(self) -> list[set]:
-        """Per group, the hashes held (what a watcher applying every batch holds)."""
-        groups: list[set] = [set() for _ in range(self.num_groups)]
-        for g, h in self._blocks:
-            groups[g].add(h)
-        return groups
-
-    def view(self) -> dict[_Key, MirroredBlock]:
-        """A copy of the table as it is now (blocks are shared, never changed: a cut reads it while
-        the mirror moves on)."""
-        return self._blocks.copy()
-
-    def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVEvent]:
-        """The whole snapshot's events at once (tests and small caches; servers use a
-        :class:`SnapshotSource`)."""
-        return [
-            materialize(item, self.group_kinds, self.group_windows) for item in snapshot_runs(self.table, group_idxs)
-        ]
-
-    @property
-    def table(self) -> dict[_Key, MirroredBlock]:
-        """The table itself (no copy), least recently announced first: read it only where nothing
-        can apply a batch meanwhile (synchronously, or while a :class:`SnapshotSource` holds
-        batches back); never change it."""
-        return self._blocks
 
 
 _Run = Union[None, tuple[int, bool, tuple[tuple, ...], tuple[tuple, ...]]]
@@ -332,7 +618,7 @@ def _continues(before: MirroredBlock, before_hash: Any, block: MirroredBlock) ->
     return same
 
 
-def snapshot_runs(table: dict[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
+def snapshot_runs(table: Mapping[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
     """The snapshot of ``table`` (a mirror's blocks, least recently announced first), one event (as
     a :data:`_Run`) at a time: AllBlocksCleared; BlockStored for every block, parents before
     children; then the same blocks re-announced in recency order (``reused``).

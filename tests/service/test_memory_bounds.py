@@ -76,14 +76,76 @@ async def test_the_heap_is_trimmed_once_enough_tokens_were_freed():
     from kvservice.server import heap
 
     freed = [0]
-    trimmer = heap.HeapTrimmer(lambda: freed[0], trim_every_tokens=100)
+    trimmer = heap.HeapTrimmer(lambda: freed[0], trim_every_tokens=100, min_interval_s=0.0)
     freed[0] = 99
     trimmer.maybe_trim()
-    assert trimmer.num_trims == 0
+    assert trimmer.task is None and trimmer.num_trims == 0
     freed[0] = 100
     trimmer.maybe_trim()
-    assert trimmer.num_trims == (1 if heap._MALLOC_TRIM is not None else 0)
-    if trimmer._running is not None:
-        assert await trimmer._running is True
+    if heap._MALLOC_TRIM is None:  # no malloc_trim in this libc: nothing to do
+        assert trimmer.task is None and trimmer.num_trims == 0
+        return
+    task = trimmer.task
+    assert task is not None
+    trimmer.maybe_trim()  # one at a time: the running task is the one
+    assert trimmer.task is task
+    await task
+    assert trimmer.num_trims == 1 and trimmer.task is None
     trimmer.maybe_trim()  # nothing freed since
-    assert trimmer.num_trims == (1 if heap._MALLOC_TRIM is not None else 0)
+    assert trimmer.task is None and trimmer.num_trims == 1
+
+
+async def test_a_trim_sooner_than_the_interval_is_deferred_not_dropped():
+    """Frees right after a trim are trimmed once the interval has passed, with no call after them;
+    frees made while a trim waits join that trim."""
+    from kvservice.server import heap
+
+    if heap._MALLOC_TRIM is None:
+        pytest.skip("no malloc_trim in this libc")
+    freed = [100]
+    trimmer = heap.HeapTrimmer(lambda: freed[0], trim_every_tokens=100, min_interval_s=0.2)
+    assert trimmer._trimmed_at == 100  # what was freed before it existed is not counted
+    freed[0] = 200
+    trimmer.maybe_trim()
+    assert trimmer.task is not None
+    await trimmer.task
+    assert trimmer.num_trims == 1
+    first = trimmer._started_at
+    freed[0] = 300  # enough again, within the interval: deferred
+    trimmer.maybe_trim()
+    task = trimmer.task
+    assert task is not None and trimmer.num_trims == 1
+    freed[0] = 450  # more freed while it waits: the same trim covers it
+    trimmer.maybe_trim()
+    assert trimmer.task is task
+    await task
+    assert trimmer.num_trims == 2 and trimmer._trimmed_at == 450
+    assert trimmer._started_at is not None and first is not None
+    assert trimmer._started_at - first >= 0.2
+
+
+async def test_closing_the_trimmer_cancels_a_deferred_trim():
+    from kvservice.server import heap
+
+    if heap._MALLOC_TRIM is None:
+        pytest.skip("no malloc_trim in this libc")
+    freed = [0]
+    trimmer = heap.HeapTrimmer(lambda: freed[0], trim_every_tokens=1, min_interval_s=3600.0)
+    freed[0] = 1
+    trimmer.maybe_trim()
+    assert trimmer.task is not None
+    await trimmer.task
+    freed[0] = 2
+    trimmer.maybe_trim()  # waits an hour
+    assert trimmer.task is not None
+    await trimmer.close()
+    assert trimmer.task is None and trimmer.num_trims == 1
+
+
+def test_the_trimmer_refuses_bad_bounds():
+    from kvservice.server import heap
+
+    with pytest.raises(ValueError, match="trim_every_tokens must be >= 1; got 0"):
+        heap.HeapTrimmer(lambda: 0, trim_every_tokens=0)
+    with pytest.raises(ValueError, match="min_interval_s must be >= 0; got -1"):
+        heap.HeapTrimmer(lambda: 0, min_interval_s=-1)

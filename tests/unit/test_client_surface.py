@@ -418,3 +418,31 @@ def test_retry_codes_match_whichever_enum_they_are_given_in():
     legacy = RetryPolicy(retryable_codes=frozenset({grpc.StatusCode.UNAVAILABLE}))
     assert KVServiceError(StatusCode.UNAVAILABLE, "x").code in legacy.retryable_codes
     assert StatusCode.NOT_FOUND not in RetryPolicy().retryable_codes
+
+
+@pytest.mark.parametrize("cls", [KVCacheClient, AsyncKVCacheClient])
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs", "message"),
+    [
+        ("ping", (b"x", 2), {}, "ping() takes from 1 to 2 positional arguments but 3 were given"),
+        ("ping", (), {"foo": 1}, "ping() got an unexpected keyword argument 'foo'"),
+        ("get_usage", (1, 2), {}, "get_usage() takes from 1 to 2 positional arguments but 3 were given"),
+        ("get_usage", (), {"bar": 1}, "get_usage() got an unexpected keyword argument 'bar'"),
+        ("get_computed_blocks", (), {}, "get_computed_blocks() missing 1 required positional argument: 'request_id'"),
+    ],
+)
+async def test_a_wrong_call_names_the_clients_method(cls, name, args, kwargs, message):
+    """A call with the wrong arguments raises TypeError naming the user's method
+    (``KVCacheClient.ping()``), not the table's builder (``_KVCacheServiceRPCs.ping()``,
+    ``_whole_request.<locals>.build()``)."""
+    client = cls("127.0.0.1:1")
+    try:
+        with pytest.raises(TypeError) as err:
+            result = getattr(client, name)(*args, **kwargs)
+            if inspect.isawaitable(result):
+                await result
+        assert str(err.value) == f"{cls.__name__}.{message}"
+    finally:
+        closed = client.close()
+        if inspect.isawaitable(closed):
+            await closed

@@ -342,14 +342,27 @@ class _RPC:
         """The client method: the request from ``build``, sent through the client's ``_rpc``
         (awaited by the async client's unary methods)."""
         method, build, convert = self.method, self.build, self.convert
+        signature = inspect.signature(build)
+
+        def request_of(client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message:
+            try:
+                return build(client, *args, **kwargs)
+            except TypeError as exc:
+                try:
+                    signature.bind(client, *args, **kwargs)
+                except TypeError:  # the call's arguments are wrong: name the client's method, not the builder
+                    raise TypeError(
+                        str(exc).replace(f"{build.__qualname__}()", f"{function.__qualname__}()", 1)
+                    ) from None
+                raise
 
         def call(client: Any, *args: Any, **kwargs: Any) -> Any:
-            request = build(client, *args, **kwargs)
+            request = request_of(client, args, kwargs)
             response = client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
             return response if convert is None else convert(response)
 
         async def call_async(client: Any, *args: Any, **kwargs: Any) -> Any:
-            request = build(client, *args, **kwargs)
+            request = request_of(client, args, kwargs)
             response = await client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
             return response if convert is None else convert(response)
 
@@ -357,7 +370,7 @@ class _RPC:
         annotation = self.annotation(asynchronous)
         function.__doc__ = build.__doc__
         function.__annotations__ = {**build.__annotations__, "return": annotation}
-        function.__signature__ = inspect.signature(build).replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
+        function.__signature__ = signature.replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
         return function
 
 

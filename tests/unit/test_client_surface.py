@@ -446,3 +446,41 @@ async def test_a_wrong_call_names_the_clients_method(cls, name, args, kwargs, me
         closed = client.close()
         if inspect.isawaitable(closed):
             await closed
+
+
+BAD_METADATA = [
+    ({"X-Upper": "v"}, "metadata: key 'X-Upper'"),
+    ([("x-a", "\u00e9")], "metadata: the value of 'x-a'"),
+    ([("", "v")], "metadata: key ''"),
+    ([("x-a", "line\nbreak")], "metadata: the value of 'x-a'"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "message"), BAD_METADATA)
+def test_bad_metadata_is_a_value_error_naming_it_in_both_clients(metadata, message):
+    """Metadata gRPC would refuse (a key not lower-case ASCII letters, digits, '-', '_', '.'; a
+    value of a non -bin key not printable ASCII) is a ValueError naming the key, at construction
+    and per call, in both clients, before anything is sent: today the blocking client's call fails
+    with INTERNAL 'Invalid metadata' and the async one with grpc's internal ExecuteBatchError."""
+    with pytest.raises(ValueError, match=message):
+        KVCacheClient("127.0.0.1:1", metadata=metadata)
+    with pytest.raises(ValueError, match=message):
+        AsyncKVCacheClient("127.0.0.1:1", metadata=metadata)
+    with KVCacheClient("127.0.0.1:1") as client:
+        with pytest.raises(ValueError, match=message):
+            client.ping(b"x", metadata=metadata)
+
+
+@pytest.mark.parametrize(("metadata", "message"), BAD_METADATA)
+async def test_bad_call_metadata_is_a_value_error_in_the_async_client(metadata, message):
+    async with AsyncKVCacheClient("127.0.0.1:1") as client:
+        with pytest.raises(ValueError, match=message):
+            await client.ping(b"x", metadata=metadata)
+        with pytest.raises(ValueError, match=message):
+            client.stream_events(metadata=metadata)
+
+
+def test_good_metadata_passes_as_given():
+    pairs = (("x-a", "v 1"), ("x-b.c_d", "~"), ("x-bin", b"\x00\xff"))
+    with KVCacheClient("127.0.0.1:1", metadata=dict(pairs)) as client:
+        assert client._call_options("Ping", None, [("x-c", b"ok")])["metadata"] == (*pairs, ("x-c", b"ok"))

@@ -135,7 +135,9 @@ def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
 @_log_level_option
 @click.argument("target", default="127.0.0.1:50051")
 @click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
-@click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
+@click.option(
+    "--from-seq", type=click.IntRange(min=1), help="Replay retained batches from this seq (>= 1), then follow live."
+)
 @click.option(
     "--group", "group_idxs", type=click.IntRange(min=0), multiple=True, help="Only this group's events (repeatable)."
 )

@@ -71,7 +71,9 @@ def served_address():
         serve.wait(TIMEOUT_S)
 
 
-@pytest.mark.parametrize("args", [["--group", "-1"], ["--snapshot", "--from-seq", "1"]])
+@pytest.mark.parametrize(
+    "args", [["--group", "-1"], ["--snapshot", "--from-seq", "1"], ["--from-seq", "-1"], ["--from-seq", "0"]]
+)
 def test_watch_bad_flags_are_clean_errors(served_address, args):
     proc = _run("watch", served_address, *args)
     _assert_clean_error(proc)

@@ -484,3 +484,22 @@ def test_good_metadata_passes_as_given():
     pairs = (("x-a", "v 1"), ("x-b.c_d", "~"), ("x-bin", b"\x00\xff"))
     with KVCacheClient("127.0.0.1:1", metadata=dict(pairs)) as client:
         assert client._call_options("Ping", None, [("x-c", b"ok")])["metadata"] == (*pairs, ("x-c", b"ok"))
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs", "field"),
+    [
+        ("stream_events", (), {"start_seq": -1}, "start_seq"),
+        ("stream_events", (), {"group_idxs": [-1]}, "group_idxs"),
+        ("take_events", ("c",), {"start_seq": -1}, "start_seq"),
+        ("take_events", ("c",), {"max_batches": -1}, "max_batches"),
+        ("take_events", ("c",), {"group_idxs": [2**32]}, "group_idxs"),
+        ("get_computed_blocks", ("r", "abc"), {}, "prompt_token_ids"),
+    ],
+)
+def test_a_value_protobuf_refuses_is_a_value_error_naming_the_field(name, args, kwargs, field):
+    """As allocate_slots already does ("num_new_tokens: Value out of range: -1"), not protobuf's
+    bare "Value out of range: -1" (or an AttributeError for a string of token ids)."""
+    with KVCacheClient("127.0.0.1:1") as client:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            getattr(client, name)(*args, **kwargs)

@@ -135,7 +135,9 @@ def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
 @_log_level_option
 @click.argument("target", default="127.0.0.1:50051")
 @click.option("--snapshot/--live", default=False, help="Start with a snapshot of the cached set, or live [live].")
-@click.option("--from-seq", type=int, help="Replay retained batches from this seq, then follow live.")
+@click.option(
+    "--from-seq", type=click.IntRange(min=1), help="Replay retained batches from this seq (>= 1), then follow live."
+)
 @click.option(
     "--group", "group_idxs", type=click.IntRange(min=0), multiple=True, help="Only this group's events (repeatable)."
 )
@@ -332,6 +334,8 @@ def watch(
 def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""
     _check_replay_options(options)
+    outputs = ("routing.json", "routing.png") if options["instances"] >= 2 else ("report.json", "agreement.png")
+    _check_replay_out_dir(options["out_dir"], outputs)
     click.echo(_replay_first_line(options))
     # The process ends after the replay. The interpreter's last collections, as it tears the
     # modules down, would traverse every object the replay made (0.1-0.3 s) for memory the OS takes
@@ -405,11 +409,43 @@ def _replay_one_instance(options: dict[str, Any], plots: PlotProcess) -> None:
         raise click.ClickException(str(e)) from None
     out = Path(options["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    json_path = write_json(report, out / "report.json")
+    try:  # checked before the run (_check_replay_out_dir); this catches what changed since
+        json_path = write_json(report, out / "report.json")
+    except OSError as e:
+        raise click.ClickException(f"cannot write {out / 'report.json'}: {e.strerror or e}") from None
     plots.submit(json_path, out / "agreement.png")  # drawn while the table is printed
     click.echo(render_table(report))
-    png_path = plots.result()
+    try:
+        png_path = plots.result()
+    except OSError as e:
+        raise click.ClickException(
+            f"wrote {json_path}; cannot write {out / 'agreement.png'}: {e.strerror or e}"
+        ) from None
     click.echo(f"wrote {json_path} and {png_path}")
+
+
+def _check_replay_out_dir(out_dir: str, outputs: tuple[str, ...]) -> None:
+    """Makes ``out_dir`` and checks the replay can write each of ``outputs`` in it, before the run:
+    an output it cannot write (a directory in its place, a read-only or missing parent) is a
+    usage error naming --out and the path, not a traceback after the whole run.
+
+    Raises:
+        click.BadParameter: ``out_dir`` cannot be made or written, or an output is a directory.
+    """
+    import tempfile
+    from pathlib import Path
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"cannot write in {out}: {e.strerror or e}", param_hint="'--out'") from None
+    for name in outputs:
+        path = out / name
+        if path.is_dir() or (path.exists() and not os.access(path, os.W_OK)):
+            raise click.BadParameter(f"cannot write {path} (a directory or read-only)", param_hint="'--out'")
 
 
 def _check_replay_options(options: dict[str, Any]) -> None:

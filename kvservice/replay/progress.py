@@ -9,10 +9,12 @@ seconds and when a mode ends, so a log shows the run is alive without a bar's co
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 __all__ = ["Progress", "ProgressCallback", "QueueDrain", "run_in_workers", "worker_progress", "worker_reporter"]
@@ -139,6 +141,19 @@ _WORKER_QUEUE: Any = None
 def _init_worker(queue: Any) -> None:
     global _WORKER_QUEUE
     _WORKER_QUEUE = queue
+    # Ctrl-C reaches the whole process group: a worker waiting for its job (or done with it) would
+    # die with a KeyboardInterrupt traceback; only a running job takes it (_run_job).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run_job(entry: Callable[..., Any], *job: Any) -> Any:
+    """``entry(*job)`` with Ctrl-C back to Python's default while it runs (``asyncio.run`` then
+    turns it into a cancellation of the job, which stops its servers)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return entry(*job)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def worker_progress() -> ProgressCallback | None:
@@ -158,11 +173,31 @@ async def run_in_workers(entry: Callable[..., Any], jobs: Sequence[tuple[Any, ..
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    drain = QueueDrain(queue, progress)
     loop = asyncio.get_running_loop()
+    with _started_ignoring_ctrl_c():  # the resource tracker (for the queue's lock) and the workers
+        queue = context.Queue()
+        pool = ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_init_worker, initargs=(queue,))
+        futures = [loop.run_in_executor(pool, _run_job, entry, *job) for job in jobs]  # submit() starts them
+    drain = QueueDrain(queue, progress)
     try:
-        with ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_init_worker, initargs=(queue,)) as pool:
-            return list(await asyncio.gather(*(loop.run_in_executor(pool, entry, *job) for job in jobs)))
+        with pool:
+            return list(await asyncio.gather(*futures))
     finally:
         drain.stop()
+
+
+@contextlib.contextmanager
+def _started_ignoring_ctrl_c() -> Iterator[None]:
+    """Processes started within start with SIGINT ignored (an ignored signal stays ignored across
+    exec): a Ctrl-C while a spawned interpreter starts up would kill it with "Fatal Python error:
+    init_import_site ... KeyboardInterrupt" before :func:`_init_worker` can ignore it. This
+    process ignores Ctrl-C meanwhile too (the few milliseconds of starting them); only in the main
+    thread, where signal handlers can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -629,6 +629,7 @@ async def _bind(
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
     host, port = core.config.bind.host, core.config.bind.port
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    started = False
     try:
         bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
         if bound == 0:
@@ -636,16 +637,19 @@ async def _bind(
         uds = core.config.bind.uds
         if uds is not None:
             _add_uds_port(server, uds, credentials, closers)
+        started = True  # before: a cancellation inside start() leaves it running too
         await server.start()
         if uds is not None:
             os.chmod(uds, 0o600)  # only this user connects (the socket is made by bind)
             core.notes.append(f"also listening on unix:{uds} (mode 0600)")
-    except BaseException:
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:  # a failure, or a cancellation (Ctrl-C in a replay worker)
+        if started:  # else grpc's Server.__del__ schedules its shutdown on a closed loop (noise)
+            await server.stop(0)
         for close in reversed(closers):  # what started before the bind (the metrics endpoint)
             await close()
         raise
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     core.config = core.config.replace(port=bound)
     return server, health, bind.rsplit(":", 1)[0] + f":{bound}"
 
@@ -747,9 +751,13 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         notes=core.notes,
         closers=closers,
     )
-    await _start_probes(running)
-    _start_reaper(running)
-    await _start_sinks(running)
+    try:
+        await _start_probes(running)
+        _start_reaper(running)
+        await _start_sinks(running)
+    except BaseException:  # a failure, or a cancellation while starting: stop what runs (idempotent)
+        await running.stop(0)
+        raise
     if core.metrics is not None:
         core.metrics.sinks = running.sinks
     seq_base = getattr(running.sinks.get("zmq"), "seq_base", None)

@@ -71,7 +71,9 @@ def served_address():
         serve.wait(TIMEOUT_S)
 
 
-@pytest.mark.parametrize("args", [["--group", "-1"], ["--snapshot", "--from-seq", "1"]])
+@pytest.mark.parametrize(
+    "args", [["--group", "-1"], ["--snapshot", "--from-seq", "1"], ["--from-seq", "-1"], ["--from-seq", "0"]]
+)
 def test_watch_bad_flags_are_clean_errors(served_address, args):
     proc = _run("watch", served_address, *args)
     _assert_clean_error(proc)
@@ -144,3 +146,24 @@ def test_serve_with_a_bad_model_config_names_the_field(tmp_path):
 def test_replay_kv_cache_memory_errors_are_clean(tmp_path, args, needle):
     proc = _run("replay", "--limit", "3", "--no-progress", "--out", str(tmp_path), *args)
     _assert_clean_error(proc, needle)
+
+
+@pytest.mark.parametrize(
+    ("args", "blocked"),
+    [([], "report.json"), ([], "agreement.png"), (["--instances", "2", "--report-mode", "full"], "routing.json")],
+)
+def test_replay_with_an_unwritable_output_is_a_clean_error_before_the_run(tmp_path, args, blocked):
+    """An output path the replay cannot write (here a directory in its place) is refused at once,
+    naming --out and the path, not with a traceback after the whole run (report.json,
+    routing.json) or after the report (agreement.png: the plot process and the fallback both
+    failed)."""
+    (tmp_path / blocked).mkdir()
+    proc = _run("replay", "--limit", "2", "--no-progress", "--out", str(tmp_path), *args)
+    _assert_clean_error(proc, "--out", str(tmp_path / blocked))
+    assert "requests" not in proc.stdout  # refused before the run: no table
+
+
+def test_replay_out_under_a_file_is_a_clean_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    proc = _run("replay", "--limit", "2", "--no-progress", "--out", str(tmp_path / "file" / "out"))
+    _assert_clean_error(proc, "--out")

@@ -418,3 +418,88 @@ def test_retry_codes_match_whichever_enum_they_are_given_in():
     legacy = RetryPolicy(retryable_codes=frozenset({grpc.StatusCode.UNAVAILABLE}))
     assert KVServiceError(StatusCode.UNAVAILABLE, "x").code in legacy.retryable_codes
     assert StatusCode.NOT_FOUND not in RetryPolicy().retryable_codes
+
+
+@pytest.mark.parametrize("cls", [KVCacheClient, AsyncKVCacheClient])
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs", "message"),
+    [
+        ("ping", (b"x", 2), {}, "ping() takes from 1 to 2 positional arguments but 3 were given"),
+        ("ping", (), {"foo": 1}, "ping() got an unexpected keyword argument 'foo'"),
+        ("get_usage", (1, 2), {}, "get_usage() takes from 1 to 2 positional arguments but 3 were given"),
+        ("get_usage", (), {"bar": 1}, "get_usage() got an unexpected keyword argument 'bar'"),
+        ("get_computed_blocks", (), {}, "get_computed_blocks() missing 1 required positional argument: 'request_id'"),
+    ],
+)
+async def test_a_wrong_call_names_the_clients_method(cls, name, args, kwargs, message):
+    """A call with the wrong arguments raises TypeError naming the user's method
+    (``KVCacheClient.ping()``), not the table's builder (``_KVCacheServiceRPCs.ping()``,
+    ``_whole_request.<locals>.build()``)."""
+    client = cls("127.0.0.1:1")
+    try:
+        with pytest.raises(TypeError) as err:
+            result = getattr(client, name)(*args, **kwargs)
+            if inspect.isawaitable(result):
+                await result
+        assert str(err.value) == f"{cls.__name__}.{message}"
+    finally:
+        closed = client.close()
+        if inspect.isawaitable(closed):
+            await closed
+
+
+BAD_METADATA = [
+    ({"X-Upper": "v"}, "metadata: key 'X-Upper'"),
+    ([("x-a", "\u00e9")], "metadata: the value of 'x-a'"),
+    ([("", "v")], "metadata: key ''"),
+    ([("x-a", "line\nbreak")], "metadata: the value of 'x-a'"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "message"), BAD_METADATA)
+def test_bad_metadata_is_a_value_error_naming_it_in_both_clients(metadata, message):
+    """Metadata gRPC would refuse (a key not lower-case ASCII letters, digits, '-', '_', '.'; a
+    value of a non -bin key not printable ASCII) is a ValueError naming the key, at construction
+    and per call, in both clients, before anything is sent: today the blocking client's call fails
+    with INTERNAL 'Invalid metadata' and the async one with grpc's internal ExecuteBatchError."""
+    with pytest.raises(ValueError, match=message):
+        KVCacheClient("127.0.0.1:1", metadata=metadata)
+    with pytest.raises(ValueError, match=message):
+        AsyncKVCacheClient("127.0.0.1:1", metadata=metadata)
+    with KVCacheClient("127.0.0.1:1") as client:
+        with pytest.raises(ValueError, match=message):
+            client.ping(b"x", metadata=metadata)
+
+
+@pytest.mark.parametrize(("metadata", "message"), BAD_METADATA)
+async def test_bad_call_metadata_is_a_value_error_in_the_async_client(metadata, message):
+    async with AsyncKVCacheClient("127.0.0.1:1") as client:
+        with pytest.raises(ValueError, match=message):
+            await client.ping(b"x", metadata=metadata)
+        with pytest.raises(ValueError, match=message):
+            client.stream_events(metadata=metadata)
+
+
+def test_good_metadata_passes_as_given():
+    pairs = (("x-a", "v 1"), ("x-b.c_d", "~"), ("x-bin", b"\x00\xff"))
+    with KVCacheClient("127.0.0.1:1", metadata=dict(pairs)) as client:
+        assert client._call_options("Ping", None, [("x-c", b"ok")])["metadata"] == (*pairs, ("x-c", b"ok"))
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs", "field"),
+    [
+        ("stream_events", (), {"start_seq": -1}, "start_seq"),
+        ("stream_events", (), {"group_idxs": [-1]}, "group_idxs"),
+        ("take_events", ("c",), {"start_seq": -1}, "start_seq"),
+        ("take_events", ("c",), {"max_batches": -1}, "max_batches"),
+        ("take_events", ("c",), {"group_idxs": [2**32]}, "group_idxs"),
+        ("get_computed_blocks", ("r", "abc"), {}, "prompt_token_ids"),
+    ],
+)
+def test_a_value_protobuf_refuses_is_a_value_error_naming_the_field(name, args, kwargs, field):
+    """As allocate_slots already does ("num_new_tokens: Value out of range: -1"), not protobuf's
+    bare "Value out of range: -1" (or an AttributeError for a string of token ids)."""
+    with KVCacheClient("127.0.0.1:1") as client:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            getattr(client, name)(*args, **kwargs)

@@ -103,8 +103,9 @@ Timeout = Union[float, datetime.timedelta, None]
 """A call deadline: seconds from now (float) or a ``timedelta``; None for the client's default."""
 
 Metadata = Union[Mapping[str, str | bytes], Sequence[tuple[str, str | bytes]], None]
-"""gRPC metadata: a mapping or a sequence of ``(key, value)`` pairs. Keys are lower case; keys
-ending in ``-bin`` take bytes."""
+"""gRPC metadata: a mapping or a sequence of ``(key, value)`` pairs. Keys are lower-case ASCII
+letters, digits, ``-``, ``_``, ``.``; the values of other keys than those ending in ``-bin`` (which
+take bytes) are printable ASCII; anything else is a ValueError naming the key, before any call."""
 
 _STREAMING_METHODS = frozenset({"StreamEvents"})
 
@@ -197,12 +198,28 @@ def _timeout_seconds(timeout: Timeout) -> float | None:
     return float(timeout)
 
 
+_METADATA_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+
 def _metadata_pairs(metadata: Metadata) -> tuple[tuple[str, str | bytes], ...]:
+    """``metadata`` as pairs, checked as gRPC checks it before sending (else the blocking client's
+    call fails with INTERNAL "Invalid metadata" and the async one with grpc's ExecuteBatchError).
+
+    Raises:
+        ValueError: a key that is not lower-case ASCII letters, digits, ``-``, ``_``, ``.``, or
+            a value of a key not ending in ``-bin`` that is not printable ASCII.
+    """
     if metadata is None:
         return ()
-    if isinstance(metadata, Mapping):
-        return tuple(metadata.items())
-    return tuple((key, value) for key, value in metadata)
+    pairs = tuple(metadata.items()) if isinstance(metadata, Mapping) else tuple((key, value) for key, value in metadata)
+    for key, value in pairs:
+        if not isinstance(key, str) or not key or not _METADATA_KEY_CHARS.issuperset(key):
+            raise ValueError(f"metadata: key {key!r} must be lower-case ASCII letters, digits, '-', '_' or '.'")
+        if not key.endswith("-bin"):
+            text = value.decode("latin-1") if isinstance(value, bytes) else value
+            if not isinstance(text, str) or not (text.isascii() and text.isprintable()):
+                raise ValueError(f"metadata: the value of {key!r} must be printable ASCII (or the key end in '-bin')")
+    return pairs
 
 
 def _base_metadata(token: str | None, metadata: Metadata) -> tuple[tuple[str, str | bytes], ...]:
@@ -248,7 +265,8 @@ _CLIENT_ARGS_DOC = """
             ``close()``).
         token: a bearer token, sent on every call as ``authorization: Bearer <token>`` (printable
             ASCII without spaces, else ValueError).
-        metadata: metadata sent on every call, before the call's own.
+        metadata: metadata sent on every call, before the call's own (see :data:`Metadata`; bad
+            keys or values are a ValueError).
         timeout: the default deadline of unary calls, in seconds or as a ``timedelta`` (None: no
             deadline). ``stream_events`` gets a deadline only when the call passes one.
         options: channel options, when ``target`` is an address (the receive limit defaults to
@@ -342,14 +360,27 @@ class _RPC:
         """The client method: the request from ``build``, sent through the client's ``_rpc``
         (awaited by the async client's unary methods)."""
         method, build, convert = self.method, self.build, self.convert
+        signature = inspect.signature(build)
+
+        def request_of(client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message:
+            try:
+                return build(client, *args, **kwargs)
+            except TypeError as exc:
+                try:
+                    signature.bind(client, *args, **kwargs)
+                except TypeError:  # the call's arguments are wrong: name the client's method, not the builder
+                    raise TypeError(
+                        str(exc).replace(f"{build.__qualname__}()", f"{function.__qualname__}()", 1)
+                    ) from None
+                raise
 
         def call(client: Any, *args: Any, **kwargs: Any) -> Any:
-            request = build(client, *args, **kwargs)
+            request = request_of(client, args, kwargs)
             response = client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
             return response if convert is None else convert(response)
 
         async def call_async(client: Any, *args: Any, **kwargs: Any) -> Any:
-            request = build(client, *args, **kwargs)
+            request = request_of(client, args, kwargs)
             response = await client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
             return response if convert is None else convert(response)
 
@@ -357,7 +388,7 @@ class _RPC:
         annotation = self.annotation(asynchronous)
         function.__doc__ = build.__doc__
         function.__annotations__ = {**build.__annotations__, "return": annotation}
-        function.__signature__ = inspect.signature(build).replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
+        function.__signature__ = signature.replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
         return function
 
 
@@ -817,13 +848,14 @@ class _ClientBase(_KVCacheServiceRPCs, Generic[_ChannelT, _StubT]):
         certificate_chain: bytes | None = None,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        # Checked before the channel opens, so a bad token or metadata leaves no channel behind.
+        self._metadata = _base_metadata(token, metadata)
+        self._default_timeout = _timeout_seconds(timeout)
         channel, self._owns_channel = _open_channel(
             target, self._channel_module, options, tls, root_certificates, private_key, certificate_chain, credentials
         )
         self._channel: _ChannelT = channel
         self._stub: _StubT = pb_grpc.KVCacheServiceStub(channel)
-        self._metadata = _base_metadata(token, metadata)
-        self._default_timeout = _timeout_seconds(timeout)
 
     @property
     def channel(self) -> _ChannelT:

@@ -20,6 +20,7 @@ in memory at a time; the async twins (``awrite_blocks``, ``aiter_read_blocks``) 
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass
@@ -97,20 +98,62 @@ class ReadBlock:
     evicted: bool
 
 
-def write_block_chunks(
-    request_id: str, blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]], chunk_bytes: int
-) -> Iterator[pb.WriteBlocksChunk]:
-    """The WriteBlocks chunks of ``blocks`` ((group_idx, block_id, bytes) each), made lazily.
+_UINT32_MAX = 2**32 - 1
+
+
+def _uint32(name: str, value: Any) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: {value!r} is not an integer") from None
+    if not 0 <= number <= _UINT32_MAX:
+        raise ValueError(f"{name}: {number} outside 0..{_UINT32_MAX}")
+    return number
+
+
+def _checked_blocks(
+    blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]], chunk_bytes: int
+) -> list[tuple[int, int, memoryview]]:
+    """``blocks`` as (group_idx, block_id, a byte view of the data) each (no copy), checked.
 
     Raises:
-        ValueError: ``chunk_bytes < 1`` or an empty block.
+        ValueError: ``chunk_bytes < 1``, an id outside the uint32 range, or an empty block.
+        TypeError: an id that is not an integer, or data that is not bytes-like.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
+    checked = []
     for group_idx, block_id, data in blocks:
-        view = memoryview(data).cast("B")
+        group_idx, block_id = _uint32("group_idx", group_idx), _uint32("block_id", block_id)
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:
+            raise TypeError(f"block {block_id}: its bytes must be bytes-like, not {type(data).__name__}") from None
         if not len(view):
             raise ValueError(f"block {block_id}: no bytes")
+        checked.append((group_idx, block_id, view))
+    return checked
+
+
+def write_block_chunks(
+    request_id: str, blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]], chunk_bytes: int
+) -> Iterator[pb.WriteBlocksChunk]:
+    """The WriteBlocks chunks of ``blocks`` ((group_idx, block_id, bytes) each): every block is
+    checked at once (before the first chunk, so nothing raises while gRPC iterates the chunks),
+    the chunks are made lazily.
+
+    Raises:
+        ValueError: ``chunk_bytes < 1``, a group_idx or block_id outside the uint32 range, or an
+            empty block.
+        TypeError: an id that is not an integer, or a block's data that is not bytes-like.
+    """
+    return _block_chunks(request_id, _checked_blocks(blocks, chunk_bytes), chunk_bytes)
+
+
+def _block_chunks(
+    request_id: str, blocks: list[tuple[int, int, memoryview]], chunk_bytes: int
+) -> Iterator[pb.WriteBlocksChunk]:
+    for group_idx, block_id, view in blocks:
         hasher = xxhash.xxh3_64()
         for offset in range(0, len(view), chunk_bytes):
             piece = view[offset : offset + chunk_bytes]
@@ -257,13 +300,16 @@ def _write_blocks(
             with GetKVCacheGroupMetadata).
 
     Raises:
+        ValueError, TypeError: a bad block or ``chunk_bytes`` (see :func:`write_block_chunks`),
+            before any call.
         KVServiceError: FAILED_PRECONDITION (a block the request may not write, named),
             INVALID_ARGUMENT (a bad chunk: the field is named), PERMISSION_DENIED ...
     """
+    checked = _checked_blocks(blocks, 1 if chunk_bytes is None else chunk_bytes)  # before any call
     if chunk_bytes is None:
         layout = yield client.get_kv_cache_group_metadata(timeout=timeout, metadata=metadata)
         chunk_bytes = layout.max_data_chunk_bytes or 1
-    chunks = write_block_chunks(request_id, blocks, chunk_bytes)
+    chunks = _block_chunks(request_id, checked, chunk_bytes)
     response: pb.WriteBlocksResponse = yield client._rpc("WriteBlocks", chunks, timeout, metadata)
     return response
 

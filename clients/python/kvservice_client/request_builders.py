@@ -81,7 +81,7 @@ def _build(message_type: Any, **fields: Any) -> Any:
                 getattr(message, name).extend(value)
             else:
                 setattr(message, name, value)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:  # AttributeError: a str for a repeated field
             raise ValueError(f"{name}: {e}") from None
     return message
 
@@ -215,12 +215,13 @@ def stream_events_request(
         start = pb.EVENT_START_SEQ
     else:
         start = pb.EVENT_START_LIVE
-    return pb.StreamEventsRequest(
+    return _build(  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+        pb.StreamEventsRequest,
         start=start,
         start_seq=start_seq or 0,
         epoch=epoch or "",
         group_idxs=group_idxs,
-        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
+        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),
     )
 
 
@@ -245,14 +246,15 @@ def take_events_request(
             payload_format=payload_format,
         )
         return consumer
-    return pb.TakeEventsRequest(
+    return _build(  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+        pb.TakeEventsRequest,
         consumer=consumer,
         max_batches=max_batches,
         snapshot=snapshot,
         start_seq=start_seq,
         epoch=epoch or "",
         group_idxs=group_idxs,
-        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
+        payload_format=payload_format_value(payload_format or pb.PAYLOAD_FORMAT_UNSPECIFIED),
     )
 
 

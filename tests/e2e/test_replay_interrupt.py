@@ -1,0 +1,76 @@
+"""Ctrl-C in the middle of ``kvservice replay`` (SIGINT to its whole process group, as a terminal
+sends it) ends it with click's one "Aborted!" line: no traceback from the spawned mode workers
+(idle ones died with "Process SpawnProcess-N: ... KeyboardInterrupt"; busy ones with "Exception
+ignored in: <function Server.__del__>... Event loop is closed"), and nothing of the group left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _group(pgid: int) -> list[str]:
+    """``"<pid> <command line>"`` of each live (not zombie) process of process group ``pgid``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(f"{pid} {args}")
+    return found
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("when", ["workers started", "workers replaying"])
+def test_ctrl_c_mid_replay_is_one_line_and_leaves_nothing(tmp_path, when):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "400", "--no-progress", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, SIGINT at its default, as in a terminal
+    )
+    try:
+        workers = lambda: [line for line in _group(proc.pid) if "spawn_main" in line]  # noqa: E731
+        _wait_for(lambda: len(workers()) == 2, "the two mode workers")
+        if when == "workers replaying":
+            # Each worker's embedded server listens once its job runs: wait for both to hold a socket.
+            def listening() -> bool:
+                for line in workers():
+                    fds = f"/proc/{line.split()[0]}/fd"
+                    try:
+                        if not any(os.readlink(f"{fds}/{fd}").startswith("socket:") for fd in os.listdir(fds)):
+                            return False
+                    except OSError:  # an fd (or the process) went meanwhile: look again
+                        return False
+                return True
+
+            _wait_for(listening, "the workers' servers")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1
+    assert stderr.strip() == "Aborted!", stderr
+    _wait_for(lambda: not _group(proc.pid), "the replay's processes to end", timeout=10)

@@ -9,12 +9,11 @@ seconds and when a mode ends, so a log shows the run is alive without a bar's co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 __all__ = ["Progress", "ProgressCallback", "QueueDrain", "run_in_workers", "worker_progress", "worker_reporter"]
@@ -174,30 +173,14 @@ async def run_in_workers(entry: Callable[..., Any], jobs: Sequence[tuple[Any, ..
 
     context = multiprocessing.get_context("spawn")
     loop = asyncio.get_running_loop()
-    with _started_ignoring_ctrl_c():  # the resource tracker (for the queue's lock) and the workers
-        queue = context.Queue()
-        pool = ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_init_worker, initargs=(queue,))
-        futures = [loop.run_in_executor(pool, _run_job, entry, *job) for job in jobs]  # submit() starts them
+    # Not with SIGINT ignored around the spawn (which would keep a Ctrl-C from a starting
+    # interpreter): this process would lose a Ctrl-C sent meanwhile, and the run go on.
+    queue = context.Queue()
+    pool = ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_init_worker, initargs=(queue,))
+    futures = [loop.run_in_executor(pool, _run_job, entry, *job) for job in jobs]  # submit() starts them
     drain = QueueDrain(queue, progress)
     try:
         with pool:
             return list(await asyncio.gather(*futures))
     finally:
         drain.stop()
-
-
-@contextlib.contextmanager
-def _started_ignoring_ctrl_c() -> Iterator[None]:
-    """Processes started within start with SIGINT ignored (an ignored signal stays ignored across
-    exec): a Ctrl-C while a spawned interpreter starts up would kill it with "Fatal Python error:
-    init_import_site ... KeyboardInterrupt" before :func:`_init_worker` can ignore it. This
-    process ignores Ctrl-C meanwhile too (the few milliseconds of starting them); only in the main
-    thread, where signal handlers can be set."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

@@ -9,6 +9,7 @@ binds (port 0 picks a free port) and returns a :class:`RunningServer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import difflib
 import gc
@@ -646,7 +647,10 @@ async def _bind(
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:  # a failure, or a cancellation (Ctrl-C in a replay worker)
         if started:  # else grpc's Server.__del__ schedules its shutdown on a closed loop (noise)
-            await server.stop(0)
+            # A start() cancelled half-way can refuse its stop (grpc: InvalidStateError); the
+            # failure or cancellation that got here is what the caller must see.
+            with contextlib.suppress(Exception):
+                await server.stop(0)
         for close in reversed(closers):  # what started before the bind (the metrics endpoint)
             await close()
         raise

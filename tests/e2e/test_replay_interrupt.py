@@ -1,7 +1,8 @@
 """Ctrl-C in the middle of ``kvservice replay`` (SIGINT to its whole process group, as a terminal
-sends it) ends it with click's one "Aborted!" line: no traceback from the spawned mode workers
-(idle ones died with "Process SpawnProcess-N: ... KeyboardInterrupt"; busy ones with "Exception
-ignored in: <function Server.__del__>... Event loop is closed"), and nothing of the group left."""
+sends it) always ends it, with click's "Aborted!" last: no traceback from this process or a
+server's __del__ ("Exception ignored in: <function Server.__del__>... Event loop is closed"), and
+nothing of the group left. (Idle workers no longer die with "Process SpawnProcess-N: ...
+KeyboardInterrupt"; a worker still starting its interpreter may, see below.)"""
 
 from __future__ import annotations
 
@@ -73,9 +74,11 @@ def test_ctrl_c_mid_replay_is_one_line_and_leaves_nothing(tmp_path, when):
             proc.wait()
     assert proc.returncode == 1
     *noise, last = stderr.strip().splitlines()
-    assert last == "Aborted!", stderr
-    # Left alone (seen once in 8 runs, not captured whole): a worker's event loop collected after the
-    # interrupt, "Exception ignored in: <function BaseEventLoop.__del__ ...>". Nothing else may show.
-    assert not noise or noise[0].startswith("Exception ignored in: <function BaseEventLoop.__del__"), stderr
-    assert not any(x.startswith(("Process SpawnProcess", "Fatal Python error")) or "Server.__del__" in x for x in noise)
+    assert last == "Aborted!", stderr  # the Ctrl-C is never lost: the run ends, with click's line
+    assert "kvservice/cli.py" not in stderr and "Server.__del__" not in stderr, stderr  # no traceback here
+    # Left alone: a worker whose interpreter is still starting when Ctrl-C comes dies with its own
+    # KeyboardInterrupt lines ("Fatal Python error: init_import_site", a traceback in the spawn's
+    # "-c" code). Ignoring SIGINT across the spawn would prevent them, but this process then loses
+    # a Ctrl-C sent in that window and the run goes on (tried; CI caught it). Idle and running
+    # workers print nothing (their SIGINT is ignored until a job runs, then cancels it).
     _wait_for(lambda: not _group(proc.pid), "the replay's processes to end", timeout=10)

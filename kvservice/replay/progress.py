@@ -9,7 +9,6 @@ seconds and when a mode ends, so a log shows the run is alive without a bar's co
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 import threading
 import time
@@ -140,19 +139,6 @@ _WORKER_QUEUE: Any = None
 def _init_worker(queue: Any) -> None:
     global _WORKER_QUEUE
     _WORKER_QUEUE = queue
-    # Ctrl-C reaches the whole process group: a worker waiting for its job (or done with it) would
-    # die with a KeyboardInterrupt traceback; only a running job takes it (_run_job).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _run_job(entry: Callable[..., Any], *job: Any) -> Any:
-    """``entry(*job)`` with Ctrl-C back to Python's default while it runs (``asyncio.run`` then
-    turns it into a cancellation of the job, which stops its servers)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        return entry(*job)
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def worker_progress() -> ProgressCallback | None:
@@ -173,11 +159,11 @@ async def run_in_workers(entry: Callable[..., Any], jobs: Sequence[tuple[Any, ..
 
     context = multiprocessing.get_context("spawn")
     loop = asyncio.get_running_loop()
-    # Not with SIGINT ignored around the spawn (which would keep a Ctrl-C from a starting
-    # interpreter): this process would lose a Ctrl-C sent meanwhile, and the run go on.
+    # Ctrl-C reaches every worker at its default: a worker ignoring it until its job runs (or this
+    # process ignoring it while they spawn) kept a Ctrl-C from ending the run (CI caught both).
     queue = context.Queue()
     pool = ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_init_worker, initargs=(queue,))
-    futures = [loop.run_in_executor(pool, _run_job, entry, *job) for job in jobs]  # submit() starts them
+    futures = [loop.run_in_executor(pool, entry, *job) for job in jobs]  # submit() starts them
     drain = QueueDrain(queue, progress)
     try:
         with pool:

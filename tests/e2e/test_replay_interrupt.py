@@ -46,7 +46,10 @@ def test_ctrl_c_mid_replay_is_one_line_and_leaves_nothing(tmp_path, when):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # its own process group, SIGINT at its default, as in a terminal
+        start_new_session=True,  # its own process group, as in a terminal
+        # SIGINT at its default, as in a terminal: a suite started in the background (``cmd &``
+        # without job control, as CI may run it) inherits it ignored, and the replay keeps that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         workers = lambda: [line for line in _group(proc.pid) if "spawn_main" in line]  # noqa: E731

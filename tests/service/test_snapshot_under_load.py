@@ -42,7 +42,10 @@ async def test_snapshots_taken_during_a_workload_are_exact(start_kv_server, conn
             take_mirror.apply(b)
         watchers.append((None, take_mirror))
         seqs.append(running.event_log.head_seq)
-        await asyncio.sleep(0)  # let the workload go on between snapshots
+        # let the workload go on between snapshots: wait until it has moved the head (a loaded
+        # machine can run the next snapshot before the workload's next event)
+        while running.event_log.head_seq == seqs[-1] and not task.done():
+            await asyncio.sleep(0)
     assert not task.done() and len(set(seqs)) == len(seqs)  # every snapshot at another head, mid-workload
     await task
     head = running.event_log.head_seq

@@ -508,11 +508,8 @@ class KVCacheServicer:
                     data = await encoded_snapshot_part_in_steps(
                         snapshot, i, more=more, payload_format=payload_format, epoch=log.epoch, data_parallel_rank=rank
                     )
-                    await budget.acquire(len(data))
-                    try:
+                    async with budget.held(len(data)):  # until written, or the budget's hold_s
                         await self._write(context, sub, data, snapshot.seq)
-                    finally:
-                        budget.release(len(data))
             while True:
                 sub.raise_if_ended()
                 entries = log.entries_from(sub.next_seq)

@@ -455,11 +455,9 @@ class EventsSettings(_Section):
             StreamEvents snapshot streams (a stream waits its turn beyond it; a part bigger than
             it goes alone), bytes: bounds how much of the loop snapshot writing takes from other
             calls however many clients ask for snapshots at once. A part counts until its write
-            completes, so clients that stop reading mid-snapshot hold their parts' bytes until
-            ``stalled_write_timeout_s`` cuts them: enough of them at once (about
-            max_snapshot_bytes_in_flight / part size beyond what gRPC buffers per stream) delay
-            every other snapshot stream by up to ``stalled_write_timeout_s``, again for each new
-            wave of such clients (``max_streams`` bounds a wave).
+            completes or for 0.5 s, whichever is first, so clients that stop reading mid-snapshot
+            delay the other snapshot streams by at most 0.5 s (their streams are then cut by
+            ``stalled_write_timeout_s``, each holding at most one part in the server meanwhile).
         max_snapshot_bytes_per_s: the rate of that budget, bytes per second on average (bursts up
             to ``max_snapshot_bytes_in_flight``): bounds what snapshot traffic takes from other
             calls and from clients sharing the machine (a million 16-token blocks, about 100 MB,

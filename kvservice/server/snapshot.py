@@ -46,6 +46,7 @@ payload format, memoized on the :class:`Snapshot`, so a burst of subscribers sha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import time
 from collections import Counter, deque
@@ -853,24 +854,36 @@ class ByteBudget:
     and the rate bounds what snapshot writing (and encoding, and the readers' parsing, where they
     share the machine) takes from everything else.
 
+    A write that has not completed ``hold_s`` after it was let in (its client stopped reading,
+    or reads slowly) stops counting then (:meth:`held`): it is still in flight in gRPC, bounded
+    per stream by one message and cut by the stream's own write timeout, but it no longer holds
+    the budget, so clients that stop reading mid-snapshot delay every other snapshot stream by at
+    most ``hold_s``, not until their streams are cut (issue 15: no client stalls the others).
+
     Args:
         max_bytes: bytes in flight, and the bucket's depth (>= 1).
         bytes_per_s: average bytes per second let in (>= 1).
+        hold_s: the longest one write counts in flight, seconds (> 0).
 
     Attributes:
         in_flight: bytes acquired and not yet released.
         peak: the most ``in_flight`` has been.
         num_waits: acquisitions that had to wait (for bytes, the rate, or the loop's next turn).
         num_bytes: bytes let in so far.
+        num_let_go: writes through :meth:`held` that stopped counting at ``hold_s``, not yet complete.
     """
 
-    def __init__(self, max_bytes: int, bytes_per_s: float = float("inf")) -> None:
+    def __init__(self, max_bytes: int, bytes_per_s: float = float("inf"), hold_s: float = 0.5) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1; got {max_bytes}")
         if not bytes_per_s >= 1:
             raise ValueError(f"bytes_per_s must be >= 1; got {bytes_per_s}")
+        if not hold_s > 0:
+            raise ValueError(f"hold_s must be > 0; got {hold_s}")
         self.max_bytes = max_bytes
         self.bytes_per_s = bytes_per_s
+        self.hold_s = hold_s
+        self.num_let_go = 0
         self.in_flight = 0
         self.peak = 0
         self.num_waits = 0
@@ -933,6 +946,27 @@ class ByteBudget:
         """Count ``num_bytes`` out of flight and let the next waiter in (when the turn and the rate allow)."""
         self.in_flight -= num_bytes
         self._wake()
+
+    @contextlib.asynccontextmanager
+    async def held(self, num_bytes: int) -> AsyncIterator[None]:
+        """Count ``num_bytes`` in flight (:meth:`acquire`) for the write made in the ``async with``
+        body, until it completes or ``hold_s`` passes, whichever comes first."""
+        await self.acquire(num_bytes)
+        counted = True
+
+        def let_go() -> None:
+            nonlocal counted
+            counted = False
+            self.num_let_go += 1
+            self.release(num_bytes)
+
+        timer = asyncio.get_running_loop().call_later(self.hold_s, let_go)
+        try:
+            yield
+        finally:
+            timer.cancel()
+            if counted:
+                self.release(num_bytes)
 
     def _wake(self) -> None:
         waiters = self._waiters

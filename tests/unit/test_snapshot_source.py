@@ -182,3 +182,42 @@ async def test_the_byte_budget_s_rate_makes_a_writer_wait_while_its_bucket_is_in
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert not budget._waiters and budget.num_bytes == 1100
+
+
+async def test_a_write_that_does_not_complete_stops_holding_the_budget_after_hold_s():
+    # A client that stops reading mid-snapshot: its write never completes. Its bytes count for
+    # hold_s, then the next stream's part gets in; the stalled write still ends in its own time.
+    budget = ByteBudget(100, hold_s=0.05)
+    stalled_write = asyncio.get_running_loop().create_future()  # never set by a reader
+    entered = asyncio.Event()
+
+    async def stalled() -> None:
+        async with budget.held(80):
+            entered.set()
+            await stalled_write
+
+    stalled_task = asyncio.ensure_future(stalled())
+    await entered.wait()
+    assert budget.in_flight == 80 and budget.num_let_go == 0
+    async with budget.held(80):  # waits for the stalled write's hold_s, not for the write
+        assert budget.in_flight == 80 and budget.num_let_go == 1 and budget.num_waits == 1
+    assert budget.in_flight == 0
+    stalled_write.set_result(None)  # the slow client reads at last: nothing is released twice
+    await stalled_task
+    assert budget.in_flight == 0 and budget.num_bytes == 160 and budget.num_let_go == 1
+
+
+async def test_a_write_that_completes_within_hold_s_is_released_once_when_it_completes():
+    budget = ByteBudget(100, hold_s=3600)
+    async with budget.held(60):
+        assert budget.in_flight == 60
+    assert budget.in_flight == 0 and budget.num_let_go == 0
+    with pytest.raises(RuntimeError):  # a failed write releases its bytes too
+        async with budget.held(70):
+            raise RuntimeError("stream ended")
+    assert budget.in_flight == 0 and budget.num_bytes == 130
+
+
+def test_the_byte_budget_names_a_bad_hold_s():
+    with pytest.raises(ValueError, match="hold_s must be > 0; got 0"):
+        ByteBudget(100, hold_s=0)

@@ -134,7 +134,7 @@ def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
     Raises:
         InvalidArgumentError: an id out of range (the message names it and the field).
     """
-    if len(token_ids) <= 8:
+    if len(token_ids) <= 8 and type(token_ids) is not np.ndarray:  # an array's items are numpy scalars
         for t in token_ids:
             if not 0 <= t <= MAX_TOKEN_ID:
                 raise InvalidArgumentError(field, f"token id {t} outside 0..{MAX_TOKEN_ID}")

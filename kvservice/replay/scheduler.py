@@ -43,11 +43,12 @@ from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvservice.replay.traces import TraceRequest, output_token_ids
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError
+from kvservice_client.request_builders import pack_token_ids
 from kvservice_client.step import decode_new_block_ids
 
 __all__ = ["Admission", "ReplayRequest", "ReplayScheduler", "SchedulerConfig", "SchedulerStats"]
@@ -490,8 +491,10 @@ class ReplayScheduler:
         return True
 
     def _lookup_request(self, r: ReplayRequest) -> pb.GetComputedBlocksRequest:
-        request = pb.GetComputedBlocksRequest(
-            request_id=r.request_id, prompt_token_ids=r.token_ids, kv_cache_report_mode=self._mode
+        request = pb.GetComputedBlocksRequest(  # the array's buffer: no varint per token id to encode or parse
+            request_id=r.request_id,
+            packed_prompt_token_ids=cast(bytes, pack_token_ids(r.token_ids)),
+            kv_cache_report_mode=self._mode,
         )
         if self.config.send_session_id and r.trace.session_id is not None:
             request.session_id = r.trace.session_id

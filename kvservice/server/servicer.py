@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvservice.core.engine import AllocateResult, ComputedBlocksResult, DecodeResult, KVCacheEngine, Usage
@@ -267,17 +268,26 @@ class KVCacheServicer:
         lora = None
         if request.HasField("lora"):
             lora = LoRA(request.lora.lora_id, request.lora.lora_name, request.lora.lora_path or None)
-        return self.engine.get_computed_blocks(
-            request.request_id,
-            request.prompt_token_ids,
-            session_id=request.session_id if request.HasField("session_id") else None,
-            kv_cache_report_mode=mode,
-            lora=lora,
-            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features]
-            if request.mm_features
-            else (),
-        )
+        prompt: Any = request.prompt_token_ids
+        packed = request.packed_prompt_token_ids
+        if packed:
+            prompt = _unpack_prompt(packed, len(prompt))
+        try:
+            return self.engine.get_computed_blocks(
+                request.request_id,
+                prompt,
+                session_id=request.session_id if request.HasField("session_id") else None,
+                kv_cache_report_mode=mode,
+                lora=lora,
+                cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features]
+                if request.mm_features
+                else (),
+            )
+        except InvalidArgumentError as exc:
+            if packed and exc.field == "prompt_token_ids":  # name the field the caller set
+                raise InvalidArgumentError("packed_prompt_token_ids", str(exc).split(": ", 1)[1]) from None
+            raise
 
     def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
         return _allocate_response(self._run_allocate_slots(request))
@@ -419,7 +429,7 @@ class KVCacheServicer:
         num_tokens = 0
         for which, sub in zip(kinds, subs):
             if which == "get_computed_blocks":
-                num_tokens += len(sub.prompt_token_ids)
+                num_tokens += len(sub.prompt_token_ids) + len(sub.packed_prompt_token_ids) // 4
             elif which == "allocate_slots":
                 num_tokens += len(sub.new_token_ids)
             elif which == "decode":
@@ -749,6 +759,28 @@ class KVCacheServicer:
             response_serializer=pb.WriteBlocksResponse.SerializeToString,
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _unpack_prompt(packed: bytes, num_repeated: int) -> Any:
+    """``GetComputedBlocksRequest.packed_prompt_token_ids`` as an int32 array (no copy), checked:
+    little-endian int32, 4 bytes a token id, 0 <= id (an int32 is below 2^31), and not beside
+    ``prompt_token_ids``.
+
+    Raises:
+        InvalidArgumentError: (INVALID_ARGUMENT) naming ``packed_prompt_token_ids`` and the bound.
+    """
+    if num_repeated:
+        raise InvalidArgumentError(
+            "packed_prompt_token_ids", f"set with {num_repeated} prompt_token_ids: set one of the two"
+        )
+    if len(packed) % 4:
+        raise InvalidArgumentError(
+            "packed_prompt_token_ids", f"{len(packed)} bytes, not a multiple of 4 (little-endian int32 token ids)"
+        )
+    ids = np.frombuffer(packed, dtype="<i4")
+    if len(ids) > 8 and ids.min() < 0 or len(ids) <= 8 and any(t < 0 for t in ids.tolist()):
+        raise InvalidArgumentError("packed_prompt_token_ids", f"token id {int(ids[ids < 0][0])} outside 0..{2**31 - 1}")
+    return ids
 
 
 def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type: Any) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ fails when the document is stale).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,11 @@ async def prepare(start_kv_server, connect):
 def gcb(request_id: str = "new", prompt=(1, 2, 3, 4, 5), **fields: Any) -> pb.StepOp:
     request = pb.GetComputedBlocksRequest(request_id=request_id, prompt_token_ids=prompt, **fields)
     return pb.StepOp(get_computed_blocks=request)
+
+
+def packed(token_ids) -> bytes:
+    """``packed_prompt_token_ids`` of ``token_ids``: little-endian int32."""
+    return struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
 def alloc(request_id: str = "wait", num_new_tokens: int = 8, **fields: Any) -> pb.StepOp:
@@ -219,6 +225,46 @@ CASES = [
         lambda c: gcb(prompt=[*range(19), I64_MAX]),
         IA,
         (f"prompt_token_ids: token id {I64_MAX}",),
+    ),
+    Case(
+        "packed prompt beside prompt_token_ids",
+        "packed_prompt_token_ids",
+        "[1, 2] packed, with prompt_token_ids [1, 2]",
+        lambda c: gcb(prompt=[1, 2], packed_prompt_token_ids=packed([1, 2])),
+        IA,
+        ("packed_prompt_token_ids: set with 2 prompt_token_ids: set one of the two",),
+    ),
+    Case(
+        "packed prompt not a multiple of 4 bytes",
+        "packed_prompt_token_ids",
+        "7 bytes",
+        lambda c: gcb(prompt=[], packed_prompt_token_ids=packed([1, 2])[:7]),
+        IA,
+        ("packed_prompt_token_ids: 7 bytes, not a multiple of 4 (little-endian int32 token ids)",),
+    ),
+    Case(
+        "negative token id, packed",
+        "packed_prompt_token_ids",
+        "[1, -1, 2]",
+        lambda c: gcb(prompt=[], packed_prompt_token_ids=packed([1, -1, 2])),
+        IA,
+        ("packed_prompt_token_ids: token id -1 outside 0..2147483647",),
+    ),
+    Case(
+        "negative token id in a long packed prompt",
+        "packed_prompt_token_ids",
+        "20 tokens, the 13th -2^31",
+        lambda c: gcb(prompt=[], packed_prompt_token_ids=packed([*range(12), -(2**31), *range(7)])),
+        IA,
+        ("packed_prompt_token_ids: token id -2147483648 outside 0..2147483647",),
+    ),
+    Case(
+        "packed prompt longer than max_model_len",
+        "packed_prompt_token_ids",
+        "65 tokens",
+        lambda c: gcb(prompt=[], packed_prompt_token_ids=packed(range(1, 66))),
+        IA,
+        ("packed_prompt_token_ids: length 65 outside 1..64 (max_model_len)",),
     ),
     Case(
         "unknown report mode",

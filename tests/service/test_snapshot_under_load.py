@@ -22,6 +22,8 @@ async def test_snapshots_taken_during_a_workload_are_exact(start_kv_server, conn
     scheduler = await connect(running)
     workload = Workload(scheduler, running, seed)
     await workload.run(40)  # something cached before the first snapshot
+    moved = asyncio.Event()  # set by every batch appended
+    running.event_log.add_listener(lambda entry: moved.set())
     task = asyncio.create_task(workload.run(400))
     watchers = []
     seqs = []
@@ -44,8 +46,11 @@ async def test_snapshots_taken_during_a_workload_are_exact(start_kv_server, conn
         seqs.append(running.event_log.head_seq)
         # let the workload go on between snapshots: wait until it has moved the head (a loaded
         # machine can run the next snapshot before the workload's next event)
-        while running.event_log.head_seq == seqs[-1] and not task.done():
-            await asyncio.sleep(0)
+        if running.event_log.head_seq == seqs[-1]:
+            moved.clear()
+            waiter = asyncio.ensure_future(moved.wait())
+            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
     assert not task.done() and len(set(seqs)) == len(seqs)  # every snapshot at another head, mid-workload
     await task
     head = running.event_log.head_seq

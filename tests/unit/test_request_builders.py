@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import struct
 import subprocess
 import sys
+from array import array
 
 import grpc
 import grpc.aio
@@ -14,6 +17,7 @@ from kvservice_client.client import (
     KVServiceError,
     StepBuilder,
 )
+from kvservice_client.request_builders import get_computed_blocks_request, pack_token_ids
 
 
 def test_request_and_fields_together_are_refused() -> None:
@@ -81,3 +85,29 @@ def test_a_token_that_cannot_be_sent_as_metadata_is_refused_at_construction(toke
 
     with pytest.raises(ValueError, match="token: must be non-empty printable ASCII without spaces"):
         KVCacheClient("127.0.0.1:1", token=token)
+
+
+def test_pack_token_ids_packs_int32_buffers_and_nothing_else():
+    ids = [1, 2, 2**31 - 1]
+    expected = struct.pack("<3i", *ids)
+    assert pack_token_ids(array("i", ids)) == expected
+    assert pack_token_ids(expected) == expected
+    assert pack_token_ids(bytearray(expected)) == expected
+    assert pack_token_ids(memoryview(expected)) == expected
+    for not_packed in (ids, tuple(ids), range(3), array("q", ids), array("h", [1, 2]), iter(ids)):
+        assert pack_token_ids(not_packed) is None, not_packed
+    with pytest.raises(ValueError, match="prompt_token_ids: 7 bytes, not a multiple of 4"):
+        pack_token_ids(expected[:7])
+    request = get_computed_blocks_request("r", array("i", ids), None, None, None, None, ())
+    assert request.packed_prompt_token_ids == expected and not request.prompt_token_ids
+    request = get_computed_blocks_request("r", ids, None, None, None, None, ())
+    assert list(request.prompt_token_ids) == ids and not request.packed_prompt_token_ids
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numpy") is None, reason="numpy is not installed (the client needs none)")
+def test_pack_token_ids_packs_a_numpy_int32_array_and_leaves_int64_alone():
+    import numpy as np
+
+    assert pack_token_ids(np.array([1, 2, 3], dtype=np.int32)) == struct.pack("<3i", 1, 2, 3)
+    assert pack_token_ids(np.array([1, 2, 3], dtype=np.int64)) is None
+    assert pack_token_ids(np.array([1, 2, 3], dtype=">i4")) is None  # not native: as prompt_token_ids

@@ -512,7 +512,11 @@ class _KVCacheServiceRPCs:
         Args:
             request_id: the request's unique id (1..256 bytes of UTF-8), or a whole
                 ``GetComputedBlocksRequest`` (then pass no other field).
-            prompt_token_ids: the prompt's token ids (tokens).
+            prompt_token_ids: the prompt's token ids (tokens). A buffer of int32 (``array('i')``,
+                a numpy int32 array) or little-endian int32 ``bytes`` goes as
+                ``packed_prompt_token_ids``: copied once, parsed without a per-id step (a server
+                older than that field refuses it: INVALID_ARGUMENT, empty prompt); anything else
+                (a list, an int64 array) as ``prompt_token_ids``.
             session_id: echoed on the BlockStored events the request triggers.
             kv_cache_report_mode: ``"incremental"`` or ``"full"`` (None: the server's default,
                 incremental).

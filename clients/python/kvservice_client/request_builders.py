@@ -9,6 +9,8 @@ field.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Union
 
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ReportMode",
+    "pack_token_ids",
     "allocate_slots_request",
     "decode_request",
     "free_request",
@@ -86,6 +89,41 @@ def _build(message_type: Any, **fields: Any) -> Any:
     return message
 
 
+_INT32_FORMATS = frozenset({"i", "=i", "<i", "@i"} | ({"l", "=l", "<l", "@l"} if array("l").itemsize == 4 else set()))
+"""Buffer formats of native 4-byte signed ints (array('i'), numpy int32; little-endian ones)."""
+
+
+def pack_token_ids(token_ids: Any) -> bytes | None:
+    """``token_ids`` as ``packed_prompt_token_ids`` (little-endian int32, 4 bytes a token id) when
+    it is a buffer: ``bytes``/``bytearray``/a byte ``memoryview`` are taken as that encoding
+    already; a buffer of 4-byte signed ints (``array('i')``, a numpy int32 array) is copied once
+    (and byte-swapped on a big-endian host). None for anything else (a list, a range, an int64
+    array): those go as ``prompt_token_ids``.
+
+    Raises:
+        ValueError: bytes whose length is not a multiple of 4.
+    """
+    if isinstance(token_ids, (list, tuple, range)):
+        return None
+    try:
+        view = memoryview(token_ids)
+    except TypeError:
+        return None
+    if view.format == "B" and view.ndim == 1:
+        if view.nbytes % 4:
+            raise ValueError(
+                f"prompt_token_ids: {view.nbytes} bytes, not a multiple of 4 (little-endian int32 token ids)"
+            )
+        return bytes(view)
+    if view.itemsize != 4 or view.format not in _INT32_FORMATS or view.ndim != 1:
+        return None
+    if sys.byteorder == "little" or view.format == "<i" or view.format == "<l":
+        return view.tobytes()
+    swapped = array("i", view.tobytes())
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
 def get_computed_blocks_request(
     request_id: str | pb.GetComputedBlocksRequest,
     prompt_token_ids: Iterable[int],
@@ -107,10 +145,11 @@ def get_computed_blocks_request(
             mm_features=mm_features,
         )
         return request_id
+    packed = pack_token_ids(prompt_token_ids)
     request = _build(
         pb.GetComputedBlocksRequest,
         request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
+        **({"packed_prompt_token_ids": packed} if packed is not None else {"prompt_token_ids": prompt_token_ids}),
         kv_cache_report_mode=_report_mode_value(kv_cache_report_mode),
         mm_features=[_mm_feature_proto(f) for f in mm_features],
     )

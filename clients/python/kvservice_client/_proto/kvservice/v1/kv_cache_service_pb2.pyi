@@ -281,6 +281,7 @@ class GetComputedBlocksRequest(_message.Message):
     LORA_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     MM_FEATURES_FIELD_NUMBER: _builtins.int
+    PACKED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id of the request (1..256 bytes of UTF-8)."""
     session_id: _builtins.str
@@ -291,6 +292,13 @@ class GetComputedBlocksRequest(_message.Message):
     """How reuse is reported (default incremental)."""
     cache_salt: _builtins.str
     """Cache salt: isolates this request's prefix cache (hashed into block 0). Unset = none."""
+    packed_prompt_token_ids: _builtins.bytes
+    """The prompt token ids as little-endian int32, 4 bytes each (the same bounds as
+    prompt_token_ids): the same prompt as a buffer a scheduler already holds (numpy int32,
+    array('i')), a copy to encode and to parse instead of a varint per id. Set this or
+    prompt_token_ids, not both. A server older than this field ignores it and answers
+    INVALID_ARGUMENT for the empty prompt_token_ids, never a wrong hit.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids (tokens; each 0 <= id < 2^31; 1 ..= max_model_len of them)."""
@@ -313,10 +321,11 @@ class GetComputedBlocksRequest(_message.Message):
         lora: Global___LoRA | None = ...,
         cache_salt: _builtins.str | None = ...,
         mm_features: _abc.Iterable[Global___MultiModalFeature] | None = ...,
+        packed_prompt_token_ids: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_session_id", b"_session_id", "cache_salt", b"cache_salt", "lora", b"lora", "session_id", b"session_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_session_id", b"_session_id", "cache_salt", b"cache_salt", "kv_cache_report_mode", b"kv_cache_report_mode", "lora", b"lora", "mm_features", b"mm_features", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_session_id", b"_session_id", "cache_salt", b"cache_salt", "kv_cache_report_mode", b"kv_cache_report_mode", "lora", b"lora", "mm_features", b"mm_features", "packed_prompt_token_ids", b"packed_prompt_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
     _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015

@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import os
 import time
+from array import array
 
 from kvservice.core.engine import KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig
 from kvservice.core.model_config import get_preset
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import KVCacheClient
+from kvservice_client.request_builders import pack_token_ids
 
 try:
     from server_proc import serve
@@ -138,22 +140,28 @@ def in_process_step_rate(ops_per_step: int, num_requests: int, prompt_len: int =
     return num_requests / (time.perf_counter() - start), (time.process_time() - cpu) / num_requests
 
 
-def step_rate(client: KVCacheClient, ops_per_step: int, num_requests: int, prompt_len: int = 2048) -> float:
+def step_rate(
+    client: KVCacheClient, ops_per_step: int, num_requests: int, prompt_len: int = 2048, packed: bool = False
+) -> float:
     """Requests admitted per second when each Step carries ``ops_per_step`` admissions (lookup +
-    allocate) and the frees of the previous step's requests."""
+    allocate) and the frees of the previous step's requests; with ``packed``, each prompt as
+    ``packed_prompt_token_ids`` (little-endian int32, as the client sends an ``array('i')``), else
+    as ``prompt_token_ids`` (varints, as it sends a list). The requests are built before the
+    clock starts either way (a list or an array, converted once)."""
     seq = _prompts(num_requests, prompt_len, 4)
+    tag = f"s{ops_per_step}{'p' if packed else ''}"
     steps = []
     for lo in range(0, num_requests, ops_per_step):
-        ops = [
-            pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
-            for j in range(lo - ops_per_step, lo)
-            if j >= 0
-        ]
+        ops = [pb.StepOp(free=pb.FreeRequest(request_id=f"{tag}-{j}")) for j in range(lo - ops_per_step, lo) if j >= 0]
         for j in range(lo, min(lo + ops_per_step, num_requests)):
-            rid = f"s{ops_per_step}-{j}"
-            ops.append(
-                pb.StepOp(get_computed_blocks=pb.GetComputedBlocksRequest(request_id=rid, prompt_token_ids=seq[j]))
-            )
+            rid = f"{tag}-{j}"
+            if packed:
+                lookup = pb.GetComputedBlocksRequest(
+                    request_id=rid, packed_prompt_token_ids=pack_token_ids(array("i", seq[j]))
+                )
+            else:
+                lookup = pb.GetComputedBlocksRequest(request_id=rid, prompt_token_ids=seq[j])
+            ops.append(pb.StepOp(get_computed_blocks=lookup))
             ops.append(pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=prompt_len)))
         steps.append(pb.StepRequest(ops=ops))
     start = time.perf_counter()
@@ -162,7 +170,7 @@ def step_rate(client: KVCacheClient, ops_per_step: int, num_requests: int, promp
         assert all(r.WhichOneof("result") != "error" for r in response.results), response
     elapsed = time.perf_counter() - start
     last = [
-        pb.StepOp(free=pb.FreeRequest(request_id=f"s{ops_per_step}-{j}"))
+        pb.StepOp(free=pb.FreeRequest(request_id=f"{tag}-{j}"))
         for j in range(num_requests - (num_requests % ops_per_step or ops_per_step), num_requests)
     ]
     client.step(pb.StepRequest(ops=last))
@@ -199,6 +207,10 @@ def run(quick: bool = False) -> dict[str, float]:
             # The server's CPU per request (a shared machine slows the wall clock of two processes
             # handing off far more than one process's CPU time).
             out[f"step_{k}_server_cpu_us"] = (process_cpu_s(pid) - cpu) / n * 1e6
+            if k == 64:  # the same Steps with packed prompts (what the replay and an array-holding scheduler send)
+                cpu = process_cpu_s(pid)
+                out["step_64_packed_requests_per_s"] = step_rate(client, k, n, packed=True)
+                out["step_64_packed_server_cpu_us"] = (process_cpu_s(pid) - cpu) / n * 1e6
     # The baseline before and after the served runs, so a machine that slows down moves both.
     out["in_process_requests_per_s"] = (before + in_process_rate(n_step // 2)) / 2
     for k, (rate, cpu_s) in same_before.items():

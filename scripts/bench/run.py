@@ -230,6 +230,33 @@ def bench_rpc(quick: bool) -> list[Row]:
                 ratios=rs,
             )
         )
+    if "step_64_packed_requests_per_s" in rounds[0]:  # the same Steps, prompts packed
+        rs = ratios("step_64_packed_requests_per_s", "in_process_step_64_requests_per_s")
+        rows.append(
+            Row(
+                "rpc",
+                "Step of 64 admissions, packed prompts: requests/s",
+                med("step_64_packed_requests_per_s"),
+                "req/s",
+                "in-process engine, same ops",
+                med("in_process_step_64_requests_per_s"),
+                ">= 0.7x",
+                statistics.median(rs) >= 0.7,
+                ratios=rs,
+            )
+        )
+        rs = [r["in_process_step_64_cpu_us"] / r["step_64_packed_server_cpu_us"] for r in rounds]
+        rows.append(
+            Row(
+                "rpc",
+                "Step of 64 admissions, packed prompts: server CPU per request",
+                med("step_64_packed_server_cpu_us"),
+                "us",
+                "in-process engine CPU, same ops",
+                med("in_process_step_64_cpu_us"),
+                ratios=rs,
+            )
+        )
     if "step_64_server_cpu_us" in rounds[0]:  # CPU per request: what a loaded machine does not blur
         rs = [r["in_process_step_64_cpu_us"] / r["step_64_server_cpu_us"] for r in rounds]
         rows.append(

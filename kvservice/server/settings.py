@@ -456,8 +456,9 @@ class EventsSettings(_Section):
             it goes alone), bytes: bounds how much of the loop snapshot writing takes from other
             calls however many clients ask for snapshots at once. A part counts until its write
             completes or for 0.5 s, whichever is first, so clients that stop reading mid-snapshot
-            delay the other snapshot streams by at most 0.5 s (their streams are then cut by
-            ``stalled_write_timeout_s``, each holding at most one part in the server meanwhile).
+            delay the other snapshot streams by 0.5 s per wave of their blocked parts that fills
+            this budget (about this / part size of them), not until their streams are cut by
+            ``stalled_write_timeout_s`` (each holding at most one part in the server meanwhile).
         max_snapshot_bytes_per_s: the rate of that budget, bytes per second on average (bursts up
             to ``max_snapshot_bytes_in_flight``): bounds what snapshot traffic takes from other
             calls and from clients sharing the machine (a million 16-token blocks, about 100 MB,

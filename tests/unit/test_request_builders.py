@@ -111,3 +111,20 @@ def test_pack_token_ids_packs_a_numpy_int32_array_and_leaves_int64_alone():
     assert pack_token_ids(np.array([1, 2, 3], dtype=np.int32)) == struct.pack("<3i", 1, 2, 3)
     assert pack_token_ids(np.array([1, 2, 3], dtype=np.int64)) is None
     assert pack_token_ids(np.array([1, 2, 3], dtype=">i4")) is None  # not native: as prompt_token_ids
+
+
+def test_a_buffer_of_unsigned_bytes_that_is_not_bytes_goes_as_token_ids():
+    # array('B') (and a numpy uint8 array) has the byte format of bytes: these are token ids, one
+    # per item, not little-endian int32 bytes (array('B', [1, 2, 3, 4]) packed was token 67305985)
+    request = get_computed_blocks_request("r", array("B", [1, 2, 3, 4]), None, None, None, None, ())
+    assert list(request.prompt_token_ids) == [1, 2, 3, 4] and not request.packed_prompt_token_ids
+    assert pack_token_ids(array("B", [1, 2, 3])) is None
+    assert pack_token_ids(memoryview(bytes([1, 0, 0, 0]))) == struct.pack("<i", 1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numpy") is None, reason="numpy is not installed (the client needs none)")
+def test_a_numpy_uint8_array_goes_as_token_ids():
+    import numpy as np
+
+    request = get_computed_blocks_request("r", np.array([5, 6, 7], dtype=np.uint8), None, None, None, None, ())
+    assert list(request.prompt_token_ids) == [5, 6, 7] and not request.packed_prompt_token_ids

@@ -96,7 +96,8 @@ _INT32_FORMATS = frozenset({"i", "=i", "<i", "@i"} | ({"l", "=l", "<l", "@l"} if
 def pack_token_ids(token_ids: Any) -> bytes | None:
     """``token_ids`` as ``packed_prompt_token_ids`` (little-endian int32, 4 bytes a token id) when
     it is a buffer: ``bytes``/``bytearray``/a byte ``memoryview`` are taken as that encoding
-    already; a buffer of 4-byte signed ints (``array('i')``, a numpy int32 array) is copied once
+    already (another buffer of unsigned bytes, ``array('B')`` or a numpy uint8 array, holds one
+    token id per byte and goes as ``prompt_token_ids``); a buffer of 4-byte signed ints (``array('i')``, a numpy int32 array) is copied once
     (and byte-swapped on a big-endian host). None for anything else (a list, a range, an int64
     array): those go as ``prompt_token_ids``.
 
@@ -109,7 +110,7 @@ def pack_token_ids(token_ids: Any) -> bytes | None:
         view = memoryview(token_ids)
     except TypeError:
         return None
-    if view.format == "B" and view.ndim == 1:
+    if view.format == "B" and view.ndim == 1 and isinstance(token_ids, (bytes, bytearray, memoryview)):
         if view.nbytes % 4:
             raise ValueError(
                 f"prompt_token_ids: {view.nbytes} bytes, not a multiple of 4 (little-endian int32 token ids)"

@@ -508,6 +508,7 @@ def _build_core(config: ServerConfig) -> _Core:
         max_concurrent_cuts=events.max_snapshot_cuts,
         max_bytes_in_flight=events.max_snapshot_bytes_in_flight,
         max_bytes_per_s=events.max_snapshot_bytes_per_s,
+        max_bytes_stalled=events.max_snapshot_bytes_stalled,
     )
     metadata = build_metadata_response(
         engine,

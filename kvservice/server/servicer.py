@@ -175,8 +175,8 @@ class KVCacheServicer:
         check_invariants: debug: run ``engine.check_invariants()`` after every successful unary
             call and every Step (after its events are published). A failure changes no answer: it
             is logged at ERROR and recorded.
-        max_step_tokens: most tokens (prompt_token_ids + new_token_ids over all ops) one Step may
-            carry; bounds how long one Step holds the event loop.
+        max_step_tokens: most tokens (prompt_token_ids, packed_prompt_token_ids and new_token_ids
+            over all ops) one Step may carry; bounds how long one Step holds the event loop.
         snapshots: where snapshots come from (default: a :class:`SnapshotSource` attached to
             ``event_log`` now, which must then have no batch yet).
 
@@ -443,7 +443,7 @@ class KVCacheServicer:
         if num_tokens > self.max_step_tokens:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"ops: {num_tokens} tokens (prompt_token_ids + new_token_ids over all ops), above max_step_tokens "
+                f"ops: {num_tokens} tokens (prompt_token_ids, packed_prompt_token_ids and new_token_ids over all ops), above max_step_tokens "
                 f"{self.max_step_tokens}",
             )
         response = pb.StepResponse()

@@ -364,7 +364,7 @@ class LimitsSettings(_Section):
     Attributes:
         max_num_requests: registered requests at once.
         max_step_ops: ops per Step.
-        max_step_tokens: tokens per Step (prompt_token_ids + new_token_ids over its ops); bounds how
+        max_step_tokens: tokens per Step (prompt token ids, packed or not, + new_token_ids over its ops); bounds how
             long one Step holds the event loop (262,144: about 0.1 s here; a Step runs whole, without
             yielding, so its events are one batch).
         max_message_bytes: largest gRPC message accepted or sent, bytes.
@@ -459,6 +459,12 @@ class EventsSettings(_Section):
             delay the other snapshot streams by 0.5 s per wave of their blocked parts that fills
             this budget (about this / part size of them), not until their streams are cut by
             ``stalled_write_timeout_s`` (each holding at most one part in the server meanwhile).
+        max_snapshot_bytes_stalled: snapshot part bytes written to streams whose clients stopped
+            reading (a part not taken 0.5 s after its write started stops counting in
+            ``max_snapshot_bytes_in_flight`` and counts here until it is taken or its stream is
+            cut), at most, bytes: bounds the memory such clients hold in the server however many
+            there are; beyond it a stalled part keeps counting in ``max_snapshot_bytes_in_flight``
+            (the other snapshot streams then wait for it, up to ``stalled_write_timeout_s``).
         max_snapshot_bytes_per_s: the rate of that budget, bytes per second on average (bursts up
             to ``max_snapshot_bytes_in_flight``): bounds what snapshot traffic takes from other
             calls and from clients sharing the machine (a million 16-token blocks, about 100 MB,
@@ -506,6 +512,13 @@ class EventsSettings(_Section):
         parse="bytes",
         check=at_least(1),
         default_text="1MiB",
+    )
+    max_snapshot_bytes_stalled: int = setting(
+        16 * 1024 * 1024,
+        "Snapshot part bytes held for streams whose clients stopped reading, e.g. 16MiB.",
+        parse="bytes",
+        check=at_least(0),
+        default_text="16MiB",
     )
     max_snapshot_bytes_per_s: int = setting(
         64 * 1024 * 1024,

@@ -863,12 +863,19 @@ class ByteBudget:
     writes that do not fit in ``max_bytes`` together take turns: N such streams whose parts are P
     bytes delay the others by up to about ``hold_s * N / max(1, max_bytes // P)`` (measured on a real
     server: 1 MiB, parts of 32,768 token ids (about 183 KB), 12 clients that read one part and
-    stopped: another client's 11.5 MB snapshot took 1.87 s instead of 0.59 s).
+    stopped: another client's 11.5 MB snapshot took 1.87 s instead of 0.59 s). The writes let go
+    stay within ``max_let_go_bytes`` (the memory such clients hold in the server); beyond it a
+    blocked write keeps counting until it completes, its stream is cut, or room frees up.
 
     Args:
         max_bytes: bytes in flight, and the bucket's depth (>= 1).
         bytes_per_s: average bytes per second let in (>= 1).
-        hold_s: the longest one write counts in flight, seconds (> 0).
+        hold_s: the longest one write counts in flight, seconds (> 0), while the writes let go
+            and not yet complete stay within ``max_let_go_bytes``.
+        max_let_go_bytes: bytes of writes let go at ``hold_s`` and not yet complete, at most
+            (>= 0; default 16 x ``max_bytes``): so snapshot parts held in gRPC for clients that
+            stopped reading stay within ``max_bytes + max_let_go_bytes`` however many there are;
+            beyond it a blocked write keeps counting (and is asked again every ``hold_s``).
 
     Attributes:
         in_flight: bytes acquired and not yet released.
@@ -877,9 +884,16 @@ class ByteBudget:
         num_bytes: bytes let in so far.
         num_let_go: writes through :meth:`held` that stopped counting at ``hold_s`` so far (a count:
             it stays when they complete later).
+        let_go_bytes: bytes of the writes let go that have not completed yet.
     """
 
-    def __init__(self, max_bytes: int, bytes_per_s: float = float("inf"), hold_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        bytes_per_s: float = float("inf"),
+        hold_s: float = 0.5,
+        max_let_go_bytes: int | None = None,
+    ) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1; got {max_bytes}")
         if not bytes_per_s >= 1:
@@ -889,7 +903,11 @@ class ByteBudget:
         self.max_bytes = max_bytes
         self.bytes_per_s = bytes_per_s
         self.hold_s = hold_s
+        self.max_let_go_bytes = 16 * max_bytes if max_let_go_bytes is None else max_let_go_bytes
+        if self.max_let_go_bytes < 0:
+            raise ValueError(f"max_let_go_bytes must be >= 0; got {max_let_go_bytes}")
         self.num_let_go = 0
+        self.let_go_bytes = 0
         self.in_flight = 0
         self.peak = 0
         self.num_waits = 0
@@ -959,20 +977,28 @@ class ByteBudget:
         body, until it completes or ``hold_s`` passes, whichever comes first."""
         await self.acquire(num_bytes)
         counted = True
+        loop = asyncio.get_running_loop()
+        timer: list[asyncio.TimerHandle] = []  # the pending one
 
         def let_go() -> None:
             nonlocal counted
+            if self.let_go_bytes + num_bytes > self.max_let_go_bytes:  # memory bound: keep counting, ask again
+                timer[0] = loop.call_later(self.hold_s, let_go)
+                return
             counted = False
             self.num_let_go += 1
+            self.let_go_bytes += num_bytes
             self.release(num_bytes)
 
-        timer = asyncio.get_running_loop().call_later(self.hold_s, let_go)
+        timer.append(loop.call_later(self.hold_s, let_go))
         try:
             yield
         finally:
-            timer.cancel()
+            timer[0].cancel()
             if counted:
                 self.release(num_bytes)
+            else:
+                self.let_go_bytes -= num_bytes
 
     def _wake(self) -> None:
         waiters = self._waiters
@@ -1004,6 +1030,8 @@ class SnapshotSource:
         max_bytes_in_flight: the :class:`ByteBudget` every snapshot stream writes its parts within,
             bytes (>= 1).
         max_bytes_per_s: that budget's rate, bytes per second (>= 1).
+        max_bytes_stalled: that budget's ``max_let_go_bytes`` (None: its default, 16 x
+            ``max_bytes_in_flight``).
 
     Attributes:
         num_cuts: cuts made (a burst of callers at one head makes one).
@@ -1020,6 +1048,7 @@ class SnapshotSource:
         max_concurrent_cuts: int = 2,
         max_bytes_in_flight: int = DEFAULT_SNAPSHOT_BYTES_IN_FLIGHT,
         max_bytes_per_s: float = DEFAULT_SNAPSHOT_BYTES_PER_S,
+        max_bytes_stalled: int | None = None,
     ) -> None:
         if part_tokens < 1:
             raise ValueError(f"part_tokens must be >= 1; got {part_tokens}")
@@ -1028,7 +1057,7 @@ class SnapshotSource:
         self.mirror = mirror
         self.part_tokens = part_tokens
         self.max_concurrent_cuts = max_concurrent_cuts
-        self.budget = ByteBudget(max_bytes_in_flight, max_bytes_per_s)
+        self.budget = ByteBudget(max_bytes_in_flight, max_bytes_per_s, max_let_go_bytes=max_bytes_stalled)
         self.num_cuts = 0
         self.pending: deque[Any] = deque()
         self._latest: dict[tuple[int, ...] | None, Snapshot] = {}  # per filter, the newest cut
@@ -1046,6 +1075,7 @@ class SnapshotSource:
         max_concurrent_cuts: int = 2,
         max_bytes_in_flight: int = DEFAULT_SNAPSHOT_BYTES_IN_FLIGHT,
         max_bytes_per_s: float = DEFAULT_SNAPSHOT_BYTES_PER_S,
+        max_bytes_stalled: int | None = None,
     ) -> SnapshotSource:
         """A source whose mirror follows ``event_log`` (a :class:`~kvservice.server.event_log.EventLog`):
         call before any batch is appended, and before other listeners are added."""
@@ -1056,6 +1086,7 @@ class SnapshotSource:
             max_concurrent_cuts=max_concurrent_cuts,
             max_bytes_in_flight=max_bytes_in_flight,
             max_bytes_per_s=max_bytes_per_s,
+            max_bytes_stalled=max_bytes_stalled,
         )
         event_log.add_listener(source.on_batch)
         return source

@@ -153,7 +153,7 @@ async def test_max_step_tokens_refuses_the_whole_step(start_kv_server, connect):
         await client.step(over.build())
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message == (
-        "ops: 13 tokens (prompt_token_ids + new_token_ids over all ops), above max_step_tokens 12"
+        "ops: 13 tokens (prompt_token_ids, packed_prompt_token_ids and new_token_ids over all ops), above max_step_tokens 12"
     )
     assert await observed_state(running, client) == before
     at_limit = StepBuilder().get_computed_blocks("new", range(50, 60)).allocate_slots("r", 2, new_token_ids=[9, 10])

@@ -78,6 +78,6 @@ async def test_a_step_counts_packed_prompts_against_max_step_tokens(start_kv_ser
         await client.step(step)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message == (
-        "ops: 11 tokens (prompt_token_ids + new_token_ids over all ops), above max_step_tokens 10"
+        "ops: 11 tokens (prompt_token_ids, packed_prompt_token_ids and new_token_ids over all ops), above max_step_tokens 10"
     )
     assert running.engine.requests == {} and running.event_log.head_seq == 0

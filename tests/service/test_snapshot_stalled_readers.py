@@ -36,6 +36,7 @@ async def test_streams_that_stop_reading_mid_snapshot_do_not_hold_another_snapsh
         max_model_len=PROMPT_TOKENS,
         snapshot_part_tokens=PART_TOKENS,
         max_snapshot_bytes_in_flight=1024,  # below one part: a part goes alone, so parts take turns
+        max_snapshot_bytes_stalled=1 << 20,  # room for both stalled parts (the default is 16 x the budget)
         stalled_write_timeout_s=STALLED_WRITE_TIMEOUT_S,
         max_step_ops=96,
     )

@@ -221,3 +221,38 @@ async def test_a_write_that_completes_within_hold_s_is_released_once_when_it_com
 def test_the_byte_budget_names_a_bad_hold_s():
     with pytest.raises(ValueError, match="hold_s must be > 0; got 0"):
         ByteBudget(100, hold_s=0)
+
+
+async def test_writes_let_go_stay_within_max_let_go_bytes_then_the_next_keeps_counting():
+    # Parts held in gRPC for clients that stopped reading are bounded: the second stalled write
+    # does not fit beside the first one let go, so it keeps counting (and holds the budget) until
+    # the first completes and frees room; then it is let go at its next hold_s.
+    budget = ByteBudget(100, hold_s=0.02, max_let_go_bytes=100)
+    writes = [asyncio.get_running_loop().create_future() for _ in range(2)]
+    let_in = [asyncio.Event(), asyncio.Event()]
+
+    async def stalled(i: int) -> None:
+        async with budget.held(80):
+            let_in[i].set()
+            await writes[i]
+
+    first = asyncio.ensure_future(stalled(0))
+    await let_in[0].wait()
+    second = asyncio.ensure_future(stalled(1))
+    await let_in[1].wait()  # the first was let go at hold_s: the second got in
+    assert (budget.num_let_go, budget.let_go_bytes, budget.in_flight) == (1, 80, 80)
+    third = asyncio.ensure_future(budget.acquire(30))  # the second keeps counting: 30 do not fit beside it
+    writes[0].set_result(None)  # the first client reads at last
+    await first
+    assert budget.let_go_bytes == 0
+    await third  # the second was let go at its next hold_s, which let the third in
+    assert (budget.num_let_go, budget.let_go_bytes, budget.in_flight, budget.num_waits) == (2, 80, 30, 2)
+    writes[1].set_result(None)
+    await second
+    budget.release(30)
+    assert (budget.let_go_bytes, budget.in_flight, budget.num_bytes) == (0, 0, 190)
+
+
+def test_the_byte_budget_names_a_bad_max_let_go_bytes():
+    with pytest.raises(ValueError, match="max_let_go_bytes must be >= 0; got -1"):
+        ByteBudget(100, max_let_go_bytes=-1)

@@ -164,3 +164,19 @@ def test_vectorized_cbor_hashing_equals_cbor2(algorithm, block_size, tokens):
 
     assert encoded == b"".join(cbor2.dumps(t, canonical=True) for t in in_range)
     assert offsets.tolist()[-1] == len(encoded)
+
+
+def test_hash_prompt_reads_bytes_as_the_server_reads_a_packed_prompt():
+    import struct
+    from array import array
+
+    from kvservice_client.hashing import BlockHasher, unpack_token_ids
+
+    hasher = BlockHasher(4)
+    ids = [7, 300, 2**31 - 1, 0, 5, 6, 7, 8, 9]
+    packed = struct.pack("<9i", *ids)
+    assert hasher.hash_prompt(packed) == hasher.hash_prompt(ids) == hasher.hash_prompt(array("i", ids))
+    assert hasher.hash_prompt(bytearray(packed)) == hasher.hash_prompt(memoryview(packed)) == hasher.hash_prompt(ids)
+    assert list(unpack_token_ids(packed)) == ids
+    with pytest.raises(ValueError, match="token ids: 7 bytes, not a multiple of 4"):
+        hasher.hash_prompt(packed[:7])

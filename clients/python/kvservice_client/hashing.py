@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -244,10 +246,35 @@ class BlockHasher:
         cache_salt: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
     ) -> list[bytes]:
-        """Hashes of every full block of ``token_ids`` (``len(token_ids) // block_size`` of them)."""
+        """Hashes of every full block of ``token_ids`` (``len(token_ids) // block_size`` of them).
+
+        ``token_ids`` may be ``bytes``/``bytearray``/``memoryview``: then it is read as the server
+        reads ``packed_prompt_token_ids`` (little-endian int32), so a router hashes the very bytes
+        it sent.
+
+        Raises:
+            ValueError: bytes whose length is not a multiple of 4.
+        """
+        if isinstance(token_ids, (bytes, bytearray, memoryview)):
+            token_ids = unpack_token_ids(token_ids)
         block_hashes: list[bytes] = []
         self.extend(block_hashes, token_ids, lora=lora, cache_salt=cache_salt, mm_features=mm_features)
         return block_hashes
+
+
+def unpack_token_ids(data: bytes | bytearray | memoryview) -> array:
+    """Little-endian int32 bytes (``packed_prompt_token_ids``) as an ``array('i')`` of token ids.
+
+    Raises:
+        ValueError: a length that is not a multiple of 4.
+    """
+    raw = bytes(data)
+    if len(raw) % 4:
+        raise ValueError(f"token ids: {len(raw)} bytes, not a multiple of 4 (little-endian int32 token ids)")
+    ids = array("i", raw)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids
 
 
 try:  # the compiled chain (setup.py builds it when a compiler and OpenSSL's headers are there)

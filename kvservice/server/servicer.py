@@ -510,6 +510,7 @@ class KVCacheServicer:
         except Exception as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
+        mid_snapshot = snapshot is not None  # a stream ended now has part of a snapshot, no seq to resume from
         try:
             if snapshot is not None:
                 rank = log.data_parallel_rank
@@ -520,6 +521,7 @@ class KVCacheServicer:
                     )
                     async with budget.held(len(data)):  # until written, or the budget's hold_s
                         await self._write(context, sub, data, snapshot.seq)
+                mid_snapshot = False
             while True:
                 sub.raise_if_ended()
                 entries = log.entries_from(sub.next_seq)
@@ -551,6 +553,12 @@ class KVCacheServicer:
                 )
             else:  # ended (fell behind, shutdown) while blocked in a write: that status
                 code, message = status_for(sub.ended.result()(sub.last_seq))
+            if mid_snapshot:  # what "last seq delivered" would claim is not whole on the client
+                assert snapshot is not None
+                message = (
+                    f"{message.split('; last seq delivered')[0]}; cut mid-snapshot (seq {snapshot.seq} of epoch "
+                    f"{log.epoch}, not all of its parts delivered): start again from a snapshot"
+                )
             abort = context.abort(code, message)
             try:
                 await asyncio.wait_for(abort, sub.stalled_write_timeout_s)

@@ -510,7 +510,19 @@ class HalfShare:
     yields a turn (``sleep(0)``), and once its steps since the last pause add up to
     ``PAUSE_AFTER_S`` it sleeps that long (one timer per couple of milliseconds, not per step:
     the loop's timers round up to 1 ms). Other calls so wait behind at most one step, and a
-    machine the server shares with its clients keeps CPU for them."""
+    machine the server shares with its clients keeps CPU for them.
+
+    Why ``PAUSE_AFTER_S`` is 2 ms: measured with the segment cut on issue 15's stall row
+    (``scripts/bench/bounded_bench.py stall --blocks 1048576 --clients 1``, GetUsage p99 while a
+    client loops 1M-block snapshots over its idle p99 in the same run; a loaded 2-core machine,
+    load average 0.6-1.9, the server run from copies of the tree differing only in this value),
+    2 ms, 1 ms and 0.5 ms gave medians 1.87x (8 runs, 0.94-3.06x), 2.12x (8 runs, 1.04-2.75x)
+    and 1.70x (5 runs, 1.27-2.28x): no pause clearly better for the other calls, within the runs'
+    spread; while the snapshots the client got through in 11 s of load fell from 4.5 to 3.75 and
+    2.8 (mean): a shorter pause makes each snapshot slower, and a cut in production holds the
+    event log's batches back from the mirror for longer. (With the block-by-block cut this
+    replaced, 1 ms and 0.5 ms had helped: 2.4-2.9x against 3.4-4.0x at 2 ms; its cut cost about
+    ten times the CPU, so its pacing mattered more.)"""
 
     PAUSE_AFTER_S = 0.002
 

@@ -721,14 +721,51 @@ def _split(record: _Stored, hi: int, lo: int, known: _Records) -> Iterator[tuple
     yield record, hi, lo
 
 
-def _num_sent(hashes: tuple, start: int, limit: int, seen: Mapping[Any, None]) -> int:
-    """How many of ``hashes[start : start + limit]`` are sent, where those sent are a prefix of
-    them (a membership test per step of a binary search)."""
+class _Sent:
+    """The blocks a cut's first half has sent, per record as sorted disjoint index ranges: the
+    same as a set of the hashes sent (the table maps each hash to one record and position while a
+    cut reads it), without a dict of every hash (at a million blocks its last resizes alone held
+    the loop for about 30 ms).
 
-    def sent(m: int) -> bool:
-        return m == 0 or hashes[start + m - 1] in seen
+    The blocks sent are closed under "parent in the table": a block is sent with its ancestors,
+    so within a stretch (and a record's blocks in the table at their places, chained) those sent
+    are a prefix, parent side."""
 
-    return _longest(sent, limit)
+    __slots__ = ("_ranges",)
+
+    def __init__(self) -> None:
+        self._ranges: dict[_Stored, list[int]] = {}  # per record, [start0, stop0, start1, stop1, ...]
+
+    def has(self, record: _Stored, i: int) -> bool:
+        """Whether block ``i`` of ``record`` was sent."""
+        ranges = self._ranges.get(record)
+        return ranges is not None and bisect_right(ranges, i) % 2 == 1
+
+    def num_from(self, record: _Stored, start: int, stop: int) -> int:
+        """How many of blocks ``start:stop`` of ``record`` were sent from ``start`` on without a gap."""
+        ranges = self._ranges.get(record)
+        if ranges is None:
+            return 0
+        j = bisect_right(ranges, start)
+        return min(ranges[j], stop) - start if j % 2 == 1 else 0
+
+    def add(self, record: _Stored, start: int, stop: int) -> None:
+        """Count blocks ``start:stop`` of ``record`` (none of them sent yet) as sent."""
+        ranges = self._ranges.get(record)
+        if ranges is None:
+            self._ranges[record] = [start, stop]
+            return
+        j = bisect_right(ranges, start)
+        left = j > 0 and ranges[j - 1] == start
+        right = j < len(ranges) and ranges[j] == stop
+        if left and right:
+            del ranges[j - 1 : j + 1]
+        elif left:
+            ranges[j - 1] = stop
+        elif right:
+            ranges[j] = start
+        else:
+            ranges[j:j] = [start, stop]
 
 
 def _append(segments: list[list[Any]], record: _Stored, start: int, stop: int) -> None:
@@ -780,7 +817,9 @@ def snapshot_runs(table: BlockView, group_idxs: tuple[int, ...] | None) -> Itera
     that watched from the start would be. Consecutive blocks of one chain with the same
     block_size, lora_id, lora_name, medium and presence of extra_keys share one BlockStored, up
     to about ``YIELD_EVERY_TOKENS`` token ids (a longer chain goes in several, each naming the
-    block before it as its parent).
+    block before it as its parent). In half 1 a block and the ancestors walked up with it go in
+    one run even where their kinds differ (the event takes its first block's, and None extra keys
+    for blocks that had none), as the block-by-block cut did: kept, so the events stay the same.
 
     Cost: the table is read as :func:`_stretches` of records and every step works on a stretch
     or a record segment (C-level slices, counts and lookups), so a record announced in one
@@ -794,33 +833,28 @@ def snapshot_runs(table: BlockView, group_idxs: tuple[int, ...] | None) -> Itera
     known = _Records()
     get = records.get
     yield None
-    # Half 1: parents first. ``emitted`` is per group a dict of the hashes sent (ints or bytes:
-    # untracked by the cycle collector). It is closed under "parent in the table": a block is sent
-    # with its ancestors, so within a stretch the blocks sent are a prefix (parent side).
-    emitted: dict[int, dict[Any, None]] = {}
+    # Half 1: parents first (a record's group is its blocks': the blocks sent are per group too).
+    sent = _Sent()
     run_g = -1
     run: list[list[Any]] = []  # segments ([record, start, stop]) in event order
     run_last: tuple[_Stored, int] | None = None  # the run's last block
     for record, hi, lo in _stretches(records, by_hash, group_idxs, known):
         g = record.group_idx
-        seen = emitted.get(g)
-        if seen is None:
-            seen = emitted[g] = {}
-        hashes = record.hashes
-        if hashes[hi] in seen:
+        if sent.has(record, hi):
             continue  # the whole stretch was sent with a descendant
-        if hashes[lo] in seen:  # part of it was: send the rest (its parent is sent)
-            chain: list[list[Any]] = [[record, lo + _num_sent(hashes, lo, hi - lo, seen), hi + 1]]
+        done = sent.num_from(record, lo, hi + 1)
+        if done:  # part of it was: send the rest (its parent is sent)
+            chain: list[list[Any]] = [[record, lo + done, hi + 1]]
         else:
             chain = [[record, lo, hi + 1]]
-            up = _ancestors(get, by_hash, g, seen, record.parent_of(lo), known)
+            up = _ancestors(get, by_hash, g, sent, record.parent_of(lo), known)
             if up:
                 chain = []
                 for r, start, stop in reversed(up):
                     _append(chain, r, start, stop)
                 _append(chain, record, lo, hi + 1)
         for r, start, stop in chain:
-            seen.update(dict.fromkeys(r.hashes[start:stop]))
+            sent.add(r, start, stop)
         first, first_start = chain[0][0], chain[0][1]
         if (
             run_last is not None
@@ -838,7 +872,7 @@ def snapshot_runs(table: BlockView, group_idxs: tuple[int, ...] | None) -> Itera
         run_last = (last[0], last[2] - 1)
     if run:
         yield from _runs(run_g, False, run)
-    del emitted
+    del sent
     # Half 2: recency order, least recent first; a run is a chain listed child first.
     run = []  # segments child first
     run_last = None  # the run's last block read (its root so far)
@@ -870,7 +904,7 @@ def _ancestors(
     get: Callable[[Any], _Stored | None],
     by_hash: bool,
     g: int,
-    seen: Mapping[Any, None],
+    sent: _Sent,
     parent: Any,
     known: _Records,
 ) -> list[list[Any]]:
@@ -878,11 +912,13 @@ def _ancestors(
     order): from ``parent`` up while the block is not sent and is in the table (a record's blocks
     are taken in one step as far as they are in the table at their places, unsent, and chained)."""
     up: list[list[Any]] = []
-    while parent is not None and parent not in seen:
+    while parent is not None:
         record = get(parent if by_hash else (g, parent))
         if record is None:
             break
         k = known.position(record, parent)
+        if sent.has(record, k):
+            break
         low = k
         if k and known.distinct(record):
             breaks = known.breaks(record)
@@ -899,8 +935,7 @@ def _ancestors(
                     return list(map(get, zip(repeat(g), hashes[k - m : k]))).count(record) == m
 
             low = k - _longest(held, k - floor)
-            if low < k and hashes[low] in seen:  # sent from there down (a prefix, see above)
-                low += _num_sent(hashes, low, k - low, seen)
+            low += sent.num_from(record, low, k)  # sent from there down (a prefix: see _Sent)
         up.append([record, low, k + 1])
         parent = record.parent_of(low)
     return up

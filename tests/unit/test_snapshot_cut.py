@@ -117,16 +117,26 @@ def _filters(num_groups: int) -> list:
     return [None, (0,)] if num_groups == 1 else [None, (0,), (1,), (0, 1), (2,)]
 
 
-@pytest.mark.parametrize("window", [7, snapshot._WINDOW])
-@pytest.mark.parametrize("digests", [False, True])
-@pytest.mark.parametrize("num_groups", [1, 2])
-@pytest.mark.parametrize("unpacked_tokens", [0, 3000, UNPACKED_TOKENS])
+@pytest.mark.parametrize(
+    ("unpacked_tokens", "num_groups", "digests", "window"),
+    [
+        (0, 1, False, 7),
+        (0, 2, True, snapshot._WINDOW),
+        (3000, 1, True, 7),
+        (3000, 1, False, snapshot._WINDOW),
+        (3000, 2, False, 7),
+        (3000, 2, False, snapshot._WINDOW),
+        (UNPACKED_TOKENS, 1, False, snapshot._WINDOW),
+        (UNPACKED_TOKENS, 2, True, 7),
+    ],
+)
 def test_the_segment_cut_gives_exactly_the_events_of_the_block_by_block_cut(
     monkeypatch, unpacked_tokens, num_groups, digests, window
 ):
     """On random mirrors (every kind of batch, one and two groups, every group filter, records
     packed at once, soon or never, compacted or not, int and digest hashes, the table read in
-    windows of 7 entries or the default), after every batch."""
+    windows of 7 entries or the default), after every batch: each value of each axis meets
+    several of the others (the whole product takes three times as long, and passes too)."""
     monkeypatch.setattr(snapshot, "_WINDOW", window)
     rng = random.Random(f"{unpacked_tokens}-{num_groups}-{digests}-{window}")
     kinds = ["full_attention", "sliding_window"][:num_groups]

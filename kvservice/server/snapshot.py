@@ -9,7 +9,7 @@ Cost rules (issue 15):
 
 * The mirror (:class:`CachedSetMirror`) keeps, per cached (group_idx, block hash), a reference to
   one record per stored run (the BlockStored's hashes, token ids and keys), not an object per
-  block; a block's tuple is made when a cut reads it. A record whose blocks are mostly gone is
+  block; a cut reads the records in segments, never a tuple per block. A record whose blocks are mostly gone is
   compacted to its live blocks, so one surviving block does not pin a whole prompt, and token ids
   beyond the newest ``UNPACKED_TOKENS`` are packed to 8 bytes each. It is fed by an event-log
   listener; its ``seq`` is the last batch applied.
@@ -18,12 +18,14 @@ Cost rules (issue 15):
   mirror seq shares one cut (:attr:`SnapshotSource.num_cuts` counts cuts, exported as
   ``kvservice_snapshot_cuts``). A cut copies nothing: while one is in production the source holds
   appended batches back from the mirror, so the cut reads the mirror's own table as it was at its
-  watermark; its parts keep references to the (immutable) block tuples, so they stay exact after
-  the mirror moves on. A cut is produced by a task in parts of about ``part_tokens`` token ids
-  that yields to the loop every ``YIELD_EVERY_TOKENS`` tokens; callers read parts as they are
-  produced. Nothing a cut builds is tracked by the cycle collector (tuples of ints, bytes and
-  untracked tuples; dicts of hashes), so a collection during a cut of a million blocks walks no
-  more than it would without it.
+  watermark; its parts keep record segments (``(record, start, stop)``: a record is never
+  changed in what a cut reads), so they stay exact after the mirror moves on. A record announced
+  in one BlockStored and left alone is cut in C-level slices and comparisons, with no Python
+  work per block (see :func:`snapshot_runs`); a part's events are made (one slice of tokens per
+  segment) only when it is encoded. A cut is produced by a task in parts of about
+  ``part_tokens`` token ids that yields to the loop every ``YIELD_EVERY_TOKENS`` tokens; callers
+  read parts as they are produced. What a cut builds for the cycle collector to walk is a few
+  small tuples per event (its segments refer to records); its dicts of hashes are untracked.
 * The held batches are applied when the last cut in production ends (by a task that yields every
   ``YIELD_EVERY_TOKENS`` tokens of events); no new cut starts before that, so holding back is
   bounded by one production.
@@ -49,10 +51,11 @@ import asyncio
 import contextlib
 import struct
 import time
+from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterator, Mapping, Sequence
-from itertools import chain, repeat
-from operator import itemgetter
+from itertools import chain, compress, islice, repeat
+from operator import itemgetter, ne
 from typing import Any, Union, cast
 
 from kvservice.core.errors import ShuttingDownError
@@ -100,9 +103,9 @@ slot and an int object) before it packs the oldest into int64 bytes (8 each); se
 
 
 MirroredBlock = tuple
-"""One cached block as a cut reads it (made from the mirror's :class:`_Stored` record when read):
-a plain tuple (immutable, so a cut may share it; and untracked by CPython's cycle collector once
-it has looked at it, since it holds only ints, strings, None and bytes), indexed by:"""
+"""One cached block as :class:`BlockView` reads it (made from the mirror's :class:`_Stored`
+record when read; tests, and the block-by-block reference cut in ``tests/unit/``; a cut reads
+record segments instead): a plain tuple, indexed by:"""
 
 PARENT, TOKEN_IDS, BLOCK_SIZE, LORA_ID, LORA_NAME, MEDIUM, HAS_EXTRA_KEYS, EXTRA_KEYS = range(8)
 """Fields of a :data:`MirroredBlock`: the parent block hash (None at block 0); this block's own
@@ -205,12 +208,12 @@ class _Stored:
         return self.hashes[i - 1] if i else self.parent_block_hash
 
     def blocks(self) -> list[MirroredBlock]:
-        """Every block's :data:`MirroredBlock`, in :attr:`hashes` order (C-level passes; packs the
-        record first)."""
-        self.pack()
+        """Every block's :data:`MirroredBlock`, in :attr:`hashes` order (C-level passes; the record
+        is left as it is: an unpacked one is packed for this call only)."""
         n = len(self.hashes)
         width = 8 * self.block_size
-        data = memoryview(cast(bytes, self.tokens))
+        tokens = self.tokens
+        data = memoryview(tokens if type(tokens) is bytes else struct.pack(f"{len(tokens)}q", *tokens))
         parents = self.parents if self.parents is not None else [self.parent_block_hash, *self.hashes[: n - 1]]
         extra = self.extra_keys
         return list(
@@ -229,30 +232,14 @@ class _Stored:
             )
         )
 
-    def block(self, block_hash: Any) -> MirroredBlock:
-        """The :data:`MirroredBlock` of one of its blocks (packs the record first)."""
-        self.pack()
-        i = self.position(block_hash)
-        width = 8 * self.block_size
-        extra = self.extra_keys
-        return (
-            self.parent_of(i),
-            cast(bytes, self.tokens)[i * width : (i + 1) * width],
-            self.block_size,
-            self.lora_id,
-            self.lora_name,
-            self.medium,
-            extra is not None,
-            extra[i] if extra is not None else None,
-        )
-
 
 class BlockView(Mapping):
-    """(group_idx, hash) -> :data:`MirroredBlock` over a table of :class:`_Stored` records, in the
-    table's order. A record's blocks' tuples are made together (C-level passes) the first time
-    one of them is read, then kept as long as this view (so a block read twice is the same
-    tuple). The table must not change while it is read through this (a :class:`SnapshotSource`
-    holds batches back while a cut reads the mirror's own table).
+    """A mirror's table: the records it holds (what :func:`snapshot_runs` reads, a stretch of
+    records at a time), and read block by block as a Mapping (group_idx, hash) ->
+    :data:`MirroredBlock` in the table's order (tests, and what a watcher would hold). A record's
+    blocks' tuples are made together (C-level passes) the first time one of them is read, then
+    kept as long as this view. The table must not change while it is read through this (a
+    :class:`SnapshotSource` holds batches back while a cut reads the mirror's own table).
 
     Args:
         records: the table: keyed by (group_idx, hash), or by hash alone (``by_hash``: one group,
@@ -260,66 +247,36 @@ class BlockView(Mapping):
     """
 
     def __init__(self, records: dict[Any, _Stored], by_hash: bool = False) -> None:
-        self._records = records
-        self._by_hash = by_hash
+        self.records = records
+        self.by_hash = by_hash
         self._made: dict[_Stored, dict[Any, MirroredBlock]] = {}  # per record read, its blocks by hash
 
-    def _blocks_of(self, record: _Stored) -> dict[Any, MirroredBlock]:
-        blocks = self._made.get(record)
-        if blocks is None:  # the smallest index of a hash named twice wins, as it was applied
-            blocks = self._made[record] = dict(zip(reversed(record.hashes), reversed(record.blocks())))
-        return blocks
-
     def _record(self, key: Any) -> _Stored | None:
-        if not self._by_hash:
-            return self._records.get(key)
+        if not self.by_hash:
+            return self.records.get(key)
         if type(key) is not tuple or len(key) != 2 or key[0] != 0:
             return None
-        return self._records.get(key[1])
+        return self.records.get(key[1])
 
     def __getitem__(self, key: _Key) -> MirroredBlock:
         record = self._record(key)
         if record is None:
             raise KeyError(key)
-        return self._blocks_of(record)[key[1]]
-
-    def get(self, key: _Key, default: Any = None) -> Any:
-        g, h = key  # the hot path of a cut's parent walk: one lookup, the record's blocks made once
-        if self._by_hash:
-            record = self._records.get(h) if g == 0 else None
-        else:
-            record = self._records.get(key)
-        if record is None:
-            return default
         blocks = self._made.get(record)
-        if blocks is None:
-            blocks = self._blocks_of(record)
-        return blocks[h]
+        if blocks is None:  # the smallest index of a hash named twice wins, as it was applied
+            blocks = self._made[record] = dict(zip(reversed(record.hashes), reversed(record.blocks())))
+        return blocks[key[1]]
 
     def __contains__(self, key: object) -> bool:
         return self._record(key) is not None
 
     def __iter__(self) -> Iterator[_Key]:
-        if self._by_hash:
-            return zip(repeat(0), self._records)
-        return iter(self._records)
+        if self.by_hash:
+            return zip(repeat(0), self.records)
+        return iter(self.records)
 
     def __len__(self) -> int:
-        return len(self._records)
-
-    def items(self) -> Iterator[tuple[_Key, MirroredBlock]]:  # type: ignore[override]  # one pass, not a set-like view: a cut reads each pair once
-        """The (key, block) pairs in the table's order."""
-        made_get, blocks_of = self._made.get, self._blocks_of
-        if self._by_hash:
-            for h, record in self._records.items():
-                yield (0, h), (made_get(record) or blocks_of(record))[h]
-        else:
-            for key, record in self._records.items():
-                yield key, (made_get(record) or blocks_of(record))[key[1]]
-
-    def filled(self) -> dict[_Key, MirroredBlock]:
-        """Every block's tuple at once, as a plain dict in the table's order (tests, small caches)."""
-        return dict(self.items())
+        return len(self.records)
 
 
 class CachedSetMirror:
@@ -335,7 +292,7 @@ class CachedSetMirror:
 
     * Recording a BlockStored costs a key per block and one ``dict.update`` (C-level passes), no
       object per block: every block of the event maps to one shared record, which holds the
-      event's own lists. A block's tuple is made only when a cut reads it.
+      event's own lists. A cut reads record segments, never a tuple per block.
     * Its token ids stay the event's list (no per-token work) while they are among the newest
       ``unpacked_tokens`` token ids recorded; then they are packed into int64 bytes (8 bytes a
       token id, one C-level pass). A record whose blocks all went before that (a pool that turns
@@ -529,8 +486,8 @@ class CachedSetMirror:
 
     def view(self) -> BlockView:
         """The table as it is now, block by block (one C-level copy of the table; a block's tuple
-        is made when read): a cut reads it while the mirror moves on (records are never changed
-        in what a view reads: a compaction makes a new record, packing keeps the ids)."""
+        is made when read; tests): it reads the same while the mirror moves on (records are never
+        changed in what a view reads: a compaction makes a new record, packing keeps the ids)."""
         return BlockView(self._blocks.copy(), self._by_hash)
 
     def events(self, group_idxs: tuple[int, ...] | None = None) -> list[KVEvent]:
@@ -554,7 +511,19 @@ class HalfShare:
     yields a turn (``sleep(0)``), and once its steps since the last pause add up to
     ``PAUSE_AFTER_S`` it sleeps that long (one timer per couple of milliseconds, not per step:
     the loop's timers round up to 1 ms). Other calls so wait behind at most one step, and a
-    machine the server shares with its clients keeps CPU for them."""
+    machine the server shares with its clients keeps CPU for them.
+
+    Why ``PAUSE_AFTER_S`` is 2 ms: measured with the segment cut on issue 15's stall row
+    (``scripts/bench/bounded_bench.py stall --blocks 1048576 --clients 1``, GetUsage p99 while a
+    client loops 1M-block snapshots over its idle p99 in the same run; a loaded 2-core machine,
+    load average 0.6-1.9, the server run from copies of the tree differing only in this value),
+    2 ms, 1 ms and 0.5 ms gave medians 1.87x (8 runs, 0.94-3.06x), 2.12x (8 runs, 1.04-2.75x)
+    and 1.70x (5 runs, 1.27-2.28x): no pause clearly better for the other calls, within the runs'
+    spread; while the snapshots the client got through in 11 s of load fell from 4.5 to 3.75 and
+    2.8 (mean): a shorter pause makes each snapshot slower, and a cut in production holds the
+    event log's batches back from the mirror for longer. (With the block-by-block cut this
+    replaced, 1 ms and 0.5 ms had helped: 2.4-2.9x against 3.4-4.0x at 2 ms; its cut cost about
+    ten times the CPU, so its pacing mattered more.)"""
 
     PAUSE_AFTER_S = 0.002
 
@@ -573,142 +542,453 @@ class HalfShare:
         self._started = time.perf_counter()
 
 
-_Run = Union[None, tuple[int, bool, tuple[tuple, ...], tuple[tuple, ...]]]
-"""One snapshot event as the cut holds it: None is AllBlocksCleared; ``(group_idx, reused, hashes,
-blocks)`` is a BlockStored of those blocks (parent first): their hashes and their
-:data:`MirroredBlock` tuples (shared with the mirror, so a part outlives the mirror's next batch
-unchanged), each in tuples of at most ``_GC_CHUNK``; materialized only when encoded.
+_Segment = tuple[_Stored, int, int]
+"""Blocks ``start`` to ``stop`` (exclusive) of one mirror record, ``(record, start, stop)``: in a
+snapshot event they come in the record's own order (parent first)."""
 
-Why chunks: the cycle collector walks a young tuple's items once, then stops tracking it (its
-items are untracked). Walking a mirror block is a cache miss (about 0.1 us), so a young
-collection (700 new containers) over 512-block tuples took 17 ms at a million blocks; over 32-item
-tuples it is at most about 22,000 items."""
+_Run = Union[None, tuple[int, bool, tuple[_Segment, ...], int]]
+"""One snapshot event as the cut holds it: None is AllBlocksCleared; ``(group_idx, reused,
+segments, num_tokens)`` is a BlockStored of the blocks of those :data:`_Segment` (in order),
+``num_tokens`` token ids in all; materialized only when encoded (:func:`materialize`).
 
-_GC_CHUNK = 32
-
-
-def _runs(g: int, reused: bool, hashes: list, blocks: list) -> Iterator[_Run]:
-    """One chain segment (parent first) as runs of at most ``YIELD_EVERY_TOKENS`` token ids (at
-    least one block each): a longer chain (a 128k-token prompt) is several BlockStored, each naming
-    the block before it as its parent, so encoding one event never holds the loop for more."""
-    step = max(1, YIELD_EVERY_TOKENS // blocks[0][BLOCK_SIZE])
-    if len(blocks) <= step:
-        yield g, reused, _chunked(hashes), _chunked(blocks)
-        return
-    for i in range(0, len(blocks), step):
-        yield g, reused, _chunked(hashes[i : i + step]), _chunked(blocks[i : i + step])
+A part so keeps a reference per record segment, not per block: a record is never changed in what
+a cut reads (packing its token ids keeps the ids, a compaction makes a new record, a clear drops
+the table's references), so a part outlives the mirror's next batches unchanged. A record of
+512 live blocks announced in one go is one segment per event of the cut."""
 
 
-def _chunked(items: list) -> tuple[tuple, ...]:
-    n = _GC_CHUNK
-    if len(items) <= n:
-        return (tuple(items),)
-    return tuple([tuple(items[i : i + n]) for i in range(0, len(items), n)])
-
-
-def _continues(before: MirroredBlock, before_hash: Any, block: MirroredBlock) -> bool:
-    """Whether ``block`` is ``before``'s child with the same metadata (one BlockStored carries both)."""
-    same: bool = (
-        block[PARENT] == before_hash
-        and block[BLOCK_SIZE] == before[BLOCK_SIZE]
-        and block[LORA_ID] == before[LORA_ID]
-        and block[LORA_NAME] == before[LORA_NAME]
-        and block[MEDIUM] == before[MEDIUM]
-        and block[HAS_EXTRA_KEYS] == before[HAS_EXTRA_KEYS]
+def _same_kind(a: _Stored, b: _Stored) -> bool:
+    """Whether blocks of ``a`` and ``b`` may share one BlockStored: equal block_size, lora_id,
+    lora_name, medium, and both with or both without extra_keys."""
+    return a is b or (
+        a.block_size == b.block_size
+        and a.lora_id == b.lora_id
+        and a.lora_name == b.lora_name
+        and a.medium == b.medium
+        and (a.extra_keys is None) == (b.extra_keys is None)
     )
-    return same
 
 
-def snapshot_runs(table: Mapping[_Key, MirroredBlock], group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
-    """The snapshot of ``table`` (a mirror's blocks, least recently announced first), one event (as
-    a :data:`_Run`) at a time: AllBlocksCleared; BlockStored for every block, parents before
-    children; then the same blocks re-announced in recency order (``reused``).
+class _Records:
+    """What one cut learns about the records it meets (kept for that cut only, never on the
+    records): a record's index per hash, whether its hashes are distinct, where its parent chain
+    breaks."""
+
+    __slots__ = ("_index", "_distinct", "_breaks")
+
+    def __init__(self) -> None:
+        self._index: dict[_Stored, dict[Any, int]] = {}
+        self._distinct: dict[_Stored, bool] = {}
+        self._breaks: dict[_Stored, tuple[int, ...]] = {}
+
+    def position(self, record: _Stored, block_hash: Any) -> int:
+        """:meth:`_Stored.position` (the smallest index of a hash named twice), without keeping an
+        index on the record."""
+        hashes = record.hashes
+        if len(hashes) <= 256:
+            return hashes.index(block_hash)  # the first occurrence: C-level
+        index = self._index.get(record)
+        if index is None:
+            index = self._index[record] = dict(zip(reversed(hashes), range(len(hashes) - 1, -1, -1)))
+        return index[block_hash]
+
+    def distinct(self, record: _Stored) -> bool:
+        """Whether no hash is named twice in the record (then a hash's index is its position)."""
+        known = self._distinct.get(record)
+        if known is None:
+            known = self._distinct[record] = len(set(record.hashes)) == len(record.hashes)
+        return known
+
+    def breaks(self, record: _Stored) -> tuple[int, ...]:
+        """The indexes ``i >= 1`` whose parent is not ``hashes[i - 1]`` (only a compacted record,
+        whose parents are written out, has any), ascending."""
+        parents = record.parents
+        if parents is None:
+            return ()
+        known = self._breaks.get(record)
+        if known is None:
+            hashes = record.hashes
+            known = self._breaks[record] = tuple(compress(range(1, len(hashes)), map(ne, parents[1:], hashes[:-1])))
+        return known
+
+
+def _longest(matches: Callable[[int], bool], limit: int) -> int:
+    """The largest ``m <= limit`` with ``matches(m)``, for a predicate true up to some length and
+    false beyond (``matches(0)`` is true): galloping, then halving; O(m log m) for ``matches``
+    costing O(m)."""
+    good, size = 0, 16
+    while True:
+        size = min(size, limit)
+        if not matches(size):
+            bad = size
+            break
+        good = size
+        if size == limit:
+            return good
+        size *= 2
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if matches(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+_WINDOW = 4_096
+"""Table entries a cut reads at a time (a record's whole stretch is read at once when longer)."""
+
+
+def _stretches(
+    records: dict[Any, _Stored], by_hash: bool, group_idxs: tuple[int, ...] | None, known: _Records
+) -> Iterator[tuple[_Stored, int, int]]:
+    """The table in order as stretches ``(record, hi, lo)``: entries for the record's blocks
+    ``hi, hi - 1, ..., lo`` one after the other (so in table order a stretch reads deepest block
+    first), each key mapping to its record at its own position, and each block ``i`` of it but
+    the last read (``lo < i <= hi``) the child of block ``i - 1``. Groups outside ``group_idxs``
+    are left out.
+
+    A record announced in one BlockStored, all of it live and never refreshed, is one stretch,
+    found with C-level comparisons (its keys' slice against its reversed hashes, its values'
+    count); elsewhere (a reuse refresh moved some blocks, a partial record, a hash named twice, a
+    compacted record's chain broken) a stretch is as long as such comparisons find, down to one
+    block, a hash named twice in a record giving one-block stretches.
+
+    A key's group is its record's (the mirror keys a record's blocks in its own group only)."""
+    keys_it = iter(records) if by_hash else map(_held, records)
+    values_it = iter(records.values())
+    hashes_w: tuple = ()
+    records_w: tuple = ()
+    i = 0
+
+    def read(need: int) -> None:  # at least ``need`` entries from ``i`` on, where the table has them
+        nonlocal hashes_w, records_w, i
+        more = max(_WINDOW, need) - (len(hashes_w) - i)
+        hashes_w = hashes_w[i:] + tuple(islice(keys_it, more))
+        records_w = records_w[i:] + tuple(islice(values_it, more))
+        i = 0
+
+    while True:
+        if i >= len(hashes_w):
+            read(1)
+            if not hashes_w:
+                return
+        h = hashes_w[i]
+        record = records_w[i]
+        hashes = record.hashes
+        n = len(hashes)
+        wanted = group_idxs is None or record.group_idx in group_idxs  # else skipped, a stretch at a time
+        # The common case: a record's deepest block, followed by the rest of it in order. A match
+        # means n distinct keys, so n distinct hashes, each at its position.
+        if h == hashes[-1]:
+            if len(hashes_w) - i < n:
+                read(n)
+            if records_w[i : i + n].count(record) == n and hashes_w[i : i + n] == hashes[::-1]:
+                i += n
+                if wanted:
+                    yield from _split(record, n - 1, 0, known)
+                continue
+        k = known.position(record, h)
+        m = 0
+        if k and known.distinct(record):
+            if len(hashes_w) - i <= k:
+                read(k + 1)
+            start = i + 1
+            expected = hashes[k - 1 :: -1]
+
+            def matches(size: int, start: int = start, expected: tuple = expected, record: _Stored = record) -> bool:
+                return (
+                    records_w[start : start + size].count(record) == size
+                    and hashes_w[start : start + size] == expected[:size]
+                )
+
+            m = _longest(matches, min(k, len(hashes_w) - start))
+        i += 1 + m
+        if wanted:
+            yield from _split(record, k, k - m, known)
+
+
+def _split(record: _Stored, hi: int, lo: int, known: _Records) -> Iterator[tuple[_Stored, int, int]]:
+    """A contiguous stretch cut where the record's chain breaks (deepest part first)."""
+    breaks = known.breaks(record)
+    if not breaks:
+        yield record, hi, lo
+        return
+    b = bisect_right(breaks, hi)
+    while b and breaks[b - 1] > lo:
+        yield record, hi, breaks[b - 1]
+        hi = breaks[b - 1] - 1
+        b -= 1
+    yield record, hi, lo
+
+
+class _Sent:
+    """The blocks a cut's first half has sent, per record as sorted disjoint index ranges: the
+    same as a set of the hashes sent (the table maps each hash to one record and position while a
+    cut reads it), without a dict of every hash (at a million blocks its last resizes alone held
+    the loop for about 30 ms).
+
+    The blocks sent are closed under "parent in the table": a block is sent with its ancestors,
+    so within a stretch (and a record's blocks in the table at their places, chained) those sent
+    are a prefix, parent side."""
+
+    __slots__ = ("_ranges",)
+
+    def __init__(self) -> None:
+        self._ranges: dict[_Stored, list[int]] = {}  # per record, [start0, stop0, start1, stop1, ...]
+
+    def has(self, record: _Stored, i: int) -> bool:
+        """Whether block ``i`` of ``record`` was sent."""
+        ranges = self._ranges.get(record)
+        return ranges is not None and bisect_right(ranges, i) % 2 == 1
+
+    def num_from(self, record: _Stored, start: int, stop: int) -> int:
+        """How many of blocks ``start:stop`` of ``record`` were sent from ``start`` on without a gap."""
+        ranges = self._ranges.get(record)
+        if ranges is None:
+            return 0
+        j = bisect_right(ranges, start)
+        return min(ranges[j], stop) - start if j % 2 == 1 else 0
+
+    def add(self, record: _Stored, start: int, stop: int) -> None:
+        """Count blocks ``start:stop`` of ``record`` (none of them sent yet) as sent."""
+        ranges = self._ranges.get(record)
+        if ranges is None:
+            self._ranges[record] = [start, stop]
+            return
+        j = bisect_right(ranges, start)
+        left = j > 0 and ranges[j - 1] == start
+        right = j < len(ranges) and ranges[j] == stop
+        if left and right:
+            del ranges[j - 1 : j + 1]
+        elif left:
+            ranges[j - 1] = stop
+        elif right:
+            ranges[j] = start
+        else:
+            ranges[j:j] = [start, stop]
+
+
+def _append(segments: list[list[Any]], record: _Stored, start: int, stop: int) -> None:
+    """Add blocks ``start:stop`` of ``record`` after the last segment (merged with it when they
+    follow it in the same record)."""
+    if segments:
+        last = segments[-1]
+        if last[0] is record and last[2] == start:
+            last[2] = stop
+            return
+    segments.append([record, start, stop])
+
+
+def _runs(g: int, reused: bool, segments: list[list[Any]]) -> Iterator[_Run]:
+    """One chain (segments in event order, parent first) as runs of at most ``YIELD_EVERY_TOKENS``
+    token ids (at least one block each): a longer chain (a 128k-token prompt) is several
+    BlockStored, each naming the block before it as its parent, so encoding one event never holds
+    the loop for more."""
+    step = max(1, YIELD_EVERY_TOKENS // segments[0][0].block_size)  # blocks per event, as the first's size gives
+    event: list[_Segment] = []
+    count = num_tokens = 0
+    for record, start, stop in segments:
+        while start < stop:
+            take = min(stop - start, step - count)
+            event.append((record, start, start + take))
+            count += take
+            num_tokens += take * record.block_size
+            start += take
+            if count == step:
+                yield g, reused, tuple(event), num_tokens
+                event, count, num_tokens = [], 0, 0
+    if event:
+        yield g, reused, tuple(event), num_tokens
+
+
+def snapshot_runs(table: BlockView, group_idxs: tuple[int, ...] | None) -> Iterator[_Run]:
+    """The snapshot of ``table`` (a mirror's table, least recently announced first:
+    :attr:`CachedSetMirror.table`), one event (as a :data:`_Run`) at a time: AllBlocksCleared;
+    BlockStored for every block, parents before children; then the same blocks re-announced in
+    recency order (``reused``).
 
     ``table`` must not change while this runs (:class:`SnapshotSource` holds batches back from its
     mirror while a cut is in production).
 
     The first half gives the cached set (a consumer building a tree meets every parent before its
-    children). The second half, like a reuse report, changes no presence; a consumer that bounds
-    its index by recency of announcement (an LRU) ends up ordered as one that watched from the
-    start would be. Consecutive blocks of one chain share one BlockStored, up to about
-    ``YIELD_EVERY_TOKENS`` token ids (a longer chain goes in several, each naming the block before it
-    as its parent).
+    children): each block not yet sent, in table order, goes with its ancestors up to one sent (or
+    absent, or block 0), root first. The second half, like a reuse report, changes no presence; a
+    consumer that bounds its index by recency of announcement (an LRU) ends up ordered as one
+    that watched from the start would be. Consecutive blocks of one chain with the same
+    block_size, lora_id, lora_name, medium and presence of extra_keys share one BlockStored, up
+    to about ``YIELD_EVERY_TOKENS`` token ids (a longer chain goes in several, each naming the
+    block before it as its parent). In half 1 a block and the ancestors walked up with it go in
+    one run even where their kinds differ (the event takes its first block's, and None extra keys
+    for blocks that had none), as the block-by-block cut did: kept, so the events stay the same.
+
+    Cost: the table is read as :func:`_stretches` of records and every step works on a stretch
+    or a record segment (C-level slices, counts and lookups), so a record announced in one
+    BlockStored and left alone costs no Python work per block; per-block work is left to the
+    irregular parts of a table (a hash named twice, a walk meeting a record in pieces). The
+    events are the same as a walk block by block would give (``tests/unit/snapshot_reference.py``
+    is that walk; ``tests/unit/test_snapshot_cut.py`` compares them).
     """
+    records = table.records
+    by_hash = table.by_hash
+    known = _Records()
+    get = records.get
     yield None
-    # Half 1: parents first. Walk each block's ancestors up to an emitted (or absent) one.
-    # ``emitted`` is per group a dict of hashes (ints or bytes): untracked by the cycle collector.
-    emitted: dict[int, dict[Any, None]] = {}
+    # Half 1: parents first (a record's group is its blocks': the blocks sent are per group too).
+    sent = _Sent()
     run_g = -1
-    run_hashes: list = []
-    run_blocks: list = []
-    for (g, h), block in table.items():
-        if group_idxs is not None and g not in group_idxs:
-            continue
-        seen = emitted.get(g)
-        if seen is None:
-            seen = emitted[g] = {}
-        if h in seen:
-            continue
-        chain_hashes = [h]
-        chain_blocks = [block]
-        parent = block[PARENT]
-        while parent is not None and parent not in seen:
-            above = table.get((g, parent))
-            if above is None:
-                break
-            chain_hashes.append(parent)
-            chain_blocks.append(above)
-            parent = above[PARENT]
-        chain_hashes.reverse()
-        chain_blocks.reverse()
-        seen.update(dict.fromkeys(chain_hashes))
-        if run_blocks and run_g == g and _continues(run_blocks[-1], run_hashes[-1], chain_blocks[0]):
-            run_hashes.extend(chain_hashes)
-            run_blocks.extend(chain_blocks)
+    run: list[list[Any]] = []  # segments ([record, start, stop]) in event order
+    run_last: tuple[_Stored, int] | None = None  # the run's last block
+    for record, hi, lo in _stretches(records, by_hash, group_idxs, known):
+        g = record.group_idx
+        if sent.has(record, hi):
+            continue  # the whole stretch was sent with a descendant
+        done = sent.num_from(record, lo, hi + 1)
+        if done:  # part of it was: send the rest (its parent is sent)
+            chain: list[list[Any]] = [[record, lo + done, hi + 1]]
         else:
-            if run_blocks:
-                yield from _runs(run_g, False, run_hashes, run_blocks)
-            run_g, run_hashes, run_blocks = g, chain_hashes, chain_blocks
-    if run_blocks:
-        yield from _runs(run_g, False, run_hashes, run_blocks)
-    del emitted
+            chain = [[record, lo, hi + 1]]
+            up = _ancestors(get, by_hash, g, sent, record.parent_of(lo), known)
+            if up:
+                chain = []
+                for r, start, stop in reversed(up):
+                    _append(chain, r, start, stop)
+                _append(chain, record, lo, hi + 1)
+        for r, start, stop in chain:
+            sent.add(r, start, stop)
+        first, first_start = chain[0][0], chain[0][1]
+        if (
+            run_last is not None
+            and run_g == g
+            and first.parent_of(first_start) == run_last[0].hashes[run_last[1]]
+            and _same_kind(run_last[0], first)
+        ):
+            for r, start, stop in chain:
+                _append(run, r, start, stop)
+        else:
+            if run:
+                yield from _runs(run_g, False, run)
+            run_g, run = g, chain
+        last = chain[-1]
+        run_last = (last[0], last[2] - 1)
+    if run:
+        yield from _runs(run_g, False, run)
+    del sent
     # Half 2: recency order, least recent first; a run is a chain listed child first.
-    run_hashes, run_blocks = [], []
-    for (g, h), block in table.items():
-        if group_idxs is not None and g not in group_idxs:
-            continue
-        if run_blocks and run_g == g and _continues(block, h, run_blocks[-1]):
-            run_hashes.append(h)
-            run_blocks.append(block)
+    run = []  # segments child first
+    run_last = None  # the run's last block read (its root so far)
+    for record, hi, lo in _stretches(records, by_hash, group_idxs, known):
+        g = record.group_idx
+        if (
+            run_last is not None
+            and run_g == g
+            and run_last[0].parent_of(run_last[1]) == record.hashes[hi]
+            and _same_kind(record, run_last[0])
+        ):
+            last = run[-1]
+            if last[0] is record and last[1] == hi + 1:
+                last[1] = lo
+            else:
+                run.append([record, lo, hi + 1])
         else:
-            if run_blocks:
-                run_hashes.reverse()
-                run_blocks.reverse()
-                yield from _runs(run_g, True, run_hashes, run_blocks)
-            run_g, run_hashes, run_blocks = g, [h], [block]
-    if run_blocks:
-        run_hashes.reverse()
-        run_blocks.reverse()
-        yield from _runs(run_g, True, run_hashes, run_blocks)
+            if run:
+                run.reverse()
+                yield from _runs(run_g, True, run)
+            run_g, run = g, [[record, lo, hi + 1]]
+        run_last = (record, lo)
+    if run:
+        run.reverse()
+        yield from _runs(run_g, True, run)
+
+
+def _ancestors(
+    get: Callable[[Any], _Stored | None],
+    by_hash: bool,
+    g: int,
+    sent: _Sent,
+    parent: Any,
+    known: _Records,
+) -> list[list[Any]]:
+    """The ancestors of a block to send with it, nearest first, as segments (each in event
+    order): from ``parent`` up while the block is not sent and is in the table (a record's blocks
+    are taken in one step as far as they are in the table at their places, unsent, and chained)."""
+    up: list[list[Any]] = []
+    while parent is not None:
+        record = get(parent if by_hash else (g, parent))
+        if record is None:
+            break
+        k = known.position(record, parent)
+        if sent.has(record, k):
+            break
+        low = k
+        if k and known.distinct(record):
+            breaks = known.breaks(record)
+            floor = breaks[bisect_right(breaks, k) - 1] if breaks and breaks[0] <= k else 0
+            hashes = record.hashes
+            if by_hash:
+
+                def held(m: int, k: int = k, hashes: tuple = hashes, record: _Stored = record) -> bool:
+                    return list(map(get, hashes[k - m : k])).count(record) == m
+
+            else:
+
+                def held(m: int, k: int = k, hashes: tuple = hashes, record: _Stored = record) -> bool:
+                    return list(map(get, zip(repeat(g), hashes[k - m : k]))).count(record) == m
+
+            low = k - _longest(held, k - floor)
+            low += sent.num_from(record, low, k)  # sent from there down (a prefix: see _Sent)
+        up.append([record, low, k + 1])
+        parent = record.parent_of(low)
+    return up
+
+
+def _token_ids(record: _Stored, start: int, stop: int) -> list[int]:
+    """The token ids of blocks ``start:stop`` of ``record`` (a slice of its list, or of its
+    packed bytes read as int64: the same ids)."""
+    tokens = record.tokens
+    width = record.block_size
+    if type(tokens) is bytes:
+        return memoryview(tokens).cast("q")[start * width : stop * width].tolist()
+    return tokens[start * width : stop * width]  # type: ignore[no-any-return]  # the event's list of ints
 
 
 def materialize(item: _Run, group_kinds: Sequence[str | None], group_windows: Sequence[int | None]) -> KVEvent:
-    """The event a :data:`_Run` stands for (its token ids: one join and one cast, no per-block loop)."""
+    """The event a :data:`_Run` stands for: per segment one slice of its record's hashes, token ids
+    and extra_keys (no per-block loop); the parent is the first block's."""
     if item is None:
         return AllBlocksCleared()
-    g, reused, hash_chunks, block_chunks = item
-    first = block_chunks[0][0]
+    g, reused, segments, _ = item
+    first, first_start, _ = segments[0]
+    extra_keys: list | None
+    if len(segments) == 1:
+        record, start, stop = first, first_start, segments[0][2]
+        block_hashes = list(record.hashes[start:stop])
+        token_ids = _token_ids(record, start, stop)
+        extra = record.extra_keys
+        extra_keys = extra[start:stop] if extra is not None else None
+    else:
+        block_hashes = list(first.hashes[first_start : segments[0][2]])
+        token_ids = _token_ids(first, first_start, segments[0][2])  # a new list: extended in place
+        for r, start, stop in segments[1:]:
+            block_hashes.extend(r.hashes[start:stop])
+            token_ids.extend(_token_ids(r, start, stop))
+        extra_keys = None
+        if first.extra_keys is not None:  # a block of a record without them has None (a walked chain may mix)
+            extra_keys = list(
+                chain.from_iterable(
+                    r.extra_keys[start:stop] if r.extra_keys is not None else repeat(None, stop - start)
+                    for r, start, stop in segments
+                )
+            )
     return BlockStored(
-        block_hashes=[h for chunk in hash_chunks for h in chunk],
-        parent_block_hash=first[PARENT],
-        token_ids=memoryview(b"".join([block[TOKEN_IDS] for chunk in block_chunks for block in chunk]))
-        .cast("q")
-        .tolist(),
-        block_size=first[BLOCK_SIZE],
-        lora_id=first[LORA_ID],
-        medium=first[MEDIUM],
-        lora_name=first[LORA_NAME],
-        extra_keys=[block[EXTRA_KEYS] for chunk in block_chunks for block in chunk] if first[HAS_EXTRA_KEYS] else None,
+        block_hashes=block_hashes,
+        parent_block_hash=first.parent_of(first_start),
+        token_ids=token_ids,
+        block_size=first.block_size,
+        lora_id=first.lora_id,
+        medium=first.medium,
+        lora_name=first.lora_name,
+        extra_keys=extra_keys,
         group_idx=g,
         kv_cache_spec_kind=group_kinds[g],
         kv_cache_spec_sliding_window=group_windows[g],
@@ -720,9 +1000,7 @@ def run_tokens(item: _Run) -> int:
     """Token ids in a :data:`_Run`."""
     if item is None:
         return 0
-    chunks = item[3]
-    block_size: int = chunks[0][0][BLOCK_SIZE]
-    return (_GC_CHUNK * (len(chunks) - 1) + len(chunks[-1])) * block_size
+    return item[3]
 
 
 class Snapshot:
@@ -733,7 +1011,7 @@ class Snapshot:
         ts: wall-clock time of the cut, in seconds.
         group_idxs: the group filter (None: all groups).
         parts: the parts produced so far, each about ``part_tokens`` token ids (an event is never
-            split), as :data:`_Run` tuples (a reference per block, shared with the mirror); read
+            split), as :data:`_Run` tuples (record segments, shared with the mirror); read
             one with :meth:`part_events`.
         done: all parts produced.
         num_tokens: token ids in the parts produced so far.

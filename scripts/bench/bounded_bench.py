@@ -2,6 +2,7 @@
 
     python scripts/bench/bounded_bench.py stall  [--blocks 32768] [--clients 1,100] [--seconds 10]
     python scripts/bench/bounded_bench.py memory
+    python scripts/bench/bounded_bench.py cut    --blocks 1048576 [--shape fresh|shared] [--repeat 3]
     ... --server-src DIR    # run the server from another source tree (e.g. main, for "before")
 
 stall: a server (meta device, block size 16) holding ``--blocks`` cached blocks; one client's
@@ -19,6 +20,17 @@ memory: server RSS growth (VmRSS) in two workloads, each on a fresh server:
 * event log: ``--event-max-bytes 12MiB``, a protobuf StreamEvents watcher reading every batch, 3,000
   batches of fresh 2,048-token requests (retention trims the log many times over). Target: RSS
   growth within 1.5x of the 12 MiB budget; the retained-bytes metric beside it.
+
+cut: in this process, no server: a ``CachedSetMirror`` (one group, block size 16) fed ``--blocks``
+blocks, then ``--repeat`` times a whole snapshot cut (``snapshot_runs`` over the mirror's table,
+no yields: the CPU a cut costs, which ``HalfShare`` spreads over the loop) and the materializing of
+its events (``materialize``, each made and dropped, as encoding a part does), in seconds and microseconds per
+block, with a digest of the events (msgpack, so two source trees can be checked to give the same
+events: run it with ``PYTHONPATH=DIR:DIR/clients/python`` for the other tree).
+``--shape fresh`` is the stall row's table: distinct 8,192-token prompts, one record of 512 blocks
+each; ``shared`` is a table a serving trace leaves: 1,024 conversations whose turns (32 to 96 blocks)
+each extend the turn before (a reuse report of the conversation's blocks, then a BlockStored whose
+parent is the previous turn's last block), with a tenth of the blocks evicted deepest first.
 """
 
 from __future__ import annotations
@@ -351,16 +363,111 @@ def memory(server_src: str | None) -> list[dict]:
     return rows
 
 
+def _cut_mirror(num_blocks: int, shape: str):
+    import random
+
+    from kvservice.server.snapshot import CachedSetMirror
+    from kvservice_client.events import BlockRemoved, BlockStored
+
+    mirror = CachedSetMirror(1, ["full_attention"], [None])
+    seq = 0
+
+    def stored(hashes: list[int], parent: int | None, reused: bool = False) -> BlockStored:
+        first = hashes[0] if not reused else 0
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=[] if reused else list(range(first * 16, (first + len(hashes)) * 16)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=0,
+            reused=reused,
+        )
+
+    if shape == "fresh":
+        for r in range(num_blocks // 512):
+            seq += 1
+            mirror.apply(seq, [stored(list(range(r * 512 + 1, r * 512 + 513)), None)])
+        return mirror
+    rng = random.Random(15)
+    chains: list[list[int]] = [[] for _ in range(1024)]
+    next_hash = 1
+    while mirror.num_blocks < num_blocks:
+        chain = chains[rng.randrange(1024)]
+        n = rng.randrange(32, 97)
+        hashes = list(range(next_hash, next_hash + n))
+        next_hash += n
+        events = [stored(chain, None, reused=True)] if chain else []
+        events.append(stored(hashes, chain[-1] if chain else None))
+        if rng.random() < 0.1 and len(chain) > 8:  # evicted deepest first
+            k = rng.randrange(1, len(chain) // 4 + 1)
+            events.append(BlockRemoved(block_hashes=chain[-k:][::-1], medium="GPU", group_idx=0))
+            del chain[-k:]
+        chain.extend(hashes)
+        seq += 1
+        mirror.apply(seq, events)
+    return mirror
+
+
+def cut(num_blocks: int, shape: str, repeat: int) -> list[dict]:
+    import gc
+    import hashlib
+
+    from kvservice.server.snapshot import materialize, snapshot_runs
+    from kvservice_client.events import KVEventBatch, encode_event_batch
+
+    t = time.perf_counter()
+    mirror = _cut_mirror(num_blocks, shape)
+    fill_s = time.perf_counter() - t
+    rows = []
+    for i in range(repeat):
+        gc.collect()
+        t = time.perf_counter()
+        runs = list(snapshot_runs(mirror.table, None))
+        cut_s = time.perf_counter() - t
+        kinds, windows = mirror.group_kinds, mirror.group_windows
+        t = time.perf_counter()
+        for run in runs:  # each event made and dropped, as encoding a part does
+            materialize(run, kinds, windows)
+        materialize_s = time.perf_counter() - t
+        digest = hashlib.sha256()
+        for j in range(0, len(runs), 1024):
+            events = [materialize(run, kinds, windows) for run in runs[j : j + 1024]]
+            digest.update(encode_event_batch(KVEventBatch(0.0, events, None)))
+        rows.append(
+            {
+                "shape": shape,
+                "blocks": mirror.num_blocks,
+                "repeat": i,
+                "fill_s": round(fill_s, 2),
+                "events": len(runs),
+                "cut_s": round(cut_s, 3),
+                "cut_us_per_block": round(cut_s / mirror.num_blocks * 1e6, 3),
+                "materialize_s": round(materialize_s, 3),
+                "materialize_us_per_block": round(materialize_s / mirror.num_blocks * 1e6, 3),
+                "digest": digest.hexdigest()[:16],
+                "load_avg_1m": os.getloadavg()[0],
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+        del runs, events
+    return rows
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_load":
         print(asyncio.run(_snapshot_load(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["stall", "memory"])
+    parser.add_argument("what", choices=["stall", "memory", "cut"])
     parser.add_argument("--blocks", type=int, default=32768)
     parser.add_argument("--clients", default="1,100")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--server-src")
+    parser.add_argument("--shape", choices=["fresh", "shared"], default="fresh", help="cut: the table's shape")
+    parser.add_argument("--repeat", type=int, default=3, help="cut: cuts measured")
     parser.add_argument(
         "--readers",
         choices=["parse", "raw"],
@@ -373,6 +480,8 @@ if __name__ == "__main__":
         result = stall(
             args.blocks, [int(n) for n in args.clients.split(",")], args.seconds, args.server_src, args.readers
         )
+    elif args.what == "cut":
+        result = cut(args.blocks, args.shape, args.repeat)
     else:
         result = memory(args.server_src)
     if args.json:

@@ -172,6 +172,10 @@ def test_surviving_blocks_of_a_long_prompt_do_not_pin_it():
     mirror.apply(3, [BlockRemoved(block_hashes=[50, 52, 99], medium="GPU", group_idx=0)])
     assert mirror.pinned_token_ids() == 49 * 4  # 47 of 100 live (and 2 more): only they stay
     assert mirror.num_unpacked_tokens == 2 * 4 and mirror.num_tokens_per_group == [49 * 4]
+    # The view taken before still reads the blocks as they were then (it holds the old record:
+    # a view never changes a record, so that one still has the event's list).
+    assert {key: before[key] for key in before} == expected
+    del before
     refs = sys.getrefcount(event.token_ids)
     del event
     assert refs == 2  # the local name and getrefcount's argument: the mirror let the list go
@@ -180,8 +184,6 @@ def test_surviving_blocks_of_a_long_prompt_do_not_pin_it():
     assert list(after) == live
     assert {key: after[key] for key in after} == {key: expected[key] for key in live}
     assert after[(0, 51)][0] == 50 and after[(0, 53)][0] == 52  # parents written out
-    # The view taken before still reads the blocks as they were then.
-    assert {key: before[key] for key in before} == expected
 
 
 def test_token_lists_beyond_the_budget_are_packed_oldest_first():

@@ -781,14 +781,22 @@ def _append(segments: list[list[Any]], record: _Stored, start: int, stop: int) -
 
 
 def _runs(g: int, reused: bool, segments: list[list[Any]]) -> Iterator[_Run]:
-    """One chain (segments in event order, parent first) as runs of at most ``YIELD_EVERY_TOKENS``
-    token ids (at least one block each): a longer chain (a 128k-token prompt) is several
-    BlockStored, each naming the block before it as its parent, so encoding one event never holds
-    the loop for more."""
-    step = max(1, YIELD_EVERY_TOKENS // segments[0][0].block_size)  # blocks per event, as the first's size gives
+    """One chain (segments in event order, parent first) as runs of one kind (:func:`_same_kind`:
+    a BlockStored has one block_size, lora and medium, and extra_keys for all its blocks or none)
+    of at most ``YIELD_EVERY_TOKENS`` token ids (at least one block each): a longer chain (a
+    128k-token prompt), or one whose kind changes (a child with multimodal extra keys under a
+    text-only prefix), is several BlockStored, each naming the block before it as its parent, so
+    encoding one event never holds the loop for more and no block's metadata is lost."""
     event: list[_Segment] = []
-    count = num_tokens = 0
+    count = num_tokens = step = 0
+    kind: _Stored | None = None  # the current event's first record
     for record, start, stop in segments:
+        if kind is None or not _same_kind(kind, record):
+            if event:
+                yield g, reused, tuple(event), num_tokens
+                event, count, num_tokens = [], 0, 0
+            kind = record
+            step = max(1, YIELD_EVERY_TOKENS // record.block_size)  # blocks per event, at this kind's size
         while start < stop:
             take = min(stop - start, step - count)
             event.append((record, start, start + take))
@@ -818,9 +826,10 @@ def snapshot_runs(table: BlockView, group_idxs: tuple[int, ...] | None) -> Itera
     that watched from the start would be. Consecutive blocks of one chain with the same
     block_size, lora_id, lora_name, medium and presence of extra_keys share one BlockStored, up
     to about ``YIELD_EVERY_TOKENS`` token ids (a longer chain goes in several, each naming the
-    block before it as its parent). In half 1 a block and the ancestors walked up with it go in
-    one run even where their kinds differ (the event takes its first block's, and None extra keys
-    for blocks that had none), as the block-by-block cut did: kept, so the events stay the same.
+    block before it as its parent). A chain whose kind changes along it (a block and the
+    ancestors walked up with it, in half 1) goes in one BlockStored per stretch of one kind, each
+    naming the block before it as its parent (the block-by-block cut put them in one event with
+    the first block's metadata, dropping a child's extra keys under a prefix without them).
 
     Cost: the table is read as :func:`_stretches` of records and every step works on a stretch
     or a record segment (C-level slices, counts and lookups), so a record announced in one

@@ -31,10 +31,26 @@ ReferenceRun = tuple[int, bool, list, list] | None
 """None (AllBlocksCleared) or (group_idx, reused, hashes, blocks), parent first."""
 
 
+def _same_kind(a: MirroredBlock, b: MirroredBlock) -> bool:
+    return bool(
+        a[BLOCK_SIZE] == b[BLOCK_SIZE]
+        and a[LORA_ID] == b[LORA_ID]
+        and a[LORA_NAME] == b[LORA_NAME]
+        and a[MEDIUM] == b[MEDIUM]
+        and a[HAS_EXTRA_KEYS] == b[HAS_EXTRA_KEYS]
+    )
+
+
 def _runs(g: int, reused: bool, hashes: list, blocks: list) -> Iterator[ReferenceRun]:
-    step = max(1, YIELD_EVERY_TOKENS // blocks[0][BLOCK_SIZE])
-    for i in range(0, len(blocks), step):
-        yield g, reused, hashes[i : i + step], blocks[i : i + step]
+    """A chain as events: split where the kind changes, then every ``YIELD_EVERY_TOKENS`` tokens."""
+    start = 0
+    for end in range(1, len(blocks) + 1):
+        if end < len(blocks) and _same_kind(blocks[end - 1], blocks[end]):
+            continue
+        step = max(1, YIELD_EVERY_TOKENS // blocks[start][BLOCK_SIZE])
+        for i in range(start, end, step):
+            yield g, reused, hashes[i : min(i + step, end)], blocks[i : min(i + step, end)]
+        start = end
 
 
 def _continues(before: MirroredBlock, before_hash: Any, block: MirroredBlock) -> bool:

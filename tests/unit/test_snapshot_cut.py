@@ -316,3 +316,57 @@ def test_two_requests_branching_off_one_prompt_at_different_depths_send_each_anc
     assert events == reference_events(mirror)
     assert (events[2].block_hashes, events[2].parent_block_hash) == ([6, 7, 8, 9, 200, 201], 5)
     assert events[2].token_ids == [*range(24, 40), *range(800, 808)]
+
+
+def test_a_walked_chain_whose_kind_changes_is_split_and_keeps_the_child_s_extra_keys():
+    """A text-only prompt, then a request extending it with an image in its new block (extra
+    keys), then a reuse report refreshing the prefix: half 1 meets the extension first and walks
+    up into the prefix, and the chain goes as two BlockStored (the prefix without extra keys, the
+    extension with its own, naming the prefix's last block as parent), not one event that took
+    the prefix's metadata and dropped the image's extra keys."""
+    mirror = CachedSetMirror(1, ["full_attention"], [None])
+    text = prompt(10, 2, block_size=4)
+    image = BlockStored(
+        block_hashes=[12],
+        parent_block_hash=11,
+        token_ids=[48, 49, 50, 51],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=[("img-hash",)],
+        group_idx=0,
+    )
+    reuse = BlockStored(
+        block_hashes=[10, 11],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+        reused=True,
+    )
+    mirror.apply(1, [text, image, reuse])
+    assert list(mirror.table.records) == [12, 11, 10]  # the extension is met before its prefix
+    prefix, extension = mirror.table.records[10], mirror.table.records[12]
+    assert list(snapshot_runs(mirror.table, None))[:3] == [
+        None,
+        (0, False, ((prefix, 0, 2),), 8),
+        (0, False, ((extension, 0, 1),), 4),
+    ]
+    common = {"block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
+    kind = {"kv_cache_spec_kind": "full_attention"}
+    assert mirror.events()[1:3] == [
+        BlockStored(block_hashes=[10, 11], parent_block_hash=None, token_ids=list(range(40, 48)), **common, **kind),
+        BlockStored(
+            block_hashes=[12],
+            parent_block_hash=11,
+            token_ids=[48, 49, 50, 51],
+            extra_keys=[("img-hash",)],
+            **common,
+            **kind,
+        ),
+    ]
+    assert reference_events(mirror) == mirror.events()

@@ -771,8 +771,8 @@ class KVCacheServicer:
 
 def _unpack_prompt(packed: bytes, num_repeated: int) -> Any:
     """``GetComputedBlocksRequest.packed_prompt_token_ids`` as an int32 array (no copy), checked:
-    little-endian int32, 4 bytes a token id, 0 <= id (an int32 is below 2^31), and not beside
-    ``prompt_token_ids``.
+    little-endian int32, 4 bytes a token id, and not beside ``prompt_token_ids`` (the ids' range
+    and the length are the engine's checks; the caller names this field in their errors).
 
     Raises:
         InvalidArgumentError: (INVALID_ARGUMENT) naming ``packed_prompt_token_ids`` and the bound.
@@ -785,10 +785,7 @@ def _unpack_prompt(packed: bytes, num_repeated: int) -> Any:
         raise InvalidArgumentError(
             "packed_prompt_token_ids", f"{len(packed)} bytes, not a multiple of 4 (little-endian int32 token ids)"
         )
-    ids = np.frombuffer(packed, dtype="<i4")
-    if len(ids) > 8 and ids.min() < 0 or len(ids) <= 8 and any(t < 0 for t in ids.tolist()):
-        raise InvalidArgumentError("packed_prompt_token_ids", f"token id {int(ids[ids < 0][0])} outside 0..{2**31 - 1}")
-    return ids
+    return np.frombuffer(packed, dtype="<i4")
 
 
 def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type: Any) -> Callable[..., Any]:

@@ -140,16 +140,14 @@ def in_process_step_rate(ops_per_step: int, num_requests: int, prompt_len: int =
     return num_requests / (time.perf_counter() - start), (time.process_time() - cpu) / num_requests
 
 
-def step_rate(
-    client: KVCacheClient, ops_per_step: int, num_requests: int, prompt_len: int = 2048, packed: bool = False
-) -> float:
-    """Requests admitted per second when each Step carries ``ops_per_step`` admissions (lookup +
-    allocate) and the frees of the previous step's requests; with ``packed``, each prompt as
+def admission_steps(
+    ops_per_step: int, num_requests: int, prompt_len: int = 2048, packed: bool = False, tag: str = "s"
+) -> list[pb.StepRequest]:
+    """The Steps of :func:`step_rate`: each ``ops_per_step`` admissions (lookup + allocate) of fresh
+    prompts after the frees of the previous Step's requests; with ``packed``, each prompt as
     ``packed_prompt_token_ids`` (little-endian int32, as the client sends an ``array('i')``), else
-    as ``prompt_token_ids`` (varints, as it sends a list). The requests are built before the
-    clock starts either way (a list or an array, converted once)."""
+    as ``prompt_token_ids`` (varints, as it sends a list)."""
     seq = _prompts(num_requests, prompt_len, 4)
-    tag = f"s{ops_per_step}{'p' if packed else ''}"
     steps = []
     for lo in range(0, num_requests, ops_per_step):
         ops = [pb.StepOp(free=pb.FreeRequest(request_id=f"{tag}-{j}")) for j in range(lo - ops_per_step, lo) if j >= 0]
@@ -164,6 +162,16 @@ def step_rate(
             ops.append(pb.StepOp(get_computed_blocks=lookup))
             ops.append(pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=prompt_len)))
         steps.append(pb.StepRequest(ops=ops))
+    return steps
+
+
+def step_rate(
+    client: KVCacheClient, ops_per_step: int, num_requests: int, prompt_len: int = 2048, packed: bool = False
+) -> float:
+    """Requests admitted per second over :func:`admission_steps` (built before the clock starts:
+    a list or an array, converted once)."""
+    tag = f"s{ops_per_step}{'p' if packed else ''}"
+    steps = admission_steps(ops_per_step, num_requests, prompt_len, packed, tag)
     start = time.perf_counter()
     for step in steps:
         response = client.step(step)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import time
-from array import array
 
 from kvservice.core.engine import KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig
@@ -31,12 +30,11 @@ from kvservice.core.model_config import get_preset
 from kvservice.server.snapshot import CachedSetMirror
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.events import KVEventBatch, encode_event_batch
-from kvservice_client.request_builders import pack_token_ids
 
 try:
-    from rpc_bench import NUM_BLOCKS, _prompts, step_sequence
+    from rpc_bench import NUM_BLOCKS, _prompts, admission_steps, step_sequence
 except ImportError:
-    from scripts.bench.rpc_bench import NUM_BLOCKS, _prompts, step_sequence
+    from scripts.bench.rpc_bench import NUM_BLOCKS, _prompts, admission_steps, step_sequence
 
 
 def publish_costs(num_requests: int = 2048, ops_per_step: int = 64, prompt_len: int = 2048) -> dict[str, float]:
@@ -75,20 +73,9 @@ def publish_costs(num_requests: int = 2048, ops_per_step: int = 64, prompt_len: 
 
 def prompt_encoding_costs(ops_per_step: int = 64, prompt_len: int = 2048, repeat: int = 50) -> dict[str, float]:
     """Per Step of ``ops_per_step`` admissions, microseconds: serialize and parse, varint and packed."""
-    seq = _prompts(ops_per_step, prompt_len, 4)
     out: dict[str, float] = {}
     for packed in (False, True):
-        ops = []
-        for j in range(ops_per_step):
-            if packed:
-                lookup = pb.GetComputedBlocksRequest(
-                    request_id=f"x{j}", packed_prompt_token_ids=pack_token_ids(array("i", seq[j]))
-                )
-            else:
-                lookup = pb.GetComputedBlocksRequest(request_id=f"x{j}", prompt_token_ids=seq[j])
-            ops.append(pb.StepOp(get_computed_blocks=lookup))
-            ops.append(pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id=f"x{j}", num_new_tokens=prompt_len)))
-        step = pb.StepRequest(ops=ops)
+        step = admission_steps(ops_per_step, ops_per_step, prompt_len, packed)[0]
         name = "packed" if packed else "varint"
         t = time.perf_counter()
         for _ in range(repeat):

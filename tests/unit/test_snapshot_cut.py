@@ -190,6 +190,21 @@ def prompt(first_hash: int, num_blocks: int, block_size: int = 16, parent: int |
     )
 
 
+def reuse_report(block_hashes: list[int], block_size: int = 16) -> BlockStored:
+    """A reuse report (``reused``) of held blocks of group 0: it refreshes them, stores nothing."""
+    return BlockStored(
+        block_hashes=block_hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+        reused=True,
+    )
+
+
 def test_records_announced_in_one_go_are_cut_one_segment_per_event_with_no_lookup_per_block(monkeypatch):
     """The stall bench's shape: distinct prompts, each one record. Each event is one slice of one
     record (64 blocks of 16 tokens: ``YIELD_EVERY_TOKENS``), the second half the same slices
@@ -247,17 +262,7 @@ def test_a_chain_across_records_is_one_run_in_both_halves():
     first) and sends the extension after it in the same events; half 2 reads the extension, then
     the prefix, as one chain."""
     mirror = CachedSetMirror(1, ["full_attention"], [None])
-    reuse = BlockStored(
-        block_hashes=[10, 11, 12],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=4,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=0,
-        reused=True,
-    )
+    reuse = reuse_report([10, 11, 12], block_size=4)
     mirror.apply(1, [prompt(10, 3, block_size=4), prompt(50, 1, block_size=4), reuse, prompt(13, 2, 4, parent=12)])
     assert list(mirror.table.records) == [50, 12, 11, 10, 14, 13]
     first, fresh, extension = (mirror.table.records[h] for h in (10, 50, 13))
@@ -289,17 +294,7 @@ def test_two_requests_branching_off_one_prompt_at_different_depths_send_each_anc
     is sent with blocks 0-5, the second with blocks 6-9 only (block 5 is sent: the walk stops
     there); the second half reads the second branch with the whole prompt as one chain."""
     mirror = CachedSetMirror(1, ["full_attention"], [None])
-    reuse = BlockStored(
-        block_hashes=list(range(10)),
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=4,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=0,
-        reused=True,
-    )
+    reuse = reuse_report(list(range(10)), block_size=4)
     mirror.apply(1, [prompt(0, 10, 4), prompt(100, 2, 4, parent=5), prompt(200, 2, 4, parent=9), reuse])
     records = mirror.table.records
     assert list(records) == [101, 100, 201, 200, *range(9, -1, -1)]
@@ -337,17 +332,7 @@ def test_a_walked_chain_whose_kind_changes_is_split_and_keeps_the_child_s_extra_
         extra_keys=[("img-hash",)],
         group_idx=0,
     )
-    reuse = BlockStored(
-        block_hashes=[10, 11],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=4,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=0,
-        reused=True,
-    )
+    reuse = reuse_report([10, 11], block_size=4)
     mirror.apply(1, [text, image, reuse])
     assert list(mirror.table.records) == [12, 11, 10]  # the extension is met before its prefix
     prefix, extension = mirror.table.records[10], mirror.table.records[12]

@@ -74,13 +74,15 @@ class LogEntry:
     Attributes:
         seq, ts: its seq and wall-clock time (seconds).
         epoch, data_parallel_rank: copied onto every encoding of it.
-        msgpack: the batch in vLLM's msgpack layout (``[ts, events, data_parallel_rank]``).
+        msgpack: the batch in vLLM's msgpack layout (``[ts, events, data_parallel_rank]``), encoded
+            on first read (the log reads it when it settles the batch: :meth:`EventLog.settle`).
         encodings: wire encodings cached by the servicer edge, by (payload format, group filter);
             add through :meth:`EventLog.cache_encoding` so the log counts them.
-        num_bytes: what the log counts for it (msgpack, encodings, ``ENTRY_OVERHEAD_BYTES``).
+        num_bytes: what the log counts for it (msgpack once settled, encodings,
+            ``ENTRY_OVERHEAD_BYTES``).
     """
 
-    __slots__ = ("seq", "ts", "msgpack", "encodings", "epoch", "data_parallel_rank", "num_bytes", "_events")
+    __slots__ = ("seq", "ts", "_msgpack", "encodings", "epoch", "data_parallel_rank", "num_bytes", "_events")
 
     def __init__(self, seq: int, ts: float, events: list[KVEvent], epoch: str, rank: int | None) -> None:
         self.seq = seq
@@ -88,9 +90,18 @@ class LogEntry:
         self.epoch = epoch
         self.data_parallel_rank = rank
         self._events: list[KVEvent] | None = events
-        self.msgpack = encode_event_batch(KVEventBatch(ts, events, rank))
+        self._msgpack: bytes | None = None
         self.encodings: dict[tuple[int, tuple[int, ...] | None], bytes] = {}
-        self.num_bytes = len(self.msgpack) + ENTRY_OVERHEAD_BYTES
+        self.num_bytes = ENTRY_OVERHEAD_BYTES
+
+    @property
+    def msgpack(self) -> bytes:
+        """The batch in vLLM's msgpack layout (encoded once, on first read)."""
+        data = self._msgpack
+        if data is None:
+            assert self._events is not None  # events are released only after the bytes exist
+            data = self._msgpack = encode_event_batch(KVEventBatch(self.ts, self._events, self.data_parallel_rank))
+        return data
 
     @property
     def events(self) -> list[KVEvent]:
@@ -101,6 +112,7 @@ class LogEntry:
         return decode_event_batch(self.msgpack).events
 
     def _release_events(self) -> None:
+        self.msgpack  # noqa: B018  # the bytes first: they replace the events
         self._events = None
 
 
@@ -221,23 +233,29 @@ class EventLog:
         self._closed = False
         self.num_events = 0
         self._listeners: list[Callable[[LogEntry], None]] = []
+        self._unsettled: LogEntry | None = None  # the newest batch, until settle() counts its bytes
 
     # -- writing ----------------------------------------------------------------------------
 
     def add_listener(self, listener: Callable[[LogEntry], None]) -> None:
-        """Call ``listener(entry)`` after every appended batch, in seq order, on the loop that
-        appends (publishers and metrics hang here). It must not block; an exception it raises is
-        logged and the listener stays registered."""
+        """Call ``listener(entry)`` for every batch when it settles (:meth:`settle`), in seq order,
+        on the loop that appends (publishers, metrics and the snapshot source hang here). It must
+        not block; an exception it raises is logged and the listener stays registered."""
         self._listeners.append(listener)
 
     def append(self, events: list[KVEvent], ts: float | None = None) -> LogEntry | None:
         """Append one call's events as the next batch; no batch for no events.
 
-        Trims retention, ends subscribers that fell too far behind, wakes the rest, then calls the
-        listeners. The previous batch's Python events are released (it keeps its bytes).
+        The batch is sequenced at once (:attr:`head_seq` and :meth:`entries_from` include it),
+        subscribers that fell too far behind are ended and the rest woken. The rest of its cost
+        waits for :meth:`settle`: on a running loop right after the current callback (so the
+        unary RPC that appended answers first), or at the next append or read of what settling
+        makes, whichever comes first; with no running loop, before this returns. The previous
+        batch's Python events are released (it keeps its bytes).
         """
         if not events:
             return None
+        self.settle()
         self.head_seq += 1
         entry = LogEntry(self.head_seq, time.time() if ts is None else ts, events, self.epoch, self.data_parallel_rank)
         if self._start < len(self._entries):
@@ -250,12 +268,32 @@ class EventLog:
         if self._waiter is not None:
             self._waiter.set_result(None)
             self._waiter = None
+        self._unsettled = entry
+        try:
+            asyncio.get_running_loop().call_soon(self.settle)
+        except RuntimeError:  # no running loop (the log used outside the server): settle now
+            self.settle()
+        return entry
+
+    def settle(self) -> None:
+        """Settle the newest batch if it has not settled yet: encode it (:attr:`LogEntry.msgpack`),
+        count those bytes against ``max_bytes``, trim retention, then call the listeners with it.
+        :attr:`retained_bytes`, :meth:`close` and the snapshot source (before it reads its mirror)
+        call it first."""
+        entry = self._unsettled
+        if entry is None:
+            return
+        self._unsettled = None
+        size = len(entry.msgpack)
+        entry.num_bytes += size
+        if entry.seq >= self.oldest_seq:
+            self._bytes += size
+        self._trim()
         for listener in self._listeners:
             try:
                 listener(entry)
             except Exception:
                 logger.exception("event log listener %r failed on seq %d", listener, entry.seq)
-        return entry
 
     def _trim(self) -> None:
         cfg = self.config
@@ -452,6 +490,7 @@ class EventLog:
     def retained_bytes(self) -> int:
         """Bytes the retained batches hold: msgpack bytes, cached encodings and
         ``ENTRY_OVERHEAD_BYTES`` each (what ``max_bytes`` bounds)."""
+        self.settle()
         return self._bytes
 
     async def wait_for(self, sub: Subscriber) -> None:
@@ -469,7 +508,9 @@ class EventLog:
         sub.raise_if_ended()
 
     def close(self) -> None:
-        """End every subscriber with ShuttingDownError naming its last seq."""
+        """Settle the newest batch, then end every subscriber with ShuttingDownError naming its
+        last seq."""
+        self.settle()
         self._closed = True
         for sub in self._subscribers:
             sub.end(self._shutting_down)

@@ -1352,6 +1352,9 @@ class SnapshotSource:
         self._tasks: set[asyncio.Task] = set()
         self._catching_up = False
         self._wake: asyncio.Event | None = None
+        # The feeding log's settle (see attach): the log hands a batch over after the callback that
+        # appended it, so every read of the mirror's state settles the log first.
+        self._settle_log: Callable[[], None] = lambda: None
 
     @classmethod
     def attach(
@@ -1376,6 +1379,7 @@ class SnapshotSource:
             max_bytes_stalled=max_bytes_stalled,
         )
         event_log.add_listener(source.on_batch)
+        source._settle_log = event_log.settle
         return source
 
     def on_batch(self, entry: Any) -> None:
@@ -1396,10 +1400,12 @@ class SnapshotSource:
     @property
     def head_seq(self) -> int:
         """The seq of the last batch this source was given (``mirror.seq`` once nothing is held)."""
+        self._settle_log()
         return self.pending[-1].seq if self.pending else self.mirror.seq
 
     def cached_hashes(self) -> list[set]:
         """Per group, the hashes cached at :attr:`head_seq` (the mirror's, with held batches on top)."""
+        self._settle_log()
         groups = self.mirror.cached_hashes()
         for entry in self.pending:
             for event in entry.events:
@@ -1417,6 +1423,7 @@ class SnapshotSource:
         """A lower bound on the encoded size of a snapshot now, in bytes, known without a cut:
         one byte per token id, in both halves of the snapshot (at the mirror's seq, which the
         next cut is at while batches are held back)."""
+        self._settle_log()
         tokens = self.mirror.num_tokens_per_group
         num_tokens = sum(tokens) if group_idxs is None else sum(tokens[g] for g in group_idxs)
         return 2 * num_tokens
@@ -1432,6 +1439,7 @@ class SnapshotSource:
         event log's head: those batches are retained, or the caller finds out from the log).
         """
         while True:
+            self._settle_log()  # a batch appended in this turn of the loop: the cut includes it
             snap = self._latest.get(group_idxs)
             if (
                 snap is not None

@@ -377,6 +377,7 @@ class ZmqEventPublisher:
         identity, _, start_bytes = frames
         start_seq = int.from_bytes(start_bytes, "big")
         log = self._log
+        log.settle()  # a batch appended in this turn of the loop reaches the mirror (or pending) first
         base = self.seq_base
         messages: list[tuple[int, bytes]] = []  # (wire seq, payload), cut now: nothing awaits in between
         if start_seq <= base + log.head_seq:

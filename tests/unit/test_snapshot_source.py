@@ -133,12 +133,14 @@ async def test_min_bytes_is_a_lower_bound_known_before_the_cut():
 async def test_batches_appended_while_a_cut_is_produced_are_held_back_then_applied_in_order():
     log, source = log_with_source(part_tokens=64)
     log.append([stored([c], None, 4 * c) for c in range(400)])  # 1,600 tokens
+    log.settle()  # on a running loop the batch reaches the mirror after this callback, or now
     expected = source.mirror.events()
     snap = await source.get()
     assert not snap.done
     log.append([BlockRemoved(block_hashes=list(range(200)), medium="CPU", group_idx=0)])  # seq 2
     log.append([stored([5000, 5001], None, 7)])  # seq 3
-    assert source.mirror.seq == 1 and [e.seq for e in source.pending] == [2, 3] and source.head_seq == 3
+    assert source.head_seq == 3  # settles the log: the newest batch reaches the source
+    assert source.mirror.seq == 1 and [e.seq for e in source.pending] == [2, 3]
     assert source.cached_hashes() == [set(range(200, 400)) | {5000, 5001}]  # the held batches on top
     assert await source.get() is snap  # joins the cut in production, at the mirror's seq
     await snap.wait_done()

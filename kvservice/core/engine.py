@@ -134,6 +134,10 @@ def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
     Raises:
         InvalidArgumentError: an id out of range (the message names it and the field).
     """
+    if type(token_ids) is np.ndarray and token_ids.dtype == np.int32:  # int32 holds no id above MAX_TOKEN_ID
+        if len(token_ids) and token_ids.min() < 0:
+            raise InvalidArgumentError(field, f"token id {int(token_ids[token_ids < 0][0])} outside 0..{MAX_TOKEN_ID}")
+        return token_ids.tolist()
     if len(token_ids) <= 8 and type(token_ids) is not np.ndarray:  # an array's items are numpy scalars
         for t in token_ids:
             if not 0 <= t <= MAX_TOKEN_ID:
@@ -211,10 +215,15 @@ class KVCacheEngine:
         lora: LoRA | None = None,
         cache_salt: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
+        block_hashes: list[bytes] | None = None,
     ) -> ComputedBlocksResult:
         """Register the request on first sight (waiting) and look up its prefix-cache hit.
 
         Repeating the call for a waiting request with the same prompt and options looks up again.
+        ``block_hashes``: the prompt's block hashes, computed by ``manager.block_hasher`` over the
+        same ids with no extra keys (the server hashes a Step's packed prompts beside the loop:
+        ``BlockHasher.hash_packed``); used for a new request without LoRA, salt or multimodal
+        features, else ignored and the prompt hashed here.
 
         Raises:
             InvalidArgumentError: a field out of range (request_id empty or too long; prompt empty,
@@ -296,6 +305,8 @@ class KVCacheEngine:
                     f"max_waiting_tokens: waiting requests hold {self.num_waiting_tokens} prompt tokens; {n} more would "
                     f"be above {max_waiting}: admit (AllocateSlots) or free waiting requests first"
                 )
+            if lora is not None or cache_salt or mm_features:
+                block_hashes = None  # extra keys: only the rule's own pass covers them
             request = self.manager.new_request(
                 request_id,
                 prompt_token_ids,
@@ -304,6 +315,7 @@ class KVCacheEngine:
                 lora=lora,
                 cache_salt=cache_salt,
                 mm_features=mm_features,
+                block_hashes=block_hashes,
             )
             self.requests[request_id] = request
             self.num_waiting_tokens += request.num_prompt_tokens

@@ -53,6 +53,9 @@ class Request:
         session_id: echoed on the BlockStored events this request triggers; never hashed, never
             used for hits, eviction or scheduling.
         kv_cache_report_mode: "incremental" (default) or "full".
+        block_hashes: the prompt's block hashes, already computed by ``block_hasher`` over these
+            ids (one per full block at its block size; e.g. ``BlockHasher.hash_packed`` of the
+            bytes the ids came from), taken instead of hashing again; None: hashed here.
 
     Raises:
         ValueError: unknown ``kv_cache_report_mode`` (the message names the value).
@@ -89,6 +92,7 @@ class Request:
         mm_features: Sequence[MultiModalFeature] = (),
         session_id: str | None = None,
         kv_cache_report_mode: str | KVCacheReportMode = KVCacheReportMode.INCREMENTAL,
+        block_hashes: list[bytes] | None = None,
     ) -> None:
         self.kv_cache_report_mode = KVCacheReportMode.parse(kv_cache_report_mode)
         self.request_id = request_id
@@ -100,8 +104,16 @@ class Request:
         self.session_id = session_id
         self.num_computed_tokens = 0
         self._block_hasher = block_hasher
-        self.block_hashes: list[bytes] = []
-        self._update_block_hashes()
+        if block_hashes is not None and block_hasher is not None:
+            if len(block_hashes) != self.num_prompt_tokens // block_hasher.block_size:
+                raise ValueError(
+                    f"{len(block_hashes)} block hashes for a prompt of {self.num_prompt_tokens} tokens in blocks of "
+                    f"{block_hasher.block_size}"
+                )
+            self.block_hashes = block_hashes
+        else:
+            self.block_hashes = []
+            self._update_block_hashes()
 
     @property
     def num_tokens(self) -> int:

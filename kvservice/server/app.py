@@ -738,7 +738,11 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     interceptors: list[grpc.aio.ServerInterceptor] = [] if auth.interceptor is None else [auth.interceptor]
     _add_observability(core, interceptors)
     assert core.snapshots is not None
-    closers: list[Callable[[], Awaitable[None]]] = [core.snapshots.close, core.servicer.heap_trimmer.close]
+    closers: list[Callable[[], Awaitable[None]]] = [
+        core.snapshots.close,
+        core.servicer.heap_trimmer.close,
+        core.servicer.close,
+    ]
     _add_data_plane(core, auth, closers)
     _start_metrics(core, interceptors, closers)
     server, health, address = await _bind(core, interceptors, auth.credentials, closers)

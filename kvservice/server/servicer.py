@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -183,6 +184,8 @@ class KVCacheServicer:
     Attributes:
         num_deadline_exceeded: calls refused with DEADLINE_EXCEEDED before they ran.
         num_stream_write_timeouts: streams cut because one write took over ``stalled_write_timeout_s``.
+        num_prompts_hashed_ahead: Step lookups whose packed prompt was hashed beside the loop
+            (:meth:`_prehash`).
         num_invariant_checks: invariant checks run (with ``check_invariants``).
         num_invariant_failures: checks that failed.
         invariant_failures: the first 100 failures' messages.
@@ -205,6 +208,9 @@ class KVCacheServicer:
             snapshots = SnapshotSource.attach(event_log, part_tokens=event_log.config.snapshot_part_tokens)
         self.snapshots = snapshots
         self.heap_trimmer = HeapTrimmer(lambda: engine.num_freed_tokens)
+        self._block_hasher = engine.manager.block_hasher
+        self._hash_thread: ThreadPoolExecutor | None = None  # hashes a Step's packed prompts (made on first use)
+        self.num_prompts_hashed_ahead = 0
         self.max_step_tokens = max_step_tokens
         self.num_deadline_exceeded = 0
         self.num_stream_write_timeouts = 0
@@ -241,10 +247,11 @@ class KVCacheServicer:
         return _computed_blocks_response(self._run_get_computed_blocks(request))
 
     def _fill_get_computed_blocks(
-        self, request: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse
+        self, request: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse, hashed: Any = None
     ) -> None:
-        """As :meth:`_get_computed_blocks`, written into a Step result's own message (no copy)."""
-        result = self._run_get_computed_blocks(request)
+        """As :meth:`_get_computed_blocks`, written into a Step result's own message (no copy);
+        ``hashed``: ``(chains, i)``, the prompt's hashes being made beside the loop (:meth:`_prehash`)."""
+        result = self._run_get_computed_blocks(request, hashed)
         out.SetInParent()
         out.num_computed_tokens = result.num_computed_tokens
         _fill_groups(out.block_ids, result.block_ids)
@@ -261,7 +268,9 @@ class KVCacheServicer:
         out.num_tokens = result.num_tokens
         _fill_groups(out.computed_block_ids, result.computed_block_ids)
 
-    def _run_get_computed_blocks(self, request: pb.GetComputedBlocksRequest) -> ComputedBlocksResult:
+    def _run_get_computed_blocks(
+        self, request: pb.GetComputedBlocksRequest, hashed: Any = None
+    ) -> ComputedBlocksResult:
         mode = _REPORT_MODES.get(request.kv_cache_report_mode)
         if mode is None:
             raise InvalidArgumentError("kv_cache_report_mode", f"unknown value {request.kv_cache_report_mode}")
@@ -272,6 +281,10 @@ class KVCacheServicer:
         packed = request.packed_prompt_token_ids
         if packed:
             prompt = _unpack_prompt(packed, len(prompt))
+        block_hashes = None
+        if hashed is not None:
+            chains, i = hashed
+            block_hashes = chains.hashes(i)  # None (a bad id, say): the engine hashes and names the error
         try:
             return self.engine.get_computed_blocks(
                 request.request_id,
@@ -283,11 +296,51 @@ class KVCacheServicer:
                 mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in request.mm_features]
                 if request.mm_features
                 else (),
+                block_hashes=block_hashes,
             )
         except InvalidArgumentError as exc:
             if packed and exc.field == "prompt_token_ids":  # name the field the caller set
                 raise InvalidArgumentError("packed_prompt_token_ids", str(exc).split(": ", 1)[1]) from None
             raise
+
+    def _prehash(self, kinds: Sequence[str | None], subs: list[Any]) -> dict[int, tuple[Any, int]] | None:
+        """Start hashing a Step's packed prompts on a thread beside the loop, in op order, so each
+        lookup finds its hashes made (``BlockHasher.packed_chains``: C, the GIL released) while the
+        loop runs the ops before it. Only for lookups the rule hashes with no extra keys (no LoRA,
+        cache salt or multimodal features) and only with two or more of them (one would only wait).
+
+        Returns:
+            op index -> (the chains, the prompt's index in them); None when nothing is hashed ahead
+            (no compiled chain, prefix caching off, or fewer than two such lookups).
+        """
+        if self._block_hasher is None:
+            return None
+        picked = [
+            i
+            for i, (which, sub) in enumerate(zip(kinds, subs))
+            if which == "get_computed_blocks"
+            and sub.packed_prompt_token_ids
+            and not sub.prompt_token_ids
+            and not sub.HasField("lora")
+            and not sub.cache_salt
+            and not sub.mm_features
+        ]
+        if len(picked) < 2:
+            return None
+        chains = self._block_hasher.packed_chains([subs[i].packed_prompt_token_ids for i in picked])
+        if chains is None:
+            return None
+        if self._hash_thread is None:
+            self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="kvservice-hash")
+        self._hash_thread.submit(chains.run)
+        self.num_prompts_hashed_ahead += len(picked)
+        return {i: (chains, k) for k, i in enumerate(picked)}
+
+    async def close(self) -> None:
+        """Stop the hashing thread (a Step's chains in progress finish there first)."""
+        thread, self._hash_thread = self._hash_thread, None
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.shutdown)
 
     def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
         return _allocate_response(self._run_allocate_slots(request))
@@ -449,7 +502,8 @@ class KVCacheServicer:
         response = pb.StepResponse()
         results = response.results
         ops, fills = self._ops, self._step_fills
-        for which, sub in zip(kinds, subs):
+        hashed = self._prehash(kinds, subs)
+        for i, (which, sub) in enumerate(zip(kinds, subs)):
             if which is None:
                 results.add(error=pb.OpStatus(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: not set"))
                 continue
@@ -457,7 +511,10 @@ class KVCacheServicer:
             if fill is not None:
                 result = results.add()
                 try:
-                    fill(sub, getattr(result, which))  # raises before writing anything
+                    if hashed is not None and i in hashed:
+                        self._fill_get_computed_blocks(sub, result.get_computed_blocks, hashed[i])
+                    else:
+                        fill(sub, getattr(result, which))  # raises before writing anything
                 except Exception as exc:
                     code, message = status_for(exc)
                     result.error.code = code.value[0]  # setting error clears the oneof's other member

@@ -55,6 +55,11 @@ async def test_packed_prompts_give_the_same_answers_state_and_events(start_kv_se
     assert flat_events((await packed_client.take_events("all")).batches) == plain_events
     assert len(plain_events) == 16 and any(isinstance(e, BlockRemoved) for e in plain_events)
     packed_server.engine.check_invariants()
+    # The packed prompts were hashed beside the loop (the plain ones in the handler).
+    assert packed_server.servicer.num_prompts_hashed_ahead == sum(
+        op.get_computed_blocks.packed_prompt_token_ids != b"" for op in packed
+    )
+    assert plain_server.servicer.num_prompts_hashed_ahead == 0
 
 
 async def test_the_client_sends_int32_buffers_packed_and_the_server_answers_the_same(start_kv_server, connect):
@@ -81,3 +86,48 @@ async def test_a_step_counts_packed_prompts_against_max_step_tokens(start_kv_ser
         "ops: 11 tokens (prompt_token_ids, packed_prompt_token_ids and new_token_ids over all ops), above max_step_tokens 10"
     )
     assert running.engine.requests == {} and running.event_log.head_seq == 0
+
+
+async def test_a_step_of_packed_prompts_hashed_ahead_answers_as_the_same_prompts_as_lists(start_kv_server, connect):
+    """Lookups whose prompts are hashed beside the loop (two or more packed, no extra keys) beside
+    ones that are not (LoRA, cache salt, a negative id, a bad length, a repeat), against the same
+    Step with every prompt as a list on a twin server: the same answers (errors naming the field
+    each caller set), state and events."""
+    shared = list(range(100, 132))  # two blocks of 16
+    plain = [
+        pb.GetComputedBlocksRequest(request_id="a", prompt_token_ids=shared + [1, 2, 3]),
+        pb.GetComputedBlocksRequest(request_id="lora", prompt_token_ids=shared, lora=pb.LoRA(lora_id=1, lora_name="x")),
+        pb.GetComputedBlocksRequest(request_id="salted", prompt_token_ids=shared, cache_salt="s"),
+        pb.GetComputedBlocksRequest(request_id="negative", prompt_token_ids=shared[:20] + [-4] + shared[21:]),
+        pb.GetComputedBlocksRequest(request_id="b", prompt_token_ids=shared + list(range(16))),
+        pb.GetComputedBlocksRequest(request_id="a", prompt_token_ids=shared + [1, 2, 3]),  # a waiting request again
+    ]
+    packed = [pb.GetComputedBlocksRequest.FromString(r.SerializeToString()) for r in plain]
+    for request in packed:
+        ids = list(request.prompt_token_ids)
+        del request.prompt_token_ids[:]
+        request.packed_prompt_token_ids = struct.pack(f"<{len(ids)}i", *ids)
+    bad_length = pb.GetComputedBlocksRequest(request_id="odd", packed_prompt_token_ids=b"\1\0\0\0\2")
+    plain_server, packed_server = await start_kv_server(), await start_kv_server()
+    plain_client, packed_client = await connect(plain_server), await connect(packed_server)
+    admit = [pb.StepOp(allocate_slots=pb.AllocateSlotsRequest(request_id="a", num_new_tokens=35))]
+    plain_results = (await plain_client.step([pb.StepOp(get_computed_blocks=r) for r in plain] + admit)).results
+    packed_step = [pb.StepOp(get_computed_blocks=r) for r in packed] + [pb.StepOp(get_computed_blocks=bad_length)]
+    packed_results = (await packed_client.step(packed_step + admit)).results
+    assert packed_server.servicer.num_prompts_hashed_ahead == 5  # all but the LoRA and salted ones
+    for i, (a, b) in enumerate(zip(plain_results[:6], packed_results[:6], strict=True)):
+        if i == 3:
+            assert a.error.message == "prompt_token_ids: token id -4 outside 0..2147483647"
+            assert b.error.message == "packed_prompt_token_ids: token id -4 outside 0..2147483647"
+            assert a.error.code == b.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            continue
+        assert a == b, f"op {i}: {a} != {b}"
+    assert packed_results[6].error.message.startswith("packed_prompt_token_ids: 5 bytes, not a multiple of 4")
+    assert plain_results[6] == packed_results[7] and plain_results[6].allocate_slots.allocated
+    assert await server_state(plain_server, plain_client) == await server_state(packed_server, packed_client)
+    for name in ("a", "lora", "salted", "b"):
+        assert packed_server.engine.requests[name].block_hashes == plain_server.engine.requests[name].block_hashes
+    assert packed_server.engine.requests["a"].block_hashes != packed_server.engine.requests["lora"].block_hashes
+    plain_events = flat_events((await plain_client.take_events("all", start_seq=1)).batches)
+    assert flat_events((await packed_client.take_events("all", start_seq=1)).batches) == plain_events
+    assert len(plain_events) == 1 and plain_events[0].block_hashes  # a's two blocks, stored by its admission

@@ -12,12 +12,14 @@ import json
 import os
 import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvservice_client.hashing as hashing
@@ -82,6 +84,59 @@ def test_random_prompts_equal_the_rule(algorithm, block_size, tokens, split):
     hasher.extend(grown, tokens[:split])
     hasher.extend(grown, tokens)
     assert grown == expected
+
+
+# The path fixture patches once per test and holds for every example.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    algorithm=st.sampled_from(["sha256_cbor", "sha256"]),
+    block_size=st.sampled_from([1, 3, 4, 16, 300]),
+    prompts=st.lists(
+        st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**31 - 1), st.integers(-5, -1)), max_size=700),
+        max_size=6,
+    ),
+)
+def test_packed_prompts_hash_as_their_ids_on_both_paths(path, algorithm, block_size, prompts):
+    """``hash_prompt(bytes)`` (little-endian int32, as the server reads ``packed_prompt_token_ids``),
+    ``hash_packed`` and the chains a Step's prompts are hashed by beside the loop all give the
+    rule's hashes of the ids; a negative id in a full block gives None from the compiled chain
+    (the rule then hashes the ids as they are)."""
+    hasher = BlockHasher(block_size, algorithm)
+    packed = [struct.pack(f"<{len(ids)}i", *ids) for ids in prompts]
+    for ids, data in zip(prompts, packed):
+        assert hasher.hash_prompt(data) == reference(hasher, ids)
+        fast = hasher.hash_packed(data)
+        if path == "rule":
+            assert fast is None
+        else:
+            hashed = ids[: len(ids) // block_size * block_size]  # ids past the last full block are not read
+            assert fast == (None if any(t < 0 for t in hashed) else reference(hasher, ids))
+    chains = hasher.packed_chains(packed)
+    if path == "rule":
+        assert chains is None
+        return
+    with ThreadPoolExecutor(1) as thread:
+        ran = thread.submit(chains.run)
+        assert [chains.hashes(i) for i in range(len(packed))] == [hasher.hash_packed(d) for d in packed]
+        assert ran.result() is None
+    assert [chains.hashes(i) for i in range(len(packed))] == [hasher.hash_packed(d) for d in packed]  # again
+
+
+@compiled
+def test_packed_chains_refuse_a_second_run_and_bad_shapes():
+    hasher = BlockHasher(4)
+    chains = hasher.packed_chains([struct.pack("<8i", *range(8)), b"abc", b""])
+    chains.run()
+    assert chains.hashes(0) == reference(hasher, list(range(8)))
+    assert chains.hashes(1) is None and chains.hashes(2) == []  # not a multiple of 4 bytes; no full block
+    with pytest.raises(RuntimeError, match="called already"):
+        chains.run()
+    with pytest.raises(IndexError):
+        chains.hashes(3)
+    with pytest.raises(ValueError, match="32 bytes"):
+        hashing._hashchain.PackedChains([b""], 4, b"\0" * 8, 0)
+    never_run = hashing._hashchain.PackedChains([b"\0" * 64], 4, b"\0" * 32, 0)
+    del never_run  # freed without waiting for a run
 
 
 @compiled

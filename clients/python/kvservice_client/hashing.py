@@ -256,10 +256,42 @@ class BlockHasher:
             ValueError: bytes whose length is not a multiple of 4.
         """
         if isinstance(token_ids, (bytes, bytearray, memoryview)):
+            if lora is None and not cache_salt and not mm_features:
+                hashes = self.hash_packed(token_ids)
+                if hashes is not None:
+                    return hashes
             token_ids = unpack_token_ids(token_ids)
         block_hashes: list[bytes] = []
         self.extend(block_hashes, token_ids, lora=lora, cache_salt=cache_salt, mm_features=mm_features)
         return block_hashes
+
+    def hash_packed(self, data: bytes | bytearray | memoryview) -> list[bytes] | None:
+        """Hashes of every full block of a packed prompt (little-endian int32 token ids, 4 bytes a
+        token) with no extra keys (no LoRA, cache salt or multimodal features), computed by the
+        compiled chain from the bytes themselves with the GIL released (so a thread can hash
+        beside the interpreter). None where the compiled chain does not cover this algorithm or is
+        not built, or for a negative token id or a length that is not a multiple of 4: then hash
+        through :meth:`extend`, which gives the rule's answer or its error."""
+        layout = _COMPILED_LAYOUTS.get(self.algorithm)
+        chain_packed = getattr(_hashchain, "chain_packed", None)  # None too for a build older than it
+        if layout is None or chain_packed is None:
+            return None
+        try:
+            return chain_packed(data, self.block_size, self.root_hash, layout)  # type: ignore[no-any-return]  # getattr on the module is untyped
+        except ValueError:
+            return None
+
+    def packed_chains(self, prompts: list[bytes]) -> Any:
+        """The chains of many packed prompts (each as :meth:`hash_packed` takes it), to hash in
+        another thread beside this one: a ``_hashchain.PackedChains`` whose ``run()`` (hand it to
+        a thread first) hashes them in order with the GIL released, and whose ``hashes(i)`` waits
+        for prompt ``i`` and returns :meth:`hash_packed`'s answer for it. None where the compiled
+        chain does not cover this algorithm or is not built."""
+        layout = _COMPILED_LAYOUTS.get(self.algorithm)
+        chains = getattr(_hashchain, "PackedChains", None)  # None too for a build older than it
+        if layout is None or chains is None:
+            return None
+        return chains(prompts, self.block_size, self.root_hash, layout)
 
 
 def unpack_token_ids(data: bytes | bytearray | memoryview) -> array:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,12 +128,31 @@ class Usage:
     num_waiting_requests: int
 
 
+class CheckedTokenIds(list[int]):
+    """Token ids their maker has checked: every one an ``int`` in ``0 .. MAX_TOKEN_ID``
+    (:func:`check_token_ids` takes them as they are). Make with :meth:`of`."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, ints: Iterable[int]) -> CheckedTokenIds | list[int]:
+        """``ints`` (every item an ``int``, e.g. an int64 protobuf field's) as checked ids when all
+        are in range, else as a plain list (whose check then names the bad id)."""
+        ids = cls(ints)
+        if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+            return list(ids)
+        return ids
+
+
 def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
-    """The ids as a list, after checking every id is in ``0 .. 2^31 - 1``.
+    """The ids as a list, after checking every id is in ``0 .. 2^31 - 1`` (:class:`CheckedTokenIds`
+    are taken as they are).
 
     Raises:
         InvalidArgumentError: an id out of range (the message names it and the field).
     """
+    if type(token_ids) is CheckedTokenIds:
+        return token_ids
     if type(token_ids) is np.ndarray and token_ids.dtype == np.int32:  # int32 holds no id above MAX_TOKEN_ID
         if len(token_ids) and token_ids.min() < 0:
             raise InvalidArgumentError(field, f"token id {int(token_ids[token_ids < 0][0])} outside 0..{MAX_TOKEN_ID}")

@@ -25,7 +25,15 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from kvservice.core.engine import AllocateResult, ComputedBlocksResult, DecodeResult, KVCacheEngine, Usage
+from kvservice.core.engine import (
+    MAX_TOKEN_ID,
+    AllocateResult,
+    CheckedTokenIds,
+    ComputedBlocksResult,
+    DecodeResult,
+    KVCacheEngine,
+    Usage,
+)
 from kvservice.core.errors import (
     CapacityExceededError,
     EpochMismatchError,
@@ -279,12 +287,16 @@ class KVCacheServicer:
             lora = LoRA(request.lora.lora_id, request.lora.lora_name, request.lora.lora_path or None)
         prompt: Any = request.prompt_token_ids
         packed = request.packed_prompt_token_ids
-        if packed:
-            prompt = _unpack_prompt(packed, len(prompt))
         block_hashes = None
         if hashed is not None:
-            chains, i = hashed
+            chains, i, ids = hashed
             block_hashes = chains.hashes(i)  # None (a bad id, say): the engine hashes and names the error
+            if ids is not None:  # the varints, checked and read as int32 by _prehash
+                prompt = ids
+        if packed:
+            prompt = _unpack_prompt(packed, len(prompt))
+        elif type(prompt) is not np.ndarray:  # int64 varints: ints for sure, so a min and a max check them
+            prompt = CheckedTokenIds.of(prompt)
         try:
             return self.engine.get_computed_blocks(
                 request.request_id,
@@ -303,38 +315,43 @@ class KVCacheServicer:
                 raise InvalidArgumentError("packed_prompt_token_ids", str(exc).split(": ", 1)[1]) from None
             raise
 
-    def _prehash(self, kinds: Sequence[str | None], subs: list[Any]) -> dict[int, tuple[Any, int]] | None:
-        """Start hashing a Step's packed prompts on a thread beside the loop, in op order, so each
-        lookup finds its hashes made (``BlockHasher.packed_chains``: C, the GIL released) while the
-        loop runs the ops before it. Only for lookups the rule hashes with no extra keys (no LoRA,
-        cache salt or multimodal features) and only with two or more of them (one would only wait).
+    def _prehash(self, kinds: Sequence[str | None], subs: list[Any]) -> dict[int, tuple[Any, int, Any]] | None:
+        """Start hashing a Step's prompts on a thread beside the loop, in op order, so each lookup
+        finds its hashes made (``BlockHasher.packed_chains``: C, the GIL released) while the loop
+        runs the ops before it. Only for lookups the rule hashes with no extra keys (no LoRA, cache
+        salt or multimodal features), whose prompt is packed, or varints all in ``0 .. 2^31 - 1``
+        (read once into an int32 array, which the lookup then takes as its prompt), and only with
+        two or more of them (one would only wait).
 
         Returns:
-            op index -> (the chains, the prompt's index in them); None when nothing is hashed ahead
-            (no compiled chain, prefix caching off, or fewer than two such lookups).
+            op index -> (the chains, the prompt's index in them, the int32 ids read from varints or
+            None for a packed prompt); None when nothing is hashed ahead (no compiled chain,
+            prefix caching off, or fewer than two such lookups).
         """
         if self._block_hasher is None:
             return None
-        picked = [
-            i
-            for i, (which, sub) in enumerate(zip(kinds, subs))
-            if which == "get_computed_blocks"
-            and sub.packed_prompt_token_ids
-            and not sub.prompt_token_ids
-            and not sub.HasField("lora")
-            and not sub.cache_salt
-            and not sub.mm_features
-        ]
+        picked: list[tuple[int, Any, Any]] = []  # (op index, buffer to hash, ids read from varints)
+        for i, (which, sub) in enumerate(zip(kinds, subs)):
+            if which != "get_computed_blocks" or sub.HasField("lora") or sub.cache_salt or sub.mm_features:
+                continue
+            packed, varints = sub.packed_prompt_token_ids, sub.prompt_token_ids
+            if packed and not varints:
+                picked.append((i, packed, None))
+            elif varints and not packed:
+                ids = np.asarray(varints, dtype=np.int64)
+                if ids.min() >= 0 and ids.max() <= MAX_TOKEN_ID:  # else the lookup names the bad id
+                    ids = ids.astype("<i4")
+                    picked.append((i, ids, ids))
         if len(picked) < 2:
             return None
-        chains = self._block_hasher.packed_chains([subs[i].packed_prompt_token_ids for i in picked])
+        chains = self._block_hasher.packed_chains([data for _, data, _ in picked])
         if chains is None:
             return None
         if self._hash_thread is None:
             self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="kvservice-hash")
         self._hash_thread.submit(chains.run)
         self.num_prompts_hashed_ahead += len(picked)
-        return {i: (chains, k) for k, i in enumerate(picked)}
+        return {i: (chains, k, ids) for k, (i, _, ids) in enumerate(picked)}
 
     async def close(self) -> None:
         """Stop the hashing thread (a Step's chains in progress finish there first)."""

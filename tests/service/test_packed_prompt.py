@@ -55,11 +55,11 @@ async def test_packed_prompts_give_the_same_answers_state_and_events(start_kv_se
     assert flat_events((await packed_client.take_events("all")).batches) == plain_events
     assert len(plain_events) == 16 and any(isinstance(e, BlockRemoved) for e in plain_events)
     packed_server.engine.check_invariants()
-    # The packed prompts were hashed beside the loop (the plain ones in the handler).
-    assert packed_server.servicer.num_prompts_hashed_ahead == sum(
-        op.get_computed_blocks.packed_prompt_token_ids != b"" for op in packed
+    # Both Steps' prompts were hashed beside the loop (every lookup with a prompt: no extra keys here).
+    num_prompts = sum(op.get_computed_blocks.packed_prompt_token_ids != b"" for op in packed)
+    assert (
+        packed_server.servicer.num_prompts_hashed_ahead == plain_server.servicer.num_prompts_hashed_ahead == num_prompts
     )
-    assert plain_server.servicer.num_prompts_hashed_ahead == 0
 
 
 async def test_the_client_sends_int32_buffers_packed_and_the_server_answers_the_same(start_kv_server, connect):
@@ -89,7 +89,7 @@ async def test_a_step_counts_packed_prompts_against_max_step_tokens(start_kv_ser
 
 
 async def test_a_step_of_packed_prompts_hashed_ahead_answers_as_the_same_prompts_as_lists(start_kv_server, connect):
-    """Lookups whose prompts are hashed beside the loop (two or more packed, no extra keys) beside
+    """Lookups whose prompts are hashed beside the loop (two or more, no extra keys) beside
     ones that are not (LoRA, cache salt, a negative id, a bad length, a repeat), against the same
     Step with every prompt as a list on a twin server: the same answers (errors naming the field
     each caller set), state and events."""
@@ -114,7 +114,8 @@ async def test_a_step_of_packed_prompts_hashed_ahead_answers_as_the_same_prompts
     plain_results = (await plain_client.step([pb.StepOp(get_computed_blocks=r) for r in plain] + admit)).results
     packed_step = [pb.StepOp(get_computed_blocks=r) for r in packed] + [pb.StepOp(get_computed_blocks=bad_length)]
     packed_results = (await packed_client.step(packed_step + admit)).results
-    assert packed_server.servicer.num_prompts_hashed_ahead == 5  # all but the LoRA and salted ones
+    # Hashed ahead: all but the LoRA and salted lookups; of the varints, not the one with a negative id.
+    assert packed_server.servicer.num_prompts_hashed_ahead == 5 and plain_server.servicer.num_prompts_hashed_ahead == 3
     for i, (a, b) in enumerate(zip(plain_results[:6], packed_results[:6], strict=True)):
         if i == 3:
             assert a.error.message == "prompt_token_ids: token id -4 outside 0..2147483647"

@@ -1,6 +1,7 @@
 """Types of the compiled block-hash chain (``_hashchain.c``; see its header for the rule)."""
 
 from collections.abc import Sequence
+from typing import Any
 
 def extend(
     block_hashes: list[bytes],
@@ -34,7 +35,14 @@ class PackedChains:
     """Many packed prompts' chains: :meth:`run` hashes them in order in the thread that calls it
     (the GIL released throughout); :meth:`hashes` takes one prompt's as soon as it is done."""
 
-    def __init__(self, prompts: list[bytes], block_size: int, parent: bytes, layout: int, /) -> None: ...
+    def __init__(self, prompts: list[Any], block_size: int, parent: bytes, layout: int, /) -> None:
+        """``prompts``: objects with the buffer protocol (bytes, a C-contiguous int32 array), each
+        little-endian int32 token ids.
+
+        Raises:
+            ValueError: a parent that is not 32 bytes or a block too large to encode.
+            TypeError: a prompt without the buffer protocol.
+        """
     def run(self) -> None:
         """Hash every prompt in order (once).
 

@@ -281,8 +281,9 @@ class BlockHasher:
         except ValueError:
             return None
 
-    def packed_chains(self, prompts: list[bytes]) -> Any:
-        """The chains of many packed prompts (each as :meth:`hash_packed` takes it), to hash in
+    def packed_chains(self, prompts: list[Any]) -> Any:
+        """The chains of many packed prompts (each as :meth:`hash_packed` takes it, or a C-contiguous
+        little-endian int32 array), to hash in
         another thread beside this one: a ``_hashchain.PackedChains`` whose ``run()`` (hand it to
         a thread first) hashes them in order with the GIL released, and whose ``hashes(i)`` waits
         for prompt ``i`` and returns :meth:`hash_packed`'s answer for it. None where the compiled

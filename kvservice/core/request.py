@@ -136,7 +136,10 @@ class Request:
             self.all_token_ids.append(token_ids)
         else:
             self.all_token_ids.extend(token_ids)
-        self._update_block_hashes()
+        hasher = self._block_hasher
+        # Only a completed block adds a hash (most decode steps complete none).
+        if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self._update_block_hashes()
 
     def truncate_tokens(self, num_tokens: int) -> None:
         """Drop tokens beyond the first ``num_tokens`` (and the hashes of blocks they completed).

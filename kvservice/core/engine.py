@@ -469,17 +469,15 @@ class KVCacheEngine:
                 "new_token_ids", f"{len(new_token_ids)} ids, but num_new_token_ids adds up to {total}"
             )
         tokens = list(new_token_ids)
-        # One vectorized range check for every id; only when one is out of range does each item
-        # check its own (so that item alone fails, with allocate_slots' message).
-        tokens_ok = not tokens or bool(
-            ((ids := np.asarray(tokens, dtype=np.int64)) >= 0).all() and (ids <= MAX_TOKEN_ID).all()
-        )
+        # One range check for every id (a C-level min and max); only when one is out of range does
+        # each item check its own (so that item alone fails, with allocate_slots' message).
+        tokens_ok = not tokens or (min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID)
         num_new = list(num_new_tokens) if len(num_new_tokens) else None
         lookahead = list(num_lookahead_tokens) if len(num_lookahead_tokens) else None
         requests, running = self.requests, self.running
         manager = self.manager
         max_len = self.max_model_len
-        clock, last_call = self.clock, self._last_call
+        last_call, now = self._last_call, self.clock()  # one step: every request's last call is now
         changed: list[int] = []
         changed_ids: list[tuple[list[int], ...]] = []
         refused: list[int] = []
@@ -527,7 +525,7 @@ class KVCacheEngine:
             if item_tokens:
                 request.append_output_token_ids(item_tokens)
             num_scheduled = min(n, num_tokens - request.num_computed_tokens)
-            last_call[request_id] = clock()
+            last_call[request_id] = now
             last_call.move_to_end(request_id)
             new_blocks = manager.allocate_slots(request, num_scheduled, 0, None, la)
             if new_blocks is None:

@@ -192,7 +192,7 @@ class KVCacheServicer:
     Attributes:
         num_deadline_exceeded: calls refused with DEADLINE_EXCEEDED before they ran.
         num_stream_write_timeouts: streams cut because one write took over ``stalled_write_timeout_s``.
-        num_prompts_hashed_ahead: Step lookups whose packed prompt was hashed beside the loop
+        num_prompts_hashed_ahead: Step lookups whose prompt was hashed beside the loop
             (:meth:`_prehash`).
         num_invariant_checks: invariant checks run (with ``check_invariants``).
         num_invariant_failures: checks that failed.
@@ -217,7 +217,7 @@ class KVCacheServicer:
         self.snapshots = snapshots
         self.heap_trimmer = HeapTrimmer(lambda: engine.num_freed_tokens)
         self._block_hasher = engine.manager.block_hasher
-        self._hash_thread: ThreadPoolExecutor | None = None  # hashes a Step's packed prompts (made on first use)
+        self._hash_thread: ThreadPoolExecutor | None = None  # hashes a Step's prompts (made on first use)
         self.num_prompts_hashed_ahead = 0
         self.max_step_tokens = max_step_tokens
         self.num_deadline_exceeded = 0
@@ -258,7 +258,7 @@ class KVCacheServicer:
         self, request: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse, hashed: Any = None
     ) -> None:
         """As :meth:`_get_computed_blocks`, written into a Step result's own message (no copy);
-        ``hashed``: ``(chains, i)``, the prompt's hashes being made beside the loop (:meth:`_prehash`)."""
+        ``hashed``: the prompt's hashes being made beside the loop (an entry of :meth:`_prehash`)."""
         result = self._run_get_computed_blocks(request, hashed)
         out.SetInParent()
         out.num_computed_tokens = result.num_computed_tokens

@@ -7,7 +7,7 @@
  *     layout 1: pickle protocol 5, as pickle.dumps(..., protocol=5) (Python's C pickler).
  * chain_packed(data, block_size, parent, layout) returns the same hashes, as a new list, for every full
  * block of little-endian int32 token ids (a packed prompt's bytes), reading no Python int.
- * Both release the GIL while they hash, so a thread can hash beside the interpreter.
+ * Both release the GIL while they hash 64 blocks or more, so a thread can hash beside the interpreter.
  * Only blocks without extra keys take this path. The pure-Python rule in hashing.py is the
  * reference: tests compare both byte for byte (the vLLM vectors and random prompts).
  *
@@ -101,7 +101,12 @@ static int check_shape(Py_ssize_t block_size, PyObject *parent_obj, int layout) 
     return 0;
 }
 
-/* Run the chain with the GIL released, then append the digests to the list out. */
+/* Blocks from which a chain in the calling thread releases the GIL: below it, handing the GIL to
+ * another thread and waiting to take it back would cost more than the hashing. */
+#define RELEASE_GIL_BLOCKS 64
+
+/* Run the chain (the GIL released for RELEASE_GIL_BLOCKS blocks or more), then append the digests
+ * to the list out. */
 static int chain_into(PyObject *out, const uint32_t *ids, Py_ssize_t nblocks, Py_ssize_t block_size,
                       PyObject *parent_obj, int layout) {
     if (nblocks == 0) return 0;
@@ -110,9 +115,13 @@ static int chain_into(PyObject *out, const uint32_t *ids, Py_ssize_t nblocks, Py
     unsigned char *digests = PyMem_RawMalloc((size_t)nblocks * DIGEST);
     if (digests == NULL) { PyErr_NoMemory(); return -1; }
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = hash_blocks(ids, nblocks, block_size, parent, layout, digests);
-    Py_END_ALLOW_THREADS
+    if (nblocks >= RELEASE_GIL_BLOCKS) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = hash_blocks(ids, nblocks, block_size, parent, layout, digests);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = hash_blocks(ids, nblocks, block_size, parent, layout, digests);
+    }
     if (rc < 0) { PyMem_RawFree(digests); PyErr_NoMemory(); return -1; }
     for (Py_ssize_t i = 0; i < nblocks; i++) {
         PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST, DIGEST);

@@ -24,7 +24,7 @@ def extend(
 def chain_packed(data: bytes | bytearray | memoryview, block_size: int, parent: bytes, layout: int, /) -> list[bytes]:
     """The chained SHA-256 hashes of every full block (``len(data) // 4 // block_size`` blocks) of
     little-endian int32 token ids, from ``parent`` (the root hash), as a new list; the GIL is
-    released while hashing.
+    released while hashing 64 blocks or more.
 
     Raises:
         ValueError: a negative token id, a length that is not a multiple of 4, a parent that is

@@ -268,8 +268,7 @@ class BlockHasher:
     def hash_packed(self, data: bytes | bytearray | memoryview) -> list[bytes] | None:
         """Hashes of every full block of a packed prompt (little-endian int32 token ids, 4 bytes a
         token) with no extra keys (no LoRA, cache salt or multimodal features), computed by the
-        compiled chain from the bytes themselves with the GIL released (so a thread can hash
-        beside the interpreter). None where the compiled chain does not cover this algorithm or is
+        compiled chain from the bytes themselves (with the GIL released from 64 blocks on). None where the compiled chain does not cover this algorithm or is
         not built, or for a negative token id or a length that is not a multiple of 4: then hash
         through :meth:`extend`, which gives the rule's answer or its error."""
         layout = _COMPILED_LAYOUTS.get(self.algorithm)

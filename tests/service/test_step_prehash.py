@@ -159,13 +159,19 @@ async def test_a_step_of_many_mixed_lookups_equals_them_one_unary_call_at_a_time
     assert step_events == flat_events((await single_client.take_events("all", start_seq=1)).batches)
     assert len(step_events) > 10
 
-    # Hashed ahead: every lookup with no LoRA and no non-empty salt whose prompt is packed, or
-    # varints all in range; none under a rule the compiled chain does not cover.
+    # Hashed ahead: every lookup with no LoRA and no non-empty salt, a known report mode and a
+    # prompt within max_model_len, packed or varints all in range; none under a rule the compiled
+    # chain does not cover.
     def hashed_ahead(op: pb.StepOp) -> bool:
         request = op.get_computed_blocks
         if op.WhichOneof("op") != "get_computed_blocks" or request.HasField("lora") or request.cache_salt:
             return False
+        modes = (pb.KV_CACHE_REPORT_MODE_UNSPECIFIED, pb.KV_CACHE_REPORT_MODE_INCREMENTAL, pb.KV_CACHE_REPORT_MODE_FULL)
+        if request.kv_cache_report_mode not in modes:  # refused before its prompt is read
+            return False
         data, ids = request.packed_prompt_token_ids, list(request.prompt_token_ids)
+        if len(data) > 4 * MAX_MODEL_LEN or len(ids) > MAX_MODEL_LEN:  # refused whatever its ids
+            return False
         return bool(data) != bool(ids) and all(0 <= t < 2**31 for t in ids)
 
     num_ahead = sum(map(hashed_ahead, ops))
@@ -303,3 +309,28 @@ async def test_stopping_with_steps_of_thousands_of_prompts_in_flight_ends_them_a
             assert len(outcome.results) == 2000 and not any(r.HasField("error") for r in outcome.results)
     assert running.servicer._hash_thread is None
     assert hash_threads() == before  # the hashing thread ended with the server
+
+
+async def test_lookups_that_fail_before_their_prompt_is_read_are_not_hashed_ahead(start_kv_server, connect):
+    """A lookup with an unknown kv_cache_report_mode (refused before its prompt is read) or a
+    prompt above max_model_len (refused whatever its ids) is not hashed beside the loop: no
+    thread work that nothing waits for is left behind a Step's answer (the next Step's lookups
+    would wait behind it, and its prompts' bytes stay held until it is done), and the loop does
+    not wait for a hash it throws away. The answers are those of the same ops one at a time."""
+    stepped, single = [await start_kv_server(max_model_len=MAX_MODEL_LEN) for _ in range(2)]
+    step_client, single_client = await connect(stepped), await connect(single)
+    long_ids = list(range(MAX_MODEL_LEN + 1))
+    ops = [lookup(f"mode{i}", data=packed(long_ids[:40]), kv_cache_report_mode=7) for i in range(3)]
+    ops += [lookup(f"long{i}", data=packed(long_ids)) for i in range(2)]
+    ops += [lookup(f"long-varint{i}", long_ids) for i in range(2)]
+    step_results = list((await step_client.step(ops)).results)
+    assert step_results == [await run_one(single_client, op) for op in ops]
+    assert [r.error.message for r in step_results] == ["kv_cache_report_mode: unknown value 7"] * 3 + [
+        f"packed_prompt_token_ids: length {MAX_MODEL_LEN + 1} outside 1..{MAX_MODEL_LEN} (max_model_len)"
+    ] * 2 + [f"prompt_token_ids: length {MAX_MODEL_LEN + 1} outside 1..{MAX_MODEL_LEN} (max_model_len)"] * 2
+    assert stepped.servicer.num_prompts_hashed_ahead == 0
+    # Beside two good lookups, the two good ones alone are hashed ahead.
+    good = [lookup("a", data=packed([1, 2, 3, 4, 5])), lookup("b", [1, 2, 3, 4, 6])]
+    results = (await step_client.step(ops[:1] + good[:1] + ops[3:4] + good[1:])).results
+    assert [r.HasField("error") for r in results] == [True, False, True, False]
+    assert stepped.servicer.num_prompts_hashed_ahead == 2

@@ -210,3 +210,23 @@ def test_package_installs_and_hashes_without_a_compiler(tmp_path):
         cwd=str(tmp_path),
     )
     assert json.loads(out.stdout) == case["block_hashes_hex"]
+
+
+def test_hash_prompt_of_any_byte_buffer_is_its_int32_ids_hashed_on_both_paths(path):
+    """``hash_prompt`` of a packed prompt given as any memoryview (a non-contiguous one too, which
+    the compiled chain cannot read in place: then the rule reads its bytes) or a bytearray hashes
+    the little-endian int32 ids its bytes hold."""
+    import numpy as np
+
+    hasher = BlockHasher(4)
+    ids = list(range(100, 164))
+    expected = reference(hasher, ids[::2])
+    strided = memoryview(np.array(ids, dtype="<i4"))[::2]
+    assert not strided.c_contiguous
+    assert hasher.hash_prompt(strided) == expected
+    assert hasher.hash_prompt(memoryview(struct.pack("<64i", *ids)).cast("i")[::2]) == expected
+    assert hasher.hash_prompt(bytearray(struct.pack("<32i", *ids[::2]))) == expected
+    assert hasher.hash_prompt(memoryview(bytearray(struct.pack("<32i", *ids[::2])))) == expected
+    # hash_packed reads only what it can read in place; else None (the caller hashes through extend).
+    assert hasher.hash_packed(strided) is None
+    assert hasher.hash_packed(np.array(ids, dtype="<i4")[::2]) is None

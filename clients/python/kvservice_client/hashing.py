@@ -270,15 +270,16 @@ class BlockHasher:
         token) with no extra keys (no LoRA, cache salt or multimodal features), computed by the
         compiled chain from the bytes themselves with the GIL released (so a thread can hash
         beside the interpreter). None where the compiled chain does not cover this algorithm or is
-        not built, or for a negative token id or a length that is not a multiple of 4: then hash
-        through :meth:`extend`, which gives the rule's answer or its error."""
+        not built, or for a negative token id, a length that is not a multiple of 4 or a buffer
+        that is not contiguous: then hash through :meth:`extend`, which gives the rule's answer or
+        its error."""
         layout = _COMPILED_LAYOUTS.get(self.algorithm)
         chain_packed = getattr(_hashchain, "chain_packed", None)  # None too for a build older than it
         if layout is None or chain_packed is None:
             return None
         try:
             return chain_packed(data, self.block_size, self.root_hash, layout)  # type: ignore[no-any-return]  # getattr on the module is untyped
-        except ValueError:
+        except (ValueError, BufferError):  # BufferError: a non-contiguous buffer (read in place only)
             return None
 
     def packed_chains(self, prompts: list[Any]) -> Any:

@@ -334,3 +334,26 @@ async def test_lookups_that_fail_before_their_prompt_is_read_are_not_hashed_ahea
     results = (await step_client.step(ops[:1] + good[:1] + ops[3:4] + good[1:])).results
     assert [r.HasField("error") for r in results] == [True, False, True, False]
     assert stepped.servicer.num_prompts_hashed_ahead == 2
+
+
+async def test_a_step_of_4096_prompts_at_max_step_tokens_hashes_each_as_the_rule(start_kv_server, connect):
+    running = await start_kv_server(num_blocks=20, max_model_len=MAX_MODEL_LEN, max_num_requests=8192)
+    client = await connect(running)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(0, 2**31) for _ in range(MAX_MODEL_LEN)] for _ in range(4096)]  # 2^18 tokens
+    ops = [lookup(f"p{i}", data=packed(ids)) if i % 2 else lookup(f"p{i}", ids) for i, ids in enumerate(prompts)]
+    assert running.servicer.max_step_tokens == 1 << 18 == sum(map(len, prompts))
+    results = (await client.step(ops)).results
+    assert [r.get_computed_blocks.num_computed_tokens for r in results] == [0] * 4096
+    assert running.servicer.num_prompts_hashed_ahead == 4096
+    hasher = BlockHasher(4)
+    for i, ids in enumerate(prompts):
+        assert running.engine.requests[f"p{i}"].block_hashes == hasher.hash_prompt(ids)
+    over = ops[:4095] + [lookup("one-more", data=packed(prompts[0] + [1]))]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.stub.Step(pb.StepRequest(ops=over))
+    assert err.value.details() == (
+        "ops: 262145 tokens (prompt_token_ids, packed_prompt_token_ids and new_token_ids over all ops), above "
+        "max_step_tokens 262144"
+    )
+    assert running.servicer.num_prompts_hashed_ahead == 4096 and len(running.engine.requests) == 4096

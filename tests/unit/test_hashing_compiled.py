@@ -230,3 +230,27 @@ def test_hash_prompt_of_any_byte_buffer_is_its_int32_ids_hashed_on_both_paths(pa
     # hash_packed reads only what it can read in place; else None (the caller hashes through extend).
     assert hasher.hash_packed(strided) is None
     assert hasher.hash_packed(np.array(ids, dtype="<i4")[::2]) is None
+
+
+@compiled
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="a class's __buffer__ (PEP 688) is Python 3.12's")
+def test_packed_chains_read_the_prompts_as_they_were_when_a_buffer_export_changes_the_list():
+    """Exporting a prompt's buffer may run Python code (a class's ``__buffer__``) that empties
+    the very list being read: the chains read the prompts it held when called. (Before, they read
+    the list's freed items: a segmentation fault under Python 3.12.1.)"""
+    hasher = BlockHasher(4)
+    prompts: list = []
+    junk: list = []
+
+    class Clears:
+        def __buffer__(self, flags: int) -> memoryview:
+            prompts.clear()  # frees the other prompts: only the list held them
+            junk.extend(bytes([255 - i % 7]) * 32 for i in range(400))  # reuses their memory
+            return memoryview(struct.pack("<4i", 1, 2, 3, 4))
+
+    prompts.extend([Clears(), *(struct.pack("<8i", *range(i, i + 8)) for i in range(64))])
+    chains = hasher.packed_chains(prompts)
+    assert prompts == [] and len(junk) == 400
+    chains.run()
+    assert chains.hashes(0) == reference(hasher, [1, 2, 3, 4])
+    assert [chains.hashes(i + 1) for i in range(64)] == [reference(hasher, list(range(i, i + 8))) for i in range(64)]

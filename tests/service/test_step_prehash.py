@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.hashing import BlockHasher
+from kvservice_client.hashing import DEFAULT_HASH_SEED, BlockHasher
 from tests.service.helpers import Mirror, flat_events, next_batch, pool_hashes
 from tests.service.test_step_equivalence import run_one, server_state
 
@@ -95,13 +95,24 @@ def mixed_ops(seed: int) -> tuple[list[pb.StepOp], dict[str, list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "hash_algorithm"),
-    [("single", "sha256_cbor"), ("single", "sha256"), ("single", "xxhash"), ("gcd", "sha256_cbor")],
+    ("layout", "hash_algorithm", "hash_seed"),
+    [
+        ("single", "sha256_cbor", DEFAULT_HASH_SEED),
+        ("single", "sha256_cbor", "another seed"),
+        ("single", "sha256", DEFAULT_HASH_SEED),
+        ("single", "xxhash", DEFAULT_HASH_SEED),
+        ("gcd", "sha256_cbor", DEFAULT_HASH_SEED),
+    ],
 )
 async def test_a_step_of_many_mixed_lookups_equals_them_one_unary_call_at_a_time(
-    start_kv_server, connect, tmp_path, layout, hash_algorithm
+    start_kv_server, connect, tmp_path, layout, hash_algorithm, hash_seed
 ):
-    settings: dict = {"num_blocks": 80, "max_model_len": MAX_MODEL_LEN, "hash_algorithm": hash_algorithm}
+    settings: dict = {
+        "num_blocks": 80,
+        "max_model_len": MAX_MODEL_LEN,
+        "hash_algorithm": hash_algorithm,
+        "hash_seed": hash_seed,
+    }
     if layout == "gcd":
         # Full attention at 8 KV heads beside a sliding window at 16: the full group's page is
         # half the window's, so its blocks hold twice the tokens (8) and blocks are hashed at 4.
@@ -149,7 +160,8 @@ async def test_a_step_of_many_mixed_lookups_equals_them_one_unary_call_at_a_time
     )
     assert errors["both"] == "packed_prompt_token_ids: set with 12 prompt_token_ids: set one of the two"
     assert await server_state(stepped, step_client) == await server_state(single, single_client)
-    hasher = BlockHasher(stepped.engine.manager.hash_block_size, hash_algorithm)
+    hasher = BlockHasher(stepped.engine.manager.hash_block_size, hash_algorithm, hash_seed)
+    assert hasher.root_hash != BlockHasher(4, hash_algorithm).root_hash or hash_seed == DEFAULT_HASH_SEED
     for rid, ids in good.items():
         assert stepped.engine.requests[rid].block_hashes == hasher.hash_prompt(ids), rid
         assert stepped.engine.requests[rid].block_hashes == single.engine.requests[rid].block_hashes, rid

@@ -369,3 +369,79 @@ async def test_a_step_of_4096_prompts_at_max_step_tokens_hashes_each_as_the_rule
         "max_step_tokens 262144"
     )
     assert running.servicer.num_prompts_hashed_ahead == 4096 and len(running.engine.requests) == 4096
+
+
+@pytest.mark.parametrize("layout", ["single", "full-sliding"])
+async def test_steps_with_prompts_hashed_ahead_equal_the_same_steps_hashed_on_the_loop(
+    start_kv_server, connect, layout
+):
+    """Many seeded Steps (lookups packed and varint, good and bad, admissions, decode ops that
+    complete blocks and ones that do not, frees, resets) on a server that hashes prompts beside
+    the loop and on a twin whose Steps hash every prompt on the loop: the same answers, state and
+    events, Step after Step; every request's block hashes are the rule's over all its tokens."""
+    from tests.service.helpers import FULL_SLIDING
+
+    settings = {"num_blocks": 48, "max_model_len": MAX_MODEL_LEN, "max_num_requests": 4096}
+    if layout == "full-sliding":
+        settings |= FULL_SLIDING
+    ahead, on_loop = await start_kv_server(**settings), await start_kv_server(**settings)
+    on_loop.servicer._prehash = lambda kinds, subs: None  # the twin: no Step hashes ahead
+    ahead_client, loop_client = await connect(ahead), await connect(on_loop)
+    rng = random.Random(17)
+    families = [[800 * f + t for t in range(16)] for f in range(1, 4)]
+    registered: dict[str, int] = {}  # request id -> tokens so far (as the twin would track)
+    running: list[str] = []
+    next_id = 0
+    kinds: set[str | None] = set()
+    num_decoded = 0
+    for step in range(40):
+        ops: list[pb.StepOp] = []
+        if running and rng.random() < 0.6:  # a decode op over the running requests
+            ids = rng.sample(running, rng.randint(1, len(running)))
+            counts = [rng.choice([1, 1, 2, 4]) for _ in ids]
+            ids = [rid for rid, n in zip(ids, counts) if registered[rid] + n + 4 <= MAX_MODEL_LEN]
+            counts = [n for rid, n in zip(ids, counts) if registered[rid] + n + 4 <= MAX_MODEL_LEN] if ids else []
+            if ids:
+                new = [rng.randrange(1, 60) for _ in range(sum(counts))]
+                if step == 7:
+                    new[0] = 2**31  # its request fails alone
+                ops.append(
+                    pb.StepOp(decode=pb.DecodeRequest(request_ids=ids, new_token_ids=new, num_new_token_ids=counts))
+                )
+        for _ in range(rng.randint(0, 12)):
+            rid = f"q{next_id}"
+            next_id += 1
+            ids = rng.choice(families)[: rng.choice([0, 4, 8, 16])] + [
+                rng.randrange(1, 60) for _ in range(rng.randint(1, 14))
+            ]
+            as_packed = rng.random() < 0.5
+            if rng.random() < 0.1:  # a bad id (2^31 cannot be packed)
+                ids[rng.randrange(len(ids))] = -1 if as_packed else rng.choice([-1, 2**31])
+            ops.append(lookup(rid, data=packed(ids)) if as_packed else lookup(rid, ids))
+            if rng.random() < 0.6:
+                ops.append(admit(rid, len(ids)))
+        for rid in rng.sample(running, min(len(running), rng.randint(0, 3))):
+            ops.append(pb.StepOp(free=pb.FreeRequest(request_id=rid)))
+        if rng.random() < 0.05:
+            ops.append(pb.StepOp(reset_prefix_cache=pb.ResetPrefixCacheRequest()))
+        if rng.random() < 0.2:
+            rng.shuffle(ops)
+        a = await ahead_client.step(ops)
+        b = await loop_client.step(ops)
+        assert list(a.results) == list(b.results), f"step {step}"
+        kinds.update(r.WhichOneof("result") for r in a.results)
+        num_decoded += sum(len(op.decode.request_ids) for op in ops if op.WhichOneof("op") == "decode")
+        assert await server_state(ahead, ahead_client) == await server_state(on_loop, loop_client), f"step {step}"
+        engine = ahead.engine
+        registered = {rid: r.num_tokens for rid, r in engine.requests.items()}
+        running = sorted(engine.running)
+    assert ahead.servicer.num_prompts_hashed_ahead > 100 and on_loop.servicer.num_prompts_hashed_ahead == 0
+    assert kinds >= {"get_computed_blocks", "allocate_slots", "decode", "free", "error"} and num_decoded > 50, (
+        kinds,
+        num_decoded,
+    )
+    events = flat_events((await ahead_client.take_events("all", start_seq=1)).batches)
+    assert events == flat_events((await loop_client.take_events("all", start_seq=1)).batches) and len(events) > 50
+    hasher = BlockHasher(ahead.engine.manager.hash_block_size)
+    for rid, request in ahead.engine.requests.items():
+        assert request.block_hashes == hasher.hash_prompt(request.all_token_ids), rid

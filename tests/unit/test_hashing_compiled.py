@@ -254,3 +254,27 @@ def test_packed_chains_read_the_prompts_as_they_were_when_a_buffer_export_change
     chains.run()
     assert chains.hashes(0) == reference(hasher, [1, 2, 3, 4])
     assert [chains.hashes(i + 1) for i in range(64)] == [reference(hasher, list(range(i, i + 8))) for i in range(64)]
+
+
+@compiled
+def test_packed_chains_release_every_prompt_they_hold():
+    """Chains hold each prompt's buffer until freed, run or not, and a construction that fails
+    part-way releases the ones it took: the prompts' reference counts come back exactly."""
+    import numpy as np
+
+    hasher = BlockHasher(4)
+    data = struct.pack("<16i", *range(16))
+    array_prompt = np.arange(16, dtype="<i4")
+    before = sys.getrefcount(data), sys.getrefcount(array_prompt)
+    for _ in range(100):
+        chains = hasher.packed_chains([data, array_prompt, data])
+        assert sys.getrefcount(data) == before[0] + 2 and sys.getrefcount(array_prompt) == before[1] + 1
+        with ThreadPoolExecutor(1) as thread:
+            thread.submit(chains.run)
+            assert chains.hashes(1) == chains.hashes(2) == reference(hasher, list(range(16)))
+        del chains
+    never_run = hasher.packed_chains([data])
+    del never_run
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        hasher.packed_chains([data, array_prompt, np.arange(32, dtype="<i4")[::2]])
+    assert (sys.getrefcount(data), sys.getrefcount(array_prompt)) == before

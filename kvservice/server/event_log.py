@@ -277,7 +277,8 @@ class EventLog:
 
     def settle(self) -> None:
         """Settle the newest batch if it has not settled yet: encode it (:attr:`LogEntry.msgpack`),
-        count those bytes against ``max_bytes``, trim retention, then call the listeners with it.
+        count those bytes against ``max_bytes``, trim retention (ending subscribers whose next
+        batch it dropped, as :meth:`append` does), then call the listeners with it.
         :attr:`retained_bytes`, :meth:`close` and the snapshot source (before it reads its mirror)
         call it first."""
         entry = self._unsettled
@@ -286,9 +287,12 @@ class EventLog:
         self._unsettled = None
         size = len(entry.msgpack)
         entry.num_bytes += size
-        if entry.seq >= self.oldest_seq:
+        oldest = self.oldest_seq
+        if entry.seq >= oldest:
             self._bytes += size
         self._trim()
+        if self.oldest_seq != oldest:  # a subscriber the trim passed falls behind now, as at an append
+            self._check_subscribers()
         for listener in self._listeners:
             try:
                 listener(entry)

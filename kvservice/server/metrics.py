@@ -191,6 +191,7 @@ class ServerMetrics:
         pool = engine.manager.block_pool
         stats = engine.manager.prefix_cache_stats
         log = self.event_log
+        log.settle()  # a batch appended in this turn: counted (our listener) and retention applied first
         lags = log.subscriber_lags()
         return _Sample(
             kv_cache_usage=pool.get_usage(),

@@ -255,6 +255,9 @@ class NatsJetStreamSink:
         # The epoch start: seq 0, one AllBlocksCleared, published before the epoch's first batch.
         epoch_start = LogEntry(0, time.time(), [AllBlocksCleared()], event_log.epoch, event_log.data_parallel_rank)
         sink._pending.append((epoch_start, None))
+        # A batch appended in this turn of the loop reaches the listeners when it settles: settle
+        # it now, so it is queued once (below, with the rest the log holds), not again then.
+        event_log.settle()
         event_log.add_listener(sink.publish)
         if event_log.head_seq:
             for entry in event_log.entries_from(event_log.oldest_seq):

@@ -321,7 +321,10 @@ class KVCacheServicer:
         runs the ops before it. Only for lookups the rule hashes with no extra keys (no LoRA, cache
         salt or multimodal features), whose prompt is packed, or varints all in ``0 .. 2^31 - 1``
         (read once into an int32 array, which the lookup then takes as its prompt), and only with
-        two or more of them (one would only wait).
+        two or more of them (one would only wait). Not for a lookup refused whatever its prompt's
+        ids (an unknown ``kv_cache_report_mode``, refused before its hashes are taken; a prompt
+        above ``max_model_len``): every prompt hashed here is one its lookup waits for, so a Step
+        leaves no hashing behind its answer (a later Step's lookups would wait behind it).
 
         Returns:
             op index -> (the chains, the prompt's index in them, the int32 ids read from varints or
@@ -330,11 +333,16 @@ class KVCacheServicer:
         """
         if self._block_hasher is None:
             return None
+        max_model_len = self.engine.max_model_len
         picked: list[tuple[int, Any, Any]] = []  # (op index, buffer to hash, ids read from varints)
         for i, (which, sub) in enumerate(zip(kinds, subs)):
             if which != "get_computed_blocks" or sub.HasField("lora") or sub.cache_salt or sub.mm_features:
                 continue
+            if sub.kv_cache_report_mode not in _REPORT_MODES:
+                continue  # refused before its prompt is read: nothing would wait for the hashes
             packed, varints = sub.packed_prompt_token_ids, sub.prompt_token_ids
+            if len(packed) > 4 * max_model_len or len(varints) > max_model_len:
+                continue  # refused whatever its ids: not worth the hashing
             if packed and not varints:
                 picked.append((i, packed, None))
             elif varints and not packed:

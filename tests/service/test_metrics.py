@@ -284,3 +284,32 @@ async def test_metrics_on_a_non_loopback_host_warn_at_start(start_kv_server):
     assert "metrics on non-loopback 0.0.0.0: plain HTTP, no auth (usage and counters only)" in running.notes
     local = await start_kv_server(metrics_port=0)
     assert not any(note.startswith("metrics on non-loopback") for note in local.notes)
+
+
+async def test_a_sample_taken_in_the_turn_a_batch_was_appended_counts_it(start_kv_server):
+    """The log hands a batch to its listeners (the metrics' event counts among them) and applies
+    retention by bytes when it settles, after the callback that appended it: a sample taken
+    before then (a scrape's callback can be queued ahead of the settling) settles it first, so its
+    event counts, oldest seq and retained batches and bytes all describe the same log."""
+    import dataclasses
+
+    from kvservice.server.event_log import ENTRY_OVERHEAD_BYTES
+    from kvservice.server.metrics import ServerMetrics
+
+    running = await start_kv_server()
+    log, engine = running.event_log, running.engine
+    metrics = ServerMetrics(engine, log)
+    for i, rid in enumerate(("a", "b")):
+        engine.get_computed_blocks(rid, [100 * i + t for t in range(9)])
+        assert engine.allocate_slots(rid, 9).allocated
+        running.servicer.publish()  # BlockStored of two blocks, sequenced: settled by the next append
+        if i == 0:
+            first = log.entries_from(1)[0]
+            first_bytes = log.retained_bytes
+            # The second batch fits while only its overhead is counted, and not once its bytes are.
+            log.config = dataclasses.replace(log.config, max_bytes=first_bytes + ENTRY_OVERHEAD_BYTES)
+    assert first.num_bytes == first_bytes
+    sample = metrics.sample()
+    assert (sample.head_seq, sample.oldest_seq, sample.num_retained_batches) == (2, 2, 1)
+    assert dict(sample.num_events_by_type)["BlockStored"] == 2
+    assert sample.retained_bytes == log.entries_from(2)[0].num_bytes

@@ -530,3 +530,31 @@ async def test_a_wrong_password_fails_the_start_at_once(nats_server_with_passwor
     assert process.returncode == 1
     assert stderr.decode().startswith(f"Error: nats_url: the NATS server at nats://u:***@{server.address} refused")
     assert "Traceback" not in stderr.decode() and "wrongpw" not in (stdout + stderr).decode()
+
+
+async def test_a_sink_started_while_a_batch_is_sequenced_but_not_settled_publishes_it_once(nats_server):
+    """The log hands a batch to its listeners when it settles, after the callback that appended
+    it: a sink that registers in between and queues what the log already holds must not get
+    that batch a second time when it settles."""
+    from kvservice.server.event_log import EventLog
+    from kvservice.server.nats_sink import NatsJetStreamSink, NatsSinkConfig
+    from kvservice.server.settings import NatsSettings
+
+    log = EventLog(1, ["full_attention"], [None])
+    stored = BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[1, 2, 3, 4],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    log.append([stored])  # on the running loop: sequenced now, settled after this callback
+    config = NatsSinkConfig.from_settings(NatsSettings(url=nats_server.url, instance="node-a"), port=1)
+    sink = await NatsJetStreamSink.start(log, config)
+    try:
+        await sink.wait_published(1, WAIT_S)
+        assert (sink.num_published, sink.num_duplicates, sink.last_published_seq) == (2, 0, 1)  # epoch start, seq 1
+    finally:
+        await sink.close()

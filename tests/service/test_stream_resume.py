@@ -237,3 +237,44 @@ async def test_a_client_that_never_reads_is_cut_off_after_the_stall_timeout(star
 async def next_batch_after_publish(scheduler, stream):
     await publish(scheduler, 0, STALL_TOKENS)
     return await next_batch(stream)
+
+
+async def test_a_stream_whose_next_batch_the_settling_trim_drops_ends_with_resource_exhausted(start_kv_server, connect):
+    """Retention by bytes is applied when a batch settles (after the callback that appended it):
+    a stream whose next batch that drops is ended as having fallen behind, naming its last seq,
+    as when an append's own trim drops it (not failed with UNKNOWN by reading below the oldest
+    retained seq)."""
+    import dataclasses
+
+    from kvservice.server.event_log import ENTRY_OVERHEAD_BYTES
+
+    running = await start_kv_server(num_blocks=32)
+    client = await connect(running)
+    log, engine = running.event_log, running.engine
+    await publish(client, 0)
+    stream = client.stream_events(start_seq=1)
+    assert (await next_batch(stream)).seq == 1
+    await wait_until(lambda: log.num_subscribers == 1)  # caught up: waiting for seq 2
+
+    def batch(i: int) -> None:  # one batch (BlockStored of a block), appended in this callback
+        engine.get_computed_blocks(f"x{i}", [200_000 * (i + 1) + t for t in range(5)])
+        assert engine.allocate_slots(f"x{i}", 5).allocated
+        running.servicer.publish()
+
+    batch(2)
+    batch(3)  # settles seq 2
+    log.settle()  # seq 3 too: now both sizes are known
+    # The next batch fits while only its overhead is counted, and seq 2 is dropped once its bytes are.
+    log.config = dataclasses.replace(
+        log.config, max_bytes=log.retained_bytes - log.entries_from(1)[0].num_bytes + ENTRY_OVERHEAD_BYTES
+    )
+    batch(4)
+    assert log.oldest_seq == 2  # the append's trim: seq 1 only (seq 4's msgpack bytes not counted yet)
+    with pytest.raises(KVServiceError) as err:
+        while True:
+            await next_batch(stream)
+    assert log.oldest_seq == 3  # the settling trim dropped seq 2
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.message.endswith(
+        f"last seq delivered 1 of epoch {log.epoch}: resume from seq 2 if still retained (oldest 3), else from a snapshot"
+    )

@@ -123,3 +123,28 @@ async def test_a_snapshot_asked_for_in_the_appending_turn_is_cut_at_the_head():
     events = [e for i in range(len(snap.parts)) for e in snap.part_events(i)]
     # Both halves (parents first, then the records in recency order), at seq 2.
     assert [e.block_hashes for e in events[1:]] == [[1, 2, 3], [1, 2], [3]]
+
+
+async def test_a_subscriber_the_settling_trim_passes_is_ended_not_left_below_the_oldest_seq():
+    """Retention by bytes applied when a batch settles drops a batch a slow subscriber has not
+    read yet: the subscriber is ended then (fell behind, naming its last seq), as an append's
+    trim would end it, rather than left with a next seq below the oldest retained (where its
+    stream's next ``entries_from`` would fail)."""
+
+    def batch(i: int) -> list:  # 100 blocks: the msgpack bytes outweigh the entry's overhead
+        return [stored(list(range(100 * i, 100 * i + 100)), None, 0)]
+
+    sizes = [ENTRY_OVERHEAD_BYTES + msgpack_size(batch(i), 0.0) for i in range(3)]
+    log, _ = new_log(max_bytes=sizes[0] + sizes[1] + sizes[2] // 2)
+    sub = log.subscribe(1, 0, None)  # has read nothing yet
+    for i in range(3):
+        log.append(batch(i), ts=0.0)
+    assert log.oldest_seq == 1 and not sub.ended.done()  # seq 1 still retained: nothing missed yet
+    await next_turn()
+    assert log.oldest_seq == 2 and sub.next_seq == 1
+    assert sub.ended.done()
+    error = sub.ended.result()(sub.last_seq)
+    assert type(error).__name__ == "CapacityExceededError"
+    assert str(error).endswith(
+        f"last seq delivered 0 of epoch {log.epoch}: resume from seq 1 if still retained (oldest 2), else from a snapshot"
+    )

@@ -210,3 +210,71 @@ def test_package_installs_and_hashes_without_a_compiler(tmp_path):
         cwd=str(tmp_path),
     )
     assert json.loads(out.stdout) == case["block_hashes_hex"]
+
+
+def test_hash_prompt_of_any_byte_buffer_is_its_int32_ids_hashed_on_both_paths(path):
+    """``hash_prompt`` of a packed prompt given as any memoryview (a non-contiguous one too, which
+    the compiled chain cannot read in place: then the rule reads its bytes) or a bytearray hashes
+    the little-endian int32 ids its bytes hold."""
+    import numpy as np
+
+    hasher = BlockHasher(4)
+    ids = list(range(100, 164))
+    expected = reference(hasher, ids[::2])
+    strided = memoryview(np.array(ids, dtype="<i4"))[::2]
+    assert not strided.c_contiguous
+    assert hasher.hash_prompt(strided) == expected
+    assert hasher.hash_prompt(memoryview(struct.pack("<64i", *ids)).cast("i")[::2]) == expected
+    assert hasher.hash_prompt(bytearray(struct.pack("<32i", *ids[::2]))) == expected
+    assert hasher.hash_prompt(memoryview(bytearray(struct.pack("<32i", *ids[::2])))) == expected
+    # hash_packed reads only what it can read in place; else None (the caller hashes through extend).
+    assert hasher.hash_packed(strided) is None
+    assert hasher.hash_packed(np.array(ids, dtype="<i4")[::2]) is None
+
+
+@compiled
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="a class's __buffer__ (PEP 688) is Python 3.12's")
+def test_packed_chains_read_the_prompts_as_they_were_when_a_buffer_export_changes_the_list():
+    """Exporting a prompt's buffer may run Python code (a class's ``__buffer__``) that empties
+    the very list being read: the chains read the prompts it held when called. (Before, they read
+    the list's freed items: a segmentation fault under Python 3.12.1.)"""
+    hasher = BlockHasher(4)
+    prompts: list = []
+    junk: list = []
+
+    class Clears:
+        def __buffer__(self, flags: int) -> memoryview:
+            prompts.clear()  # frees the other prompts: only the list held them
+            junk.extend(bytes([255 - i % 7]) * 32 for i in range(400))  # reuses their memory
+            return memoryview(struct.pack("<4i", 1, 2, 3, 4))
+
+    prompts.extend([Clears(), *(struct.pack("<8i", *range(i, i + 8)) for i in range(64))])
+    chains = hasher.packed_chains(prompts)
+    assert prompts == [] and len(junk) == 400
+    chains.run()
+    assert chains.hashes(0) == reference(hasher, [1, 2, 3, 4])
+    assert [chains.hashes(i + 1) for i in range(64)] == [reference(hasher, list(range(i, i + 8))) for i in range(64)]
+
+
+@compiled
+def test_packed_chains_release_every_prompt_they_hold():
+    """Chains hold each prompt's buffer until freed, run or not, and a construction that fails
+    part-way releases the ones it took: the prompts' reference counts come back exactly."""
+    import numpy as np
+
+    hasher = BlockHasher(4)
+    data = struct.pack("<16i", *range(16))
+    array_prompt = np.arange(16, dtype="<i4")
+    before = sys.getrefcount(data), sys.getrefcount(array_prompt)
+    for _ in range(100):
+        chains = hasher.packed_chains([data, array_prompt, data])
+        assert sys.getrefcount(data) == before[0] + 2 and sys.getrefcount(array_prompt) == before[1] + 1
+        with ThreadPoolExecutor(1) as thread:
+            thread.submit(chains.run)
+            assert chains.hashes(1) == chains.hashes(2) == reference(hasher, list(range(16)))
+        del chains
+    never_run = hasher.packed_chains([data])
+    del never_run
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        hasher.packed_chains([data, array_prompt, np.arange(32, dtype="<i4")[::2]])
+    assert (sys.getrefcount(data), sys.getrefcount(array_prompt)) == before

@@ -253,9 +253,13 @@ static PyObject *chains_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     int layout;
     if (!PyArg_ParseTuple(args, "O!nSi", &PyList_Type, &prompts, &block_size, &parent_obj, &layout)) return NULL;
     if (check_shape(block_size, parent_obj, layout) < 0) return NULL;
+    /* The prompts as they are now: exporting a buffer can run Python code (a class's __buffer__,
+     * PEP 688, Python 3.12+) that changes the list, so read the items from a tuple of them. */
+    PyObject *items = PyList_AsTuple(prompts);
+    if (items == NULL) return NULL;
     PackedChains *self = (PackedChains *)type->tp_alloc(type, 0);
-    if (self == NULL) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(prompts);
+    if (self == NULL) { Py_DECREF(items); return NULL; }
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
     self->block_size = block_size;
     self->layout = layout;
     memcpy(self->root, PyBytes_AS_STRING(parent_obj), DIGEST);
@@ -265,6 +269,7 @@ static PyObject *chains_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     self->done = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyThread_type_lock));
     self->ran = PyThread_allocate_lock();
     if (self->bufs == NULL || self->digests == NULL || self->nblocks == NULL || self->done == NULL || self->ran == NULL) {
+        Py_DECREF(items);
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -272,13 +277,15 @@ static PyObject *chains_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     for (Py_ssize_t i = 0; i < n; i++) {
         self->done[i] = PyThread_allocate_lock();
         self->n = i + 1;  /* what dealloc cleans up */
-        if (self->done[i] == NULL) { Py_DECREF(self); return PyErr_NoMemory(); }
+        if (self->done[i] == NULL) { Py_DECREF(items); Py_DECREF(self); return PyErr_NoMemory(); }
         PyThread_acquire_lock(self->done[i], WAIT_LOCK);
-        if (PyObject_GetBuffer(PyList_GET_ITEM(prompts, i), &self->bufs[i], PyBUF_SIMPLE) < 0) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(items, i), &self->bufs[i], PyBUF_SIMPLE) < 0) {
+            Py_DECREF(items);
             Py_DECREF(self);
             return NULL;
         }
     }
+    Py_DECREF(items);
     return (PyObject *)self;
 }
 

@@ -42,6 +42,7 @@ class PackedChains:
         Raises:
             ValueError: a parent that is not 32 bytes or a block too large to encode.
             TypeError: a prompt without the buffer protocol.
+            BufferError: a prompt that is not C-contiguous (ValueError from a numpy array).
         """
     def run(self) -> None:
         """Hash every prompt in order (once).

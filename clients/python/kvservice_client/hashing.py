@@ -268,8 +268,9 @@ class BlockHasher:
     def hash_packed(self, data: bytes | bytearray | memoryview) -> list[bytes] | None:
         """Hashes of every full block of a packed prompt (little-endian int32 token ids, 4 bytes a
         token) with no extra keys (no LoRA, cache salt or multimodal features), computed by the
-        compiled chain from the bytes themselves (with the GIL released from 64 blocks on). None where the compiled chain does not cover this algorithm or is
-        not built, or for a negative token id or a length that is not a multiple of 4: then hash
+        compiled chain from the bytes themselves (with the GIL released from 64 blocks on). None
+        where the compiled chain does not cover this algorithm or is not built, or for a negative
+        token id, a length that is not a multiple of 4 or a buffer that is not contiguous: then hash
         through :meth:`extend`, which gives the rule's answer or its error."""
         layout = _COMPILED_LAYOUTS.get(self.algorithm)
         chain_packed = getattr(_hashchain, "chain_packed", None)  # None too for a build older than it
@@ -277,13 +278,12 @@ class BlockHasher:
             return None
         try:
             return chain_packed(data, self.block_size, self.root_hash, layout)  # type: ignore[no-any-return]  # getattr on the module is untyped
-        except ValueError:
+        except (ValueError, BufferError):  # BufferError: a non-contiguous buffer (read in place only)
             return None
 
     def packed_chains(self, prompts: list[Any]) -> Any:
         """The chains of many packed prompts (each as :meth:`hash_packed` takes it, or a C-contiguous
-        little-endian int32 array), to hash in
-        another thread beside this one: a ``_hashchain.PackedChains`` whose ``run()`` (hand it to
+        little-endian int32 array), to hash in another thread beside this one: a ``_hashchain.PackedChains`` whose ``run()`` (hand it to
         a thread first) hashes them in order with the GIL released, and whose ``hashes(i)`` waits
         for prompt ``i`` and returns :meth:`hash_packed`'s answer for it. None where the compiled
         chain does not cover this algorithm or is not built."""

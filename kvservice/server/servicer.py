@@ -216,7 +216,10 @@ class KVCacheServicer:
             snapshots = SnapshotSource.attach(event_log, part_tokens=event_log.config.snapshot_part_tokens)
         self.snapshots = snapshots
         self.heap_trimmer = HeapTrimmer(lambda: engine.num_freed_tokens)
-        self._block_hasher = engine.manager.block_hasher
+        hasher = engine.manager.block_hasher
+        # The hasher whose chains a Step's prompts are hashed by beside the loop: None with prefix
+        # caching off, or where the compiled chain does not cover the algorithm (xxhash) or is not built.
+        self._block_hasher = hasher if hasher is not None and hasher.packed_chains([]) is not None else None
         self._hash_thread: ThreadPoolExecutor | None = None  # hashes a Step's prompts (made on first use)
         self.num_prompts_hashed_ahead = 0
         self.max_step_tokens = max_step_tokens

@@ -27,6 +27,7 @@ CLIENT_TESTS = (
     "tests/unit/test_request_builders.py",
     "tests/unit/test_events.py",
     "tests/unit/test_hashing.py",
+    "tests/unit/test_hashing_compiled.py",
     "tests/unit/test_convert.py",
 )
 """Test files that import only ``kvservice_client`` (and test tools): they run without torch."""

@@ -165,6 +165,9 @@ def test_compiled_pickle_layout_is_pickles():
 
 
 def test_package_installs_and_hashes_without_a_compiler(tmp_path):
+    # Built without isolation (no index needed): setuptools must be beside this Python, as it is in
+    # the project's venv (the client-only venvs of scripts/check_client_pythons.py have none).
+    pytest.importorskip("setuptools", minversion="77")  # the pyproject's build requirement
     target = tmp_path / "site"
     # A clean copy of the sources: a build/ folder left by an earlier build would be reused as is.
     client_dir = tmp_path / "src"

@@ -716,3 +716,48 @@ async def test_a_restart_on_the_same_endpoints_is_a_seq_jump_whose_replay_clears
     await subscriber.follow_to(base + second.event_log.head_seq)
     assert subscriber.cached == cached_pairs(second)
     assert {h for _, h in subscriber.cached}.isdisjoint({h for _, h in cached_pairs(first)})
+
+
+async def test_a_replay_asked_for_in_the_turn_a_batch_was_appended_includes_it(
+    start_kv_server, connect, zctx, monkeypatch
+):
+    """The replay settles the event log before it reads the mirror: a batch sequenced in this turn
+    of the loop, not yet handed to the mirror, is in a snapshot answer (at the head's seq) and in
+    a replay within retention."""
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=3
+    )
+    client = await connect(running)
+    await workload(client, num_requests=12)
+    publisher, log, base = running.zmq_publisher, running.event_log, running.zmq_publisher.seq_base
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    identities: list[bytes] = []
+    answer = publisher._replay
+
+    async def recording(frames: list[bytes]) -> None:
+        identities.append(frames[0])
+        await answer(frames)
+
+    monkeypatch.setattr(publisher, "_replay", recording)
+    await subscriber.replay(0)  # the ROUTER knows the DEALER now; its routing id is recorded
+
+    async def replay_in_this_turn(start_seq: int, n: int) -> list[list[bytes]]:
+        # Sequenced, not settled: no await between the append and the replay's own settle.
+        running.engine.get_computed_blocks(f"turn{n}", [9000 + 100 * n + t for t in range(16)])
+        assert running.engine.allocate_slots(f"turn{n}", 16).allocated
+        running.servicer.publish()
+        assert running.snapshots.mirror.seq == log.head_seq - 1  # not handed to the mirror yet
+        await answer([identities[0], b"", start_seq.to_bytes(8, "big")])
+        messages = []
+        while True:
+            frames = await asyncio.wait_for(subscriber.dealer.recv_multipart(), RECV_TIMEOUT_S)
+            messages.append(frames[1:])
+            if frames[2] == VLLM_END_SEQ:
+                return messages
+
+    snapshot = await replay_in_this_turn(0, 1)  # below retention: the snapshot
+    assert [m[1] for m in snapshot] == [(base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
+    stored = {h for e in msgspec.msgpack.decode(snapshot[0][2])[1][1:] for h in e["block_hashes"]}
+    assert stored == {h for _, h in cached_pairs(running)} and len(stored) == len(cached_pairs(running))
+    within = await replay_in_this_turn(base + log.head_seq + 1, 2)  # from the batch this turn appends
+    assert within[:-1] == [[b"", (base + log.head_seq).to_bytes(8, "big"), log.entries_from(log.head_seq)[0].msgpack]]

@@ -176,6 +176,18 @@ out_of_range:
     return PyErr_Format(PyExc_ValueError, "a token id outside the compiled encoder's range");
 }
 
+/* The first n little-endian int32 token ids of raw into ids, whatever this machine's byte order;
+ * -1 at a negative id (outside both layouts' range). Touches no Python object. */
+static int read_int32_ids(const unsigned char *raw, Py_ssize_t n, uint32_t *ids) {
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const unsigned char *b = raw + 4 * t;
+        uint32_t v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+        if (v > 0x7fffffffU) return -1;
+        ids[t] = v;
+    }
+    return 0;
+}
+
 static PyObject *chain_packed(PyObject *self, PyObject *args) {
     Py_buffer data;
     PyObject *parent_obj;
@@ -192,12 +204,9 @@ static PyObject *chain_packed(PyObject *self, PyObject *args) {
     Py_ssize_t nblocks = data.len / 4 / block_size, n = nblocks * block_size;
     ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
     if (ids == NULL) { PyErr_NoMemory(); goto done; }
-    const unsigned char *raw = data.buf;
-    for (Py_ssize_t t = 0; t < n; t++) {  /* little-endian int32, whatever this machine's order */
-        const unsigned char *b = raw + 4 * t;
-        uint32_t v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-        if (v > 0x7fffffffU) { PyErr_Format(PyExc_ValueError, "a token id outside the compiled encoder's range"); goto done; }
-        ids[t] = v;
+    if (read_int32_ids(data.buf, n, ids) < 0) {
+        PyErr_Format(PyExc_ValueError, "a token id outside the compiled encoder's range");
+        goto done;
     }
     out = PyList_New(0);
     if (out != NULL && chain_into(out, ids, nblocks, block_size, parent_obj, layout) < 0) Py_CLEAR(out);
@@ -298,13 +307,7 @@ static void chain_one(PackedChains *self, Py_ssize_t i) {
     uint32_t *ids = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(uint32_t));
     unsigned char *digests = PyMem_RawMalloc((size_t)(nblocks ? nblocks : 1) * DIGEST);
     if (ids == NULL || digests == NULL) goto out;
-    const unsigned char *raw = self->bufs[i].buf;
-    for (Py_ssize_t t = 0; t < n; t++) {
-        const unsigned char *b = raw + 4 * t;
-        uint32_t v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-        if (v > 0x7fffffffU) goto out;
-        ids[t] = v;
-    }
+    if (read_int32_ids(self->bufs[i].buf, n, ids) < 0) goto out;
     if (nblocks && hash_blocks(ids, nblocks, self->block_size, self->root, self->layout, digests) < 0) goto out;
     self->digests[i] = digests;
     digests = NULL;

@@ -45,22 +45,63 @@ class KVCacheCoordinator:
         return resolve_block_hashes(request.block_hashes, self.hash_block_size, self.block_sizes[group_idx])
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_total_computed_tokens: int = 0,
+        num_encoder_tokens: int = 0,
+        max_num_blocks: Sequence[int | None] | None = None,
     ) -> int:
-        """Free blocks all groups together would consume to hold ``num_tokens`` tokens."""
+        """Free blocks all groups together would consume to hold ``num_tokens`` tokens (a
+        cross-attention group holds ``num_encoder_tokens``); arguments as
+        :meth:`SingleTypeKVCacheManager.get_num_blocks_to_allocate`, ``max_num_blocks`` per group."""
         total = 0
         for i, m in enumerate(self.managers):
-            total += m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+            cap = max_num_blocks[i] if max_num_blocks is not None else None
+            if m.holds_encoder_tokens:
+                total += m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, (), 0, cap)
+            else:
+                total += m.get_num_blocks_to_allocate(
+                    request_id, num_tokens, new_computed_blocks[i], num_total_computed_tokens, cap
+                )
         return total
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]) -> None:
-        """Start each group's table with its part of the prefix-cache hit."""
-        for i, m in enumerate(self.managers):
-            m.save_new_computed_blocks(request_id, new_computed_blocks[i])
+    def add_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Start each group's table with its part of the prefix-cache hit, then give every group
+        blocks for a KV connector's external tokens (vLLM 0.33: ``allocate_new_computed_blocks``,
+        in two phases so one group's new blocks cannot evict another group's untouched hit).
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
-        """Grow every group's table to hold ``num_tokens`` tokens; the new blocks per group."""
-        return tuple([m.allocate_new_blocks(request_id, num_tokens) for m in self.managers])
+        Returns:
+            Per group, the blocks taken for the external tokens.
+        """
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        for i, m in enumerate(self.managers):
+            m.add_local_computed_blocks(request_id, new_computed_blocks[i], num_total)
+        if not num_external_computed_tokens:
+            return tuple([] for _ in self.managers)
+        return tuple(
+            m.allocate_external_computed_blocks(request_id, num_local_computed_tokens, num_external_computed_tokens)
+            for m in self.managers
+        )
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Grow every group's table to hold ``num_tokens`` tokens (a cross-attention group
+        ``num_encoder_tokens``); the new blocks per group."""
+        return tuple(
+            [
+                m.allocate_new_blocks(request_id, num_encoder_tokens if m.holds_encoder_tokens else num_tokens)
+                for m in self.managers
+            ]
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache every group's full blocks among the first ``num_tokens`` tokens."""
@@ -70,6 +111,15 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> int:
         """Free the request's blocks in every group (group order; tail first within a group)."""
         return sum(m.free(request_id) for m in self.managers)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request's tables without freeing their blocks (vLLM 0.33:
+        ``pop_blocks_for_free``): every group's blocks in table order, each group's leading null
+        blocks left out. The caller frees them later (tail first) with ``BlockPool.free_blocks``."""
+        blocks: list[KVCacheBlock] = []
+        for m in self.managers:
+            blocks.extend(m.pop_blocks_for_free(request_id))
+        return blocks
 
     def get_num_freeable_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks every group's skip rule would return to the free queue (nothing changes)."""
@@ -132,6 +182,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         while True:
             changed = False
             for i, manager in enumerate(managers):
+                if not manager.prefix_cacheable:
+                    continue  # cross-attention: per-request blocks, never part of a hit
                 blocks = manager.find_longest_cache_hit(hashes[i], hit_length)
                 hits[i] = blocks
                 length = len(blocks) * manager.block_size

@@ -21,20 +21,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvservice.core.block_pool import KVCacheBlock
 from kvservice.core.errors import (
     CapacityExceededError,
     InvalidArgumentError,
     KVServiceDomainError,
+    PreconditionFailedError,
     RequestAlreadyExistsError,
     RequestNotFoundError,
 )
-from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvservice.core.kv_cache_spec import max_tokens_in_pool, min_blocks_for_request
 from kvservice.core.request import KVCacheReportMode, Request
 from kvservice_client.events import KVEvent
 from kvservice_client.hashing import LoRA, MultiModalFeature
 
-__all__ = ["AllocateResult", "ComputedBlocksResult", "DecodeResult", "EngineLimits", "KVCacheEngine", "Usage"]
+__all__ = [
+    "AllocateResult",
+    "ComputedBlocksResult",
+    "DecodeResult",
+    "EngineLimits",
+    "KVCacheEngine",
+    "OwnedAllocateResult",
+    "PoolClaim",
+    "Usage",
+]
 
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -114,6 +125,42 @@ class DecodeResult:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnedAllocateResult:
+    """What one :meth:`KVCacheEngine.allocate_owned` did.
+
+    Attributes:
+        allocated: False when the pool had too few free blocks (nothing changed).
+        new_block_ids: per group, the block ids appended for the new tokens (vLLM's
+            ``allocate_slots`` result).
+        block_ids: per group, the request's whole table after an admission (hit, external and
+            new blocks; 0 = null); None for a request that already had a table.
+        num_null_blocks: per group, the leading null blocks of the table now (positions a sliding
+            window or chunked local group no longer keeps); empty when refused.
+        refused_full_sequence: a refusal of the full-sequence gate (vLLM checks it before it frees
+            skipped blocks); False for one of the step's own blocks.
+    """
+
+    allocated: bool
+    new_block_ids: tuple[list[int], ...]
+    block_ids: tuple[list[int], ...] | None
+    num_null_blocks: tuple[int, ...]
+    refused_full_sequence: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PoolClaim:
+    """The scheduler that owns the pool (docs/ARCHITECTURE.md §9).
+
+    Attributes:
+        owner: the scheduler's name.
+        expires_at: the engine clock's time the claim lapses at unless renewed, in seconds.
+    """
+
+    owner: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     """Pool usage and prefix-cache counters (units in the names: blocks, tokens, requests)."""
 
@@ -144,7 +191,7 @@ class CheckedTokenIds(list[int]):
         return ids
 
 
-def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
+def check_token_ids(field: str, token_ids: Sequence[int] | np.ndarray) -> list[int]:
     """The ids as a list, after checking every id is in ``0 .. 2^31 - 1`` (:class:`CheckedTokenIds`
     are taken as they are).
 
@@ -156,7 +203,8 @@ def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
     if type(token_ids) is np.ndarray and token_ids.dtype == np.int32:  # int32 holds no id above MAX_TOKEN_ID
         if len(token_ids) and token_ids.min() < 0:
             raise InvalidArgumentError(field, f"token id {int(token_ids[token_ids < 0][0])} outside 0..{MAX_TOKEN_ID}")
-        return token_ids.tolist()
+        checked: list[int] = token_ids.tolist()
+        return checked
     if len(token_ids) <= 8 and type(token_ids) is not np.ndarray:  # an array's items are numpy scalars
         for t in token_ids:
             if not 0 <= t <= MAX_TOKEN_ID:
@@ -166,7 +214,18 @@ def check_token_ids(field: str, token_ids: Sequence[int]) -> list[int]:
     bad = (ids < 0) | (ids > MAX_TOKEN_ID)
     if bad.any():
         raise InvalidArgumentError(field, f"token id {int(ids[bad][0])} outside 0..{MAX_TOKEN_ID}")
-    return ids.tolist()  # type: ignore[no-any-return]  # numpy's tolist() is typed Any
+    as_list: list[int] = ids.tolist()
+    return as_list
+
+
+def _num_null_head(blocks: Sequence[KVCacheBlock]) -> int:
+    """Leading null blocks of a table (positions a windowed group no longer keeps)."""
+    n = 0
+    for block in blocks:
+        if not block.is_null:
+            break
+        n += 1
+    return n
 
 
 def _check_string(field: str, value: str | None, max_bytes: int, *, allow_empty: bool = True) -> None:
@@ -216,6 +275,14 @@ class KVCacheEngine:
         """Prompt tokens held by waiting requests (bounded by ``limits.max_waiting_tokens``)."""
         self.num_freed_tokens = 0
         """Tokens of every request freed so far (the server returns heap memory after many)."""
+        self.claim: PoolClaim | None = None
+        """The scheduler that owns the pool and its requests' token state, if any."""
+        self.owned: dict[str, None] = {}
+        """Ids of the requests whose scheduler owns their tokens and hashes (:meth:`update_request`),
+        in registration order. They live as long as the scheduler's claim; the idle reaper leaves
+        them alone."""
+        self._detached: dict[int, int] = {}
+        """Block id -> references taken off a table by :meth:`pop_blocks_for_free`, not freed yet."""
 
     @property
     def max_model_len(self) -> int:
@@ -266,36 +333,7 @@ class KVCacheEngine:
                 f"the pool has {self.manager.kv_cache_config.num_blocks - 1} (at most {self._max_tokens_in_pool} tokens)",
             )
         prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
-        limit = self.limits.max_string_bytes
-        if session_id is not None:
-            _check_string("session_id", session_id, limit)
-        if cache_salt is not None:
-            _check_string("cache_salt", cache_salt, limit)
-        if lora is not None:
-            _check_string("lora.lora_name", lora.lora_name, limit, allow_empty=False)
-            _check_string("lora.lora_path", lora.lora_path, limit)
-            if lora.lora_id < 0:
-                raise InvalidArgumentError("lora.lora_id", f"{lora.lora_id} is negative")
-        previous_end = 0  # placeholders come in prompt order and do not overlap (vLLM's hash keys assume it)
-        for i, feature in enumerate(mm_features):
-            _check_string(f"mm_features[{i}].identifier", feature.identifier, limit, allow_empty=False)
-            if feature.length < 1 or feature.offset < 0 or feature.offset + feature.length > n:
-                raise InvalidArgumentError(
-                    f"mm_features[{i}]",
-                    f"placeholder [{feature.offset}, {feature.offset + feature.length}) must be non-empty and "
-                    f"within the prompt (0..{n})",
-                )
-            if feature.offset < previous_end:
-                raise InvalidArgumentError(
-                    f"mm_features[{i}]",
-                    f"placeholder [{feature.offset}, {feature.offset + feature.length}) starts before the end of "
-                    f"mm_features[{i - 1}] ({previous_end}): placeholders must be in prompt order and disjoint",
-                )
-            previous_end = feature.offset + feature.length
-        try:
-            mode = KVCacheReportMode.parse(kv_cache_report_mode)
-        except ValueError as e:
-            raise InvalidArgumentError("kv_cache_report_mode", str(e).split("; ", 1)[-1]) from None
+        mode = self._check_request_options(n, session_id, kv_cache_report_mode, lora, cache_salt, mm_features)
 
         request = self.requests.get(request_id)
         if request is not None:
@@ -558,9 +596,562 @@ class KVCacheEngine:
         else:
             self.num_waiting_tokens -= request.num_prompt_tokens
         self.num_freed_tokens += request.num_tokens
-        del self._last_call[request_id]
+        self._last_call.pop(request_id, None)
+        self.owned.pop(request_id, None)
         self.num_freed_requests += 1
         return self.manager.free(request_id)
+
+    # -- requests whose scheduler owns their token state (vLLM's) -----------------------------
+    #
+    # vLLM's scheduler keeps each request's tokens, block hashes and counts itself and asks its
+    # KV cache manager for blocks only. These calls mirror that manager (vLLM 0.33's
+    # ``KVCacheManager``): the caller says the counts and hashes, the engine answers with blocks.
+    # The rules and the one-scheduler claim: docs/ARCHITECTURE.md §9.
+
+    def claim_pool(self, owner: str, ttl_s: float) -> None:
+        """Claim the pool for ``owner``, or renew its claim, for ``ttl_s`` seconds.
+
+        A claim held by another owner that has lapsed is released first (its requests freed, as
+        :meth:`release_claim`).
+
+        Raises:
+            InvalidArgumentError: ``owner`` empty or longer than max_request_id_bytes, or ``ttl_s``
+                outside 0 < ttl_s <= 3600.
+            PreconditionFailedError: another owner's claim is live (the message names it).
+        """
+        if not owner:
+            raise InvalidArgumentError("owner", "must not be empty")
+        if len(owner.encode()) > self.limits.max_request_id_bytes:
+            raise InvalidArgumentError("owner", f"longer than {self.limits.max_request_id_bytes} bytes")
+        if not 0 < ttl_s <= 3600:
+            raise InvalidArgumentError("claim_ttl_s", f"{ttl_s} outside 0 < ttl <= 3600 seconds")
+        now = self.clock()
+        claim = self.claim
+        if claim is not None and claim.owner != owner:
+            if claim.expires_at > now:
+                raise PreconditionFailedError(
+                    f"owner: the pool is owned by scheduler {claim.owner!r} (its claim lapses in "
+                    f"{claim.expires_at - now:.1f} s unless renewed); one scheduler owns a pool at a time"
+                )
+            self.release_claim(claim.owner)
+        self.claim = PoolClaim(owner, now + ttl_s)
+
+    def check_claim(self, owner: str | None) -> None:
+        """Refuse a mutating call of a caller other than the pool's live owner.
+
+        Raises:
+            PreconditionFailedError: a live claim is held by someone else than ``owner``.
+        """
+        claim = self.claim
+        if claim is not None and claim.owner != owner and claim.expires_at > self.clock():
+            raise PreconditionFailedError(
+                f"owner: the pool is owned by scheduler {claim.owner!r}; its requests and blocks are its own"
+            )
+
+    def release_claim(self, owner: str) -> list[str]:
+        """End ``owner``'s claim: free and forget every request whose tokens a scheduler owns, and
+        every block it took off a table and did not free. Nothing happens for another owner.
+
+        Returns:
+            The ids freed, in the order freed.
+        """
+        claim = self.claim
+        if claim is None or claim.owner != owner:
+            return []
+        self.claim = None
+        freed = list(self.owned)
+        for request_id in freed:
+            self.free(request_id)
+        pool = self.manager.block_pool
+        for block_id, count in self._detached.items():
+            pool.free_blocks([pool.blocks[block_id]] * count)
+        self._detached.clear()
+        return freed
+
+    def expire_claim(self) -> list[str]:
+        """Release a lapsed claim (the reaper's call); the ids freed."""
+        claim = self.claim
+        if claim is None or claim.expires_at > self.clock():
+            return []
+        return self.release_claim(claim.owner)
+
+    def update_request(
+        self,
+        request_id: str,
+        *,
+        num_tokens_kept: int,
+        token_ids: Sequence[int] | np.ndarray,
+        num_block_hashes_kept: int,
+        block_hashes: Sequence[bytes],
+        num_prompt_tokens: int = 0,
+        session_id: str | None = None,
+        kv_cache_report_mode: str | KVCacheReportMode = KVCacheReportMode.INCREMENTAL,
+        lora: LoRA | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
+    ) -> None:
+        """Register a request whose scheduler owns its tokens and hashes (waiting, no blocks), or
+        bring the engine's copy up to date: keep the first ``num_tokens_kept`` tokens and
+        ``num_block_hashes_kept`` hashes, append ``token_ids`` and ``block_hashes``.
+
+        The hashes are the scheduler's (vLLM hashes its requests itself): one per full block of
+        ``manager.hash_block_size`` tokens, each a digest of the manager's hash algorithm; the
+        engine never recomputes them, and events carry them. The options (session, report mode,
+        LoRA, salt, multimodal placeholders) go on events only; they are set at registration.
+
+        Raises:
+            InvalidArgumentError: a field out of range (request id; a token id outside 0..2^31-1;
+                more than max_model_len tokens; a kept count above what the engine holds, or one
+                that cuts into cached blocks or the prompt; a digest of the wrong size; more hashes
+                than full blocks; num_prompt_tokens outside 1..tokens at registration; a bad
+                option, as :meth:`get_computed_blocks`).
+            RequestNotFoundError: kept counts above 0 for an id the engine does not hold (it
+                restarted or freed it: send the request whole again).
+            RequestAlreadyExistsError: the id was registered by ``get_computed_blocks`` (its
+                tokens are the engine's).
+            CapacityExceededError: max_num_requests, or max_waiting_tokens, as
+                :meth:`get_computed_blocks`.
+        """
+        self._check_request_id(request_id)
+        token_ids = check_token_ids("token_ids", token_ids)
+        request = self.requests.get(request_id)
+        hash_size = self.manager.hash_digest_size
+        for i, digest in enumerate(block_hashes):
+            if len(digest) != hash_size:
+                raise InvalidArgumentError(
+                    "block_hashes", f"hash {i} is {len(digest)} bytes; the hash algorithm's digests are {hash_size}"
+                )
+        manager = self.manager
+        hash_block_size = manager.hash_block_size
+        if request is None:
+            if num_tokens_kept or num_block_hashes_kept:
+                raise RequestNotFoundError(request_id)
+            num_tokens = len(token_ids)
+            num_hashes = len(block_hashes)
+            if not 1 <= num_prompt_tokens <= num_tokens:
+                raise InvalidArgumentError(
+                    "num_prompt_tokens", f"{num_prompt_tokens} outside 1..{num_tokens} (the tokens sent)"
+                )
+        else:
+            if request_id not in self.owned:
+                raise RequestAlreadyExistsError(
+                    f"request_id {request_id!r} was registered by GetComputedBlocks: its tokens are the server's"
+                )
+            if num_tokens_kept > request.num_tokens or num_block_hashes_kept > len(request.block_hashes):
+                raise InvalidArgumentError(
+                    "num_tokens_kept",
+                    f"keeps {num_tokens_kept} tokens and {num_block_hashes_kept} hashes of {request_id!r}; the server "
+                    f"holds {request.num_tokens} and {len(request.block_hashes)}",
+                )
+            num_cached_tokens = max(
+                (m.num_cached_block.get(request_id, 0) * m.block_size for m in manager.coordinator.managers), default=0
+            )
+            if num_block_hashes_kept * hash_block_size < num_cached_tokens or num_tokens_kept < num_cached_tokens:
+                raise InvalidArgumentError(
+                    "num_block_hashes_kept",
+                    f"keeps {num_block_hashes_kept} hashes and {num_tokens_kept} tokens; {request_id!r} has "
+                    f"{num_cached_tokens} tokens in cached blocks, whose hashes and tokens cannot change",
+                )
+            num_tokens = num_tokens_kept + len(token_ids)
+            num_hashes = num_block_hashes_kept + len(block_hashes)
+        if num_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                "token_ids", f"request would hold {num_tokens} tokens, above max_model_len {self.max_model_len}"
+            )
+        if num_hashes > num_tokens // hash_block_size:
+            raise InvalidArgumentError(
+                "block_hashes",
+                f"{num_hashes} hashes for {num_tokens} tokens: at most one per full block of {hash_block_size} tokens",
+            )
+        if request is None:
+            mode = self._check_request_options(
+                num_prompt_tokens, session_id, kv_cache_report_mode, lora, cache_salt, mm_features
+            )
+            if len(self.requests) >= self.limits.max_num_requests:
+                raise CapacityExceededError(
+                    f"max_num_requests: {self.limits.max_num_requests} requests are registered; free some first"
+                )
+            max_waiting = self.limits.max_waiting_tokens
+            if max_waiting is not None and self.num_waiting_tokens + num_prompt_tokens > max_waiting:
+                raise CapacityExceededError(
+                    f"max_waiting_tokens: waiting requests hold {self.num_waiting_tokens} prompt tokens; "
+                    f"{num_prompt_tokens} more would be above {max_waiting}: admit or free waiting requests first"
+                )
+            request = Request(
+                request_id,
+                (),
+                block_hasher=None,
+                lora=lora,
+                cache_salt=cache_salt,
+                mm_features=mm_features,
+                session_id=session_id,
+                kv_cache_report_mode=mode,
+            )
+            request.replace_tail(0, token_ids, 0, block_hashes)
+            request.num_prompt_tokens = num_prompt_tokens
+            self.requests[request_id] = request
+            self.owned[request_id] = None
+            self.num_waiting_tokens += num_prompt_tokens
+        else:
+            request.replace_tail(num_tokens_kept, token_ids, num_block_hashes_kept, block_hashes)
+        self._touch(request_id)
+
+    def find_cache_hit(self, request_id: str, max_cache_hit_length: int | None = None) -> ComputedBlocksResult:
+        """The prefix-cache hit of a waiting scheduler-owned request, by its own hashes (vLLM 0.33:
+        ``get_computed_blocks``); counts one lookup in the server's prefix-cache counters.
+
+        Args:
+            request_id: the request (registered by :meth:`update_request`, not running).
+            max_cache_hit_length: the longest hit, in tokens (default ``num_tokens - 1``: the
+                last token is always computed).
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: the request is running or not scheduler-owned, or
+                max_cache_hit_length outside 0..num_tokens.
+        """
+        request = self._owned_request(request_id)
+        if request_id in self.running:
+            raise InvalidArgumentError(
+                "request_id", f"request {request_id!r} holds blocks; look up waiting requests only"
+            )
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        if not 0 <= limit <= request.num_tokens:
+            raise InvalidArgumentError(
+                "max_cache_hit_length", f"{max_cache_hit_length} outside 0..{request.num_tokens} (the request's tokens)"
+            )
+        self._touch(request_id)
+        manager = self.manager
+        if not manager.enable_caching or limit <= 0:
+            return ComputedBlocksResult(0, self._no_blocks)
+        blocks, num_tokens = manager.coordinator.find_longest_cache_hit(request, limit)
+        stats = manager.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_tokens
+        return ComputedBlocksResult(num_tokens, tuple([b.block_id for b in group] for group in blocks))
+
+    def allocate_owned(
+        self,
+        request_id: str,
+        *,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_in_flight_tokens: int = 0,
+        num_new_computed_tokens: int = 0,
+        computed_block_ids: Sequence[Sequence[int]] = (),
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        max_in_flight_tokens: int | None = None,
+        reserved_blocks: int = 0,
+        watermark_blocks: int = 0,
+    ) -> OwnedAllocateResult:
+        """vLLM 0.33's ``allocate_slots`` for a scheduler-owned request, at the caller's counts
+        (arguments as :meth:`KVCacheManager.allocate_slots`; ``num_computed_tokens`` and
+        ``num_in_flight_tokens`` are the scheduler's ``request.num_computed_tokens`` and
+        ``request.num_in_flight_tokens``; ``computed_block_ids`` the hit's ids per group).
+
+        The hit must be blocks the cache holds now, each at a position whose hash it carries in its
+        group (0 only where a windowed group skips): else FAILED_PRECONDITION, nothing changed
+        (the caller's view of the cache is stale). A refusal (too few free blocks) changes nothing.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: a count outside its bound (each naming the field: negative, above
+                max_model_len, in flight above computed, the block counts above the pool), a hit or
+                external tokens for a request that has a table, a hit whose length is not the
+                groups' blocks, or no tokens to compute or adopt.
+            PreconditionFailedError: the hit names a block that does not hold it now.
+        """
+        request = self._owned_request(request_id)
+        max_len = self.max_model_len
+        for field, value in (
+            ("num_computed_tokens", num_computed_tokens),
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+            ("num_encoder_tokens", num_encoder_tokens),
+        ):
+            if not 0 <= value <= max_len:
+                raise InvalidArgumentError(field, f"{value} outside 0..{max_len} (max_model_len)")
+        if not 0 <= num_in_flight_tokens <= num_computed_tokens:
+            raise InvalidArgumentError(
+                "num_in_flight_tokens", f"{num_in_flight_tokens} outside 0..{num_computed_tokens} (num_computed_tokens)"
+            )
+        num_pool_blocks = self.manager.kv_cache_config.num_blocks
+        for field, value in (("reserved_blocks", reserved_blocks), ("watermark_blocks", watermark_blocks)):
+            if not 0 <= value <= num_pool_blocks:
+                raise InvalidArgumentError(field, f"{value} outside 0..{num_pool_blocks} (the pool's blocks)")
+        if max_in_flight_tokens is not None and not 1 <= max_in_flight_tokens <= 1 << 32:
+            raise InvalidArgumentError("max_in_flight_tokens", f"{max_in_flight_tokens} outside 1..2^32")
+        if not num_new_tokens and not num_new_computed_tokens and not num_external_computed_tokens:
+            raise InvalidArgumentError(
+                "num_new_tokens", "0, with no hit and no external tokens to adopt: nothing to allocate for"
+            )
+        manager = self.manager
+        coordinator = manager.coordinator
+        has_table = request_id in coordinator.managers[0].req_to_blocks
+        hit = self._resolve_hit(request, num_new_computed_tokens, computed_block_ids, has_table)
+        if has_table and num_external_computed_tokens:
+            raise InvalidArgumentError(
+                "num_external_computed_tokens",
+                f"request {request_id!r} holds blocks; external tokens come on admission",
+            )
+        before = request.num_computed_tokens, request.num_in_flight_tokens
+        request.num_computed_tokens = num_computed_tokens
+        request.num_in_flight_tokens = num_in_flight_tokens
+        self._touch(request_id)
+        new_blocks = manager.allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+            max_in_flight_tokens=max_in_flight_tokens,
+            reserved_blocks=reserved_blocks,
+            watermark_blocks=watermark_blocks,
+        )
+        if new_blocks is None:
+            request.num_computed_tokens, request.num_in_flight_tokens = before
+            self.num_failed_allocations += 1
+            return OwnedAllocateResult(False, self._no_blocks, None, (), manager.last_refusal_full_sequence)
+        if request_id not in self.running:
+            self.running.add(request_id)
+            self.num_waiting_tokens -= request.num_prompt_tokens
+        tables = coordinator.get_blocks(request_id)
+        return OwnedAllocateResult(
+            True,
+            new_blocks.get_block_ids(),
+            None if has_table else tuple([b.block_id for b in table] for table in tables),
+            tuple(_num_null_head(table) for table in tables),
+        )
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        """Cache the request's full blocks among its first ``num_tokens`` tokens (vLLM 0.33:
+        ``cache_blocks``; after an asynchronous KV load completes, or a resumed request).
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: not scheduler-owned, ``num_tokens`` negative, or the request holds no
+                blocks.
+        """
+        request = self._owned_request(request_id)
+        if num_tokens < 0:
+            raise InvalidArgumentError("num_tokens", f"{num_tokens} is negative")
+        if request_id not in self.running:
+            raise InvalidArgumentError("request_id", f"request {request_id!r} holds no blocks")
+        self._touch(request_id)
+        self.manager.cache_blocks(request, min(num_tokens, request.num_tokens))
+
+    def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> tuple[int, ...]:
+        """Free the blocks of positions the request's windowed groups no longer need once
+        ``num_processed_tokens`` tokens are processed (vLLM 0.33: ``remove_skipped_blocks``).
+
+        Returns:
+            Per group, the leading null blocks of the table now.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: not scheduler-owned, or ``num_processed_tokens`` outside 0..max_model_len.
+        """
+        self._owned_request(request_id)
+        if not 0 <= num_processed_tokens <= self.max_model_len:
+            raise InvalidArgumentError(
+                "num_processed_tokens", f"{num_processed_tokens} outside 0..{self.max_model_len} (max_model_len)"
+            )
+        self._touch(request_id)
+        self.manager.remove_skipped_blocks(request_id, num_processed_tokens)
+        return tuple(_num_null_head(table) for table in self.manager.coordinator.get_blocks(request_id))
+
+    def free_owned(self, request_id: str, *, forget: bool) -> int:
+        """Free a scheduler-owned request's blocks (tail first); forget it (finished) or keep its
+        tokens and hashes, waiting (preempted: vLLM keeps the request).
+
+        Returns:
+            Blocks whose ref count dropped.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: not scheduler-owned.
+        """
+        request = self._owned_request(request_id)
+        if forget:
+            return self.free(request_id)
+        self._touch(request_id)
+        return self._drop_blocks(request, self.manager.free(request_id))
+
+    def pop_blocks_for_free(self, request_id: str, *, forget: bool) -> list[int]:
+        """Take a scheduler-owned request's blocks off its tables without freeing them (vLLM 0.33:
+        ``pop_blocks_for_free``: a KV connector may still write them); free them later with
+        :meth:`free_blocks`. Forget the request, or keep it waiting, as :meth:`free_owned`.
+
+        Returns:
+            The block ids, group after group in table order, leading null blocks left out.
+
+        Raises:
+            RequestNotFoundError, InvalidArgumentError: as :meth:`free_owned`.
+        """
+        request = self._owned_request(request_id)
+        blocks = self.manager.pop_blocks_for_free(request_id)
+        detached = self._detached
+        for block in blocks:
+            if not block.is_null:
+                detached[block.block_id] = detached.get(block.block_id, 0) + 1
+        if forget:
+            self.free(request_id)  # its tables are gone: this forgets it
+        else:
+            self._touch(request_id)
+            self._drop_blocks(request, 0)
+        return [b.block_id for b in blocks]
+
+    def free_blocks(self, block_ids: Sequence[int]) -> int:
+        """Free blocks taken off tables by :meth:`pop_blocks_for_free`, the first evicted first.
+
+        Returns:
+            Blocks whose ref count dropped.
+
+        Raises:
+            InvalidArgumentError: an id that :meth:`pop_blocks_for_free` did not hand out (or that
+                is freed more often than handed out); nothing is freed then.
+        """
+        detached = self._detached
+        counts: dict[int, int] = {}
+        for block_id in block_ids:
+            counts[block_id] = counts.get(block_id, 0) + 1
+            if counts[block_id] > detached.get(block_id, 0):
+                raise InvalidArgumentError(
+                    "block_ids", f"block {block_id} was not taken off a table by PopBlocksForFree (or is freed twice)"
+                )
+        for block_id, n in counts.items():
+            left = detached[block_id] - n
+            if left:
+                detached[block_id] = left
+            else:
+                del detached[block_id]
+        pool = self.manager.block_pool
+        return pool.free_blocks([pool.blocks[i] for i in block_ids])
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_computed_tokens: int,
+        *,
+        apply_admission_cap: bool = False,
+        max_in_flight_tokens: int | None = None,
+    ) -> int:
+        """Free blocks a scheduler-owned request still needs to hold ``num_tokens`` tokens, with
+        no new hit (vLLM 0.33: ``coordinator.get_num_blocks_to_allocate``; its scheduler reserves
+        them for in-flight prefills). Changes nothing.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: not scheduler-owned, or a count above max_model_len.
+        """
+        self._owned_request(request_id)
+        for field, value in (("num_tokens", num_tokens), ("num_computed_tokens", num_computed_tokens)):
+            if not 0 <= value <= self.max_model_len:
+                raise InvalidArgumentError(field, f"{value} outside 0..{self.max_model_len} (max_model_len)")
+        manager = self.manager
+        caps = manager.admission_caps(max_in_flight_tokens) if apply_admission_cap else None
+        return manager.coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens, manager.empty_blocks().blocks, num_computed_tokens, 0, caps
+        )
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """Tokens of a request covered by cached blocks (vLLM 0.33: ``estimate_cached_tokens``).
+
+        Raises:
+            RequestNotFoundError: unknown id.
+        """
+        if request_id not in self.requests:
+            self._check_request_id(request_id)
+            raise RequestNotFoundError(request_id)
+        return self.manager.estimate_cached_tokens(request_id)
+
+    def _owned_request(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            self._check_request_id(request_id)
+            raise RequestNotFoundError(request_id)
+        if request_id not in self.owned:
+            raise InvalidArgumentError(
+                "request_id", f"request {request_id!r} was registered by GetComputedBlocks: its tokens are the server's"
+            )
+        return request
+
+    def _drop_blocks(self, request: Request, num_freed: int) -> int:
+        """A request that no longer holds blocks is waiting again (its prompt counts as waiting)."""
+        request_id = request.request_id
+        if request_id in self.running:
+            self.running.discard(request_id)
+            self.num_waiting_tokens += request.num_prompt_tokens
+        return num_freed
+
+    def _resolve_hit(
+        self,
+        request: Request,
+        num_new_computed_tokens: int,
+        computed_block_ids: Sequence[Sequence[int]],
+        has_table: bool,
+    ) -> KVCacheBlocks | None:
+        """The hit's blocks, checked against the cache now (see :meth:`allocate_owned`)."""
+        manager = self.manager
+        coordinator = manager.coordinator
+        if not num_new_computed_tokens and not any(len(ids) for ids in computed_block_ids):
+            return None
+        if has_table:
+            raise InvalidArgumentError(
+                "computed_block_ids", f"request {request.request_id!r} holds blocks; a hit comes on admission"
+            )
+        if len(computed_block_ids) != manager.num_groups:
+            raise InvalidArgumentError(
+                "computed_block_ids", f"{len(computed_block_ids)} groups; the pool has {manager.num_groups}"
+            )
+        pool = manager.block_pool
+        blocks: list[list[KVCacheBlock]] = []
+        for g, (m, ids) in enumerate(zip(coordinator.managers, computed_block_ids, strict=True)):
+            if not m.prefix_cacheable:
+                if len(ids):
+                    raise InvalidArgumentError("computed_block_ids", f"group {g} ({type(m).__name__}) is never hit")
+                blocks.append([])
+                continue
+            if num_new_computed_tokens % m.block_size or len(ids) != num_new_computed_tokens // m.block_size:
+                raise InvalidArgumentError(
+                    "computed_block_ids",
+                    f"group {g}: {len(ids)} blocks of {m.block_size} tokens for a hit of {num_new_computed_tokens} tokens",
+                )
+            hashes = coordinator.group_block_hashes(request, g)
+            if len(ids) > len(hashes):
+                raise InvalidArgumentError(
+                    "computed_block_ids", f"group {g}: a hit of {len(ids)} blocks; the request has {len(hashes)} hashes"
+                )
+            group_blocks = []
+            for i, block_id in enumerate(ids):
+                if block_id == 0 and m.has_skip_rule:
+                    group_blocks.append(m.null_block)
+                    continue
+                if not 0 < block_id < pool.num_blocks:
+                    raise InvalidArgumentError(
+                        "computed_block_ids", f"group {g}: block id {block_id} outside 1..{pool.num_blocks - 1}"
+                    )
+                block = pool.blocks[block_id]
+                if block.block_hash != hashes[i] or block.group_idx != g:
+                    raise PreconditionFailedError(
+                        f"computed_block_ids: group {g}, block {block_id} at position {i} no longer holds the "
+                        f"request's hash there (evicted or reused since the lookup); look the request up again"
+                    )
+                group_blocks.append(block)
+            blocks.append(group_blocks)
+        return KVCacheBlocks(tuple(blocks))
 
     def idle_request_ids(self, idle_timeout_s: float) -> list[str]:
         """Requests not called for ``idle_timeout_s`` seconds or more, least recently called first.
@@ -680,8 +1271,56 @@ class KVCacheEngine:
             f"num_waiting_tokens {self.num_waiting_tokens} != {waiting_tokens} held by waiting requests"
         )
 
+    def _check_request_options(
+        self,
+        num_prompt_tokens: int,
+        session_id: str | None,
+        kv_cache_report_mode: str | KVCacheReportMode,
+        lora: LoRA | None,
+        cache_salt: str | None,
+        mm_features: Sequence[MultiModalFeature],
+    ) -> KVCacheReportMode:
+        """Check a request's options (what ``get_computed_blocks`` documents); the report mode.
+
+        Raises:
+            InvalidArgumentError: naming the bad option.
+        """
+        limit = self.limits.max_string_bytes
+        if session_id is not None:
+            _check_string("session_id", session_id, limit)
+        if cache_salt is not None:
+            _check_string("cache_salt", cache_salt, limit)
+        if lora is not None:
+            _check_string("lora.lora_name", lora.lora_name, limit, allow_empty=False)
+            _check_string("lora.lora_path", lora.lora_path, limit)
+            if lora.lora_id < 0:
+                raise InvalidArgumentError("lora.lora_id", f"{lora.lora_id} is negative")
+        previous_end = 0  # placeholders come in prompt order and do not overlap (vLLM's hash keys assume it)
+        for i, feature in enumerate(mm_features):
+            _check_string(f"mm_features[{i}].identifier", feature.identifier, limit, allow_empty=False)
+            if feature.length < 1 or feature.offset < 0 or feature.offset + feature.length > num_prompt_tokens:
+                raise InvalidArgumentError(
+                    f"mm_features[{i}]",
+                    f"placeholder [{feature.offset}, {feature.offset + feature.length}) must be non-empty and "
+                    f"within the prompt (0..{num_prompt_tokens})",
+                )
+            if feature.offset < previous_end:
+                raise InvalidArgumentError(
+                    f"mm_features[{i}]",
+                    f"placeholder [{feature.offset}, {feature.offset + feature.length}) starts before the end of "
+                    f"mm_features[{i - 1}] ({previous_end}): placeholders must be in prompt order and disjoint",
+                )
+            previous_end = feature.offset + feature.length
+        try:
+            return KVCacheReportMode.parse(kv_cache_report_mode)
+        except ValueError as e:
+            raise InvalidArgumentError("kv_cache_report_mode", str(e).split("; ", 1)[-1]) from None
+
     def _touch(self, request_id: str) -> None:
-        """Record a call of ``request_id`` now (it becomes the most recently called)."""
+        """Record a call of ``request_id`` now (it becomes the most recently called); a
+        scheduler-owned request lives as long as its scheduler's claim instead."""
+        if request_id in self.owned:
+            return
         self._last_call[request_id] = self.clock()
         self._last_call.move_to_end(request_id)
 

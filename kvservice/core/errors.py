@@ -6,6 +6,7 @@
 | :class:`RequestNotFoundError` | NOT_FOUND |
 | :class:`RequestAlreadyExistsError` | ALREADY_EXISTS |
 | :class:`EpochMismatchError` | FAILED_PRECONDITION |
+| :class:`PreconditionFailedError` | FAILED_PRECONDITION |
 | :class:`SeqOutOfRangeError` | OUT_OF_RANGE |
 | :class:`CapacityExceededError` | RESOURCE_EXHAUSTED |
 | :class:`ShuttingDownError` | UNAVAILABLE |
@@ -20,6 +21,7 @@ __all__ = [
     "EpochMismatchError",
     "InvalidArgumentError",
     "KVServiceDomainError",
+    "PreconditionFailedError",
     "RequestAlreadyExistsError",
     "RequestNotFoundError",
     "SeqOutOfRangeError",
@@ -60,6 +62,11 @@ class RequestAlreadyExistsError(KVServiceDomainError):
 
 class EpochMismatchError(KVServiceDomainError):
     """A resume position names another server epoch (the server restarted)."""
+
+
+class PreconditionFailedError(KVServiceDomainError):
+    """The call is well formed but the server's state refuses it as asked: the pool is claimed by
+    another scheduler, or a prefix-cache hit the caller names is no longer what the cache holds."""
 
 
 class SeqOutOfRangeError(KVServiceDomainError):

@@ -20,18 +20,20 @@ from kvservice.core.block_pool import BlockPool, KVCacheBlock
 from kvservice.core.coordinator import get_kv_cache_coordinator
 from kvservice.core.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
+    EncoderOnlyAttentionSpec,
     KVCacheConfig,
+    SlidingWindowSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
 from kvservice.core.request import Request
-from kvservice.core.single_type_managers import SingleTypeKVCacheManager
 from kvservice_client.events import BlockRemoved, BlockStored, KVEvent
 from kvservice_client.hashing import (
     DEFAULT_HASH_ALGORITHM,
     DEFAULT_HASH_SEED,
     BlockHasher,
     block_hash_to_int,
+    get_hash_fn,
 )
 
 logger = logging.getLogger(__name__)
@@ -219,12 +221,14 @@ class KVCacheManager:
         self.metadata = self._build_metadata()
         self._no_hit: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
         """Read-only: the empty hit of a running request (never mutated)."""
-        self._has_skip_rule = any(
-            type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
-            for m in self.coordinator.managers
-        )
+        self._has_skip_rule = any(m.has_skip_rule for m in self.coordinator.managers)
         """Whether some group frees positions it stops needing (sliding window, chunked local)."""
         self._group_kind = tuple(g.kind for g in self.metadata.groups)
+        self.last_refusal_full_sequence = False
+        """Whether the last refused :meth:`allocate_slots` was refused by its full-sequence gate
+        (vLLM checks it before freeing skipped blocks) rather than by the step's own blocks."""
+        self.hash_digest_size = len(get_hash_fn(prefix_caching.hash_algorithm)(b"")) if prefix_caching else 32
+        """Bytes of one block hash (32 for sha256*, 16 for xxhash*)."""
         self._group_window = tuple(g.sliding_window for g in self.metadata.groups)
 
     # -- requests ---------------------------------------------------------------------------
@@ -269,52 +273,109 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        *,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        max_in_flight_tokens: int | None = None,
+        reserved_blocks: int = 0,
+        watermark_blocks: int = 0,
     ) -> KVCacheBlocks | None:
-        """Allocate slots for the tokens the request computes this step.
+        """Allocate slots for the tokens the request computes this step (vLLM 0.33:
+        ``KVCacheManager.allocate_slots``).
 
         Args:
-            request: the request (``num_computed_tokens`` = tokens computed before this step).
-            num_new_tokens: tokens to compute this step, excluding the hit (>= 1).
+            request: the request (``num_computed_tokens`` = tokens computed before this step;
+                ``num_in_flight_tokens`` = of those, tokens scheduled but not yet processed).
+            num_new_tokens: tokens to compute this step, excluding the hit (>= 1, or 0 when the
+                step only adopts a hit or external tokens).
             num_new_computed_tokens: the prefix-cache hit taken now, in tokens (admission only).
             new_computed_blocks: the hit's blocks per group (from :meth:`get_computed_blocks`).
             num_lookahead_tokens: extra slots (speculative tokens), not cached.
+            num_external_computed_tokens: tokens a KV connector loads (admission only): blocks
+                are allocated for them after the hit.
+            delay_cache_blocks: cache nothing now (the external tokens arrive later: vLLM's
+                asynchronous KV load); :meth:`cache_blocks` caches them when they have.
+            num_encoder_tokens: the encoder tokens a cross-attention group holds (encoder-decoder
+                models; allocated at the first allocation).
+            full_sequence_must_fit: refuse (None) unless the whole request (``num_tokens``) fits
+                the free blocks beside ``watermark_blocks``, each sliding-window or chunked-local
+                group counted at most at its admission cap (vLLM's ``scheduler_reserve_full_isl``
+                gate: chunked prefill would otherwise admit on the first chunk alone).
+            max_in_flight_tokens: tokens scheduled but not yet processed at most (vLLM's
+                ``max_in_flight_tokens``): the windowed groups' admission cap; None = max_model_len.
+            reserved_blocks: free blocks to leave to other requests (vLLM: an asynchronous KV load
+                may not take blocks an in-flight prefill relies on).
+            watermark_blocks: free blocks to keep for running requests (vLLM's watermark, given
+                by the caller for waiting and preempted requests while others are scheduled).
 
         Returns:
-            The newly allocated blocks per group, or None when the pool has too few free blocks
-            (then nothing changed and nothing was emitted: blocks of skipped positions count as
-            free, as in vLLM, but are released only when the allocation goes ahead).
+            The newly allocated blocks per group (blocks taken for external tokens are not among
+            them: :meth:`get_block_ids` has the whole table), or None when the pool has too few
+            free blocks (then nothing changed and nothing was emitted: blocks of skipped
+            positions count as free, as in vLLM, but are released only when the allocation goes
+            ahead, docs/ARCHITECTURE.md §3.9).
 
         Raises:
-            ValueError: ``num_new_tokens < 1``.
+            ValueError: ``num_new_tokens < 1`` with no hit and no external tokens to adopt.
 
-        Blocks of positions a group no longer needs are freed (skip rule); then the hit is
-        touched, new blocks are taken (evicting LRU cached blocks), and every full block up to
-        ``num_computed_tokens + num_new_computed_tokens + num_new_tokens`` is cached. In full
-        report mode a non-empty hit is reported (once: this is the admission).
+        Blocks of positions a group no longer needs at ``computed - in flight`` tokens are freed
+        (skip rule); then the hit is touched, blocks are taken for external tokens and for the
+        new tokens (evicting LRU cached blocks), and, unless ``delay_cache_blocks``, every full
+        block up to ``computed + hit + external + num_new_tokens`` tokens (at most the request's
+        tokens) is cached. In full report mode a non-empty hit is reported (once: this is the
+        admission).
         """
-        if num_new_tokens < 1:
-            raise ValueError(f"num_new_tokens must be >= 1; got {num_new_tokens}")
-        if new_computed_blocks is None and not num_new_computed_tokens:
+        if num_new_tokens < 1 and not num_external_computed_tokens and not num_new_computed_tokens:
+            raise ValueError(
+                f"num_new_tokens must be >= 1 when no hit or external tokens are adopted; got {num_new_tokens}"
+            )
+        if (
+            new_computed_blocks is None
+            and not num_new_computed_tokens
+            and not (num_external_computed_tokens or num_encoder_tokens or full_sequence_must_fit)
+            and not (reserved_blocks or watermark_blocks or delay_cache_blocks)
+        ):
             running = self._allocate_running(request, num_new_tokens, num_lookahead_tokens)
             if running is not False:
                 return running
         hit = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hit
         coordinator = self.coordinator
         request_id = request.request_id
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hit)
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
         num_free_blocks = self.block_pool.get_num_free_blocks()
-        if num_blocks_to_allocate > num_free_blocks:
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, self.max_model_len)
+            num_needed = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                num_full,
+                hit,
+                num_total_computed_tokens,
+                num_encoder_tokens,
+                self.admission_caps(max_in_flight_tokens),
+            )
+            if num_needed + watermark_blocks > num_free_blocks:
+                self.last_refusal_full_sequence = True
+                return None
+        num_tokens_need_slot = min(
+            num_total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        num_processed_tokens = max(0, num_total_computed_tokens - request.num_in_flight_tokens)
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hit, num_total_computed_tokens, num_encoder_tokens
+        )
+        num_required = num_blocks_to_allocate + watermark_blocks + reserved_blocks
+        if num_required > num_free_blocks:
             # Blocks of positions outside a window count as free (vLLM frees them first), but they
             # are freed only once the allocation is sure to succeed: a refusal changes nothing.
-            freeable = coordinator.get_num_freeable_skipped_blocks(request_id, request.num_computed_tokens)
-            if num_blocks_to_allocate > num_free_blocks + freeable:
+            freeable = coordinator.get_num_freeable_skipped_blocks(request_id, num_processed_tokens)
+            if num_required > num_free_blocks + freeable:
+                self.last_refusal_full_sequence = False
                 return None
-        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
         if self.enable_caching:
-            for group_blocks in hit:
-                self.block_pool.touch(group_blocks)
             if num_new_computed_tokens > 0 and request.report_reuse:
                 for group_idx, group_blocks in enumerate(hit):
                     if group_blocks:
@@ -327,11 +388,29 @@ class KVCacheManager:
                         )
         else:
             assert not any(hit), "a hit without prefix caching"
-        coordinator.save_new_computed_blocks(request_id, hit)
-        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
-        if self.enable_caching:
-            coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+        if any(hit) or num_external_computed_tokens:
+            coordinator.add_computed_blocks(request_id, hit, num_local_computed_tokens, num_external_computed_tokens)
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_encoder_tokens)
+        if self.enable_caching and not delay_cache_blocks:
+            coordinator.cache_blocks(request, min(num_total_computed_tokens + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks)
+
+    def admission_caps(self, max_in_flight_tokens: int | None) -> tuple[int | None, ...]:
+        """Per group, the most blocks a request holds at once (vLLM 0.33's
+        ``max_admission_blocks_per_request``): a sliding window keeps ``sliding_window - 1``
+        tokens plus those in flight (one block more, as the window may start inside a block), a
+        chunked local group a chunk plus those in flight; None for the others."""
+        in_flight = self.max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+        caps: list[int | None] = []
+        for group in self.kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                caps.append(-(-min(spec.sliding_window - 1 + in_flight, self.max_model_len) // spec.block_size) + 1)
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                caps.append(-(-min(spec.attention_chunk_size + in_flight, self.max_model_len) // spec.block_size))
+            else:
+                caps.append(None)
+        return tuple(caps)
 
     def _allocate_running(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int
@@ -347,20 +426,24 @@ class KVCacheManager:
         num_blocks_to_allocate = 0
         for m in managers:
             blocks = m.req_to_blocks.get(request_id)
-            if blocks is None:
+            if blocks is None or m.holds_encoder_tokens:
                 return False
             num_new = -(-num_tokens_need_slot // m.block_size) - len(blocks)
             if num_new > 0:
                 num_blocks_to_allocate += num_new
         coordinator = self.coordinator
+        num_processed_tokens = (
+            num_computed_tokens - request.num_in_flight_tokens if request.num_in_flight_tokens else num_computed_tokens
+        )
         if num_blocks_to_allocate:
             num_free_blocks = self.block_pool.get_num_free_blocks()
             if num_blocks_to_allocate > num_free_blocks:
-                freeable = coordinator.get_num_freeable_skipped_blocks(request_id, num_computed_tokens)
+                freeable = coordinator.get_num_freeable_skipped_blocks(request_id, max(0, num_processed_tokens))
                 if num_blocks_to_allocate > num_free_blocks + freeable:
+                    self.last_refusal_full_sequence = False
                     return None
         if self._has_skip_rule:
-            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+            coordinator.remove_skipped_blocks(request_id, max(0, num_processed_tokens))
         if num_blocks_to_allocate:
             new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         else:
@@ -386,6 +469,44 @@ class KVCacheManager:
         """
         request_id = request if isinstance(request, str) else request.request_id
         return self.coordinator.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request's tables without freeing their blocks (vLLM 0.33:
+        ``pop_blocks_for_free``; a KV connector still reads them): every group's blocks in table
+        order, leading null blocks left out. Free them later, tail first, with
+        :meth:`free_blocks`."""
+        return self.coordinator.pop_blocks_for_free(request_id)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> int:
+        """Drop one reference from each block, the first evicted first (``BlockPool.free_blocks``).
+
+        Returns:
+            Blocks whose ref count dropped.
+        """
+        return self.block_pool.free_blocks(ordered_blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache the request's full blocks among its first ``num_tokens`` tokens (at most its
+        hashed tokens), when prefix caching is on (vLLM 0.33: ``KVCacheManager.cache_blocks``,
+        called when delayed external tokens have arrived or a request resumes)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
+        """Free the blocks of positions no group needs once ``num_processed_tokens`` tokens are
+        processed, null in their place (vLLM 0.33: ``remove_skipped_blocks``)."""
+        self.coordinator.remove_skipped_blocks(request_id, num_processed_tokens)
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """Tokens of the request covered by cached blocks in every prefix-cacheable group: per
+        group the end of its deepest cached block, the least over groups (vLLM 0.33:
+        ``estimate_cached_tokens``; 0 when no group is prefix-cacheable)."""
+        num_tokens: int | None = None
+        for m in self.coordinator.managers:
+            if m.prefix_cacheable and not isinstance(m.kv_cache_spec, EncoderOnlyAttentionSpec):
+                n = m.num_cached_tokens(request_id)
+                num_tokens = n if num_tokens is None else min(num_tokens, n)
+        return num_tokens or 0
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (0 = null block)."""

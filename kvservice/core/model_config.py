@@ -136,12 +136,34 @@ class ModelKVLayout:
     layer_specs: Mapping[str, KVCacheSpec]
     max_model_len: int
     block_size: int
+    layer_groups: Mapping[str, int] | None = None
+    """Layer name -> its KV cache group, when the layout names the groups itself (a vLLM
+    ``KVCacheConfig``'s, as given); None: vLLM 0.33's grouping decides."""
 
     def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
-        """The groups vLLM 0.33 forms from :attr:`layer_specs` (see ``kv_cache_planning``)."""
-        from kvservice.core.kv_cache_planning import get_kv_cache_groups
+        """The groups vLLM 0.33 forms from :attr:`layer_specs` (see ``kv_cache_planning``), or
+        those :attr:`layer_groups` names (group ``g`` holds its layers in layer order, all of one
+        spec).
 
-        return get_kv_cache_groups(self.layer_specs)
+        Raises:
+            ValueError: named groups that are not 0..n-1, or a group of layers of different specs.
+        """
+        if self.layer_groups is None:
+            from kvservice.core.kv_cache_planning import get_kv_cache_groups
+
+            return get_kv_cache_groups(self.layer_specs)
+        members: dict[int, list[str]] = {}
+        for layer, group in self.layer_groups.items():
+            members.setdefault(group, []).append(layer)
+        if sorted(members) != list(range(len(members))):
+            raise ValueError(f"{self.name}: the groups must be numbered 0..n-1; got {sorted(members)}")
+        groups = []
+        for g in range(len(members)):
+            specs = {self.layer_specs[layer] for layer in members[g]}
+            if len(specs) != 1:
+                raise ValueError(f"{self.name}: group {g} holds layers of {len(specs)} different specs; one each")
+            groups.append(KVCacheGroupSpec(tuple(members[g]), specs.pop()))
+        return tuple(groups)
 
 
 class _Fields:
@@ -356,7 +378,7 @@ _KIND_KEYS = {
     "sliding_window_mla": {"kv_lora_rank", "qk_rope_head_dim", "sliding_window"},
     "mamba": {"shapes", "dtypes"},
 }
-_COMMON_KEYS = {"kind", "count", "name", "dtype", "num_kv_heads", "head_size"}
+_COMMON_KEYS = {"kind", "count", "name", "names", "group", "dtype", "num_kv_heads", "head_size"}
 
 
 def _layout_spec(f: _Fields, kind: str, block_size: int, dtype: str, max_model_len: int) -> KVCacheSpec:
@@ -432,7 +454,13 @@ def load_kv_cache_layout(
         shapes = [[3, 1024], [16, 64, 128]]
         dtypes = ["bfloat16", "float32"]
 
-    Layers are named ``layers.{i}`` unless a run gives ``name`` (then ``{name}.{j}``). The same
+        [[layers]]                   # vLLM's own groups, as a KVCacheConfig has them:
+        kind = "full_attention"      # every run gives `group` (0..n-1), and vLLM's grouping
+        names = ["model.layers.0"]   # is skipped
+        group = 0
+
+    Layers are named ``layers.{i}`` unless a run gives ``name`` (then ``{name}.{j}``) or ``names``
+    (its layers' names; ``count`` is their number). The same
     validation as for a config applies (missing or bad field, window or chunk above
     ``max_model_len``, unknown keys), and the same grouping.
 
@@ -462,6 +490,10 @@ def load_kv_cache_layout(
     if not runs or not isinstance(runs, list):
         raise top.error("missing field 'layers' (a [[layers]] array with at least one run)")
     specs: dict[str, KVCacheSpec] = {}
+    layer_groups: dict[str, int] = {}
+    grouped = [run.get("group") is not None for run in runs if isinstance(run, dict)]
+    if any(grouped) and not all(grouped):
+        raise top.error("'group' is given for some [[layers]] runs only: give it for every run or none")
     for run_idx, run in enumerate(runs):
         f = _Fields(source, run, f"layers[{run_idx}].")
         kind = run.get("kind")
@@ -472,16 +504,36 @@ def load_kv_cache_layout(
             unknown |= set(run) & {"num_kv_heads", "head_size"}
         if unknown:
             raise f.error(f"unknown keys {sorted(unknown)} for kind {kind!r}")
-        count = f.positive_int("count", 1)
+        names = run.get("names")
+        if names is not None and (
+            not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names)
+        ):
+            raise f.error(f"{f._name('names')} must be a non-empty list of layer names; got {names!r}")
+        count = len(names) if names is not None else f.positive_int("count", 1)
+        group = run.get("group")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 0):
+            raise f.error(f"{f._name('group')} must be an integer >= 0; got {group!r}")
         dtype = default_dtype if kv_cache_dtype != "auto" else _check_dtype(f, "dtype", f.get("dtype", default_dtype))
         spec = _layout_spec(f, kind, block_size, dtype, max_model_len)
         run_name = run.get("name")
         for j in range(count):
-            layer = f"{run_name}.{j}" if run_name else f"layers.{len(specs)}"
+            if names is not None:
+                layer = names[j]
+            else:
+                layer = f"{run_name}.{j}" if run_name else f"layers.{len(specs)}"
             if layer in specs:
                 raise f.error(f"layer name {layer!r} is used twice")
             specs[layer] = spec
-    return ModelKVLayout(str(doc.get("name") or p.stem), "layout", specs, max_model_len, block_size)
+            if group is not None:
+                layer_groups[layer] = group
+    layout = ModelKVLayout(
+        str(doc.get("name") or p.stem), "layout", specs, max_model_len, block_size, layer_groups or None
+    )
+    try:
+        layout.kv_cache_groups()
+    except ValueError as exc:
+        raise top.error(str(exc).split(": ", 1)[-1]) from None
+    return layout
 
 
 # --------------------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ class Request:
         block_hashes: hash of every full block of ``all_token_ids`` at the hash block size.
         num_computed_tokens: tokens whose KV is computed (or scheduled); advanced by the caller
             after each successful allocation, as vLLM's scheduler does.
+        num_in_flight_tokens: of ``num_computed_tokens``, tokens scheduled but not yet processed
+            (vLLM 0.33's async scheduling); a group frees skipped positions only below
+            ``num_computed_tokens - num_in_flight_tokens``. 0 unless a scheduler says so.
     """
 
     __slots__ = (
@@ -78,6 +81,7 @@ class Request:
         "mm_features",
         "session_id",
         "kv_cache_report_mode",
+        "num_in_flight_tokens",
         "_block_hasher",
     )
 
@@ -103,6 +107,7 @@ class Request:
         self.mm_features = tuple(mm_features)
         self.session_id = session_id
         self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
         self._block_hasher = block_hasher
         if block_hashes is not None and block_hasher is not None:
             if len(block_hashes) != self.num_prompt_tokens // block_hasher.block_size:
@@ -140,6 +145,24 @@ class Request:
         # Only a completed block adds a hash (most decode steps complete none).
         if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
             self._update_block_hashes()
+
+    def replace_tail(
+        self, num_tokens_kept: int, token_ids: Sequence[int], num_hashes_kept: int, block_hashes: Sequence[bytes]
+    ) -> None:
+        """Set the tokens and hashes of a request whose scheduler owns them (vLLM's: it hashes its
+        requests itself): keep the first ``num_tokens_kept`` tokens and ``num_hashes_kept`` hashes,
+        then append ``token_ids`` and ``block_hashes``. The caller has checked the bounds (the
+        prompt is never cut, hashes cover only full blocks of the tokens); no hash is computed here.
+
+        Raises:
+            ValueError: the request hashes its own tokens (made with a ``block_hasher``).
+        """
+        if self._block_hasher is not None:
+            raise ValueError(f"request {self.request_id!r} hashes its own tokens; its hashes cannot be set")
+        del self.all_token_ids[num_tokens_kept:]
+        self.all_token_ids.extend(token_ids)
+        del self.block_hashes[num_hashes_kept:]
+        self.block_hashes.extend(block_hashes)
 
     def truncate_tokens(self, num_tokens: int) -> None:
         """Drop tokens beyond the first ``num_tokens`` (and the hashes of blocks they completed).

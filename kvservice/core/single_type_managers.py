@@ -31,6 +31,7 @@ from kvservice.core.request import Request
 
 __all__ = [
     "ChunkedLocalAttentionManager",
+    "CrossAttentionManager",
     "FullAttentionManager",
     "MambaManager",
     "SingleTypeKVCacheManager",
@@ -56,6 +57,13 @@ class SingleTypeKVCacheManager(ABC):
         num_cached_block: request id -> leading blocks of the table already cached.
     """
 
+    holds_encoder_tokens = False
+    """Whether the group's blocks hold a request's encoder tokens (cross-attention) rather than
+    its decoder tokens."""
+
+    prefix_cacheable = True
+    """Whether the group's full blocks are cached and hit (not cross-attention)."""
+
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, group_idx: int) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
@@ -68,27 +76,92 @@ class SingleTypeKVCacheManager(ABC):
     # -- allocation -------------------------------------------------------------------------
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_total_computed_tokens: int = 0,
+        max_num_blocks: int | None = None,
     ) -> int:
-        """Free blocks this group would consume to hold ``num_tokens`` tokens.
+        """Free blocks this group would consume to hold ``num_tokens`` tokens (vLLM 0.33:
+        ``SingleTypeKVCacheManager.get_num_blocks_to_allocate``).
 
-        Counts new blocks beyond the table and the hit blocks, plus hit blocks that are free
-        (touching them takes them out of the free queue).
+        A request that has a table needs the blocks beyond it. One being admitted needs the blocks
+        beyond its skipped positions or its hit, whichever reaches further, plus the hit blocks
+        that are free (touching them takes them out of the free queue); hit blocks its skip rule
+        drops are not touched, so they do not count.
+
+        Args:
+            request_id: the request.
+            num_tokens: tokens that need a slot, those already allocated included.
+            new_computed_blocks: the prefix-cache hit taken now (admission only), null-padded.
+            num_total_computed_tokens: tokens computed once the hit (and a connector's external
+                tokens) is taken; the skip rule applies to it.
+            max_num_blocks: most blocks the request needs at once (vLLM's recycling-aware
+                admission cap of a sliding window or chunked local group); None: no cap.
         """
         num_required = -(-num_tokens // self.block_size)
-        num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        if max_num_blocks is not None and num_required > max_num_blocks:
+            num_required = max_num_blocks
+        table = self.req_to_blocks.get(request_id)
+        if table is not None:
+            assert not new_computed_blocks, "a request with a block table cannot take a new prefix-cache hit"
+            return num_required - len(table) if num_required > len(table) else 0
+        num_skipped_blocks = self.get_num_skipped_tokens(num_total_computed_tokens) // self.block_size
+        num_held = max(num_skipped_blocks, len(new_computed_blocks))
         num_new = num_required - num_held if num_required > num_held else 0
         if not new_computed_blocks:
             return num_new
-        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        touched = new_computed_blocks[num_skipped_blocks:] if num_skipped_blocks else new_computed_blocks
+        return num_new + sum(1 for b in touched if b.ref_cnt == 0 and not b.is_null)
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
-        """Start the request's table with its prefix-cache hit (already touched), all cached."""
-        if request_id not in self.req_to_blocks:
-            self.req_to_blocks[request_id] = list(new_computed_blocks)
-            self.num_cached_block[request_id] = len(new_computed_blocks)
-        else:
+    def add_local_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], num_total_computed_tokens: int
+    ) -> None:
+        """Start the request's table with its prefix-cache hit, all cached (vLLM 0.33:
+        ``add_local_computed_blocks``): the positions the skip rule drops at
+        ``num_total_computed_tokens`` are null (their hit blocks are not taken), the rest of the hit
+        is touched. A request that already has a table keeps it (the hit must then be empty)."""
+        if request_id in self.req_to_blocks:
             assert not new_computed_blocks, "a running request cannot take a new prefix-cache hit"
+            return
+        num_skipped_blocks = self.get_num_skipped_tokens(num_total_computed_tokens) // self.block_size
+        if num_skipped_blocks:
+            kept = new_computed_blocks[num_skipped_blocks:]
+            table = [self.null_block] * num_skipped_blocks
+            table.extend(kept)
+        else:
+            kept = new_computed_blocks
+            table = list(new_computed_blocks)
+        self.block_pool.touch(kept)
+        self.req_to_blocks[request_id] = table
+        self.num_cached_block[request_id] = len(table)
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """Blocks for the tokens a KV connector loads (vLLM 0.33: ``allocate_external_computed_blocks``):
+        the table grows to hold ``num_local_computed_tokens + num_external_computed_tokens``, minus
+        what the skip rule drops at that point. Run after every group's hit is touched, so one
+        group's new blocks cannot evict another group's hit.
+
+        Returns:
+            The new blocks (appended to the table).
+        """
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(num_total)
+        if num_skipped_tokens > 0:
+            num_external_computed_tokens = min(num_total - num_skipped_tokens, num_external_computed_tokens)
+        if num_external_computed_tokens <= 0:
+            return []
+        table = self.req_to_blocks.setdefault(request_id, [])
+        self.num_cached_block.setdefault(request_id, 0)
+        num_new = -(-num_total // self.block_size) - len(table)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        table.extend(new_blocks)
+        return new_blocks
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Append blocks until the table holds ``num_tokens`` tokens; returns the new blocks."""
@@ -113,6 +186,16 @@ class SingleTypeKVCacheManager(ABC):
         )
         self.num_cached_block[request_id] = num_full
 
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request's table without freeing its blocks: the blocks in table order, the
+        leading null blocks (skipped positions) left out (vLLM 0.33: ``pop_blocks_for_free``)."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        start = 0
+        while start < len(blocks) and blocks[start].is_null:
+            start += 1
+        return blocks[start:] if start else blocks
+
     def free(self, request_id: str) -> int:
         """Free the request's blocks tail first (its deepest block is evicted first).
 
@@ -123,7 +206,22 @@ class SingleTypeKVCacheManager(ABC):
         self.num_cached_block.pop(request_id, None)
         return self.block_pool.free_blocks(reversed(blocks))
 
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Tokens the request's cached blocks cover: the end of its deepest cached block, 0 when
+        none is (vLLM 0.33: the largest ``block_hash_num_tokens`` of its table)."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        for i in range(len(blocks) - 1, -1, -1):
+            if blocks[i].block_hash is not None:
+                return (i + 1) * self.block_size
+        return 0
+
     # -- skipping ---------------------------------------------------------------------------
+
+    @property
+    def has_skip_rule(self) -> bool:
+        """Whether the group frees positions it stops needing (sliding window, chunked local,
+        Mamba): its tables and hits may hold null blocks."""
+        return type(self).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens this group no longer needs once ``num_computed_tokens`` are computed."""
@@ -195,6 +293,30 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 break
             computed.append(block)
         return computed
+
+
+class CrossAttentionManager(FullAttentionManager):
+    """Cross-attention (encoder-decoder models): a request's blocks hold its encoder tokens, given
+    once at its first allocation; never cached, never hit (vLLM 0.33: ``CrossAttentionManager``)."""
+
+    holds_encoder_tokens = True
+    prefix_cacheable = False
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list[KVCacheBlock]:
+        return []
+
+    def add_local_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], num_total_computed_tokens: int
+    ) -> None:
+        assert not new_computed_blocks, "cross-attention blocks are never a prefix-cache hit"
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        return []
+
+    def cache_blocks(self, request: Request, block_hashes: Sequence[bytes], num_tokens: int) -> None:
+        return
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -294,7 +416,7 @@ _MANAGER_BY_SPEC: tuple[tuple[type[KVCacheSpec], type[SingleTypeKVCacheManager]]
     (ChunkedLocalAttentionSpec, ChunkedLocalAttentionManager),
     (MambaSpec, MambaManager),
     (FullAttentionSpec, FullAttentionManager),
-    (CrossAttentionSpec, FullAttentionManager),
+    (CrossAttentionSpec, CrossAttentionManager),
     (EncoderOnlyAttentionSpec, FullAttentionManager),
 )
 

@@ -481,7 +481,9 @@ def _build_core(config: ServerConfig) -> _Core:
     manager = KVCacheManager(
         kv_cache_config,
         cast(int, cache.max_model_len),  # resolved by _size_pool (the preset's or the pool's when None)
-        prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed),
+        prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed)
+        if cache.enable_prefix_caching
+        else None,
         kv_events=KVEventsConfig(block_hash_format=cache.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by CacheSettings
     )
     limits = config.limits

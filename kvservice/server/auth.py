@@ -91,7 +91,8 @@ MIN_TOKEN_CHARS = 16
 """Shortest plain token a token file may hold, in characters (a guessable token is no secret)."""
 
 MUTATING_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}" for name in ("GetComputedBlocks", "AllocateSlots", "Free", "ResetPrefixCache", "Step")
+    f"/{SERVICE_NAME}/{name}"
+    for name in ("GetComputedBlocks", "AllocateSlots", "Free", "ResetPrefixCache", "Step", "ManagerStep")
 )
 """Full method names of the RPCs that change the cache or the request table (scheduler only)."""
 

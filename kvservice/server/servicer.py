@@ -39,6 +39,7 @@ from kvservice.core.errors import (
     EpochMismatchError,
     InvalidArgumentError,
     KVServiceDomainError,
+    PreconditionFailedError,
     RequestAlreadyExistsError,
     RequestNotFoundError,
     SeqOutOfRangeError,
@@ -75,6 +76,9 @@ __all__ = ["KVCacheServicer", "STATUS_BY_ERROR", "status_for", "SERVICE_NAME"]
 
 SERVICE_NAME = "kvservice.v1.KVCacheService"
 
+DEFAULT_CLAIM_TTL_S = 30.0
+"""Seconds a scheduler's claim on the pool lasts after its last ManagerStep, unless it asks otherwise."""
+
 _DEADLINE_PASSED = "deadline: it had passed when the call was about to run; nothing was changed"
 
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -82,6 +86,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
     (RequestAlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (EpochMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PreconditionFailedError, grpc.StatusCode.FAILED_PRECONDITION),
     (SeqOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),
     (CapacityExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
@@ -245,6 +250,20 @@ class KVCacheServicer:
             "get_usage": self._get_usage,
             "decode": self._decode,
         }
+        self._manager_calls: dict[str, Callable[[Any, pb.ManagerResult], None]] = {
+            "update_request": self._manager_update_request,
+            "get_computed_blocks": self._manager_get_computed_blocks,
+            "allocate_slots": self._manager_allocate_slots,
+            "cache_blocks": self._manager_cache_blocks,
+            "remove_skipped_blocks": self._manager_remove_skipped_blocks,
+            "free": self._manager_free,
+            "pop_blocks_for_free": self._manager_pop_blocks_for_free,
+            "free_blocks": self._manager_free_blocks,
+            "evict_blocks": self._manager_evict_blocks,
+            "reset_prefix_cache": self._manager_reset_prefix_cache,
+            "estimate_cached_tokens": self._manager_estimate_cached_tokens,
+            "get_num_blocks_to_allocate": self._manager_get_num_blocks_to_allocate,
+        }
         # Step ops whose answer is written straight into the StepResponse (no message per op, no copy).
         self._step_fills: dict[str, Callable[[Any, Any], None]] = {
             "get_computed_blocks": self._fill_get_computed_blocks,
@@ -282,6 +301,7 @@ class KVCacheServicer:
     def _run_get_computed_blocks(
         self, request: pb.GetComputedBlocksRequest, hashed: Any = None
     ) -> ComputedBlocksResult:
+        self.engine.check_claim(None)
         mode = _REPORT_MODES.get(request.kv_cache_report_mode)
         if mode is None:
             raise InvalidArgumentError("kv_cache_report_mode", f"unknown value {request.kv_cache_report_mode}")
@@ -374,6 +394,7 @@ class KVCacheServicer:
         return _allocate_response(self._run_allocate_slots(request))
 
     def _run_allocate_slots(self, request: pb.AllocateSlotsRequest) -> AllocateResult:
+        self.engine.check_claim(None)
         result = self.engine.allocate_slots(
             request.request_id,
             request.num_new_tokens,
@@ -385,6 +406,7 @@ class KVCacheServicer:
         return result
 
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        self.engine.check_claim(None)
         result = self.engine.decode(
             request.request_ids,
             request.new_token_ids,
@@ -398,15 +420,18 @@ class KVCacheServicer:
         return _decode_response(result, self.engine.manager.num_groups)
 
     def _free(self, request: pb.FreeRequest) -> pb.FreeResponse:
+        self.engine.check_claim(None)
         return pb.FreeResponse(num_freed_blocks=self.engine.free(request.request_id))
 
     def _fill_free(self, request: pb.FreeRequest, out: pb.FreeResponse) -> None:
         """As :meth:`_free`, written into a Step result's own message (no copy)."""
+        self.engine.check_claim(None)
         num_freed_blocks = self.engine.free(request.request_id)
         out.SetInParent()  # a free of nothing answers an empty FreeResponse, not an unset result
         out.num_freed_blocks = num_freed_blocks
 
     def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest) -> pb.ResetPrefixCacheResponse:
+        self.engine.check_claim(None)
         return pb.ResetPrefixCacheResponse(reset=self.engine.reset_prefix_cache())
 
     def _get_usage(self, request: pb.GetUsageRequest) -> pb.GetUsageResponse:
@@ -417,11 +442,12 @@ class KVCacheServicer:
         none), exactly as a mutating call does when it ends (the request reaper publishes here)."""
         self._publish()
 
-    def _publish(self) -> None:
-        self.event_log.append(self.engine.take_events())
+    def _publish(self) -> LogEntry | None:
+        entry = self.event_log.append(self.engine.take_events())
         self.heap_trimmer.maybe_trim()
         if self.check_invariants:
             self._check_invariants()
+        return entry
 
     def _check_invariants(self) -> None:
         self.num_invariant_checks += 1
@@ -556,6 +582,185 @@ class KVCacheServicer:
                 continue
             results.add(**{which: answer})
         self._publish()
+        response.head_seq = self.event_log.head_seq
+        response.epoch = self.event_log.epoch
+        return response
+
+    # -- vLLM's KV cache manager (ManagerStep) -----------------------------------------------
+
+    def _manager_update_request(self, call: pb.ManagerCall.UpdateRequest, out: pb.ManagerResult) -> None:
+        lora = None
+        if call.HasField("lora"):
+            lora = LoRA(call.lora.lora_id, call.lora.lora_name, call.lora.lora_path or None)
+        mode = _REPORT_MODES.get(call.kv_cache_report_mode)
+        if mode is None:
+            raise InvalidArgumentError("kv_cache_report_mode", f"unknown value {call.kv_cache_report_mode}")
+        packed = call.packed_token_ids
+        if len(packed) % 4:
+            raise InvalidArgumentError(
+                "packed_token_ids", f"{len(packed)} bytes, not a multiple of 4 (little-endian int32 token ids)"
+            )
+        digests = call.block_hashes
+        size = self.engine.manager.hash_digest_size
+        if len(digests) % size:
+            raise InvalidArgumentError(
+                "block_hashes", f"{len(digests)} bytes, not a multiple of the {size}-byte digests of the hash algorithm"
+            )
+        self.engine.update_request(
+            call.request_id,
+            num_tokens_kept=call.num_tokens_kept,
+            token_ids=np.frombuffer(packed, dtype="<i4"),
+            num_block_hashes_kept=call.num_block_hashes_kept,
+            block_hashes=[digests[i : i + size] for i in range(0, len(digests), size)],
+            num_prompt_tokens=call.num_prompt_tokens,
+            session_id=call.session_id if call.HasField("session_id") else None,
+            kv_cache_report_mode=mode,
+            lora=lora,
+            cache_salt=call.cache_salt if call.HasField("cache_salt") else None,
+            mm_features=[MultiModalFeature(f.identifier, f.offset, f.length) for f in call.mm_features],
+        )
+        out.done.SetInParent()
+
+    def _manager_get_computed_blocks(self, call: pb.ManagerCall.GetComputedBlocks, out: pb.ManagerResult) -> None:
+        limit = call.max_cache_hit_length if call.HasField("max_cache_hit_length") else None
+        result = self.engine.find_cache_hit(call.request_id, limit)
+        answer = out.computed_blocks
+        answer.SetInParent()
+        answer.num_computed_tokens = result.num_computed_tokens
+        _fill_groups(answer.block_ids, result.block_ids)
+
+    def _manager_allocate_slots(self, call: pb.ManagerCall.AllocateSlots, out: pb.ManagerResult) -> None:
+        engine = self.engine
+        result = engine.allocate_owned(
+            call.request_id,
+            num_computed_tokens=call.num_computed_tokens,
+            num_new_tokens=call.num_new_tokens,
+            num_in_flight_tokens=call.num_in_flight_tokens,
+            num_new_computed_tokens=call.num_new_computed_tokens,
+            computed_block_ids=[g.block_ids for g in call.computed_block_ids],
+            num_lookahead_tokens=call.num_lookahead_tokens,
+            num_external_computed_tokens=call.num_external_computed_tokens,
+            delay_cache_blocks=call.delay_cache_blocks,
+            num_encoder_tokens=call.num_encoder_tokens,
+            full_sequence_must_fit=call.full_sequence_must_fit,
+            max_in_flight_tokens=call.max_in_flight_tokens if call.HasField("max_in_flight_tokens") else None,
+            reserved_blocks=call.reserved_blocks,
+            watermark_blocks=call.watermark_blocks,
+        )
+        answer = out.allocated
+        answer.SetInParent()
+        answer.allocated = result.allocated
+        if not result.allocated:
+            answer.refused_full_sequence = result.refused_full_sequence
+            return
+        _fill_groups(answer.new_block_ids, result.new_block_ids)
+        if result.block_ids is not None:
+            _fill_groups(answer.block_ids, result.block_ids)
+        answer.num_null_blocks.extend(result.num_null_blocks)
+        answer.num_cached_tokens = engine.estimate_cached_tokens(call.request_id)
+        if self.data_plane is not None:  # who may write the new blocks
+            self.data_plane.note_allocated(call.request_id, result.block_ids or result.new_block_ids)
+
+    def _manager_cache_blocks(self, call: pb.ManagerCall.CacheBlocks, out: pb.ManagerResult) -> None:
+        engine = self.engine
+        engine.cache_blocks(call.request_id, call.num_tokens)
+        answer = out.table
+        answer.SetInParent()
+        answer.num_cached_tokens = engine.estimate_cached_tokens(call.request_id)
+
+    def _manager_remove_skipped_blocks(self, call: pb.ManagerCall.RemoveSkippedBlocks, out: pb.ManagerResult) -> None:
+        engine = self.engine
+        num_null_blocks = engine.remove_skipped_blocks(call.request_id, call.num_processed_tokens)
+        answer = out.table
+        answer.SetInParent()
+        answer.num_null_blocks.extend(num_null_blocks)
+        answer.num_cached_tokens = engine.estimate_cached_tokens(call.request_id)
+
+    def _manager_free(self, call: pb.ManagerCall.Free, out: pb.ManagerResult) -> None:
+        out.done.num_blocks = self.engine.free_owned(call.request_id, forget=call.forget)
+        out.done.SetInParent()
+
+    def _manager_pop_blocks_for_free(self, call: pb.ManagerCall.PopBlocksForFree, out: pb.ManagerResult) -> None:
+        block_ids = self.engine.pop_blocks_for_free(call.request_id, forget=call.forget)
+        out.popped_blocks.SetInParent()
+        out.popped_blocks.block_ids.extend(block_ids)
+
+    def _manager_free_blocks(self, call: pb.ManagerCall.FreeBlocks, out: pb.ManagerResult) -> None:
+        out.done.num_blocks = self.engine.free_blocks(call.block_ids)
+        out.done.SetInParent()
+
+    def _manager_evict_blocks(self, call: pb.ManagerCall.EvictBlocks, out: pb.ManagerResult) -> None:
+        num_blocks = self.engine.manager.kv_cache_config.num_blocks
+        for block_id in call.block_ids:
+            if not 0 < block_id < num_blocks:
+                raise InvalidArgumentError("block_ids", f"block id {block_id} outside 1..{num_blocks - 1}")
+        out.done.num_blocks = self.engine.manager.evict_blocks(call.block_ids)
+        out.done.SetInParent()
+
+    def _manager_reset_prefix_cache(self, call: pb.ResetPrefixCacheRequest, out: pb.ManagerResult) -> None:
+        out.reset_prefix_cache.reset = self.engine.reset_prefix_cache()
+        out.reset_prefix_cache.SetInParent()
+
+    def _manager_estimate_cached_tokens(self, call: pb.ManagerCall.EstimateCachedTokens, out: pb.ManagerResult) -> None:
+        out.cached_tokens.num_cached_tokens = self.engine.estimate_cached_tokens(call.request_id)
+        out.cached_tokens.SetInParent()
+
+    def _manager_get_num_blocks_to_allocate(
+        self, call: pb.ManagerCall.GetNumBlocksToAllocate, out: pb.ManagerResult
+    ) -> None:
+        out.num_blocks.num_blocks = self.engine.get_num_blocks_to_allocate(
+            call.request_id,
+            call.num_tokens,
+            call.num_computed_tokens,
+            apply_admission_cap=call.apply_admission_cap,
+            max_in_flight_tokens=call.max_in_flight_tokens if call.HasField("max_in_flight_tokens") else None,
+        )
+        out.num_blocks.SetInParent()
+
+    async def ManagerStep(
+        self, request: pb.ManagerStepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ManagerStepResponse:
+        """Claim (or renew) the pool for ``owner``, run the calls in order until one fails, answer
+        each; all their events form one batch (docs/ARCHITECTURE.md §9).
+
+        Refused whole, with nothing run: past its deadline (DEADLINE_EXCEEDED), above
+        ``max_step_ops`` calls (INVALID_ARGUMENT naming ``calls``), a bad owner or claim_ttl_s
+        (INVALID_ARGUMENT), the pool claimed by another live owner (FAILED_PRECONDITION naming it).
+        """
+        if self._deadline_passed(context):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
+        calls = request.calls
+        if len(calls) > self.max_step_ops:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"calls: {len(calls)} calls, above max_step_ops {self.max_step_ops}"
+            )
+        engine = self.engine
+        try:
+            engine.claim_pool(request.owner, request.claim_ttl_s or DEFAULT_CLAIM_TTL_S)
+        except Exception as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        response = pb.ManagerStepResponse()
+        results = response.results
+        handlers = self._manager_calls
+        for call in calls:
+            which = call.WhichOneof("call")
+            out = results.add()
+            try:
+                if which is None:
+                    raise InvalidArgumentError("call", "not set")
+                handlers[which](getattr(call, which), out)
+            except Exception as exc:
+                code, message = status_for(exc)
+                out.error.code = code.value[0]  # setting error clears the oneof's other member
+                out.error.message = message
+                break
+        if request.release:
+            engine.release_claim(request.owner)
+        entry = self._publish()
+        if entry is not None and request.return_events:
+            response.events_msgpack = entry.msgpack
+        response.num_free_blocks = engine.manager.block_pool.get_num_free_blocks()
         response.head_seq = self.event_log.head_seq
         response.epoch = self.event_log.epoch
         return response
@@ -829,6 +1034,7 @@ class KVCacheServicer:
             "GetKVCacheGroupMetadata": (pb.GetKVCacheGroupMetadataRequest, pb.GetKVCacheGroupMetadataResponse),
             "Ping": (pb.PingRequest, pb.PingResponse),
             "AttachKVCache": (pb.AttachKVCacheRequest, pb.AttachKVCacheResponse),
+            "ManagerStep": (pb.ManagerStepRequest, pb.ManagerStepResponse),
         }
         handlers = {  # type: ignore[var-annotated]  # grpc's handler type is generic in each RPC's messages
             name: grpc.unary_unary_rpc_method_handler(

@@ -295,6 +295,9 @@ class CacheSettings(_Section):
             ``kvservice.server.vllm_flags``).
         block_hash_format: "int64" (vLLM's published form) or "digest", on events.
         check_invariants: debug: check the cache's invariants after every mutating call (slow).
+        enable_prefix_caching: keep full blocks indexed by hash for prefix-cache hits (off: no
+            hashes are kept, no hits, freed blocks reused newest first, as vLLM without
+            ``--enable-prefix-caching``).
         model_config: a Hugging Face ``config.json`` (or its folder), read locally: the KV layout
             is derived from it as vLLM 0.33 does (``kvservice.core.model_config``) instead of
             ``preset`` (None: use ``preset``).
@@ -343,6 +346,9 @@ class CacheSettings(_Section):
         choices=("int64", "digest"),
     )
     check_invariants: bool = setting(False, "Debug: check the cache's invariants after every mutating call (slow).")
+    enable_prefix_caching: bool = setting(
+        True, "Prefix caching: full blocks kept by hash for hits (vLLM: --enable-prefix-caching)."
+    )
     model_config: str | None = setting(
         None,
         "A model's config.json (or its folder), read locally: the KV layout as vLLM derives it.",

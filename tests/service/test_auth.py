@@ -369,6 +369,7 @@ RPCS: dict[str, Callable[[AsyncKVCacheClient], Awaitable[Any]]] = {
     "TakeEvents": lambda c: c.take_events("probe-consumer"),
     "GetKVCacheGroupMetadata": lambda c: c.get_kv_cache_group_metadata(),
     "Ping": lambda c: c.ping(b"p"),
+    "ManagerStep": lambda c: c.manager_step(pb.ManagerStepRequest(owner="auth-test")),
 }
 """One call per RPC of the service; each succeeds on a server prepared by :func:`prepare`."""
 

@@ -163,6 +163,7 @@ RPC_METHODS = {
     "take_events": "pb.TakeEventsResponse",
     "get_kv_cache_group_metadata": "pb.GetKVCacheGroupMetadataResponse",
     "ping": "pb.PingResponse",
+    "manager_step": "pb.ManagerStepResponse",
 }
 
 

@@ -359,7 +359,9 @@ def test_report_mode_validation_and_num_new_tokens():
     m = make_manager(8)
     with pytest.raises(ValueError, match="kv_cache_report_mode must be 'incremental' or 'full'; got 'all'"):
         m.new_request("A", [1, 2], kv_cache_report_mode="all")
-    with pytest.raises(ValueError, match="num_new_tokens must be >= 1; got 0"):
+    with pytest.raises(
+        ValueError, match="num_new_tokens must be >= 1 when no hit or external tokens are adopted; got 0"
+    ):
         m.allocate_slots(m.new_request("A", [1, 2]), 0)
 
 

@@ -828,6 +828,33 @@ class _KVCacheServiceRPCs:
         """
         return ping_request(payload)
 
+    @_unary("ManagerStep", pb.ManagerStepResponse)
+    def manager_step(
+        self,
+        request: pb.ManagerStepRequest,
+        *,
+        timeout: Timeout = None,
+        metadata: Metadata = None,
+    ) -> pb.ManagerStepRequest:
+        """Run a scheduler's vLLM KV cache manager calls in order, in one round trip
+        (``kvservice_vllm`` builds them; see ``ManagerCall`` in the proto).
+
+        Args:
+            request: the whole ``ManagerStepRequest`` (owner, claim, calls).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            One result per call run (a failed call's error last), the free blocks after them.
+
+        Raises:
+            KVServiceError: FAILED_PRECONDITION (another scheduler owns the pool, named),
+                INVALID_ARGUMENT (too many calls, a bad owner), ...
+        """
+        if not isinstance(request, pb.ManagerStepRequest):
+            raise TypeError(f"request: a ManagerStepRequest; got {type(request).__name__}")
+        return request
+
 
 # --- The two clients --------------------------------------------------------------------------
 

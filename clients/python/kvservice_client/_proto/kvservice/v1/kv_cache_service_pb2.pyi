@@ -913,6 +913,801 @@ class StepResponse(_message.Message):
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
 
 @_typing.final
+class ManagerCall(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    vLLM's KV cache manager (ManagerStep). The calls mirror vLLM 0.33's KVCacheManager, by name and
+    meaning; their requests' tokens, block hashes and counts are the scheduler's. Differences from
+    vLLM, where kvservice's invariants win: a refused allocate_slots changes nothing (vLLM frees the
+    sliding-window blocks it would skip first; the caller mirrors that with remove_skipped_blocks),
+    full-mode reuse reports go out at admission, and events report presence.
+    ---------------------------------------------------------------------------------------------
+
+    One call of vLLM's KV cache manager.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class UpdateRequest(_message.Message):
+        """Register a request whose scheduler owns its tokens and hashes, or bring the server's copy up
+        to date (keep the first num_tokens_kept tokens and num_block_hashes_kept hashes, append the
+        rest). Registration sets its options; later calls keep them.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        NUM_TOKENS_KEPT_FIELD_NUMBER: _builtins.int
+        PACKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+        NUM_BLOCK_HASHES_KEPT_FIELD_NUMBER: _builtins.int
+        BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+        NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+        SESSION_ID_FIELD_NUMBER: _builtins.int
+        KV_CACHE_REPORT_MODE_FIELD_NUMBER: _builtins.int
+        LORA_FIELD_NUMBER: _builtins.int
+        CACHE_SALT_FIELD_NUMBER: _builtins.int
+        MM_FEATURES_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request (1..256 bytes of UTF-8)."""
+        num_tokens_kept: _builtins.int
+        """Tokens of the server's copy kept (0 at registration; at least the tokens in cached blocks)."""
+        packed_token_ids: _builtins.bytes
+        """Token ids appended, little-endian int32 (4 bytes each; 0 <= id < 2^31)."""
+        num_block_hashes_kept: _builtins.int
+        """Block hashes of the server's copy kept (0 at registration; at least those of cached blocks)."""
+        block_hashes: _builtins.bytes
+        """Block hashes appended: the scheduler's own (vLLM's request.block_hashes), one per full block
+        of hash_block_size tokens, concatenated digests of the server's hash algorithm (32 bytes
+        each for sha256*, 16 for xxhash*). The server never recomputes them; events carry them.
+        """
+        num_prompt_tokens: _builtins.int
+        """At registration: the prompt's length, in tokens (1 ..= the tokens sent)."""
+        session_id: _builtins.str
+        """At registration: echoed on the request's BlockStored events."""
+        kv_cache_report_mode: Global___KVCacheReportMode.ValueType
+        """At registration: how reuse is reported (default incremental)."""
+        cache_salt: _builtins.str
+        """At registration: the cache salt, published on events."""
+        @_builtins.property
+        def lora(self) -> Global___LoRA:
+            """At registration: the LoRA adapter, published on events (not hashed here: the hashes are given)."""
+
+        @_builtins.property
+        def mm_features(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultiModalFeature]:
+            """At registration: multimodal placeholders, published on events."""
+
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            num_tokens_kept: _builtins.int = ...,
+            packed_token_ids: _builtins.bytes = ...,
+            num_block_hashes_kept: _builtins.int = ...,
+            block_hashes: _builtins.bytes = ...,
+            num_prompt_tokens: _builtins.int = ...,
+            session_id: _builtins.str | None = ...,
+            kv_cache_report_mode: Global___KVCacheReportMode.ValueType = ...,
+            lora: Global___LoRA | None = ...,
+            cache_salt: _builtins.str | None = ...,
+            mm_features: _abc.Iterable[Global___MultiModalFeature] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_session_id", b"_session_id", "cache_salt", b"cache_salt", "lora", b"lora", "session_id", b"session_id"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "_session_id", b"_session_id", "block_hashes", b"block_hashes", "cache_salt", b"cache_salt", "kv_cache_report_mode", b"kv_cache_report_mode", "lora", b"lora", "mm_features", b"mm_features", "num_block_hashes_kept", b"num_block_hashes_kept", "num_prompt_tokens", b"num_prompt_tokens", "num_tokens_kept", b"num_tokens_kept", "packed_token_ids", b"packed_token_ids", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+        _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
+        _WhichOneofReturnType__session_id: _TypeAlias = _typing.Literal["session_id"]  # noqa: Y015
+        _WhichOneofArgType__session_id: _TypeAlias = _typing.Literal["_session_id", b"_session_id"]  # noqa: Y015
+        @_typing.overload
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
+        @_typing.overload
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__session_id) -> _WhichOneofReturnType__session_id | None: ...
+
+    @_typing.final
+    class GetComputedBlocks(_message.Message):
+        """vLLM's get_computed_blocks: the prefix-cache hit of a waiting request by its hashes."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        MAX_CACHE_HIT_LENGTH_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request (registered by UpdateRequest, holding no blocks)."""
+        max_cache_hit_length: _builtins.int
+        """Longest hit, in tokens; unset = the request's tokens - 1 (the last token is computed)."""
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            max_cache_hit_length: _builtins.int | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length", "max_cache_hit_length", b"max_cache_hit_length"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length", "max_cache_hit_length", b"max_cache_hit_length", "request_id", b"request_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType__max_cache_hit_length: _TypeAlias = _typing.Literal["max_cache_hit_length"]  # noqa: Y015
+        _WhichOneofArgType__max_cache_hit_length: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__max_cache_hit_length) -> _WhichOneofReturnType__max_cache_hit_length | None: ...
+
+    @_typing.final
+    class AllocateSlots(_message.Message):
+        """vLLM's allocate_slots, at the scheduler's counts. Block layout (tokens):
+        | computed | new computed (hit) | external | new | lookahead |.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+        COMPUTED_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_EXTERNAL_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+        DELAY_CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
+        NUM_ENCODER_TOKENS_FIELD_NUMBER: _builtins.int
+        FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _builtins.int
+        MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
+        RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+        WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request (registered by UpdateRequest)."""
+        num_computed_tokens: _builtins.int
+        """The scheduler's request.num_computed_tokens (placeholders of async scheduling included)."""
+        num_in_flight_tokens: _builtins.int
+        """Of those, the tokens scheduled but not yet processed (request.num_in_flight_tokens): a
+        windowed group frees skipped positions only below num_computed_tokens - this.
+        """
+        num_new_tokens: _builtins.int
+        """Tokens to compute this step (0 when the step only adopts a hit or external tokens)."""
+        num_new_computed_tokens: _builtins.int
+        """The prefix-cache hit taken now, in tokens (admission only)."""
+        num_lookahead_tokens: _builtins.int
+        """Extra slots for speculative tokens (not cached)."""
+        num_external_computed_tokens: _builtins.int
+        """Tokens a KV connector provides (admission only): blocks are allocated for them."""
+        delay_cache_blocks: _builtins.bool
+        """Cache nothing now (an asynchronous KV load fills the blocks later; CacheBlocks then)."""
+        num_encoder_tokens: _builtins.int
+        """Encoder tokens a cross-attention group holds (encoder-decoder models)."""
+        full_sequence_must_fit: _builtins.bool
+        """Refuse unless the whole request fits beside watermark_blocks (vLLM's
+        scheduler_reserve_full_isl admission gate; windowed groups counted at their admission cap).
+        """
+        max_in_flight_tokens: _builtins.int
+        """vLLM's max_in_flight_tokens: the windowed groups' admission cap (unset = max_model_len)."""
+        reserved_blocks: _builtins.int
+        """Free blocks to leave to other requests (vLLM: asynchronous KV loads), in blocks."""
+        watermark_blocks: _builtins.int
+        """Free blocks to keep for running requests (vLLM's watermark, which the scheduler applies to
+        waiting and preempted requests while others are scheduled), in blocks.
+        """
+        @_builtins.property
+        def computed_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
+            """Per group (index = group_idx), the hit's block ids as GetComputedBlocks answered them (0 =
+            a position a windowed group skips). Each must still hold the request's hash at its
+            position, else FAILED_PRECONDITION (the caller's view is stale) and nothing changes.
+            """
+
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            num_computed_tokens: _builtins.int = ...,
+            num_in_flight_tokens: _builtins.int = ...,
+            num_new_tokens: _builtins.int = ...,
+            num_new_computed_tokens: _builtins.int = ...,
+            computed_block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
+            num_lookahead_tokens: _builtins.int = ...,
+            num_external_computed_tokens: _builtins.int = ...,
+            delay_cache_blocks: _builtins.bool = ...,
+            num_encoder_tokens: _builtins.int = ...,
+            full_sequence_must_fit: _builtins.bool = ...,
+            max_in_flight_tokens: _builtins.int | None = ...,
+            reserved_blocks: _builtins.int = ...,
+            watermark_blocks: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight_tokens", b"_max_in_flight_tokens", "max_in_flight_tokens", b"max_in_flight_tokens"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight_tokens", b"_max_in_flight_tokens", "computed_block_ids", b"computed_block_ids", "delay_cache_blocks", b"delay_cache_blocks", "full_sequence_must_fit", b"full_sequence_must_fit", "max_in_flight_tokens", b"max_in_flight_tokens", "num_computed_tokens", b"num_computed_tokens", "num_encoder_tokens", b"num_encoder_tokens", "num_external_computed_tokens", b"num_external_computed_tokens", "num_in_flight_tokens", b"num_in_flight_tokens", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_computed_tokens", b"num_new_computed_tokens", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType__max_in_flight_tokens: _TypeAlias = _typing.Literal["max_in_flight_tokens"]  # noqa: Y015
+        _WhichOneofArgType__max_in_flight_tokens: _TypeAlias = _typing.Literal["_max_in_flight_tokens", b"_max_in_flight_tokens"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight_tokens) -> _WhichOneofReturnType__max_in_flight_tokens | None: ...
+
+    @_typing.final
+    class CacheBlocks(_message.Message):
+        """vLLM's cache_blocks: cache the request's full blocks among its first num_tokens tokens."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        NUM_TOKENS_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request (holding blocks)."""
+        num_tokens: _builtins.int
+        """Tokens whose blocks may be cached (at most the request's hashed tokens are)."""
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            num_tokens: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "request_id", b"request_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class RemoveSkippedBlocks(_message.Message):
+        """vLLM's remove_skipped_blocks: free the positions windowed groups no longer need."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        NUM_PROCESSED_TOKENS_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request."""
+        num_processed_tokens: _builtins.int
+        """Tokens fully processed (freeing is on this basis)."""
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            num_processed_tokens: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_processed_tokens", b"num_processed_tokens", "request_id", b"request_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class Free(_message.Message):
+        """vLLM's free: free the request's blocks, tail first."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        FORGET_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request."""
+        forget: _builtins.bool
+        """Forget the request (finished); false keeps its tokens and hashes, waiting (preempted)."""
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            forget: _builtins.bool = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["forget", b"forget", "request_id", b"request_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class PopBlocksForFree(_message.Message):
+        """vLLM's pop_blocks_for_free: take the request's blocks off its tables without freeing them (a
+        KV connector may still write them); FreeBlocks frees them later.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        FORGET_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request."""
+        forget: _builtins.bool
+        """Forget the request (finished); false keeps it waiting."""
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            forget: _builtins.bool = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["forget", b"forget", "request_id", b"request_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class FreeBlocks(_message.Message):
+        """vLLM's block_pool.free_blocks of blocks PopBlocksForFree handed out, the first evicted first."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """The block ids (each handed out by PopBlocksForFree and not freed yet)."""
+
+        def __init__(
+            self,
+            *,
+            block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class EvictBlocks(_message.Message):
+        """vLLM's evict_blocks: drop the cached hashes of these blocks (their KV is invalid)."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """The block ids (1..num_blocks-1)."""
+
+        def __init__(
+            self,
+            *,
+            block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class EstimateCachedTokens(_message.Message):
+        """vLLM's estimate_cached_tokens."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request."""
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class GetNumBlocksToAllocate(_message.Message):
+        """vLLM's coordinator.get_num_blocks_to_allocate with no new hit: the free blocks the request
+        still needs to hold num_tokens tokens (vLLM's scheduler reserves them for in-flight prefills).
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_ID_FIELD_NUMBER: _builtins.int
+        NUM_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+        APPLY_ADMISSION_CAP_FIELD_NUMBER: _builtins.int
+        MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
+        request_id: _builtins.str
+        """The request."""
+        num_tokens: _builtins.int
+        """Tokens that need a slot, those already allocated included."""
+        num_computed_tokens: _builtins.int
+        """The request's computed tokens (the skip rule applies to them)."""
+        apply_admission_cap: _builtins.bool
+        """Count each windowed group at most at its admission cap (vLLM's apply_admission_cap)."""
+        max_in_flight_tokens: _builtins.int
+        """vLLM's max_in_flight_tokens for the cap (unset = max_model_len)."""
+        def __init__(
+            self,
+            *,
+            request_id: _builtins.str = ...,
+            num_tokens: _builtins.int = ...,
+            num_computed_tokens: _builtins.int = ...,
+            apply_admission_cap: _builtins.bool = ...,
+            max_in_flight_tokens: _builtins.int | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight_tokens", b"_max_in_flight_tokens", "max_in_flight_tokens", b"max_in_flight_tokens"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight_tokens", b"_max_in_flight_tokens", "apply_admission_cap", b"apply_admission_cap", "max_in_flight_tokens", b"max_in_flight_tokens", "num_computed_tokens", b"num_computed_tokens", "num_tokens", b"num_tokens", "request_id", b"request_id"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType__max_in_flight_tokens: _TypeAlias = _typing.Literal["max_in_flight_tokens"]  # noqa: Y015
+        _WhichOneofArgType__max_in_flight_tokens: _TypeAlias = _typing.Literal["_max_in_flight_tokens", b"_max_in_flight_tokens"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight_tokens) -> _WhichOneofReturnType__max_in_flight_tokens | None: ...
+
+    UPDATE_REQUEST_FIELD_NUMBER: _builtins.int
+    GET_COMPUTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ALLOCATE_SLOTS_FIELD_NUMBER: _builtins.int
+    CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
+    REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
+    POP_BLOCKS_FOR_FREE_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    EVICT_BLOCKS_FIELD_NUMBER: _builtins.int
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
+    ESTIMATE_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    GET_NUM_BLOCKS_TO_ALLOCATE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def update_request(self) -> Global___ManagerCall.UpdateRequest: ...
+    @_builtins.property
+    def get_computed_blocks(self) -> Global___ManagerCall.GetComputedBlocks: ...
+    @_builtins.property
+    def allocate_slots(self) -> Global___ManagerCall.AllocateSlots: ...
+    @_builtins.property
+    def cache_blocks(self) -> Global___ManagerCall.CacheBlocks: ...
+    @_builtins.property
+    def remove_skipped_blocks(self) -> Global___ManagerCall.RemoveSkippedBlocks: ...
+    @_builtins.property
+    def free(self) -> Global___ManagerCall.Free: ...
+    @_builtins.property
+    def pop_blocks_for_free(self) -> Global___ManagerCall.PopBlocksForFree: ...
+    @_builtins.property
+    def free_blocks(self) -> Global___ManagerCall.FreeBlocks: ...
+    @_builtins.property
+    def evict_blocks(self) -> Global___ManagerCall.EvictBlocks: ...
+    @_builtins.property
+    def reset_prefix_cache(self) -> Global___ResetPrefixCacheRequest: ...
+    @_builtins.property
+    def estimate_cached_tokens(self) -> Global___ManagerCall.EstimateCachedTokens: ...
+    @_builtins.property
+    def get_num_blocks_to_allocate(self) -> Global___ManagerCall.GetNumBlocksToAllocate: ...
+    def __init__(
+        self,
+        *,
+        update_request: Global___ManagerCall.UpdateRequest | None = ...,
+        get_computed_blocks: Global___ManagerCall.GetComputedBlocks | None = ...,
+        allocate_slots: Global___ManagerCall.AllocateSlots | None = ...,
+        cache_blocks: Global___ManagerCall.CacheBlocks | None = ...,
+        remove_skipped_blocks: Global___ManagerCall.RemoveSkippedBlocks | None = ...,
+        free: Global___ManagerCall.Free | None = ...,
+        pop_blocks_for_free: Global___ManagerCall.PopBlocksForFree | None = ...,
+        free_blocks: Global___ManagerCall.FreeBlocks | None = ...,
+        evict_blocks: Global___ManagerCall.EvictBlocks | None = ...,
+        reset_prefix_cache: Global___ResetPrefixCacheRequest | None = ...,
+        estimate_cached_tokens: Global___ManagerCall.EstimateCachedTokens | None = ...,
+        get_num_blocks_to_allocate: Global___ManagerCall.GetNumBlocksToAllocate | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "cache_blocks", b"cache_blocks", "call", b"call", "estimate_cached_tokens", b"estimate_cached_tokens", "evict_blocks", b"evict_blocks", "free", b"free", "free_blocks", b"free_blocks", "get_computed_blocks", b"get_computed_blocks", "get_num_blocks_to_allocate", b"get_num_blocks_to_allocate", "pop_blocks_for_free", b"pop_blocks_for_free", "remove_skipped_blocks", b"remove_skipped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "update_request", b"update_request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "cache_blocks", b"cache_blocks", "call", b"call", "estimate_cached_tokens", b"estimate_cached_tokens", "evict_blocks", b"evict_blocks", "free", b"free", "free_blocks", b"free_blocks", "get_computed_blocks", b"get_computed_blocks", "get_num_blocks_to_allocate", b"get_num_blocks_to_allocate", "pop_blocks_for_free", b"pop_blocks_for_free", "remove_skipped_blocks", b"remove_skipped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "update_request", b"update_request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["update_request", "get_computed_blocks", "allocate_slots", "cache_blocks", "remove_skipped_blocks", "free", "pop_blocks_for_free", "free_blocks", "evict_blocks", "reset_prefix_cache", "estimate_cached_tokens", "get_num_blocks_to_allocate"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___ManagerCall: _TypeAlias = ManagerCall  # noqa: Y015
+
+@_typing.final
+class ManagerResult(_message.Message):
+    """The answer to one ManagerCall (the field named as its call), or its error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class Done(_message.Message):
+        """UpdateRequest, CacheBlocks, EvictBlocks, FreeBlocks: done."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+        num_blocks: _builtins.int
+        """Blocks whose ref count dropped (Free, FreeBlocks) or whose hash was dropped (EvictBlocks)."""
+        def __init__(
+            self,
+            *,
+            num_blocks: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class ComputedBlocks(_message.Message):
+        """GetComputedBlocks."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+        BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        num_computed_tokens: _builtins.int
+        """The hit, in tokens."""
+        @_builtins.property
+        def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
+            """Per group, the hit's block ids (0 = a skipped position)."""
+
+        def __init__(
+            self,
+            *,
+            num_computed_tokens: _builtins.int = ...,
+            block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_computed_tokens", b"num_computed_tokens"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class Allocated(_message.Message):
+        """AllocateSlots."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        ALLOCATED_FIELD_NUMBER: _builtins.int
+        REFUSED_FULL_SEQUENCE_FIELD_NUMBER: _builtins.int
+        NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        NUM_NULL_BLOCKS_FIELD_NUMBER: _builtins.int
+        NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+        allocated: _builtins.bool
+        """False when the pool has too few free blocks; then nothing changed."""
+        refused_full_sequence: _builtins.bool
+        """Why a refusal refused: true for the full-sequence gate (checked before anything else in
+        vLLM), false for the step's own blocks (vLLM frees skipped blocks before that check).
+        """
+        num_cached_tokens: _builtins.int
+        """The request's tokens in cached blocks now (estimate_cached_tokens)."""
+        @_builtins.property
+        def new_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
+            """Per group, the block ids appended for the new tokens (vLLM's result)."""
+
+        @_builtins.property
+        def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
+            """On admission (the request had no table), per group, the whole table: hit, external and
+            new blocks (0 = null).
+            """
+
+        @_builtins.property
+        def num_null_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per group, the table's leading null blocks now."""
+
+        def __init__(
+            self,
+            *,
+            allocated: _builtins.bool = ...,
+            refused_full_sequence: _builtins.bool = ...,
+            new_block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
+            block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
+            num_null_blocks: _abc.Iterable[_builtins.int] | None = ...,
+            num_cached_tokens: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "block_ids", b"block_ids", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_null_blocks", b"num_null_blocks", "refused_full_sequence", b"refused_full_sequence"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class Table(_message.Message):
+        """RemoveSkippedBlocks, CacheBlocks."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NUM_NULL_BLOCKS_FIELD_NUMBER: _builtins.int
+        NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+        num_cached_tokens: _builtins.int
+        """The request's tokens in cached blocks now (estimate_cached_tokens)."""
+        @_builtins.property
+        def num_null_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per group, the table's leading null blocks now."""
+
+        def __init__(
+            self,
+            *,
+            num_null_blocks: _abc.Iterable[_builtins.int] | None = ...,
+            num_cached_tokens: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_cached_tokens", b"num_cached_tokens", "num_null_blocks", b"num_null_blocks"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class PoppedBlocks(_message.Message):
+        """PopBlocksForFree."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """The block ids, group after group in table order, leading null blocks left out."""
+
+        def __init__(
+            self,
+            *,
+            block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class NumBlocks(_message.Message):
+        """GetNumBlocksToAllocate."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+        num_blocks: _builtins.int
+        """Blocks, over all groups."""
+        def __init__(
+            self,
+            *,
+            num_blocks: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class CachedTokens(_message.Message):
+        """EstimateCachedTokens."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+        num_cached_tokens: _builtins.int
+        """Tokens of the request in cached blocks."""
+        def __init__(
+            self,
+            *,
+            num_cached_tokens: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    DONE_FIELD_NUMBER: _builtins.int
+    COMPUTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ALLOCATED_FIELD_NUMBER: _builtins.int
+    TABLE_FIELD_NUMBER: _builtins.int
+    POPPED_BLOCKS_FIELD_NUMBER: _builtins.int
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def done(self) -> Global___ManagerResult.Done: ...
+    @_builtins.property
+    def computed_blocks(self) -> Global___ManagerResult.ComputedBlocks: ...
+    @_builtins.property
+    def allocated(self) -> Global___ManagerResult.Allocated: ...
+    @_builtins.property
+    def table(self) -> Global___ManagerResult.Table: ...
+    @_builtins.property
+    def popped_blocks(self) -> Global___ManagerResult.PoppedBlocks: ...
+    @_builtins.property
+    def reset_prefix_cache(self) -> Global___ResetPrefixCacheResponse: ...
+    @_builtins.property
+    def cached_tokens(self) -> Global___ManagerResult.CachedTokens: ...
+    @_builtins.property
+    def num_blocks(self) -> Global___ManagerResult.NumBlocks: ...
+    @_builtins.property
+    def error(self) -> Global___OpStatus:
+        """The call failed (nothing of it changed); the calls after it were not run."""
+
+    def __init__(
+        self,
+        *,
+        done: Global___ManagerResult.Done | None = ...,
+        computed_blocks: Global___ManagerResult.ComputedBlocks | None = ...,
+        allocated: Global___ManagerResult.Allocated | None = ...,
+        table: Global___ManagerResult.Table | None = ...,
+        popped_blocks: Global___ManagerResult.PoppedBlocks | None = ...,
+        reset_prefix_cache: Global___ResetPrefixCacheResponse | None = ...,
+        cached_tokens: Global___ManagerResult.CachedTokens | None = ...,
+        num_blocks: Global___ManagerResult.NumBlocks | None = ...,
+        error: Global___OpStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "cached_tokens", b"cached_tokens", "computed_blocks", b"computed_blocks", "done", b"done", "error", b"error", "num_blocks", b"num_blocks", "popped_blocks", b"popped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result", "table", b"table"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "cached_tokens", b"cached_tokens", "computed_blocks", b"computed_blocks", "done", b"done", "error", b"error", "num_blocks", b"num_blocks", "popped_blocks", b"popped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result", "table", b"table"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["done", "computed_blocks", "allocated", "table", "popped_blocks", "reset_prefix_cache", "cached_tokens", "num_blocks", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___ManagerResult: _TypeAlias = ManagerResult  # noqa: Y015
+
+@_typing.final
+class ManagerStepRequest(_message.Message):
+    """A scheduler's manager calls for one round trip."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    CLAIM_TTL_S_FIELD_NUMBER: _builtins.int
+    CALLS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    RETURN_EVENTS_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """The scheduler's name (1..256 bytes): the first call claims the pool for it, each renews it."""
+    claim_ttl_s: _builtins.float
+    """Seconds the claim lasts after this call (0 = 30; at most 3600)."""
+    release: _builtins.bool
+    """End the claim after the calls (the scheduler stops): the owner's requests and the blocks it
+    popped are freed.
+    """
+    return_events: _builtins.bool
+    """Send this step's events (its event batch) as msgpack in the answer."""
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ManagerCall]:
+        """The calls, run in order, at most max_step_ops; the first that fails ends the step."""
+
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        claim_ttl_s: _builtins.float = ...,
+        calls: _abc.Iterable[Global___ManagerCall] | None = ...,
+        release: _builtins.bool = ...,
+        return_events: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "claim_ttl_s", b"claim_ttl_s", "owner", b"owner", "release", b"release", "return_events", b"return_events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ManagerStepRequest: _TypeAlias = ManagerStepRequest  # noqa: Y015
+
+@_typing.final
+class ManagerStepResponse(_message.Message):
+    """The answers of a ManagerStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    HEAD_SEQ_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    EVENTS_MSGPACK_FIELD_NUMBER: _builtins.int
+    num_free_blocks: _builtins.int
+    """Free blocks after the calls (cached-but-unreferenced included), in blocks."""
+    head_seq: _builtins.int
+    """Seq of the newest batch in the event log after this call."""
+    epoch: _builtins.str
+    """The server epoch head_seq belongs to."""
+    events_msgpack: _builtins.bytes
+    """With return_events: the msgpack bytes of this step's KVEventBatch (vLLM's layout); empty when
+    it made no events.
+    """
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ManagerResult]:
+        """One per call run, in order; when a call failed, its error is the last (the rest did not run)."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ManagerResult] | None = ...,
+        num_free_blocks: _builtins.int = ...,
+        head_seq: _builtins.int = ...,
+        epoch: _builtins.str = ...,
+        events_msgpack: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "events_msgpack", b"events_msgpack", "head_seq", b"head_seq", "num_free_blocks", b"num_free_blocks", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ManagerStepResponse: _TypeAlias = ManagerStepResponse  # noqa: Y015
+
+@_typing.final
 class StreamEventsRequest(_message.Message):
     """Subscribe to the event stream."""
 

@@ -102,6 +102,11 @@ class KVCacheServiceStub:
                 request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksChunk.FromString,
                 _registered_method=True)
+        self.ManagerStep = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/ManagerStep',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -207,6 +212,18 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ManagerStep(self, request, context):
+        """vLLM's KV cache manager for a scheduler that owns its requests' token state (vLLM's own
+        scheduler, through kvservice-vllm): the scheduler's manager calls, in order, in one round
+        trip; the caller says the counts and the block hashes, the server answers with blocks. The
+        first call claims the pool for its owner: while the claim is live, another owner's
+        ManagerStep is FAILED_PRECONDITION naming the owner (a claim lapses claim_ttl_s seconds after
+        the owner's last call). Role `scheduler`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +291,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksRequest.FromString,
                     response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksChunk.SerializeToString,
+            ),
+            'ManagerStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ManagerStep,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -628,6 +650,33 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/ReadBlocks',
             kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksRequest.SerializeToString,
             kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReadBlocksChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ManagerStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/ManagerStep',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

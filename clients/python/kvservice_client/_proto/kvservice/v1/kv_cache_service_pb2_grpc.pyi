@@ -89,6 +89,14 @@ class KVCacheServiceStub:
     """Data plane: read blocks' contents by (group, block id) or (group, block hash) (server
     streaming, chunks of at most max_data_chunk_bytes, a checksum per block). See ReadBlocksChunk.
     """
+    ManagerStep: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ManagerStepRequest, _kv_cache_service_pb2.ManagerStepResponse]
+    """vLLM's KV cache manager for a scheduler that owns its requests' token state (vLLM's own
+    scheduler, through kvservice-vllm): the scheduler's manager calls, in order, in one round
+    trip; the caller says the counts and the block hashes, the server answers with blocks. The
+    first call claims the pool for its owner: while the claim is live, another owner's
+    ManagerStep is FAILED_PRECONDITION naming the owner (a claim lapses claim_ttl_s seconds after
+    the owner's last call). Role `scheduler`.
+    """
 
 @_typing.type_check_only
 class KVCacheServiceAsyncStub(KVCacheServiceStub):
@@ -134,6 +142,14 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     ReadBlocks: _aio.UnaryStreamMultiCallable[_kv_cache_service_pb2.ReadBlocksRequest, _kv_cache_service_pb2.ReadBlocksChunk]  # type: ignore[assignment]
     """Data plane: read blocks' contents by (group, block id) or (group, block hash) (server
     streaming, chunks of at most max_data_chunk_bytes, a checksum per block). See ReadBlocksChunk.
+    """
+    ManagerStep: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ManagerStepRequest, _kv_cache_service_pb2.ManagerStepResponse]  # type: ignore[assignment]
+    """vLLM's KV cache manager for a scheduler that owns its requests' token state (vLLM's own
+    scheduler, through kvservice-vllm): the scheduler's manager calls, in order, in one round
+    trip; the caller says the counts and the block hashes, the server answers with blocks. The
+    first call claims the pool for its owner: while the claim is live, another owner's
+    ManagerStep is FAILED_PRECONDITION naming the owner (a claim lapses claim_ttl_s seconds after
+    the owner's last call). Role `scheduler`.
     """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -255,6 +271,20 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_kv_cache_service_pb2.ReadBlocksChunk], _abc.AsyncIterator[_kv_cache_service_pb2.ReadBlocksChunk]]:
         """Data plane: read blocks' contents by (group, block id) or (group, block hash) (server
         streaming, chunks of at most max_data_chunk_bytes, a checksum per block). See ReadBlocksChunk.
+        """
+
+    @_abc_1.abstractmethod
+    def ManagerStep(
+        self,
+        request: _kv_cache_service_pb2.ManagerStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.ManagerStepResponse, _abc.Awaitable[_kv_cache_service_pb2.ManagerStepResponse]]:
+        """vLLM's KV cache manager for a scheduler that owns its requests' token state (vLLM's own
+        scheduler, through kvservice-vllm): the scheduler's manager calls, in order, in one round
+        trip; the caller says the counts and the block hashes, the server answers with blocks. The
+        first call claims the pool for its owner: while the claim is live, another owner's
+        ManagerStep is FAILED_PRECONDITION naming the owner (a claim lapses claim_ttl_s seconds after
+        the owner's last call). Role `scheduler`.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

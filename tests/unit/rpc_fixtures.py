@@ -4,19 +4,24 @@
 ``kvservice.v1.KVCacheService`` under another name with more methods, their messages those of the
 real file (so the generated message classes serve it), and adds it to protobuf's default descriptor
 pool, as importing a generated module would. What the project derives from a service descriptor
-(the RPC table, the token check, the registration) then sees the
+(the RPC table, the token check, the registration, the clients' generated methods) then sees the
 new RPCs exactly as it would see ones added to ``protos/kvservice/v1/kv_cache_service.proto``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import ServiceDescriptor
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+
+GEN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gen_protos.py"
 
 
 @dataclass(frozen=True)
@@ -70,3 +75,16 @@ def service_with(
     except KeyError:
         pool.AddSerializedFile(file.SerializeToString())
     return file, pool.FindServiceByName(f"kvservice.v1.{name}")
+
+
+def generated_methods(file: descriptor_pb2.FileDescriptorProto) -> types.ModuleType:
+    """What ``scripts/gen_protos.py`` generates for ``file`` (the clients' default methods of its
+    service), imported."""
+    spec = importlib.util.spec_from_file_location("_gen_protos_for_fixture", GEN_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    source = gen.rpcs_module(file, [_real_file(), file], "# generated for a test\n")
+    module = types.ModuleType(f"tests_fixture_{file.service[0].name}_rpcs")
+    exec(compile(source, module.__name__, "exec"), module.__dict__)
+    return module

@@ -184,3 +184,21 @@ def test_two_rpcs_with_one_client_method_name_are_refused():
     )
     with pytest.raises(ValueError, match="a second RPC whose client method is 'get_kv_usage'"):
         service_table(service)
+
+
+def test_the_step_builder_adds_any_step_op_by_its_request():
+    from kvservice_client.client import StepBuilder
+
+    request = pb.DecodeRequest(request_ids=["a"], new_token_ids=[5])
+    built = StepBuilder().op(pb.GetUsageRequest()).op(request).op(pb.FreeRequest(request_id="r")).build()
+    assert built == pb.StepRequest(
+        ops=[
+            pb.StepOp(get_usage=pb.GetUsageRequest()),
+            pb.StepOp(decode=request),
+            pb.StepOp(free=pb.FreeRequest(request_id="r")),
+        ]
+    )
+    with pytest.raises(
+        TypeError, match=r"no Step op takes a kvservice\.v1\.PingRequest; the ops take kvservice\.v1\.Allo"
+    ):
+        StepBuilder().op(pb.PingRequest())

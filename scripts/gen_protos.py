@@ -16,6 +16,9 @@ Output (``clients/python/kvservice_client/_proto/``)::
     kvservice/v1/kv_cache_service_pb2.pyi      mypy-protobuf --mypy_out
     kvservice/v1/kv_cache_service_pb2_grpc.py  grpcio-tools --grpc_python_out
     kvservice/v1/kv_cache_service_pb2_grpc.pyi mypy-protobuf --mypy_grpc_out
+    kvservice/v1/kv_cache_service_rpcs.py      this script (:func:`rpcs_module`): the clients' default
+                                               method of each RPC, typed, documented by the RPC's
+                                               comment in the proto
     kvservice/v1/kv_cache_service.proto        a copy of the source (shipped in the client wheel)
 
 How imports come out right without rewriting them: protoc names a generated module after the
@@ -42,12 +45,15 @@ import argparse
 import difflib
 import importlib.metadata
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos"
@@ -166,6 +172,7 @@ def _run_protoc(work: Path, proto_paths: list[str], out: Path) -> bytes:
         f"--mypy_out={out}",
         f"--mypy_grpc_out={out}",
         f"--descriptor_set_out={descriptor_set}",
+        "--include_source_info",  # the RPCs' comments, for rpcs_module's docstrings
         *staged,
     ]
     result = subprocess.run(cmd, cwd=include, capture_output=True, text=True)
@@ -220,6 +227,168 @@ def _package_init(package: str, header: str, descriptor_set: bytes) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _python_module(proto_name: str) -> str:
+    """The Python module protoc makes of a .proto (``a/b/c.proto`` -> ``a.b.c_pb2``)."""
+    return proto_name.removesuffix(".proto").replace("/", ".") + "_pb2"
+
+
+def _snake_case(name: str) -> str:
+    # As kvservice_client.rpc_table.snake_case (this script imports nothing of the package it writes).
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+def _comment_of(file: Any, path: tuple[int, ...]) -> str:
+    for location in file.source_code_info.location:
+        if tuple(location.path) == path:
+            return " ".join(line.strip() for line in location.leading_comments.strip().splitlines())
+    return ""
+
+
+def _docstring(text: str, indent: str) -> str:
+    """``text`` as a triple-quoted literal whose lines start with ``indent``."""
+    text = text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    lines = text.splitlines()
+    return '"""' + lines[0] + "".join(f"\n{indent}{line}" if line else "\n" for line in lines[1:]) + f'\n{indent}"""'
+
+
+def _wrapped(text: str, width: int, indent: str = "", hanging: str = "") -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(
+        text,
+        width,
+        initial_indent=indent,
+        subsequent_indent=indent + hanging,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [""]
+
+
+_SERVICE_FIELD = 6  # FileDescriptorProto.service
+_METHOD_FIELD = 2  # ServiceDescriptorProto.method
+
+
+def rpcs_module(file: Any, files: Sequence[Any], header: str) -> str | None:
+    """The ``<name>_rpcs.py`` module of one .proto file: the clients' default method of each RPC of
+    its service (see ``kvservice_client._facade``), or None when the file has no service.
+
+    Each default takes the RPC's request message (an iterable of them when the client streams) and
+    answers its response (an iterator of them when the server streams); its docstring is the RPC's
+    comment in the proto. The client's table replaces some with friendlier signatures.
+
+    Args:
+        file: the file's ``FileDescriptorProto`` (with source info, for the comments).
+        files: every file of the descriptor set (where the request and response types are found).
+        header: the DO-NOT-EDIT header.
+
+    Raises:
+        GenerationError: more than one service in the file, or an RPC whose messages are not all
+            defined in one file.
+    """
+    if not file.service:
+        return None
+    if len(file.service) > 1:
+        raise GenerationError(f"{file.name}: {len(file.service)} services; the RPC module takes one per file")
+    service = file.service[0]
+    defined_in = {
+        f".{f.package}.{m.name}" if f.package else f".{m.name}": (f.name, m.name) for f in files for m in f.message_type
+    }
+    modules = set()
+    entries: list[tuple[str, str]] = []
+    for index, method in enumerate(service.method):
+        try:
+            (request_file, request), (response_file, response) = (
+                defined_in[method.input_type],
+                defined_in[method.output_type],
+            )
+        except KeyError as e:
+            raise GenerationError(f"{service.name}.{method.name}: type {e} is not a top-level message") from None
+        modules |= {request_file, response_file}
+        comment = _comment_of(file, (_SERVICE_FIELD, 0, _METHOD_FIELD, index)) or f"The {method.name} RPC."
+        timeout = (
+            "deadline for the whole call (None: none, whatever the client's default)."
+            if method.server_streaming
+            else "deadline in seconds or as a ``timedelta`` (None: the client's default)."
+        )
+        first = (
+            f"requests: the ``{request}`` messages to send, in order (any iterable, read while sending)."
+            if method.client_streaming
+            else f"request: the ``{request}`` (None: an empty one)."
+        )
+        returns = (
+            f"An iterator of ``{response}`` messages (an async iterator from the async client)."
+            if method.server_streaming
+            else f"The ``{response}``."
+        )
+        doc = "\n".join(
+            [
+                *_wrapped(comment, 96),
+                "",
+                "Args:",
+                *_wrapped(first, 96, "    ", "    "),
+                f"    timeout: {timeout}",
+                "    metadata: extra metadata for this call.",
+                "",
+                "Returns:",
+                f"    {returns}",
+                "",
+                "Raises:",
+                "    KVServiceError: the call failed (the status code and the server's message).",
+            ]
+        )
+        kind = "server_stream" if method.server_streaming else "unary"
+        build = "request_stream" if method.client_streaming else "request_message"
+        name = _snake_case(method.name)
+        entries.append(
+            (
+                name,
+                f'{name} = _facade.{kind}("{method.name}", _pb.{response})(\n'
+                f"    _facade.{build}(\n"
+                f"        _pb.{request},\n"
+                f"        {_docstring(doc, ' ' * 8)},\n"
+                f"    )\n"
+                f")\n",
+            )
+        )
+    if len(modules) != 1:
+        raise GenerationError(
+            f"{service.name}: its messages come from {len(modules)} files ({', '.join(sorted(modules))}); "
+            "the RPC module imports one"
+        )
+    (module,) = modules
+    package, _, name = _python_module(module).rpartition(".")
+    class_name = f"{service.name}Methods"
+    full_name = f"{file.package}.{service.name}" if file.package else service.name
+    lines = [
+        header.rstrip("\n"),
+        f'"""The clients\' default method of each RPC of ``{full_name}``, typed, documented by the RPC\'s comment.',
+        "",
+        "Each takes the RPC's request message and answers its response; ``kvservice_client.client`` gives both",
+        "clients one method per entry of :class:`" + class_name + "`, replacing some with friendlier signatures",
+        '(see ``kvservice_client._facade``)."""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from kvservice_client import _facade",
+        f"from {package} import {name} as _pb",
+        "",
+        "__all__ = [",
+        *(f'    "{n}",' for n in sorted([class_name, *(n for n, _ in entries)])),
+        "]",
+        "",
+    ]
+    for _, text in entries:
+        lines += ["", text]
+    lines += [
+        "",
+        f"class {class_name}:",
+        f'    """One client method per RPC of ``{full_name}``, in the proto\'s order."""',
+        "",
+        *(f"    {n} = {n}" for n, _ in entries),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def generate(dest: Path) -> list[Path]:
     """Generate the whole ``_proto`` tree into ``dest`` (the directory that plays ``_proto/``).
 
@@ -229,6 +398,8 @@ def generate(dest: Path) -> list[Path]:
     Raises:
         GenerationError: unpinned tools, an unsupported import, or protoc failing.
     """
+    from google.protobuf import descriptor_pb2
+
     check_pinned_versions()
     proto_paths = _find_protos()
     _check_imports(proto_paths)
@@ -244,6 +415,14 @@ def generate(dest: Path) -> list[Path]:
                 if not path.name.endswith(_GENERATED_SUFFIXES):
                     raise GenerationError(f"unexpected generator output {path.relative_to(out)}")
                 files[path.relative_to(generated_root)] = _stamp(path.read_text(), header)
+    fds = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set)
+    staged_prefix = PROTO_PACKAGE.replace(".", "/") + "/"
+    for file in fds.file:
+        if not file.name.startswith(staged_prefix):
+            continue  # an imported well-known type (google/protobuf/...)
+        text = rpcs_module(file, fds.file, header)
+        if text is not None:
+            files[Path(file.name.removeprefix(staged_prefix).removesuffix(".proto") + "_rpcs.py")] = text
     # Every directory from _proto down to each stub's folder is a regular package.
     package_dirs = {Path(".")}
     for rel in files:

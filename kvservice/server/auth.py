@@ -15,6 +15,10 @@ Two independent layers, both off by default (the server then binds loopback only
     ReadBlocks, WriteBlocks, GetKVCacheGroupMetadata, GetUsage, Ping) and server reflection; no
     call that changes the cache or the request table, no events.
 
+  Who may call an RPC is said beside it in the proto (its ``(kvservice.v1.roles)`` option: the
+  roles besides ``scheduler``; none: scheduler only); the sets here are read from the RPC table
+  (:data:`kvservice_client.rpc_table.KV_CACHE_SERVICE`), never listed by hand.
+
   ``grpc.health.v1.Health/Check`` and ``/Watch`` need no token (load balancer and orchestrator
   probes). A call without usable credentials is answered UNAUTHENTICATED; a watcher or worker calling
   an RPC outside its set is answered PERMISSION_DENIED; either way the call never reaches the servicer, so
@@ -49,11 +53,11 @@ import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvservice.server.servicer import SERVICE_NAME
+from kvservice_client.rpc_table import KV_CACHE_SERVICE, ROLES, Role, ServiceTable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -82,34 +86,20 @@ __all__ = [
     "server_credentials",
 ]
 
-Role = Literal["scheduler", "watcher", "worker"]
-ROLES: tuple[Role, ...] = ("scheduler", "watcher", "worker")
-"""The roles a token may have: ``scheduler`` calls every RPC, ``watcher`` only the read-only ones,
-``worker`` the data plane (block contents) and the read-only metadata calls."""
-
 MIN_TOKEN_CHARS = 16
 """Shortest plain token a token file may hold, in characters (a guessable token is no secret)."""
 
-MUTATING_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}"
-    for name in ("GetComputedBlocks", "AllocateSlots", "Free", "ResetPrefixCache", "Step", "ManagerStep")
-)
-"""Full method names of the RPCs that change the cache or the request table (scheduler only)."""
+MUTATING_METHODS = frozenset(rpc.method for rpc in KV_CACHE_SERVICE if rpc.roles == {"scheduler"})
+"""Full method names of the RPCs only a scheduler may call: those that change the cache or the
+request table (GetComputedBlocks, AllocateSlots, Free, ResetPrefixCache, Step, ManagerStep)."""
 
-WATCHER_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}" for name in ("StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping")
-)
+WATCHER_METHODS = KV_CACHE_SERVICE.methods_of("watcher")
 """Full method names of the kvservice RPCs a ``watcher`` token may call."""
 
-WORKER_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}"
-    for name in ("AttachKVCache", "ReadBlocks", "WriteBlocks", "GetKVCacheGroupMetadata", "GetUsage", "Ping")
-)
+WORKER_METHODS = KV_CACHE_SERVICE.methods_of("worker")
 """Full method names of the kvservice RPCs a ``worker`` token may call (block contents, no cache
 mutation: a write goes only into a block a running request computes, see
 ``kvservice.server.data_plane``)."""
-
-_METHODS_BY_ROLE = {"watcher": WATCHER_METHODS, "worker": WORKER_METHODS}
 
 _REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
@@ -120,10 +110,6 @@ _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 _TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: what a metadata value can carry
 _BEARER = re.compile(r"Bearer +(\S+)", re.IGNORECASE)  # RFC 6750: the scheme is case-insensitive
 _ENTRY_KEYS = frozenset({"name", "role", "token", "token_sha256"})
-
-
-def _role_may_call(role: str, method: str) -> bool:
-    return role == "scheduler" or method in _METHODS_BY_ROLE[role] or method.startswith(_REFLECTION_PREFIXES)
 
 
 # -- tokens ------------------------------------------------------------------------------------
@@ -278,10 +264,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     Args:
         tokens: the accepted tokens.
+        service: the RPCs and who may call each (default: kvservice.v1's own table).
     """
 
-    def __init__(self, tokens: TokenTable) -> None:
+    def __init__(self, tokens: TokenTable, service: ServiceTable = KV_CACHE_SERVICE) -> None:
         self.tokens = tokens
+        self._methods_by_role: dict[Role, frozenset[str]] = {role: service.methods_of(role) for role in ROLES}
+
+    def _may_call(self, role: Role, method: str) -> bool:
+        # A scheduler passes on every method (one the server does not have is UNIMPLEMENTED).
+        return role == "scheduler" or method in self._methods_by_role[role] or method.startswith(_REFLECTION_PREFIXES)
 
     def check(
         self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None
@@ -308,11 +300,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         entry = self.tokens.authenticate(match.group(1))
         if entry is None:
             return grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token"
-        if _role_may_call(entry.role, method):
+        if self._may_call(entry.role, method):
             return None
         return grpc.StatusCode.PERMISSION_DENIED, (
             f"{method}: token {entry.name!r} has role {entry.role!r}, which may call only "
-            f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in _METHODS_BY_ROLE[entry.role]))} and reflection"
+            f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in self._methods_by_role[entry.role]))} and reflection"
         )
 
     async def intercept_service(

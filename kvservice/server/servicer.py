@@ -62,6 +62,7 @@ from kvservice.server.wire import invalid_utf8_field
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import kv_cache_spec_kind_to_proto
 from kvservice_client.hashing import LoRA, MultiModalFeature
+from kvservice_client.rpc_table import KV_CACHE_SERVICE, ServiceTable
 
 if TYPE_CHECKING:  # the data plane is imported lazily where it is used; here only for the annotations
     from kvservice.server.data_plane import DataPlane
@@ -71,10 +72,12 @@ logger = logging.getLogger(__name__)
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 _Result = TypeVar("_Result")
+_Handler = TypeVar("_Handler", bound=Callable[..., Any])
 
 __all__ = ["KVCacheServicer", "STATUS_BY_ERROR", "status_for", "SERVICE_NAME"]
 
-SERVICE_NAME = "kvservice.v1.KVCacheService"
+SERVICE_NAME = KV_CACHE_SERVICE.name
+"""``kvservice.v1.KVCacheService``."""
 
 DEFAULT_CLAIM_TTL_S = 30.0
 """Seconds a scheduler's claim on the pool lasts after its last ManagerStep, unless it asks otherwise."""
@@ -101,6 +104,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return code, str(exc)
     logger.error("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal error (see the server log)"
+
+
+_SENDS_SERIALIZED = "_kvservice_sends_serialized"
+
+
+def _sends_serialized(handler: _Handler) -> _Handler:
+    """Marks an RPC handler that writes its responses already serialized (bytes), so its
+    registration has no response serializer."""
+    setattr(handler, _SENDS_SERIALIZED, True)
+    return handler
 
 
 _REPORT_MODES = {
@@ -242,34 +255,27 @@ class KVCacheServicer:
         self.data_plane: Any = None
         """The :class:`kvservice.server.data_plane.DataPlane` (set by the app); None: the data-plane
         RPCs answer FAILED_PRECONDITION."""
-        self._ops: dict[str, Callable[[Any], Any]] = {
-            "get_computed_blocks": self._get_computed_blocks,
-            "allocate_slots": self._allocate_slots,
-            "free": self._free,
-            "reset_prefix_cache": self._reset_prefix_cache,
-            "get_usage": self._get_usage,
-            "decode": self._decode,
-        }
-        self._manager_calls: dict[str, Callable[[Any, pb.ManagerResult], None]] = {
-            "update_request": self._manager_update_request,
-            "get_computed_blocks": self._manager_get_computed_blocks,
-            "allocate_slots": self._manager_allocate_slots,
-            "cache_blocks": self._manager_cache_blocks,
-            "remove_skipped_blocks": self._manager_remove_skipped_blocks,
-            "free": self._manager_free,
-            "pop_blocks_for_free": self._manager_pop_blocks_for_free,
-            "free_blocks": self._manager_free_blocks,
-            "evict_blocks": self._manager_evict_blocks,
-            "reset_prefix_cache": self._manager_reset_prefix_cache,
-            "estimate_cached_tokens": self._manager_estimate_cached_tokens,
-            "get_num_blocks_to_allocate": self._manager_get_num_blocks_to_allocate,
-        }
-        # Step ops whose answer is written straight into the StepResponse (no message per op, no copy).
-        self._step_fills: dict[str, Callable[[Any, Any], None]] = {
-            "get_computed_blocks": self._fill_get_computed_blocks,
-            "allocate_slots": self._fill_allocate_slots,
-            "free": self._fill_free,
-        }
+        # One op per member of the StepOp oneof, the method named after it (``_free`` for ``free``);
+        # the unary RPC of the same request runs the same op (``Free`` is ``_unary(self._free)``).
+        self._ops: dict[str, Callable[[Any], Any]] = {}
+        # Step ops whose answer is written straight into the StepResponse (no message per op, no
+        # copy): ``_fill_<op>`` where there is one.
+        self._step_fills: dict[str, Callable[[Any, Any], None]] = {}
+        for op in pb.StepOp.DESCRIPTOR.oneofs_by_name["op"].fields:
+            run = getattr(self, f"_{op.name}", None)
+            if run is None:
+                raise TypeError(f"{type(self).__name__} has no _{op.name} for the Step op {op.name}")
+            self._ops[op.name] = run
+            fill = getattr(self, f"_fill_{op.name}", None)
+            if fill is not None:
+                self._step_fills[op.name] = fill
+        # One handler per member of the ManagerCall oneof: ``_manager_<call>`` (ManagerStep).
+        self._manager_calls: dict[str, Callable[[Any, pb.ManagerResult], None]] = {}
+        for call in pb.ManagerCall.DESCRIPTOR.oneofs_by_name["call"].fields:
+            handler = getattr(self, f"_manager_{call.name}", None)
+            if handler is None:
+                raise TypeError(f"{type(self).__name__} has no _manager_{call.name} for the ManagerCall {call.name}")
+            self._manager_calls[call.name] = handler
 
     # -- ops shared by unary calls and Step --------------------------------------------------
 
@@ -765,6 +771,7 @@ class KVCacheServicer:
         response.epoch = self.event_log.epoch
         return response
 
+    @_sends_serialized
     async def StreamEvents(self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream batches from a seq, a snapshot or the live head (serialized once, shared)."""
         log = self.event_log
@@ -1021,43 +1028,44 @@ class KVCacheServicer:
 
     # -- registration ---------------------------------------------------------------------
 
-    def generic_handler(self) -> grpc.GenericRpcHandler:
-        """Method handlers for the service; StreamEvents sends pre-serialized bytes as they are."""
-        unary = {
-            "GetComputedBlocks": (pb.GetComputedBlocksRequest, pb.GetComputedBlocksResponse),
-            "AllocateSlots": (pb.AllocateSlotsRequest, pb.AllocateSlotsResponse),
-            "Free": (pb.FreeRequest, pb.FreeResponse),
-            "ResetPrefixCache": (pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse),
-            "GetUsage": (pb.GetUsageRequest, pb.GetUsageResponse),
-            "Step": (pb.StepRequest, pb.StepResponse),
-            "TakeEvents": (pb.TakeEventsRequest, pb.TakeEventsResponse),
-            "GetKVCacheGroupMetadata": (pb.GetKVCacheGroupMetadataRequest, pb.GetKVCacheGroupMetadataResponse),
-            "Ping": (pb.PingRequest, pb.PingResponse),
-            "AttachKVCache": (pb.AttachKVCacheRequest, pb.AttachKVCacheResponse),
-            "ManagerStep": (pb.ManagerStepRequest, pb.ManagerStepResponse),
-        }
-        handlers = {  # type: ignore[var-annotated]  # grpc's handler type is generic in each RPC's messages
-            name: grpc.unary_unary_rpc_method_handler(
-                _parsed(getattr(self, name), req),
-                request_deserializer=None,
-                response_serializer=resp.SerializeToString,  # type: ignore[attr-defined]  # resp is a message class
-            )
-            for name, (req, resp) in unary.items()
-        }
-        handlers["StreamEvents"] = grpc.unary_stream_rpc_method_handler(
-            _parsed(self.StreamEvents, pb.StreamEventsRequest), request_deserializer=None, response_serializer=None
-        )
-        handlers["ReadBlocks"] = grpc.unary_stream_rpc_method_handler(
-            _parsed(self.ReadBlocks, pb.ReadBlocksRequest),
-            request_deserializer=None,
-            response_serializer=pb.ReadBlocksChunk.SerializeToString,
-        )
-        handlers["WriteBlocks"] = grpc.stream_unary_rpc_method_handler(
-            self.WriteBlocks,
-            request_deserializer=pb.WriteBlocksChunk.FromString,
-            response_serializer=pb.WriteBlocksResponse.SerializeToString,
-        )
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+    def _step_op_handler(self, op: Callable[[Any], Any]) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """The unary RPC of a Step op that has no handler of its own: the op, as :meth:`_unary` runs it."""
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await self._unary(op, request, context)
+
+        return handler
+
+    def generic_handler(self, service: ServiceTable = KV_CACHE_SERVICE) -> grpc.GenericRpcHandler:
+        """Method handlers for every RPC of ``service`` (default: kvservice.v1's own table), each
+        the servicer's method of the RPC's name, of the RPC's kind, with its request and response
+        types (see :mod:`kvservice_client.rpc_table`). A unary RPC that is also a Step op needs no
+        method of its own: without one, it runs the Step op's (``_<op>``) as a unary call.
+
+        A request that does not parse is answered INVALID_ARGUMENT (:func:`_parsed`); a handler marked
+        :func:`_sends_serialized` writes bytes serialized once for every reader (StreamEvents).
+
+        Raises:
+            TypeError: an RPC of ``service`` without a handler method (named).
+        """
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for rpc in service:
+            method = getattr(self, rpc.name, None)
+            if method is None and rpc.step_op is not None and not (rpc.request_streaming or rpc.response_streaming):
+                method = self._step_op_handler(self._ops[rpc.step_op])
+            if method is None:
+                raise TypeError(f"{type(self).__name__} has no handler {rpc.name} for {rpc.method}")
+            response_serializer = None if getattr(method, _SENDS_SERIALIZED, False) else rpc.response.SerializeToString
+            make = getattr(grpc, f"{rpc.kind}_rpc_method_handler")
+            if rpc.request_streaming:  # the handler reads the parsed messages from the stream
+                handlers[rpc.name] = make(
+                    method, request_deserializer=rpc.request.FromString, response_serializer=response_serializer
+                )
+            else:
+                handlers[rpc.name] = make(
+                    _parsed(method, rpc.request), request_deserializer=None, response_serializer=response_serializer
+                )
+        return grpc.method_handlers_generic_handler(service.name, handlers)
 
 
 def _unpack_prompt(packed: bytes, num_repeated: int) -> Any:

@@ -78,7 +78,10 @@ async def test_reflection_lists_the_service_and_serves_its_descriptor(kv_server,
     await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE))
     files = (await call.read()).file_descriptor_response.file_descriptor_proto
     await call.done_writing()
-    [descriptor] = [descriptor_pb2.FileDescriptorProto.FromString(f) for f in files]
+    # The service's file, then what it imports (descriptor.proto: the RPCs' method options).
+    descriptor, imported = (descriptor_pb2.FileDescriptorProto.FromString(f) for f in files)
+    assert imported.name == "google/protobuf/descriptor.proto"
+    assert list(descriptor.dependency) == ["google/protobuf/descriptor.proto"]
     # The staged path gen_protos.py documents; resolution is by symbol, which is what clients use.
     assert descriptor.name == "kvservice_client/_proto/kvservice/v1/kv_cache_service.proto"
     assert descriptor.package == "kvservice.v1"
@@ -99,6 +102,7 @@ async def test_reflection_lists_the_service_and_serves_its_descriptor(kv_server,
             "AttachKVCache",
             "WriteBlocks",
             "ReadBlocks",
+            "ManagerStep",
         ],
     )
 

@@ -32,9 +32,19 @@ async def test_server_reflection_resolves_the_service_by_symbol() -> None:
     finally:
         await server.stop(None)
     (response,) = responses
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(serialized)
+        for serialized in response.file_descriptor_response.file_descriptor_proto
+    ]
+    # The service's file first, then what it imports (descriptor.proto, for the method options):
+    # a pool takes a file after its dependencies, as grpcurl adds them.
+    assert [f.name for f in files] == [
+        "kvservice_client/_proto/kvservice/v1/kv_cache_service.proto",
+        "google/protobuf/descriptor.proto",
+    ]
     pool = descriptor_pool.DescriptorPool()
-    for serialized in response.file_descriptor_response.file_descriptor_proto:
-        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(serialized))
+    for file in reversed(files):
+        pool.Add(file)
     service = pool.FindServiceByName(full_name)
     assert [m.name for m in service.methods][:2] == ["GetComputedBlocks", "AllocateSlots"]
     assert pool.FindMessageTypeByName("kvservice.v1.EventBatch").fields_by_name["msgpack"].number == 6

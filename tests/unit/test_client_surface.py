@@ -25,7 +25,10 @@ from kvservice_client import (
     StepBuilder,
     TLSConfig,
 )
+from kvservice_client._facade import _RPC, unary
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
+from kvservice_client.rpc_table import KV_CACHE_SERVICE, snake_case
 from kvservice_client.tls import resolve_channel_security
 
 ISSUE_NAMES = {
@@ -145,7 +148,9 @@ def test_the_twin_methods_have_identical_signatures_and_docs(name: str):
         return
     assert _normalized_signature(sync) == _normalized_signature(async_)
     assert not inspect.iscoroutinefunction(sync)
-    assert inspect.iscoroutinefunction(async_) == (name != "stream_events")
+    server_streaming = {rpc.client_method for rpc in KV_CACHE_SERVICE if rpc.response_streaming}
+    assert server_streaming == {"stream_events", "read_blocks"}
+    assert inspect.iscoroutinefunction(async_) == (name not in server_streaming)
 
 
 def test_the_constructors_take_the_same_arguments():
@@ -163,29 +168,79 @@ RPC_METHODS = {
     "take_events": "pb.TakeEventsResponse",
     "get_kv_cache_group_metadata": "pb.GetKVCacheGroupMetadataResponse",
     "ping": "pb.PingResponse",
+}
+
+
+# The RPCs whose method is the generated default (it takes the request message).
+DEFAULT_RPC_METHODS = {
+    "attach_kv_cache": "pb.AttachKVCacheResponse",
+    "write_blocks": "pb.WriteBlocksResponse",
     "manager_step": "pb.ManagerStepResponse",
 }
 
 
-def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
-    """Both clients' RPC methods come from one table (client._KVCacheServiceRPCs); each client
-    holds its own function per entry, with the entry's docstring and the method's return type."""
-    table = {
-        name for name, entry in vars(client_module._KVCacheServiceRPCs).items() if isinstance(entry, client_module._RPC)
+def _entries() -> dict[str, _RPC]:
+    """Each client method's entry: the hand-written one, else the generated default."""
+    generated = {n: e for n, e in vars(rpcs.KVCacheServiceMethods).items() if isinstance(e, _RPC)}
+    written = {n: e for n, e in vars(client_module._KVCacheServiceRPCs).items() if isinstance(e, _RPC)}
+    return {**generated, **written}
+
+
+def test_each_rpc_of_the_proto_has_a_method_generated_or_written():
+    """The generated defaults are one per RPC of the proto, under the RPC's snake-case name, and
+    each hand-written entry calls an RPC of the proto (``decode`` calls Step)."""
+    service = pb.DESCRIPTOR.services_by_name["KVCacheService"]
+    generated = {n: e for n, e in vars(rpcs.KVCacheServiceMethods).items() if isinstance(e, _RPC)}
+    assert {name: entry.method for name, entry in generated.items()} == {
+        snake_case(m.name): m.name for m in service.methods
     }
-    assert table == {*RPC_METHODS, "stream_events"}
+    written = {n: e.method for n, e in vars(client_module._KVCacheServiceRPCs).items() if isinstance(e, _RPC)}
+    assert written == {
+        **{name: generated[name].method for name in RPC_METHODS if name != "decode"},
+        "decode": "Step",
+    } | {"stream_events": "StreamEvents"}
+
+
+def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
+    """Both clients' RPC methods come from one table (the generated defaults, some replaced by the
+    hand-written entries of client._KVCacheServiceRPCs); each client holds its own function per
+    entry, with the entry's docstring and the method's return type."""
+    entries = _entries()
+    unary_methods = {**RPC_METHODS, **DEFAULT_RPC_METHODS}
+    assert set(entries) == {*unary_methods, "stream_events", "read_blocks"}
     returns = {
-        cls: {name: inspect.signature(vars(cls)[name]).return_annotation for name in table}
+        cls: {name: inspect.signature(vars(cls)[name]).return_annotation for name in entries}
         for cls in (KVCacheClient, AsyncKVCacheClient)
     }
-    assert returns[KVCacheClient] == {**RPC_METHODS, "stream_events": "Iterator[pb.EventBatch]"}
-    assert returns[AsyncKVCacheClient] == {**RPC_METHODS, "stream_events": "AsyncIterator[pb.EventBatch]"}
+    assert returns[KVCacheClient] == {
+        **unary_methods,
+        "stream_events": "Iterator[pb.EventBatch]",
+        "read_blocks": "Iterator[pb.ReadBlocksChunk]",
+    }
+    assert returns[AsyncKVCacheClient] == {
+        **unary_methods,
+        "stream_events": "AsyncIterator[pb.EventBatch]",
+        "read_blocks": "AsyncIterator[pb.ReadBlocksChunk]",
+    }
     for cls in (KVCacheClient, AsyncKVCacheClient):
-        for name in table:
+        for name, entry in entries.items():
             function = vars(cls)[name]
             assert inspect.isfunction(function)
             assert (function.__qualname__, function.__module__) == (f"{cls.__name__}.{name}", "kvservice_client.client")
-            assert function.__doc__ == vars(client_module._KVCacheServiceRPCs)[name].build.__doc__
+            assert function.__doc__ == entry.build.__doc__
+
+
+def test_a_generated_default_takes_the_request_message_and_is_documented_by_the_proto():
+    signature = inspect.signature(KVCacheClient.attach_kv_cache)
+    assert str(signature) == (
+        "(self, request: 'pb.AttachKVCacheRequest | None' = None, *, timeout: 'Timeout' = None, "
+        "metadata: 'Metadata' = None) -> 'pb.AttachKVCacheResponse'"
+    )
+    assert KVCacheClient.attach_kv_cache.__doc__.startswith("Data plane (role `worker` or `scheduler`): describe")
+    assert str(inspect.signature(AsyncKVCacheClient.write_blocks)) == (
+        "(self, requests: 'Iterable[pb.WriteBlocksChunk]', *, timeout: 'Timeout' = None, "
+        "metadata: 'Metadata' = None) -> 'pb.WriteBlocksResponse'"
+    )
 
 
 def _calls_of_each_method(client: Any) -> list[tuple[str, Callable[[], object]]]:
@@ -304,7 +359,7 @@ def test_a_table_entry_needs_keyword_only_timeout_and_metadata():
         return pb.FreeRequest(request_id=request_id)
 
     with pytest.raises(TypeError, match="build: needs a keyword-only 'timeout' defaulting to None"):
-        client_module._unary("Free", pb.FreeResponse)(build)
+        unary("Free", pb.FreeResponse)(build)
 
 
 # --- StatusCode and KVServiceError ------------------------------------------------------------

@@ -69,7 +69,7 @@ def _dependency_minimum(pyproject: Path, dist: str) -> str:
 def test_committed_stubs_are_not_stale() -> None:
     result = subprocess.run([sys.executable, str(GEN_SCRIPT), "--check"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert result.returncode == 0, f"stale stubs:\n{result.stdout}{result.stderr}"
-    assert "up to date (8 files)" in result.stdout  # 4 stubs, 3 __init__.py, the .proto
+    assert "up to date (9 files)" in result.stdout  # 4 stubs, the RPC methods, 3 __init__.py, the .proto
 
 
 def test_generated_tree_is_exactly_the_expected_files() -> None:
@@ -87,6 +87,7 @@ def test_generated_tree_is_exactly_the_expected_files() -> None:
         "kvservice/v1/kv_cache_service_pb2.pyi",
         "kvservice/v1/kv_cache_service_pb2_grpc.py",
         "kvservice/v1/kv_cache_service_pb2_grpc.pyi",
+        "kvservice/v1/kv_cache_service_rpcs.py",
     ]
 
 

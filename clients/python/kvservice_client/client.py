@@ -20,12 +20,16 @@ mutual TLS, a target name override), or ready ``credentials``; the client then o
 channel. Without any of them the channel is plain text. The loose ``root_certificates``,
 ``private_key`` and ``certificate_chain`` arguments are still accepted.
 
-The two clients have the same public methods, with the same signatures and docstrings: each RPC
-method is written once, in one table (``_KVCacheServiceRPCs``: its parameters, its docstring, the
-request it builds, the response type and how the answer is converted), and each client gets an
+The two clients have the same public methods, with the same signatures and docstrings: one per RPC
+of the proto, each an entry of one table (see :mod:`kvservice_client._facade`). By default an RPC's
+method is its generated one (``_proto/kvservice/v1/kv_cache_service_rpcs.py``, made from the proto by
+``scripts/gen_protos.py``: it takes the request message; its docstring is the RPC's comment); this
+module replaces some with friendlier builders (``_KVCacheServiceRPCs``: keyword arguments for the
+common fields), taking the RPC's name, kind and response type from the default. Each client gets an
 ordinary function per entry, blocking in :class:`KVCacheClient`, a coroutine in
-:class:`AsyncKVCacheClient` (except ``stream_events``, which returns an async iterator); a test
-pins the parity. The request messages are built by :mod:`kvservice_client.request_builders`.
+:class:`AsyncKVCacheClient` (a server-streaming RPC's returns an async iterator); a test pins the
+parity. The request messages are built by :mod:`kvservice_client.request_builders`; the RPCs
+themselves come from :data:`kvservice_client.rpc_table.KV_CACHE_SERVICE`.
 
 Units: token counts in tokens, block ids as pool indices, timeouts in seconds.
 """
@@ -33,26 +37,30 @@ Units: token counts in tokens, block ids as pool indices, timeouts in seconds.
 from __future__ import annotations
 
 import datetime
-import inspect
 from collections.abc import (
     AsyncGenerator,
-    AsyncIterator,
-    Callable,
-    Coroutine,
     Generator,
     Iterable,
-    Iterator,
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import grpc
 import grpc.aio
-from google.protobuf.message import Message
 
+from kvservice_client._facade import (
+    _RPC,
+    AsyncClientBase,
+    Metadata,
+    SyncClientBase,
+    Timeout,
+    facade,
+    request_message,
+)
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.convert import PayloadFormatLike
 from kvservice_client.errors import KVServiceError, StatusCode
 from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
@@ -69,6 +77,7 @@ from kvservice_client.request_builders import (  # noqa: F401 (their old names h
     stream_events_request,
     take_events_request,
 )
+from kvservice_client.rpc_table import KV_CACHE_SERVICE, ServiceTable
 from kvservice_client.step import (
     StepBuilder,
     StepOpResponse,
@@ -99,15 +108,6 @@ __all__ = [
     "step_results",
 ]
 
-Timeout = Union[float, datetime.timedelta, None]
-"""A call deadline: seconds from now (float) or a ``timedelta``; None for the client's default."""
-
-Metadata = Union[Mapping[str, str | bytes], Sequence[tuple[str, str | bytes]], None]
-"""gRPC metadata: a mapping or a sequence of ``(key, value)`` pairs. Keys are lower-case ASCII
-letters, digits, ``-``, ``_``, ``.``; the values of other keys than those ending in ``-bin`` (which
-take bytes) are printable ASCII; anything else is a ValueError naming the key, before any call."""
-
-_STREAMING_METHODS = frozenset({"StreamEvents"})
 
 # The builders under their names from before they moved to request_builders, for code written
 # against them while the move was in flight (methods added on other branches); new code imports
@@ -295,205 +295,21 @@ _CLIENT_ARGS_DOC = """
 
 # --- The RPC table ----------------------------------------------------------------------------
 #
-# Each RPC method of the two clients is written once, in _KVCacheServiceRPCs below: a function
-# whose parameters and docstring are the method's and whose body builds the request message. A
-# decorator turns it into an entry of the table (_UnaryRPC or _StreamRPC: the RPC's name, its
-# response type, how the answer is converted), and _install_rpcs gives each client its own plain
-# function per entry: ``return convert(self._rpc(...))`` in KVCacheClient, ``return
-# convert(await self._rpc(...))`` in AsyncKVCacheClient. The entries' typed ``__get__`` overloads
-# tell a type checker what those functions are (the same parameters; the response, a coroutine
-# of it, an iterator or an async iterator), so mypy and IDEs see precise signatures while the
-# runtime classes hold ordinary functions with real signatures and docstrings for help(). The
-# RPCs whose request has no fields share one builder, made by _whole_request.
+# Each RPC method of the two clients is an entry (see kvservice_client._facade): by default the
+# generated one of kv_cache_service_rpcs (the method takes the request message), replaced below by a
+# friendlier builder where there is one (@facade(rpcs.<method>): same RPC, kind and response).
+# _install_rpcs gives each client its own plain function per entry.
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-_Q = TypeVar("_Q", bound=Message)
 _ChannelT = TypeVar("_ChannelT", grpc.Channel, grpc.aio.Channel)
 # KVCacheServiceAsyncStub exists only in the generated .pyi (the runtime has one stub class).
 _StubT = TypeVar("_StubT", "pb_grpc.KVCacheServiceStub", "pb_grpc.KVCacheServiceAsyncStub")
 
-_CALL_PARAMETERS = ("timeout", "metadata")
-
-
-class _RPC:
-    """One entry of the table: the RPC ``method``, ``build`` (the client method's parameters and
-    docstring; called with the method's arguments, it returns the request message; ``timeout``
-    and ``metadata`` are the call's, which ``build`` leaves alone), ``returns`` (the message type
-    the method returns, or its iterator yields) and ``convert`` (the RPC's response -> that
-    message; None: the response itself)."""
-
-    streaming = False
-
-    def __init__(
-        self,
-        method: str,
-        build: Callable[..., Message],
-        returns: type[Any],
-        convert: Callable[[Any], Any] | None,
-    ) -> None:
-        parameters = inspect.signature(build).parameters
-        for name in _CALL_PARAMETERS:
-            parameter = parameters.get(name)
-            if (
-                parameter is None
-                or parameter.kind is not inspect.Parameter.KEYWORD_ONLY
-                or parameter.default is not None
-            ):
-                raise TypeError(f"{build.__qualname__}: needs a keyword-only {name!r} defaulting to None")
-        self.method = method
-        self.build = build
-        self.returns = returns
-        self.convert = convert
-
-    def __get__(self, client: Any, owner: Any = None) -> Any:
-        # Reached only through the table class itself: each client class holds its own function
-        # under the entry's name (_install_rpcs), which shadows the entry.
-        return self
-
-    def annotation(self, asynchronous: bool) -> str:
-        """The return annotation of the client function (an ``async def`` names the awaited
-        value)."""
-        return f"pb.{self.returns.__name__}"
-
-    def function(self, asynchronous: bool) -> Callable[..., Any]:
-        """The client method: the request from ``build``, sent through the client's ``_rpc``
-        (awaited by the async client's unary methods)."""
-        method, build, convert = self.method, self.build, self.convert
-        signature = inspect.signature(build)
-
-        def request_of(client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message:
-            try:
-                return build(client, *args, **kwargs)
-            except TypeError as exc:
-                try:
-                    signature.bind(client, *args, **kwargs)
-                except TypeError:  # the call's arguments are wrong: name the client's method, not the builder
-                    raise TypeError(
-                        str(exc).replace(f"{build.__qualname__}()", f"{function.__qualname__}()", 1)
-                    ) from None
-                raise
-
-        def call(client: Any, *args: Any, **kwargs: Any) -> Any:
-            request = request_of(client, args, kwargs)
-            response = client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
-            return response if convert is None else convert(response)
-
-        async def call_async(client: Any, *args: Any, **kwargs: Any) -> Any:
-            request = request_of(client, args, kwargs)
-            response = await client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
-            return response if convert is None else convert(response)
-
-        function = call_async if asynchronous and not self.streaming else call
-        annotation = self.annotation(asynchronous)
-        function.__doc__ = build.__doc__
-        function.__annotations__ = {**build.__annotations__, "return": annotation}
-        function.__signature__ = signature.replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
-        return function
-
-
-class _UnaryRPC(_RPC, Generic[_P, _R]):
-    """A unary RPC: the sync client's method returns ``_R``, the async client's is a coroutine of it."""
-
-    @overload
-    def __get__(self, client: None, owner: type[KVCacheClient]) -> Callable[Concatenate[KVCacheClient, _P], _R]: ...
-    @overload
-    def __get__(
-        self, client: None, owner: type[AsyncKVCacheClient]
-    ) -> Callable[Concatenate[AsyncKVCacheClient, _P], Coroutine[Any, Any, _R]]: ...
-    @overload
-    def __get__(self, client: KVCacheClient, owner: Any = None) -> Callable[_P, _R]: ...
-    @overload
-    def __get__(self, client: AsyncKVCacheClient, owner: Any = None) -> Callable[_P, Coroutine[Any, Any, _R]]: ...
-    def __get__(self, client: Any, owner: Any = None) -> Any:
-        return super().__get__(client, owner)
-
-
-class _StreamRPC(_RPC, Generic[_P, _R]):
-    """A server-streaming RPC: the sync client's method returns an iterator of ``_R``, the async
-    client's (a plain function, not a coroutine) an async iterator."""
-
-    streaming = True
-
-    @overload
-    def __get__(
-        self, client: None, owner: type[KVCacheClient]
-    ) -> Callable[Concatenate[KVCacheClient, _P], Iterator[_R]]: ...
-    @overload
-    def __get__(
-        self, client: None, owner: type[AsyncKVCacheClient]
-    ) -> Callable[Concatenate[AsyncKVCacheClient, _P], AsyncIterator[_R]]: ...
-    @overload
-    def __get__(self, client: KVCacheClient, owner: Any = None) -> Callable[_P, Iterator[_R]]: ...
-    @overload
-    def __get__(self, client: AsyncKVCacheClient, owner: Any = None) -> Callable[_P, AsyncIterator[_R]]: ...
-    def __get__(self, client: Any, owner: Any = None) -> Any:
-        return super().__get__(client, owner)
-
-    def annotation(self, asynchronous: bool) -> str:
-        return f"{'AsyncIterator' if asynchronous else 'Iterator'}[pb.{self.returns.__name__}]"
-
-
-def _unary(
-    method: str, returns: type[_R], convert: Callable[[Any], _R] | None = None
-) -> Callable[[Callable[Concatenate[Any, _P], Message]], _UnaryRPC[_P, _R]]:
-    """Makes a request builder the table's entry of the unary RPC ``method``."""
-
-    def entry(build: Callable[Concatenate[Any, _P], Message]) -> _UnaryRPC[_P, _R]:
-        return _UnaryRPC(method, build, returns, convert)
-
-    return entry
-
-
-def _stream(method: str, returns: type[_R]) -> Callable[[Callable[Concatenate[Any, _P], Message]], _StreamRPC[_P, _R]]:
-    """Makes a request builder the table's entry of the server-streaming RPC ``method``."""
-
-    def entry(build: Callable[Concatenate[Any, _P], Message]) -> _StreamRPC[_P, _R]:
-        return _StreamRPC(method, build, returns, None)
-
-    return entry
-
-
-class _WholeRequestBuild(Protocol[_Q]):
-    """The request builder of an RPC whose request has no fields (see :func:`_whole_request`)."""
-
-    def __call__(
-        self, client: Any, request: _Q | None = None, *, timeout: Timeout = None, metadata: Metadata = None
-    ) -> _Q: ...
-
-
-def _whole_request(request_type: type[_Q], doc: str) -> _WholeRequestBuild[_Q]:
-    """The request builder, with ``doc`` as its method's docstring, of an RPC whose request
-    message has no fields: the method takes that message or nothing (an empty one)."""
-
-    def build(client: Any, request: Any = None, *, timeout: Timeout = None, metadata: Metadata = None) -> Any:
-        return request if request is not None else request_type()
-
-    message = f"pb.{request_type.__name__}"
-    signature = inspect.signature(build)
-    client, request, *call = signature.parameters.values()
-    build.__signature__ = signature.replace(  # type: ignore[attr-defined]  # inspect reads a function's __signature__; functions do not declare it
-        parameters=[
-            client.replace(name="self", annotation=inspect.Parameter.empty),
-            request.replace(annotation=f"{message} | None"),
-            *call,
-        ],
-        return_annotation=message,
-    )
-    build.__annotations__ = {
-        "request": f"{message} | None",
-        "timeout": "Timeout",
-        "metadata": "Metadata",
-        "return": message,
-    }
-    build.__doc__ = doc
-    return build
-
 
 class _KVCacheServiceRPCs:
-    """The table of RPC methods both clients have (see the comment above :class:`_RPC`)."""
+    """The hand-written RPC methods both clients have, each in place of its RPC's generated default
+    (see the comment above)."""
 
-    @_unary("GetComputedBlocks", pb.GetComputedBlocksResponse)
+    @facade(rpcs.get_computed_blocks)
     def get_computed_blocks(
         self,
         request_id: str | pb.GetComputedBlocksRequest,
@@ -538,7 +354,7 @@ class _KVCacheServiceRPCs:
             request_id, prompt_token_ids, session_id, kv_cache_report_mode, lora, cache_salt, mm_features
         )
 
-    @_unary("AllocateSlots", pb.AllocateSlotsResponse)
+    @facade(rpcs.allocate_slots)
     def allocate_slots(
         self,
         request_id: str | pb.AllocateSlotsRequest,
@@ -570,7 +386,7 @@ class _KVCacheServiceRPCs:
         """
         return allocate_slots_request(request_id, num_new_tokens, num_lookahead_tokens, new_token_ids)
 
-    @_unary("Free", pb.FreeResponse)
+    @facade(rpcs.free)
     def free(
         self,
         request_id: str | pb.FreeRequest,
@@ -593,8 +409,8 @@ class _KVCacheServiceRPCs:
         """
         return free_request(request_id)
 
-    reset_prefix_cache = _unary("ResetPrefixCache", pb.ResetPrefixCacheResponse)(
-        _whole_request(
+    reset_prefix_cache = facade(rpcs.reset_prefix_cache)(
+        request_message(
             pb.ResetPrefixCacheRequest,
             """Drop every cached block: no prefix-cache hit is left (one AllBlocksCleared event).
 
@@ -616,8 +432,8 @@ class _KVCacheServiceRPCs:
         )
     )
 
-    get_usage = _unary("GetUsage", pb.GetUsageResponse)(
-        _whole_request(
+    get_usage = facade(rpcs.get_usage)(
+        request_message(
             pb.GetUsageRequest,
             """Pool usage and prefix-cache counters.
 
@@ -640,7 +456,7 @@ class _KVCacheServiceRPCs:
         )
     )
 
-    @_unary("Step", pb.StepResponse)
+    @facade(rpcs.step)
     def step(
         self,
         ops: pb.StepRequest | StepBuilder | Iterable[pb.StepOp],
@@ -664,7 +480,7 @@ class _KVCacheServiceRPCs:
         """
         return step_request(ops)
 
-    @_unary("Step", pb.DecodeResponse, convert=decode_result)
+    @facade(rpcs.step, returns=pb.DecodeResponse, convert=decode_result)
     def decode(
         self,
         request_ids: Sequence[str] | pb.DecodeRequest,
@@ -712,7 +528,7 @@ class _KVCacheServiceRPCs:
         )
         return ops.build()
 
-    @_stream("StreamEvents", pb.EventBatch)
+    @facade(rpcs.stream_events)
     def stream_events(
         self,
         request: pb.StreamEventsRequest | None = None,
@@ -754,7 +570,7 @@ class _KVCacheServiceRPCs:
         """
         return stream_events_request(request, start_seq, epoch, snapshot, group_idxs, payload_format)
 
-    @_unary("TakeEvents", pb.TakeEventsResponse)
+    @facade(rpcs.take_events)
     def take_events(
         self,
         consumer: str | pb.TakeEventsRequest,
@@ -789,8 +605,8 @@ class _KVCacheServiceRPCs:
         """
         return take_events_request(consumer, max_batches, snapshot, start_seq, epoch, group_idxs, payload_format)
 
-    get_kv_cache_group_metadata = _unary("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataResponse)(
-        _whole_request(
+    get_kv_cache_group_metadata = facade(rpcs.get_kv_cache_group_metadata)(
+        request_message(
             pb.GetKVCacheGroupMetadataRequest,
             """The layout and the rules a client needs to hash prompts and read events and blocks.
 
@@ -813,7 +629,7 @@ class _KVCacheServiceRPCs:
         )
     )
 
-    @_unary("Ping", pb.PingResponse)
+    @facade(rpcs.ping)
     def ping(
         self,
         payload: bytes | pb.PingRequest = b"",
@@ -828,42 +644,21 @@ class _KVCacheServiceRPCs:
         """
         return ping_request(payload)
 
-    @_unary("ManagerStep", pb.ManagerStepResponse)
-    def manager_step(
-        self,
-        request: pb.ManagerStepRequest,
-        *,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.ManagerStepRequest:
-        """Run a scheduler's vLLM KV cache manager calls in order, in one round trip
-        (``kvservice_vllm`` builds them; see ``ManagerCall`` in the proto).
-
-        Args:
-            request: the whole ``ManagerStepRequest`` (owner, claim, calls).
-            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
-            metadata: extra metadata for this call.
-
-        Returns:
-            One result per call run (a failed call's error last), the free blocks after them.
-
-        Raises:
-            KVServiceError: FAILED_PRECONDITION (another scheduler owns the pool, named),
-                INVALID_ARGUMENT (too many calls, a bad owner), ...
-        """
-        if not isinstance(request, pb.ManagerStepRequest):
-            raise TypeError(f"request: a ManagerStepRequest; got {type(request).__name__}")
-        return request
-
 
 # --- The two clients --------------------------------------------------------------------------
 
 
-class _ClientBase(_KVCacheServiceRPCs, Generic[_ChannelT, _StubT]):
-    """What both clients share: the channel, the stub, the default deadline and metadata, and the
-    RPC methods of the table. ``_channel_module`` is ``grpc`` or ``grpc.aio``."""
+# Some of the generated defaults' names are in _KVCacheServiceRPCs too, with the friendlier
+# signatures that replace them: the first base's wins, at runtime (_install_rpcs) and for mypy alike.
+# mypy reports each such pair where a client class binds them (the two ignores below).
+class _ClientBase(_KVCacheServiceRPCs, rpcs.KVCacheServiceMethods, Generic[_ChannelT, _StubT]):
+    """What both clients share: the channel, the calls of each RPC of ``_service``, the default
+    deadline and metadata, and the RPC methods of the table. ``_channel_module`` is ``grpc`` or
+    ``grpc.aio``."""
 
     _channel_module: ClassVar[Any]
+    _service: ClassVar[ServiceTable] = KV_CACHE_SERVICE
+    """The RPCs the client calls (a test gives a subclass a table with one more)."""
 
     def __init__(
         self,
@@ -887,6 +682,19 @@ class _ClientBase(_KVCacheServiceRPCs, Generic[_ChannelT, _StubT]):
         )
         self._channel: _ChannelT = channel
         self._stub: _StubT = pb_grpc.KVCacheServiceStub(channel)
+        # One multicallable per RPC of the table, made as the generated stub makes its own.
+        self._calls: dict[str, tuple[Any, bool]] = {
+            rpc.name: (
+                getattr(channel, rpc.kind)(
+                    rpc.method,
+                    request_serializer=rpc.request.SerializeToString,
+                    response_deserializer=rpc.response.FromString,
+                    _registered_method=True,
+                ),
+                rpc.response_streaming,
+            )
+            for rpc in self._service
+        }
 
     @property
     def channel(self) -> _ChannelT:
@@ -898,15 +706,15 @@ class _ClientBase(_KVCacheServiceRPCs, Generic[_ChannelT, _StubT]):
         """The generated stub (no deadline, metadata or error translation applied)."""
         return self._stub
 
-    def _call_options(self, method: str, timeout: Timeout, metadata: Metadata) -> dict[str, Any]:
+    def _call_options(self, streaming: bool, timeout: Timeout, metadata: Metadata) -> dict[str, Any]:
         seconds = _timeout_seconds(timeout)
-        if seconds is None and method not in _STREAMING_METHODS:
+        if seconds is None and not streaming:
             seconds = self._default_timeout
         pairs = self._metadata + _metadata_pairs(metadata)
         return {"timeout": seconds, "metadata": pairs or None}
 
 
-class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
+class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase):  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
     __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
 
     _channel_module: ClassVar[Any] = grpc
@@ -922,11 +730,15 @@ class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _rpc(self, method: str, request: Message | Iterator[Message], timeout: Timeout, metadata: Metadata) -> Any:
-        """The one call path: deadline and metadata in, ``grpc.RpcError`` out as KVServiceError."""
-        multicallable = getattr(self._stub, method)
-        options = self._call_options(method, timeout, metadata)
-        if method in _STREAMING_METHODS:
+    def _rpc(self, method: str, request: object, timeout: Timeout, metadata: Metadata) -> Any:
+        """The one call path: deadline and metadata in, ``grpc.RpcError`` out as KVServiceError.
+
+        ``method`` is the RPC's proto name; ``request`` its message, or an iterable of them when the
+        client streams.
+        """
+        multicallable, streaming = self._calls[method]
+        options = self._call_options(streaming, timeout, metadata)
+        if streaming:
             return _iterate_stream(multicallable(request, **options))
         try:
             return multicallable(request, **options)
@@ -934,7 +746,7 @@ class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
             raise KVServiceError.from_rpc_error(err) from err
 
 
-class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"]):
+class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"], AsyncClientBase):  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
     __doc__ = (
         "``grpc.aio`` client of ``kvservice.v1.KVCacheService``; the async twin of :class:`KVCacheClient`\n"
         "(same methods, as coroutines; ``stream_events`` returns an async iterator).\n" + _CLIENT_ARGS_DOC
@@ -953,27 +765,46 @@ class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAs
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _rpc(self, method: str, request: Message | Iterator[Message], timeout: Timeout, metadata: Metadata) -> Any:
+    def _rpc(self, method: str, request: object, timeout: Timeout, metadata: Metadata) -> Any:
         """The one call path: deadline and metadata in, ``AioRpcError`` out as KVServiceError.
 
-        Returns an awaitable for unary methods and an async iterator for streaming ones.
+        Returns an awaitable for unary-response RPCs and an async iterator for server-streaming ones.
         """
-        multicallable = getattr(self._stub, method)
-        call = multicallable(request, **self._call_options(method, timeout, metadata))
-        if method in _STREAMING_METHODS:
+        multicallable, streaming = self._calls[method]
+        call = multicallable(request, **self._call_options(streaming, timeout, metadata))
+        if streaming:
             return _aiterate_stream(call)
         return _await_unary(call)
 
 
 def _install_rpcs(cls: type[_ClientBase[Any, Any]], asynchronous: bool) -> None:
-    """Gives ``cls`` a plain function per entry of the table, under the entry's name."""
-    for name, entry in vars(_KVCacheServiceRPCs).items():
-        if isinstance(entry, _RPC):
-            function = entry.function(asynchronous)
-            function.__name__ = name
-            function.__module__ = cls.__module__
-            function.__qualname__ = f"{cls.__qualname__}.{name}"
-            setattr(cls, name, function)
+    """Gives ``cls`` a plain function per entry of its bases' tables, under the entry's name (an
+    entry of an earlier base replaces a later one's: the hand-written over the generated default).
+
+    Raises:
+        TypeError: an entry of an RPC that ``cls._service`` does not have, or an RPC of it that no
+            entry calls (the generated entries are stale: rerun ``scripts/gen_protos.py``).
+    """
+    entries: dict[str, _RPC] = {}
+    for base in reversed(cls.__mro__):
+        entries.update((name, entry) for name, entry in vars(base).items() if isinstance(entry, _RPC))
+    service = cls._service
+    unknown = sorted(f"{name} ({entry.method})" for name, entry in entries.items() if entry.method not in service.rpcs)
+    if unknown:
+        raise TypeError(f"{cls.__qualname__}: methods of RPCs {service.name} does not have: {', '.join(unknown)}")
+    called = {entry.method for entry in entries.values()}
+    uncalled = [rpc.name for rpc in service if rpc.name not in called]
+    if uncalled:
+        raise TypeError(
+            f"{cls.__qualname__}: no method calls {', '.join(uncalled)} of {service.name} "
+            "(rerun scripts/gen_protos.py: its generated entries are stale)"
+        )
+    for name, entry in entries.items():
+        function = entry.function(asynchronous)
+        function.__name__ = name
+        function.__module__ = cls.__module__
+        function.__qualname__ = f"{cls.__qualname__}.{name}"
+        setattr(cls, name, function)
 
 
 _install_rpcs(KVCacheClient, asynchronous=False)

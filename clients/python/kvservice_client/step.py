@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Union
 
+from google.protobuf.message import Message
+
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.errors import KVServiceError
 from kvservice_client.request_builders import (
@@ -96,6 +98,12 @@ def decode_result(response: pb.StepResponse) -> pb.DecodeResponse:
     return result.decode
 
 
+_STEP_OP_BY_REQUEST = {
+    f.message_type.full_name: f.name for f in pb.StepOp.DESCRIPTOR.oneofs_by_name["op"].fields if f.message_type
+}
+"""The request message's full name -> the ``StepOp`` member that carries it."""
+
+
 class StepBuilder:
     """Composes the ops of one Step (a scheduler step's worth of calls in one round trip).
 
@@ -182,6 +190,24 @@ class StepBuilder:
         ``KVCacheClient.decode``); its result is a ``DecodeResponse``."""
         request = decode_request(request_ids, new_token_ids, num_new_token_ids, num_new_tokens, num_lookahead_tokens)
         self._ops.append(pb.StepOp(decode=request))
+        return self
+
+    def op(self, request: Message) -> StepBuilder:
+        """Add the op whose ``StepOp`` member takes ``request``'s message type, as it is (any Step
+        op, one without a method of its own here included).
+
+        Raises:
+            TypeError: no member of ``StepOp`` takes that type (naming the type and the members).
+        """
+        name = _STEP_OP_BY_REQUEST.get(request.DESCRIPTOR.full_name)
+        if name is None:
+            raise TypeError(
+                f"no Step op takes a {request.DESCRIPTOR.full_name}; the ops take "
+                f"{', '.join(sorted(_STEP_OP_BY_REQUEST))}"
+            )
+        op = pb.StepOp()
+        getattr(op, name).CopyFrom(request)
+        self._ops.append(op)
         return self
 
     def build(self) -> pb.StepRequest:

@@ -21,9 +21,11 @@ normal answer (`allocated = false`), not an error.
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf.internal import extension_dict as _extension_dict
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -34,6 +36,38 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _Role:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLE_UNSPECIFIED: _Role.ValueType  # 0
+    ROLE_SCHEDULER: _Role.ValueType  # 1
+    """Every RPC."""
+    ROLE_WATCHER: _Role.ValueType  # 2
+    """The read-only RPCs: the KV event stream, usage and metadata."""
+    ROLE_WORKER: _Role.ValueType  # 3
+    """The data plane (block contents) and the read-only metadata calls; nothing that changes the
+    cache or the request table.
+    """
+
+class Role(_Role, metaclass=_RoleEnumTypeWrapper):
+    """A bearer token's role (the server's token file names one per token). With auth off every caller
+    may call every RPC.
+    """
+
+ROLE_UNSPECIFIED: Role.ValueType  # 0
+ROLE_SCHEDULER: Role.ValueType  # 1
+"""Every RPC."""
+ROLE_WATCHER: Role.ValueType  # 2
+"""The read-only RPCs: the KV event stream, usage and metadata."""
+ROLE_WORKER: Role.ValueType  # 3
+"""The data plane (block contents) and the read-only metadata calls; nothing that changes the
+cache or the request table.
+"""
+Global___Role: _TypeAlias = Role  # noqa: Y015
 
 class _KVCacheReportMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -2941,3 +2975,9 @@ class ReadBlocksChunk(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__checksum) -> _WhichOneofReturnType__checksum | None: ...
 
 Global___ReadBlocksChunk: _TypeAlias = ReadBlocksChunk  # noqa: Y015
+
+ROLES_FIELD_NUMBER: _builtins.int
+roles: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.MethodOptions, _containers.RepeatedScalarFieldContainer[Global___Role.ValueType]]
+"""The roles besides ROLE_SCHEDULER (which may call every RPC) whose tokens may call this RPC;
+none: scheduler tokens only.
+"""

@@ -278,3 +278,34 @@ def run_trace(
         result.num_round_trips.append(getattr(manager, "num_round_trips", 0) - trips)
         step += 1
     return result
+
+
+def mooncake_items(
+    path: str | None = None, *, limit: int | None = None, step_ms: float = 25.0, max_prompt_tokens: int | None = None
+) -> list[TraceItem]:
+    """A Mooncake trace as :class:`TraceItem` s (the replay's token ids; the shipped sample by
+    default), a request arriving at the first step after its timestamp (``step_ms`` per step).
+
+    Args:
+        path: the trace (default: the sample shipped with ``kvservice.replay``).
+        limit: at most this many requests (after ``max_prompt_tokens``).
+        step_ms: simulated milliseconds per scheduler step.
+        max_prompt_tokens: leave out longer prompts (a pool smaller than the longest one).
+    """
+    from kvservice.replay.traces import DEFAULT_TRACE, output_token_ids, read_trace
+
+    items = []
+    for request in read_trace(path or DEFAULT_TRACE):
+        if max_prompt_tokens is not None and request.num_prompt_tokens > max_prompt_tokens:
+            continue
+        items.append(
+            TraceItem(
+                request.request_id,
+                request.prompt_token_ids.tolist(),
+                output_token_ids(request.request_id, request.output_length).tolist(),
+                int(request.arrival_ms // step_ms),
+            )
+        )
+        if limit is not None and len(items) >= limit:
+            break
+    return items

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -98,7 +99,7 @@ class _GroupTables(Mapping[str, list[KVCacheBlock]]):
         manager = self._manager
         if manager._pending:
             manager.flush()
-        table = manager._tables[request_id]
+        table = manager._tables[request_id]  # KeyError: no table, as vLLM's defaultdict-less read
         return [manager._block(i) for i in table[self._group_idx]]
 
     def __iter__(self) -> Iterator[str]:
@@ -146,15 +147,68 @@ class _BlockPool:
         return self._manager.usage
 
 
+class _PendingBlocks(KVCacheBlocks):
+    """A ``KVCacheBlocks`` whose block ids come with the next round trip: reading ``blocks`` (or
+    anything built on it, as ``get_block_ids``) sends the queued calls first. The scheduler reads
+    them when it builds the step's output, once its loop has made every call of the step."""
+
+    def __init__(self, manager: RemoteKVCacheManager) -> None:  # no dataclass __init__: blocks come later
+        self._manager = manager
+        self._blocks: tuple[Sequence[KVCacheBlock], ...] | None = None
+
+    @property  # type: ignore[override]  # vLLM's field, read-only here: set by the round trip
+    def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]:
+        if self._blocks is None:
+            self._manager.flush()
+            assert self._blocks is not None, "the round trip answered no blocks for a pending allocation"
+        return self._blocks
+
+
+class _Lookup:
+    """A lookup's answer, and where the logs of queued calls stood when the server made it: it
+    is still the hit vLLM's manager would find as long as no later call could have changed it
+    (:meth:`RemoteKVCacheManager._still_valid`)."""
+
+    __slots__ = (
+        "block_ids",
+        "num_computed_tokens",
+        "num_free_hit_blocks",
+        "num_free_blocks_ahead",
+        "num_free_blocks",
+        "removed_at",
+        "cached_at",
+        "frees_at",
+        "evictions_at",
+        "num_hashes",
+        "last_hash",
+    )
+
+    def __init__(
+        self, manager: RemoteKVCacheManager, answer: pb.ManagerResult.ComputedBlocks, request: Request
+    ) -> None:
+        self.block_ids = [list(g.block_ids) for g in answer.block_ids]
+        self.num_computed_tokens = answer.num_computed_tokens
+        self.num_free_hit_blocks = list(answer.num_free_hit_blocks)
+        self.num_free_blocks_ahead = answer.num_free_blocks_ahead
+        self.num_free_blocks = 0  # set from the round trip's answer
+        self.removed_at = manager._num_removed
+        self.cached_at = manager._cached_log_end
+        self.frees_at = manager._num_frees
+        self.evictions_at = manager._num_evictions
+        self.num_hashes = len(request.block_hashes)
+        self.last_hash = request.block_hashes[-1] if request.block_hashes else None
+
+
 class _Synced:
     """What the server holds of one request: its first ``num_tokens`` tokens, ``num_hashes`` hashes."""
 
-    __slots__ = ("num_tokens", "num_hashes", "last_hash")
+    __slots__ = ("num_tokens", "num_hashes", "last_hash", "request")
 
-    def __init__(self) -> None:
+    def __init__(self, request: Request) -> None:
         self.num_tokens = 0
         self.num_hashes = 0
         self.last_hash: bytes | None = None
+        self.request = weakref.ref(request)  # another Request object of the same id: sent anew
 
 
 class RemoteKVCacheManager:
@@ -237,6 +291,39 @@ class RemoteKVCacheManager:
         self._synced: dict[str, _Synced] = {}
         self._tables_stale: set[str] = set()
         self._cached_tokens: dict[str, int] = {}
+        self._tables_pending: set[str] = set()
+        self._after_flush: list[Callable[[], None]] = []
+        self._lookups_sent: list[_Lookup] = []
+        """Requests whose table the queued calls change in ways known only from the answer."""
+        self._lookups: dict[str, _Lookup] = {}
+        """Request id -> its last lookup (made ahead of the scheduler's call, or by it)."""
+        self._scheduler: Any = None
+        """The scheduler whose waiting queues are looked up ahead (set by ``install``)."""
+        self.lookahead_depth = 8
+        """Waiting requests looked up ahead, at most, with each round trip."""
+        self.free_queue_horizon = min(4096, kv_cache_config.num_blocks)
+        """How deep in the free queue a lookup made ahead checks its hit's blocks."""
+        # Logs of what queued calls may do, since start (docs/ARCHITECTURE.md §9): blocks they may
+        # take out of the free queue, hashes they may cache, calls that may free a cached block,
+        # evictions.
+        self._num_removed = 0
+        self._cached_log: list[bytes] = []
+        self._cached_log_base = 0
+        self._num_frees = 0
+        self._num_evictions = 0
+        self.num_lookups_ahead_used = 0
+        """get_computed_blocks calls answered by a lookup made ahead."""
+        self.num_refused_ahead = 0
+        """allocate_slots calls refused without a round trip (the refusal was certain)."""
+        self._free_lower = self.num_free_blocks
+        """At least this many blocks are free once the queued calls have run (docs/ARCHITECTURE.md §9)."""
+        self._free_upper = self.num_free_blocks
+        """At most this many blocks are free once the queued calls have run."""
+        self._certain_ok = all(kind not in _WINDOWED_KINDS for kind in kinds) and not any(self._cross)
+        """Whether an allocation can be answered before its round trip when its outcome is certain
+        (full-attention groups only: a windowed group frees blocks by its skip rule)."""
+        self.num_answered_ahead = 0
+        """allocate_slots calls answered before their round trip (the outcome was certain)."""
         self._events: list[Any] = []
         self._closed = False
 
@@ -251,6 +338,8 @@ class RemoteKVCacheManager:
         """
         if not self._pending and not release:
             return
+        if not release:
+            self._look_ahead()
         calls, handlers = self._pending, self._on_result
         self._pending, self._on_result = [], []
         request = pb.ManagerStepRequest(
@@ -281,8 +370,27 @@ class RemoteKVCacheManager:
             if handler is not None:
                 handler(result)
         self.num_free_blocks = response.num_free_blocks
+        self._free_lower = self._free_upper = response.num_free_blocks
+        for lookup in self._lookups_sent:
+            lookup.num_free_blocks = response.num_free_blocks
+        self._lookups_sent = []
+        self._trim_cached_log()
         if response.events_msgpack:
             self._events.extend(_decode_events(response.events_msgpack))
+        after, self._after_flush = self._after_flush, []
+        for resolve in after:
+            resolve()
+
+    def _needs_flush(self, request_id: str) -> bool:
+        return request_id in self._tables_stale or request_id in self._tables_pending
+
+    def _has_pending_ids(self, request_id: str) -> bool:
+        table = self._tables.get(request_id)
+        return table is not None and any(ids and ids[-1] is None for ids in table)
+
+    def _queue_after_flush(self, resolve: Callable[[], None]) -> None:
+        """Run ``resolve`` once the next round trip has been answered."""
+        self._after_flush.append(resolve)
 
     def _queue(self, call: pb.ManagerCall, on_result: Callable[[pb.ManagerResult], None] | None = None) -> None:
         if self._closed:
@@ -305,8 +413,12 @@ class RemoteKVCacheManager:
         synced = self._synced.get(request_id)
         tokens = request.all_token_ids
         hashes = request.block_hashes if self.enable_caching else ()
+        if synced is not None and synced.request() is not request:
+            synced.num_tokens = synced.num_hashes = 0  # a new request of an id in use: replace it whole
+            synced.request = weakref.ref(request)
+            self._lookups.pop(request_id, None)
         if synced is None:
-            synced = self._synced[request_id] = _Synced()
+            synced = self._synced[request_id] = _Synced(request)
             update = pb.ManagerCall.UpdateRequest(request_id=request_id, num_prompt_tokens=request.num_prompt_tokens)
             if request.lora_request is not None:
                 update.lora.lora_id = request.lora_request.lora_int_id
@@ -340,6 +452,7 @@ class RemoteKVCacheManager:
         self._queue(pb.ManagerCall(update_request=update))
 
     def _forget(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
         self._synced.pop(request_id, None)
         self._tables.pop(request_id, None)
         self._tables_stale.discard(request_id)
@@ -397,15 +510,115 @@ class RemoteKVCacheManager:
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
         """The request's prefix-cache hit: (blocks per group, hit length in tokens, 0: no shared
-        prefix boundary, a Mamba notion)."""
+        prefix boundary, a Mamba notion). Answered by a lookup made ahead (with an earlier round
+        trip) while no call since can have changed it, else by a round trip."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        self._sync(request)
-        call = pb.ManagerCall.GetComputedBlocks(request_id=request.request_id)
-        if max_cache_hit_length is not None:
-            call.max_cache_hit_length = max(0, max_cache_hit_length)
-        answer = self._ask(pb.ManagerCall(get_computed_blocks=call)).computed_blocks
-        return self._to_blocks([g.block_ids for g in answer.block_ids]), answer.num_computed_tokens, 0
+        request_id = request.request_id
+        lookup = self._lookups.get(request_id)
+        if max_cache_hit_length is None and lookup is not None and self._still_valid(request, lookup):
+            self.num_lookups_ahead_used += 1
+        else:
+            self._sync(request)
+            call = pb.ManagerCall.GetComputedBlocks(request_id=request_id, free_queue_horizon=self.free_queue_horizon)
+            if max_cache_hit_length is not None:
+                call.max_cache_hit_length = max(0, max_cache_hit_length)
+            box: list[_Lookup] = []
+            self._queue_lookup(call, request, box)
+            self.flush()
+            lookup = box[0]
+            if max_cache_hit_length is None:
+                self._lookups[request_id] = lookup
+        return self._to_blocks(lookup.block_ids), lookup.num_computed_tokens, 0
+
+    def _queue_lookup(self, call: pb.ManagerCall.GetComputedBlocks, request: Request, box: list[_Lookup]) -> None:
+        def done(result: pb.ManagerResult) -> None:
+            lookup = _Lookup(self, result.computed_blocks, request)
+            self._lookups_sent.append(lookup)
+            box.append(lookup)
+
+        self._queue(pb.ManagerCall(get_computed_blocks=call), done)
+
+    def _look_ahead(self) -> None:
+        """Queue lookups of the next waiting requests (whose last lookup no longer holds), so the
+        scheduler's next get_computed_blocks calls need no round trip of their own."""
+        scheduler = self._scheduler
+        if scheduler is None or not self.enable_caching or not self._certain_ok or not self.lookahead_depth:
+            return
+        num = 0
+        for queue in (getattr(scheduler, "kv_holding_waiting", ()), scheduler.waiting):
+            for request in queue:
+                if num >= self.lookahead_depth:
+                    return
+                num += 1
+                if request.num_computed_tokens or not self.prefix_cache_lookup_enabled(request):
+                    continue
+                lookup = self._lookups.get(request.request_id)
+                if lookup is not None and self._still_valid(request, lookup):
+                    continue
+                self._sync(request)
+                box: list[_Lookup] = []
+                self._queue_lookup(
+                    pb.ManagerCall.GetComputedBlocks(
+                        request_id=request.request_id, free_queue_horizon=self.free_queue_horizon
+                    ),
+                    request,
+                    box,
+                )
+                request_id = request.request_id
+                self._after_flush.append(lambda rid=request_id, b=box: self._lookups.__setitem__(rid, b[0]))
+
+    def _still_valid(self, request: Request, lookup: _Lookup) -> bool:
+        """Whether vLLM's manager would find the same hit now, once the queued calls have run: no
+        eviction since; fewer blocks taken out of the free queue since than stood before the
+        hit's first free block (or before any block, when a call since may have freed one of the
+        hit's); no hash of the request past its hit cached since; the request's hashes unchanged."""
+        hashes = request.block_hashes
+        if lookup.evictions_at != self._num_evictions or lookup.num_hashes != len(hashes):
+            return False
+        if hashes and hashes[-1] != lookup.last_hash:
+            return False
+        synced = self._synced.get(request.request_id)
+        if synced is None or synced.request() is not request:
+            return False
+        ahead = lookup.num_free_blocks_ahead
+        if self._num_frees != lookup.frees_at:
+            ahead = min(ahead, lookup.num_free_blocks)
+        if self._num_removed - lookup.removed_at >= ahead:
+            return False
+        if self._cached_log_end != lookup.cached_at:
+            start = lookup.cached_at - self._cached_log_base
+            if start < 0:
+                return False
+            block_size = self._block_sizes[0]
+            beyond = set(hashes[lookup.num_computed_tokens // block_size :])
+            if not beyond.isdisjoint(self._cached_log[start:]):
+                return False
+            lookup.cached_at = self._cached_log_end  # checked up to here: the next check starts here
+        return True
+
+    @property
+    def _cached_log_end(self) -> int:
+        return self._cached_log_base + len(self._cached_log)
+
+    def _trim_cached_log(self) -> None:
+        """Drop the part of the cached-hash log no kept lookup needs."""
+        if not self._cached_log:
+            return
+        keep = min((lookup.cached_at for lookup in self._lookups.values()), default=self._cached_log_end)
+        drop = keep - self._cached_log_base
+        if drop > 0:
+            del self._cached_log[:drop]
+            self._cached_log_base = keep
+
+    def _log_allocation(self, request: Request, num_removed: int, num_cached_from: int, num_tokens: int) -> None:
+        """Log what an allocation may do: take ``num_removed`` blocks out of the free queue and
+        cache the request's hashes from block ``num_cached_from`` up to ``num_tokens`` tokens."""
+        self._num_removed += num_removed
+        if self.enable_caching:
+            block_size = self._block_sizes[0]
+            hashes = request.block_hashes
+            self._cached_log.extend(hashes[num_cached_from : min(num_tokens // block_size, len(hashes))])
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -459,9 +672,30 @@ class RemoteKVCacheManager:
         if self.max_in_flight_tokens is not None:
             call.max_in_flight_tokens = self.max_in_flight_tokens
         hit = new_computed_blocks.blocks if new_computed_blocks is not None else ()
-        if any(hit):
-            for group in hit:
-                call.computed_block_ids.add(block_ids=[b.block_id for b in group])
+        hit_ids = [[b.block_id for b in group] for group in hit] if any(hit) else []
+        for ids in hit_ids:
+            call.computed_block_ids.add(block_ids=ids)
+        bounds = self._bounds(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit_ids,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+        )
+        if bounds is not None:
+            need, need_lower, full, full_lower = bounds
+            margin = watermark_blocks + reserved_blocks
+            fits = need + margin <= self._free_lower and (
+                not full_sequence_must_fit or full + watermark_blocks <= self._free_lower
+            )
+            if fits:
+                return self._allocate_ahead(call, request, hit_ids, need, need_lower, skip_zeroing_group_ids)
+            if need_lower + margin > self._free_upper or (
+                full_sequence_must_fit and full_lower + watermark_blocks > self._free_upper
+            ):
+                self.num_refused_ahead += 1  # certain: vLLM's manager refuses too, changing nothing
+                return None
         answer = self._ask(pb.ManagerCall(allocate_slots=call)).allocated
         if not answer.allocated:
             if not answer.refused_full_sequence and self._windowed and request_id in self._tables:
@@ -473,27 +707,164 @@ class RemoteKVCacheManager:
                 )
                 self.remove_skipped_blocks(request_id, max(0, total - request.num_in_flight_tokens))
             return None
+        new_ids = self._apply_allocated(request_id, answer, hit_ids, skip_zeroing_group_ids)
+        table = self._tables.get(request_id, ())
+        taken = (  # at most: every block of a new table (hit, external, new), or the new ones
+            sum(1 for ids in table for i in ids if i) if answer.block_ids else sum(len(ids) for ids in new_ids)
+        )
+        self._log_allocation(
+            request,
+            taken,
+            0,
+            min(
+                request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens,
+                request.num_tokens,
+            ),
+        )
+        self._lookups.pop(request_id, None)
+        return self._to_blocks(new_ids)
+
+    def _apply_allocated(
+        self,
+        request_id: str,
+        answer: pb.ManagerResult.Allocated,
+        hit_ids: Sequence[Sequence[int]],
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> list[list[int]]:
+        """Bring the request's table up to date with an allocation's answer; its new block ids."""
         new_ids = [list(g.block_ids) for g in answer.new_block_ids]
         if answer.block_ids:
             table = [list(g.block_ids) for g in answer.block_ids]
             if self._zeroing:
-                hit_ids = {b.block_id for group in hit for b in group}
+                hit = {i for ids in hit_ids for i in ids}
                 skipped = set(skip_zeroing_group_ids)
                 for g, ids in enumerate(table):
                     if g in skipped:
-                        self.new_block_ids.extend(ids[-len(new_ids[g]) :] if new_ids[g] else [])
+                        self.new_block_ids.extend(new_ids[g])
                     else:
-                        self.new_block_ids.extend(i for i in ids if i and i not in hit_ids)
+                        self.new_block_ids.extend(i for i in ids if i and i not in hit)
             self._tables[request_id] = table
         else:
             table = self._tables.setdefault(request_id, [[] for _ in range(self.num_kv_cache_groups)])
             for ids, new in zip(table, new_ids):
-                ids.extend(new)
+                # Ids answered ahead were held as None: the answer fills them in.
+                num_pending = 0
+                while num_pending < len(ids) and ids[len(ids) - 1 - num_pending] is None:
+                    num_pending += 1
+                if num_pending:
+                    assert num_pending == len(new), f"{num_pending} pending ids, {len(new)} answered"
+                    ids[len(ids) - num_pending :] = new
+                else:
+                    ids.extend(new)
             if self._zeroing:
                 self.new_block_ids.extend(itertools.chain.from_iterable(new_ids))
         self._apply_null_heads(request_id, answer.num_null_blocks)
         self._cached_tokens[request_id] = answer.num_cached_tokens
-        return self._to_blocks(new_ids)
+        return new_ids
+
+    def _bounds(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        hit_ids: Sequence[Sequence[int]],
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> tuple[int, int, int, int] | None:
+        """Bounds on the free blocks an allocation takes: (most, fewest) for the step, and (most,
+        fewest) the full-sequence gate counts; None when they cannot be told here (ask the
+        server).
+
+        Bounds, not vLLM's rule (the server applies that): a full-attention group needs the
+        blocks beyond its table (or, on admission, beyond the hit) up to the tokens that need a
+        slot, plus, at most, the hit's blocks that were free when it was looked up (all of them
+        if a call since may have freed one): taking them takes them out of the free queue.
+        """
+        if not self._certain_ok:
+            return None
+        request_id = request.request_id
+        table = self._tables.get(request_id)
+        total = min(
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens, self.max_model_len
+        )
+        need_slot = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if table is not None:
+            if hit_ids or num_external_computed_tokens or request_id in self._tables_pending:
+                return None
+            need = sum(max(0, _cdiv(need_slot, bs) - len(ids)) for ids, bs in zip(table, self._block_sizes))
+            return need, need, 0, 0
+        lookup = self._lookups.get(request_id)
+        free_hit = []
+        for g in range(self.num_kv_cache_groups):
+            ids = hit_ids[g] if hit_ids else []
+            num_real = sum(1 for i in ids if i)
+            if (
+                lookup is not None
+                and lookup.frees_at == self._num_frees
+                and lookup.block_ids[g][: len(ids)] == list(ids)
+                and g < len(lookup.num_free_hit_blocks)
+            ):
+                free_hit.append(min(lookup.num_free_hit_blocks[g], num_real))
+            else:
+                free_hit.append(num_real)
+        held = [len(hit_ids[g]) if hit_ids else 0 for g in range(self.num_kv_cache_groups)]
+        new = [max(0, _cdiv(need_slot, bs) - h) for bs, h in zip(self._block_sizes, held)]
+        full_tokens = min(request.num_tokens, self.max_model_len)
+        full_new = [max(0, _cdiv(full_tokens, bs) - h) for bs, h in zip(self._block_sizes, held)]
+        return sum(new) + sum(free_hit), sum(new), sum(full_new) + sum(free_hit), sum(full_new)
+
+    def _allocate_ahead(
+        self,
+        call: pb.ManagerCall.AllocateSlots,
+        request: Request,
+        hit_ids: Sequence[Sequence[int]],
+        need: int,
+        need_lower: int,
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> KVCacheBlocks:
+        """Answer an allocation certain to succeed now; its block ids come with the round trip."""
+        request_id = request.request_id
+        result = _PendingBlocks(self)
+        table = self._tables.get(request_id)
+        if table is None:
+            self._tables_pending.add(request_id)
+        else:
+            total_slot = min(
+                call.num_computed_tokens + call.num_new_tokens + call.num_lookahead_tokens, self.max_model_len
+            )
+            for ids, bs in zip(table, self._block_sizes):
+                ids.extend([None] * max(0, _cdiv(total_slot, bs) - len(ids)))  # type: ignore[list-item]  # ids to come
+
+        def done(answer: pb.ManagerResult) -> None:
+            allocated = answer.allocated
+            if not allocated.allocated:
+                raise RemoteManagerError(
+                    f"kvservice refused allocate_slots of {request_id!r} answered ahead as certain "
+                    f"({need} blocks): the server's pool is not what this scheduler's calls made it"
+                )
+            self._tables_pending.discard(request_id)
+            new_ids = self._apply_allocated(request_id, allocated, hit_ids, skip_zeroing_group_ids)
+            result._blocks = tuple([self._block(i) for i in ids] for ids in new_ids)
+
+        self._free_lower -= need
+        self._free_upper -= need_lower
+        cached = self._cached_tokens.get(request_id, 0) // self._block_sizes[0]
+        self._log_allocation(
+            request,
+            need,
+            cached,
+            min(
+                call.num_computed_tokens
+                + call.num_new_computed_tokens
+                + call.num_external_computed_tokens
+                + call.num_new_tokens,
+                request.num_tokens,
+            ),
+        )
+        self._lookups.pop(request_id, None)
+        self.num_answered_ahead += 1
+        self._queue(pb.ManagerCall(allocate_slots=call), done)
+        return result
 
     def free(self, request: Request) -> None:
         """Free the request's blocks, tail first (queued); a finished request is forgotten, a
@@ -502,6 +873,7 @@ class RemoteKVCacheManager:
         if request_id not in self._synced:
             return
         forget = request.is_finished()
+        self._note_free(sum(1 for ids in self._tables.get(request_id, ()) for i in ids if i != 0))
         self._queue(pb.ManagerCall(free=pb.ManagerCall.Free(request_id=request_id, forget=forget)))
         if forget:
             self._forget(request_id)
@@ -516,7 +888,7 @@ class RemoteKVCacheManager:
         request_id = request.request_id
         if request_id not in self._synced:
             return []
-        if request_id in self._tables_stale:
+        if self._needs_flush(request_id) or self._has_pending_ids(request_id):
             self.flush()
         table = self._tables.get(request_id, [])
         blocks: list[KVCacheBlock] = []
@@ -535,9 +907,15 @@ class RemoteKVCacheManager:
             self._tables.pop(request_id, None)
         return blocks
 
+    def _note_free(self, num_blocks: int) -> None:
+        """A queued call may free up to ``num_blocks`` blocks (and make a cached one free)."""
+        self._num_frees += 1
+        self._free_upper += num_blocks
+
     def _free_popped_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         ids = [b.block_id for b in ordered_blocks if not b.is_null]
         if ids:
+            self._note_free(len(ids))
             self._queue(pb.ManagerCall(free_blocks=pb.ManagerCall.FreeBlocks(block_ids=ids)))
 
     def remove_skipped_blocks(
@@ -570,7 +948,9 @@ class RemoteKVCacheManager:
         def done(result: pb.ManagerResult) -> None:
             self._cached_tokens[request_id] = result.table.num_cached_tokens
 
-        self._cached_tokens.pop(request_id, None)
+        self._log_allocation(
+            request, 0, self._cached_tokens.pop(request_id, 0) // self._block_sizes[0], num_computed_tokens
+        )
         self._queue(
             pb.ManagerCall(
                 cache_blocks=pb.ManagerCall.CacheBlocks(request_id=request_id, num_tokens=max(0, num_computed_tokens))
@@ -583,12 +963,15 @@ class RemoteKVCacheManager:
         ids = sorted(i for i in block_ids if i)
         if ids:
             self._cached_tokens.clear()  # a held block may lose its hash
+            self._num_evictions += 1
             self._queue(pb.ManagerCall(evict_blocks=pb.ManagerCall.EvictBlocks(block_ids=ids)))
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache unless a block is held."""
         answer = self._ask(pb.ManagerCall(reset_prefix_cache=pb.ResetPrefixCacheRequest()))
         reset = answer.reset_prefix_cache.reset
+        if reset:
+            self._num_evictions += 1  # every lookup made before is void
         if reset and self.log_stats:
             assert self.prefix_cache_stats is not None
             self.prefix_cache_stats.reset = True
@@ -605,15 +988,27 @@ class RemoteKVCacheManager:
         return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        """The request's block table per group."""
-        if request_id in self._tables_stale:
-            self.flush()
+        """The request's block table per group (its ids come with the next round trip when an
+        allocation answered ahead changed it)."""
+        if self._needs_flush(request_id) or self._has_pending_ids(request_id):
+            result = _PendingBlocks(self)
+
+            def resolve() -> None:
+                table = self._tables.get(request_id)
+                result._blocks = (
+                    tuple([self._block(i) for i in ids] for ids in table)
+                    if table
+                    else self.empty_kv_cache_blocks.blocks
+                )
+
+            self._queue_after_flush(resolve)
+            return result
         table = self._tables.get(request_id)
         return self._to_blocks(table) if table is not None else self.empty_kv_cache_blocks
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group (0 = null block)."""
-        if request_id in self._tables_stale:
+        if self._needs_flush(request_id) or self._has_pending_ids(request_id):
             self.flush()
         table = self._tables.get(request_id)
         if table is None:

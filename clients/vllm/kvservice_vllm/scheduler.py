@@ -179,6 +179,11 @@ def install(scheduler: Any, target: str | None = None, **settings: Any) -> Remot
         if server is not None:
             server.stop()
         raise
+    manager._scheduler = scheduler
+    sched = scheduler.scheduler_config
+    manager.free_queue_horizon = min(
+        kv_cache_config.num_blocks, 2 * (sched.max_num_batched_tokens // scheduler.block_size + sched.max_num_seqs) + 64
+    )
     scheduler.kv_cache_manager = manager
     if getattr(scheduler, "connector", None) is not None:
         scheduler.connector.bind_kv_cache_manager(manager)

@@ -1046,19 +1046,26 @@ class ManagerCall(_message.Message):
 
         REQUEST_ID_FIELD_NUMBER: _builtins.int
         MAX_CACHE_HIT_LENGTH_FIELD_NUMBER: _builtins.int
+        FREE_QUEUE_HORIZON_FIELD_NUMBER: _builtins.int
         request_id: _builtins.str
         """The request (registered by UpdateRequest, holding no blocks)."""
         max_cache_hit_length: _builtins.int
         """Longest hit, in tokens; unset = the request's tokens - 1 (the last token is computed)."""
+        free_queue_horizon: _builtins.int
+        """Also say how far the hit's free blocks are from the head of the free queue, looking at most
+        this many blocks deep (0: not asked). A caller that answers a lookup ahead of time knows the
+        hit holds until that many blocks have left the free queue.
+        """
         def __init__(
             self,
             *,
             request_id: _builtins.str = ...,
             max_cache_hit_length: _builtins.int | None = ...,
+            free_queue_horizon: _builtins.int = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length", "max_cache_hit_length", b"max_cache_hit_length"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length", "max_cache_hit_length", b"max_cache_hit_length", "request_id", b"request_id"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length", "free_queue_horizon", b"free_queue_horizon", "max_cache_hit_length", b"max_cache_hit_length", "request_id", b"request_id"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         _WhichOneofReturnType__max_cache_hit_length: _TypeAlias = _typing.Literal["max_cache_hit_length"]  # noqa: Y015
         _WhichOneofArgType__max_cache_hit_length: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length"]  # noqa: Y015
@@ -1449,21 +1456,35 @@ class ManagerResult(_message.Message):
 
         NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
         BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        NUM_FREE_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+        NUM_FREE_BLOCKS_AHEAD_FIELD_NUMBER: _builtins.int
         num_computed_tokens: _builtins.int
         """The hit, in tokens."""
+        num_free_blocks_ahead: _builtins.int
+        """With free_queue_horizon: the position (0 = the head, the next evicted) of the hit's first
+        block in the free queue, free_queue_horizon when none is that close.
+        """
         @_builtins.property
         def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
             """Per group, the hit's block ids (0 = a skipped position)."""
+
+        @_builtins.property
+        def num_free_hit_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per group, how many of the hit's blocks are free now (cached, held by no request): taking
+            the hit takes them out of the free queue, in blocks.
+            """
 
         def __init__(
             self,
             *,
             num_computed_tokens: _builtins.int = ...,
             block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
+            num_free_hit_blocks: _abc.Iterable[_builtins.int] | None = ...,
+            num_free_blocks_ahead: _builtins.int = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_computed_tokens", b"num_computed_tokens"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_computed_tokens", b"num_computed_tokens", "num_free_blocks_ahead", b"num_free_blocks_ahead", "num_free_hit_blocks", b"num_free_hit_blocks"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

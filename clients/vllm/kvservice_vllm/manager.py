@@ -294,6 +294,7 @@ class RemoteKVCacheManager:
         self._tables_pending: set[str] = set()
         self._after_flush: list[Callable[[], None]] = []
         self._lookups_sent: list[_Lookup] = []
+        self._queue_claim = False
         """Requests whose table the queued calls change in ways known only from the answer."""
         self._lookups: dict[str, _Lookup] = {}
         """Request id -> its last lookup (made ahead of the scheduler's call, or by it)."""
@@ -336,8 +337,9 @@ class RemoteKVCacheManager:
         Raises:
             RemoteManagerError: a call failed or the server could not be reached.
         """
-        if not self._pending and not release:
+        if not self._pending and not release and not self._queue_claim:
             return
+        self._queue_claim = False
         if not release:
             self._look_ahead()
         calls, handlers = self._pending, self._on_result
@@ -380,6 +382,16 @@ class RemoteKVCacheManager:
         after, self._after_flush = self._after_flush, []
         for resolve in after:
             resolve()
+
+    def claim(self) -> None:
+        """Claim the pool now (an empty round trip), so a second scheduler on the same pool is
+        refused at its start, not at its first step.
+
+        Raises:
+            RemoteManagerError: another scheduler owns the pool (named), or the server is unreachable.
+        """
+        self._queue_claim = True
+        self.flush()
 
     def _needs_flush(self, request_id: str) -> bool:
         return request_id in self._tables_stale or request_id in self._tables_pending

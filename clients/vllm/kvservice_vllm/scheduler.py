@@ -173,6 +173,7 @@ def install(scheduler: Any, target: str | None = None, **settings: Any) -> Remot
             needs_kv_cache_zeroing=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
             timeout_s=float(config.get("timeout_s", 60.0)),
         )
+        manager.claim()
     except BaseException:
         if client is not None:
             client.close()

@@ -29,7 +29,30 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
     ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """The ``kvservice`` group. With ``--log-format json`` asked for (the flag, or
+    ``KVSERVICE_LOG_FORMAT=json``) a command-line error is one JSON line too (``logger``
+    "kvservice.cli", ``level`` ERROR, the ``usage`` when it is a usage error), as every other
+    line of ``kvservice serve`` is."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the command line (as click's; see the class docstring for the errors)."""
+        if _requested_log_format() != "json" or kwargs.get("standalone_mode") is False:
+            return super().main(*args, **kwargs)
+        from kvservice.server.observability import json_line
+
+        try:
+            return super().main(*args, **{**kwargs, "standalone_mode": False})
+        except click.ClickException as e:
+            usage = {"usage": e.ctx.get_usage()} if isinstance(e, click.UsageError) and e.ctx is not None else {}
+            print(json_line("ERROR", "kvservice.cli", e.format_message(), **usage), file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            print(json_line("ERROR", "kvservice.cli", "aborted"), file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--version",
     is_flag=True,
@@ -117,18 +140,74 @@ def _server_options(func: Any) -> Any:
 @click.pass_context
 def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
     """Run the service until SIGTERM/SIGINT (flags > KVSERVICE_* env > --config file > defaults)."""
-    from kvservice.server.app import load_config, run_server
+    from kvservice.server.app import ServerConfig, load_config, run_server
+    from kvservice.server.observability import configure_logging, log_uncaught_exceptions_and_warnings
 
     if flags.get("log_level") is None:  # `kvservice --log-level X serve` as well as `serve --log-level X`
         flags["log_level"] = (ctx.obj or {}).get("log_level")
+    config: ServerConfig | None = None
+    with _HeldLogRecords() as held:  # an unknown KVSERVICE_* variable is logged in the format chosen
+        try:
+            config = load_config(config_file, **flags)
+        except ValueError as e:
+            failure = str(e)
+    if config is not None:
+        level, log_format = config.logging.log_level, config.logging.log_format
+    else:  # the settings did not load: their error goes out in the format asked for, if any
+        level, log_format = flags["log_level"] or "WARNING", _requested_log_format(flags)
+    held.release(configure_logging(level, log_format))
+    if log_format == "json":
+        log_uncaught_exceptions_and_warnings()
     try:
-        config = load_config(config_file, **flags)
-        from kvservice.server.observability import configure_logging
-
-        configure_logging(config.logging.log_level, config.logging.log_format)
+        if config is None:
+            raise ValueError(failure)
         asyncio.run(run_server(config))
     except (ValueError, MemoryError, OSError, RuntimeError) as e:
+        if log_format == "json":
+            logging.getLogger("kvservice.cli").error(str(e))
+            sys.exit(1)
         raise click.ClickException(str(e)) from None
+
+
+class _HeldLogRecords:
+    """While open, the root logger's records are held instead of written; :meth:`release` hands
+    them to a handler (those at or above the root's level by then)."""
+
+    def __enter__(self) -> _HeldLogRecords:
+        import logging.handlers
+
+        self._root = logging.getLogger()
+        self._saved = list(self._root.handlers)
+        self._held = logging.handlers.BufferingHandler(capacity=1 << 16)
+        for handler in self._saved:
+            self._root.removeHandler(handler)
+        self._root.addHandler(self._held)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._root.removeHandler(self._held)
+        for handler in self._saved:
+            self._root.addHandler(handler)
+
+    def release(self, handler: logging.Handler) -> None:
+        for record in self._held.buffer:
+            if record.levelno >= self._root.getEffectiveLevel():
+                handler.handle(record)
+        self._held.buffer.clear()
+
+
+def _requested_log_format(flags: dict[str, Any] | None = None) -> str:
+    """The log format asked for on the command line or in ``KVSERVICE_LOG_FORMAT`` (for output
+    made before, or without, loaded settings): "json" or "text"."""
+    asked = (flags or {}).get("log_format") or os.environ.get("KVSERVICE_LOG_FORMAT")
+    if asked is None:
+        args = sys.argv[1:]
+        for i, arg in enumerate(args):
+            if arg == "--log-format" and i + 1 < len(args):
+                asked = args[i + 1]
+            elif arg.startswith("--log-format="):
+                asked = arg.split("=", 1)[1]
+    return "json" if str(asked).lower() == "json" else "text"
 
 
 @main.command()

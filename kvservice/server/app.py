@@ -48,6 +48,7 @@ from kvservice.memory import (
 )
 from kvservice.server.auth import build_auth, is_loopback_host
 from kvservice.server.event_log import EventLog
+from kvservice.server.observability import announce
 from kvservice.server.probes import ProbePort
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
@@ -294,19 +295,42 @@ class RunningServer:
         return self.config.metrics.port
 
     def describe(self) -> str:
-        """Two lines: where it listens and what it holds."""
+        """Where it listens, what it holds, and the notes: the start banner's lines as text."""
+        return "\n".join(message for message, _, _ in self.banner_lines())
+
+    def banner_lines(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """The start banner as (message, event, fields) per line: "listening" (``address``,
+        ``epoch``), "layout" (``preset``, ``num_blocks``, ``max_model_len``; its message goes on
+        over the KV tensors' lines), then one "note" each. ``kvservice serve`` writes them as text
+        or as JSON objects (``kvservice.server.observability.announce``)."""
         meta = self.servicer.metadata
         groups = ", ".join(
             f"group {g.group_idx}: {_kind_name(g.kind)} block_size {g.block_size}"
             + (f" window {g.sliding_window}" if g.HasField("sliding_window") else "")
             for g in meta.groups
         )
-        return (
-            f"kvservice listening on {self.address} (epoch {self.event_log.epoch})\n"
+        layout = (
             f"preset {meta.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
             f"{self.config.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
-            f"{self.tensors.describe()}" + "".join(f"\nnote: {note}" for note in self.notes)
+            f"{self.tensors.describe()}"
         )
+        return [
+            (
+                f"kvservice listening on {self.address} (epoch {self.event_log.epoch})",
+                "listening",
+                {"address": self.address, "epoch": self.event_log.epoch},
+            ),
+            (
+                layout,
+                "layout",
+                {
+                    "preset": meta.preset,
+                    "num_blocks": self.config.num_blocks,
+                    "max_model_len": self.config.max_model_len,
+                },
+            ),
+            *((f"note: {note}", "note", {}) for note in self.notes),
+        ]
 
     def check_invariants(self) -> None:
         """Run the engine's own consistency check now (pool, ref counts, block tables; see
@@ -825,7 +849,8 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the banner: a signal right after it still drains
         loop.add_signal_handler(sig, stop.set)
-    print(running.describe(), flush=True)
+    for message, event, fields in running.banner_lines():
+        announce(message, event, **fields)
     profile_path = os.environ.get("KVSERVICE_PROFILE", "")  # a cProfile dump of the serving loop, for benchmarks
     profiler = None
     if profile_path:
@@ -837,12 +862,15 @@ async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
         ready(running)
     await stop.wait()
     bind = running.config.bind
-    print(
+    announce(
         f"kvservice: stopping (graceful): NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
         f"{bind.shutdown_grace_s:g} s",
-        flush=True,
+        "stopping",
+        drain_delay_s=bind.drain_delay_s,
+        shutdown_grace_s=bind.shutdown_grace_s,
     )
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)
     await running.stop(drain_delay_s=bind.drain_delay_s)
+    announce("kvservice: stopped", "stopped")

@@ -8,6 +8,10 @@ OpenTelemetry span per RPC (``--otel-tracing``, ``pip install 'kvservice[otel]'`
 * **JSON logs** (python-json-logger): one object per line with ``time``, ``level``, ``logger``,
   ``message``, and ``rpc`` / ``request_id`` where there is one (and ``code``, ``duration_ms`` on
   ``rpc done``).
+* **Start-up and stop lines** (where the server listens, its layout, the notes, "stopping") go
+  to stdout through the :data:`banner` logger, written at every ``--log-level``: as the plain
+  text they always were, or with ``--log-format json`` as JSON objects with an ``event``
+  ("listening", "layout", "note", "stopping", "stopped") and their own fields.
 * **Traces**: :class:`TracingInterceptor` opens one SERVER span per RPC, named
   ``kvservice.v1.KVCacheService/Method``, with ``rpc.system`` "grpc", ``rpc.service``,
   ``rpc.method``, ``rpc.grpc.status_code``, ``kvservice.request_id`` where the request has one,
@@ -36,11 +40,15 @@ __all__ = [
     "CallInterceptor",
     "RpcContextInterceptor",
     "TracingInterceptor",
+    "announce",
+    "banner",
     "configure_logging",
     "current_request_id",
     "current_rpc",
     "default_tracer_provider",
     "final_code",
+    "json_line",
+    "log_uncaught_exceptions_and_warnings",
     "note_request",
 ]
 
@@ -94,37 +102,99 @@ class _RpcContextFilter(logging.Filter):
         return True
 
 
-def configure_logging(level: str, log_format: str = "text", stream: Any = None) -> logging.Handler:
+banner = logging.getLogger("kvservice.serve")
+"""The start-up and stop lines of ``kvservice serve`` (see the module docstring): INFO records
+that :func:`configure_logging` writes to stdout whatever the root logger's level."""
+
+
+def _json_formatter() -> logging.Formatter:
+    from pythonjsonlogger.json import JsonFormatter
+
+    return JsonFormatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s",
+        rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+    )
+
+
+def _formatter(log_format: str, text: str) -> logging.Formatter:
+    if log_format == "json":
+        return _json_formatter()
+    if log_format == "text":
+        return logging.Formatter(text)
+    raise ValueError(f"log_format must be 'text' or 'json'; got {log_format!r}")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to ``sys.stdout`` as it is when a record is written (a test's capture, a redirect)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
+
+
+def configure_logging(level: str, log_format: str = "text", stream: Any = None, out: Any = None) -> logging.Handler:
     """Set the root logger to ``level`` with one handler writing ``log_format`` to ``stream``
-    (default stderr), replacing the handlers it had.
+    (default stderr), replacing the handlers it had; and the :data:`banner` logger to write its
+    lines (at any level) to ``out`` (default: stdout as it is at each line), as plain text or as
+    JSON objects.
 
     Returns:
-        The handler.
+        The root logger's handler.
 
     Raises:
         ValueError: ``log_format`` is neither "text" nor "json".
     """
     handler = logging.StreamHandler(stream or sys.stderr)
-    if log_format == "json":
-        from pythonjsonlogger.json import JsonFormatter
-
-        handler.setFormatter(
-            JsonFormatter(
-                "%(asctime)s %(levelname)s %(name)s %(message)s",
-                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-            )
-        )
-    elif log_format == "text":
-        handler.setFormatter(logging.Formatter(_LOG_FORMAT_TEXT))
-    else:
-        raise ValueError(f"log_format must be 'text' or 'json'; got {log_format!r}")
+    handler.setFormatter(_formatter(log_format, _LOG_FORMAT_TEXT))
     handler.addFilter(_RpcContextFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    banner_handler = logging.StreamHandler(out) if out is not None else _StdoutHandler()
+    banner_handler.setFormatter(_formatter(log_format, "%(message)s"))
+    for old in list(banner.handlers):
+        banner.removeHandler(old)
+    banner.addHandler(banner_handler)
+    banner.setLevel(logging.INFO)
+    banner.propagate = False
     return handler
+
+
+def announce(message: str, event: str, **fields: Any) -> None:
+    """Write one start-up or stop line through :data:`banner` (``event`` and ``fields`` are the
+    JSON object's extra keys). Printed as it is where :func:`configure_logging` was not called."""
+    if not banner.handlers:
+        print(message, flush=True)
+        return
+    banner.info(message, extra={"event": event, **fields})
+    for handler in banner.handlers:
+        handler.flush()
+
+
+def json_line(level: str, logger_name: str, message: str, **fields: Any) -> str:
+    """One JSON log line (as ``--log-format json`` writes them) for output that does not come
+    from a logger (a command-line error)."""
+    record = logging.makeLogRecord(
+        {"name": logger_name, "levelname": level, "levelno": logging.getLevelName(level), "msg": message, **fields}
+    )
+    return _json_formatter().format(record)
+
+
+def log_uncaught_exceptions_and_warnings() -> None:
+    """Send what Python would print past the loggers into them: an uncaught exception (logged
+    CRITICAL with its traceback in ``exc_info``) and ``warnings`` (logger ``py.warnings``)."""
+    crash = logging.getLogger("kvservice")
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            sys.__excepthook__(kind, value, tb)
+            return
+        crash.critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, tb))
+
+    sys.excepthook = hook
+    logging.captureWarnings(True)
 
 
 def final_code(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:

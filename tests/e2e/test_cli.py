@@ -37,6 +37,14 @@ class Lines:
             if text in line:
                 return line
 
+    def rest(self) -> list[str]:
+        """The lines not read yet, to the end of the output (call once the process has exited)."""
+        more = []
+        while (line := self._queue.get(timeout=TIMEOUT_S)) is not None:
+            self.seen.append(line)
+            more.append(line)
+        return more
+
 
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(

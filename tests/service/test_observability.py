@@ -127,3 +127,61 @@ async def test_a_span_per_rpc_with_the_request_id_and_steps_op_counts(start_kv_s
             "ERROR",
         ),
     ]
+
+
+def test_json_mode_logs_uncaught_exceptions_and_warnings(json_log, monkeypatch):
+    import sys
+    import warnings
+
+    from kvservice.server.observability import log_uncaught_exceptions_and_warnings
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    log_uncaught_exceptions_and_warnings()
+    try:
+        try:
+            raise KeyError("boom")
+        except KeyError:
+            sys.excepthook(*sys.exc_info())
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a deprecated thing", DeprecationWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+    crash, warned = [json.loads(line) for line in json_log.getvalue().splitlines()]
+    assert (crash["level"], crash["logger"], crash["message"]) == ("CRITICAL", "kvservice", "uncaught KeyError: 'boom'")
+    assert crash["exc_info"].startswith("Traceback") and "KeyError: 'boom'" in crash["exc_info"]
+    assert (warned["level"], warned["logger"]) == ("WARNING", "py.warnings")
+    assert "DeprecationWarning: a deprecated thing" in warned["message"]
+
+
+def test_banner_lines_are_text_or_json_at_any_level():
+    from kvservice.server.observability import announce, banner, configure_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level, list(banner.handlers))
+    try:
+        for log_format in ("text", "json"):
+            out, err = io.StringIO(), io.StringIO()
+            configure_logging("ERROR", log_format, stream=err, out=out)
+            announce("kvservice listening on 127.0.0.1:1 (epoch e)", "listening", address="127.0.0.1:1")
+            if log_format == "text":
+                assert out.getvalue() == "kvservice listening on 127.0.0.1:1 (epoch e)\n"
+            else:
+                line = json.loads(out.getvalue())
+                assert (line["level"], line["logger"], line["event"], line["address"]) == (
+                    "INFO",
+                    "kvservice.serve",
+                    "listening",
+                    "127.0.0.1:1",
+                )
+            assert err.getvalue() == ""
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved[0]:
+            root.addHandler(handler)
+        root.setLevel(saved[1])
+        for handler in list(banner.handlers):
+            banner.removeHandler(handler)
+        for handler in saved[2]:
+            banner.addHandler(handler)

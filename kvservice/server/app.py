@@ -585,19 +585,28 @@ def _add_data_plane(core: _Core, auth: Any, closers: list[Callable[[], Awaitable
     )
 
 
-def _add_observability(core: _Core, interceptors: list[Any]) -> None:
-    """The RPC context for JSON logs (``log_format`` json) and a span per RPC (``otel_tracing``),
-    ahead of auth so refused calls are seen too."""
+def _add_observability(core: _Core, interceptors: list[Any], closers: list[Callable[[], Awaitable[None]]]) -> None:
+    """The RPC context for JSON logs (``log_format`` json) and a span per RPC (``otel_tracing``;
+    spans go where the ``OTEL_*`` variables say, flushed at stop), ahead of auth so refused calls
+    are seen too.
+
+    Raises:
+        RuntimeError, ValueError: as :func:`kvservice.server.observability.configure_tracing`.
+    """
     settings = core.config.logging
     if settings.log_format == "json" or settings.log_level.upper() == "DEBUG":
         from kvservice.server.observability import RpcContextInterceptor
 
         interceptors.insert(0, RpcContextInterceptor())
     if settings.otel_tracing:
-        from kvservice.server.observability import TracingInterceptor, default_tracer_provider
+        from kvservice.server.observability import configure_tracing, tracing_interceptor
 
-        core.notes.append(default_tracer_provider())
-        interceptors.insert(0, TracingInterceptor())
+        interceptor = tracing_interceptor()
+        note, flush = configure_tracing()
+        core.notes.append(note)
+        if flush is not None:
+            closers.append(flush)
+        interceptors.insert(0, interceptor)
 
 
 def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[[], Awaitable[None]]]) -> None:
@@ -760,13 +769,13 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     auth = build_auth(core.config.bind.host, core.config.auth)
     core.notes.extend(auth.notes)
     interceptors: list[grpc.aio.ServerInterceptor] = [] if auth.interceptor is None else [auth.interceptor]
-    _add_observability(core, interceptors)
     assert core.snapshots is not None
     closers: list[Callable[[], Awaitable[None]]] = [
         core.snapshots.close,
         core.servicer.heap_trimmer.close,
         core.servicer.close,
     ]
+    _add_observability(core, interceptors, closers)
     _add_data_plane(core, auth, closers)
     _start_metrics(core, interceptors, closers)
     server, health, address = await _bind(core, interceptors, auth.credentials, closers)

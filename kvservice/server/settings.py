@@ -796,9 +796,10 @@ class LoggingSettings(_Section):
 
     Attributes:
         log_level: Python logging level of the server's loggers.
-        log_format: "text" or "json" (one object per line: time, level, logger, message, and the
-            rpc / request_id of the call a line was logged in).
-        otel_tracing: an OpenTelemetry span per RPC (needs ``kvservice[otel]``).
+        log_format: "text" or "json" (every line ``kvservice serve`` writes one object: time,
+            level, logger, message, and the rpc / request_id of the call a line was logged in).
+        otel_tracing: an OpenTelemetry span per RPC, exported as the ``OTEL_*`` variables say
+            (needs kvservice's ``otel`` extra).
     """
 
     name: ClassVar[str] = "logging"
@@ -810,11 +811,15 @@ class LoggingSettings(_Section):
     )
     log_format: str = setting(
         "text",
-        "Log lines as text or JSON (one object per line).",
+        "Log lines as text or JSON (every line one object, the start-up lines and errors too).",
         choices=("text", "json"),
         check=one_of(("text", "json")),
     )
-    otel_tracing: bool = setting(False, "An OpenTelemetry span per RPC (pip install 'kvservice[otel]').")
+    otel_tracing: bool = setting(
+        False,
+        "An OpenTelemetry span per RPC, exported as the OTEL_* variables say (OTEL_TRACES_EXPORTER=console|otlp); "
+        "needs the otel extra (pip install ./clients/python '.[otel]' in the checkout).",
+    )
 
 
 SECTIONS: tuple[type[_Section], ...] = (

@@ -131,3 +131,95 @@ def test_a_command_line_error_is_one_json_line(args, env, code, message):
     assert (error["level"], error["logger"]) == ("ERROR", "kvservice.cli")
     assert error["message"].startswith(message)
     assert ("usage" in error) is (code == 2)
+
+
+@pytest.mark.slow
+def test_otel_console_exporter_prints_a_span_per_rpc_with_the_callers_trace_id():
+    """``OTEL_TRACES_EXPORTER=console``: one span per RPC on stdout (a JSON object per line, as
+    every other line with ``--log-format json``), its trace id the caller's when the call sent
+    a ``traceparent``."""
+    pytest.importorskip("opentelemetry.instrumentation.grpc")
+    serve = _spawn(
+        "serve", "--log-format", "json", "--otel-tracing", "--port", "0", *SMALL, OTEL_TRACES_EXPORTER="console"
+    )
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        out = Lines(serve.stdout)
+        address = json.loads(out.wait_for('"event": "listening"'))["address"]
+        note = json.loads(out.wait_for("OpenTelemetry"))["message"]
+        assert (
+            note
+            == "note: OpenTelemetry: a span per RPC to console (OTEL_TRACES_EXPORTER; OTEL_EXPORTER_* configure them)"
+        )
+        with KVCacheClient(address) as client:
+            traced = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+            client.get_computed_blocks("r1", list(range(9)), metadata=traced)
+            client.allocate_slots("r1", 9, metadata=traced)
+            client.ping(b"x")  # no context: a trace of its own
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(TIMEOUT_S) == 0
+        out.rest()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    objects = [json.loads(line) for line in out.seen]
+    spans = [o for o in objects if "context" in o and "kind" in o]
+    assert [(s["name"], s["kind"], s["attributes"]["rpc.grpc.status_code"]) for s in spans] == [
+        ("/kvservice.v1.KVCacheService/GetComputedBlocks", "SpanKind.SERVER", 0),
+        ("/kvservice.v1.KVCacheService/AllocateSlots", "SpanKind.SERVER", 0),
+        ("/kvservice.v1.KVCacheService/Ping", "SpanKind.SERVER", 0),
+    ]
+    assert [(s["context"]["trace_id"], s["parent_id"]) for s in spans[:2]] == [(f"0x{trace_id}", f"0x{parent_id}")] * 2
+    assert spans[2]["context"]["trace_id"] != f"0x{trace_id}" and spans[2]["parent_id"] is None
+    assert spans[0]["attributes"]["kvservice.request_id"] == "r1"
+    assert spans[0]["resource"]["attributes"]["service.name"] == "kvservice"
+    assert all({"time", "level", "logger", "message"} <= set(o) for o in objects if o not in spans)
+
+
+@pytest.mark.slow
+def test_otel_otlp_exporter_sends_the_spans_to_a_collector():
+    """``OTEL_TRACES_EXPORTER=otlp`` (the otel extra's OTLP/gRPC exporter) with the standard
+    ``OTEL_EXPORTER_OTLP_*`` variables: the spans reach a collector (one made here)."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[str] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the generated name)
+            for resource_spans in request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    received.extend(span.name for span in scope_spans.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    collector = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), collector)
+    port = collector.add_insecure_port("127.0.0.1:0")
+    collector.start()
+    serve = _spawn(
+        "serve",
+        "--otel-tracing",
+        "--port",
+        "0",
+        *SMALL,
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+        OTEL_EXPORTER_OTLP_INSECURE="true",
+    )
+    try:
+        out = Lines(serve.stdout)
+        address = out.wait_for("kvservice listening on").split()[3]
+        assert "OpenTelemetry: a span per RPC to otlp" in out.wait_for("OpenTelemetry")
+        with KVCacheClient(address) as client:
+            client.ping(b"x")
+            client.get_computed_blocks("r1", list(range(9)))
+        serve.send_signal(signal.SIGTERM)  # the stop flushes the batch of spans
+        assert serve.wait(TIMEOUT_S) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        collector.stop(0)
+    assert received == ["/kvservice.v1.KVCacheService/Ping", "/kvservice.v1.KVCacheService/GetComputedBlocks"]

@@ -394,7 +394,11 @@ def watch(
     show_default=True,
     help="Where report.json and agreement.png go.",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Draw progress bars.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="A progress bar, or a plain line every 10 s [a bar when stdout is a terminal, plain lines otherwise].",
+)
 # -- multi-instance routing option --
 @click.option(
     "--instances",

@@ -84,7 +84,8 @@ class MultiReplayConfig:
             default, half the pool, loses most conversation histories here); 0 = unbounded.
         scheduler: each instance's scheduler limits (its report mode is replaced by ``report_mode``).
         policies: the policies to run, in order (a subset of :data:`~kvservice.replay.routing.POLICIES`).
-        show_progress: draw progress bars.
+        show_progress: draw a progress bar (True), plain lines (False), or a bar only in a
+            terminal (None).
         nats_url: NATS server URL(s): every server publishes to JetStream and the mirrors are fed
             over it (:class:`~kvservice.replay.jetstream_feed.JetStreamFeeds`); None = the gRPC feed.
 
@@ -106,7 +107,7 @@ class MultiReplayConfig:
     mirror_capacity: int | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
     policies: tuple[str, ...] = POLICIES
-    show_progress: bool = True
+    show_progress: bool | None = None
     nats_url: str | None = field(default=None, repr=False)  # may hold a password or token
 
     def __post_init__(self) -> None:

@@ -74,7 +74,8 @@ class ReplayConfig:
         late_watcher: add a watcher that joins from a snapshot halfway through.
         mirror_capacity: mirror size in blocks; None = half the pool; 0 = unbounded.
         scheduler: scheduler limits.
-        show_progress: draw a progress bar.
+        show_progress: draw a progress bar (True), plain lines (False), or a bar only in a
+            terminal (None).
         kv_data: "shm" (a worker writes every newly computed block through the attached memory
             and checks every hit's blocks at admission), "grpc" (the same over WriteBlocks /
             ReadBlocks) or "off"; see ``kvservice.replay.kv_data``. Needs a device with memory.
@@ -96,7 +97,7 @@ class ReplayConfig:
     late_watcher: bool = False
     mirror_capacity: int | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
-    show_progress: bool = True
+    show_progress: bool | None = None
     kv_data: str = "off"
     kv_data_sample: int = 1
 
@@ -473,8 +474,8 @@ async def run_replay(
     With several modes on embedded servers and at least :data:`PARALLEL_MIN_REQUESTS` requests,
     each mode runs in its own worker process (the modes are independent: two fresh servers, same
     trace), so the replay uses two cores. Progress is one display in this process
-    (:class:`~kvservice.replay.progress.Progress`): a bar with ``show_progress``, else a plain
-    line every 10 s and at the end of each mode.
+    (:class:`~kvservice.replay.progress.Progress`): a bar with ``show_progress`` (by default in a
+    terminal), else a plain line every 10 s and at the end of each mode.
 
     Args:
         config: what to replay.

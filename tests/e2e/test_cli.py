@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -129,3 +130,24 @@ def test_replay_sizes_the_embedded_pool_from_a_memory_budget(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "preset llama-3-8b, block_size 16 tokens, num_blocks 32,768" in result.stdout  # 64 GiB // 2 MiB
+
+
+def test_replay_into_a_file_writes_plain_lines_not_bar_frames(tmp_path):
+    """``kvservice replay > log.txt``: stdout is not a terminal, so no progress bar (its frames
+    would fill the log); the plain progress line, the table and the last line are there."""
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "3", "--out", str(tmp_path / "out")],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    assert result.returncode == 0, result.stderr
+    text = log.read_text()
+    assert "\r" not in text and "\x1b" not in text and "req/s" not in text and "it/s" not in text
+    progress = [line for line in text.splitlines() if re.fullmatch(r"replay \d+ s: .* requests", line)]
+    assert progress and progress[-1].endswith(" s: incremental 3/3, full 3/3 requests"), text
+    assert text.splitlines()[-1].startswith("wrote ")
+    assert "\r" not in result.stderr

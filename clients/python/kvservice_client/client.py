@@ -85,6 +85,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_RETRY_POLICY",
+    "IDEMPOTENT_METHODS",
     "AsyncKVCacheClient",
     "KVCacheClient",
     "KVServiceError",
@@ -140,16 +142,46 @@ silently ends with UNAVAILABLE within about 40 s and an :class:`EventWatcher` re
 accepts pings this often (its ``keepalive_min_client_interval_s`` defaults to 5 s)."""
 
 
+IDEMPOTENT_METHODS = ("Ping", "GetUsage", "GetKVCacheGroupMetadata", "GetComputedBlocks", "AttachKVCache", "ReadBlocks")
+"""The RPCs a client may send again without changing what the server does: reads, and
+``GetComputedBlocks`` (a second lookup of a request registered with the same prompt answers its
+hit and registers nothing). AllocateSlots, Free, Step, ResetPrefixCache, TakeEvents (it moves its
+consumer's cursor), WriteBlocks and StreamEvents (an :class:`EventWatcher` resumes it itself) are
+not retried."""
+
+DEFAULT_RETRY_POLICY = {
+    "maxAttempts": 4,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+"""gRPC's own retry policy (its service config, ``grpc.service_config``) for
+:data:`IDEMPOTENT_METHODS` on a channel a client opens: a call that ends UNAVAILABLE (the server
+restarting or draining, a connection lost) is sent again up to 3 times, after about 0.1, 0.2 and
+0.4 s (gRPC randomizes each backoff), within the call's deadline. A channel whose ``options`` set
+``grpc.service_config`` keeps its own; ``("grpc.enable_retries", 0)`` turns retries off."""
+
+
+def _service_config() -> str:
+    import json
+
+    names = [{"service": "kvservice.v1.KVCacheService", "method": method} for method in IDEMPOTENT_METHODS]
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": DEFAULT_RETRY_POLICY}]})
+
+
 def _channel_options(
     options: Sequence[tuple[str, Any]] | None, extra: Sequence[tuple[str, Any]] = ()
 ) -> list[tuple[str, Any]]:
-    """``options`` plus ``extra`` (the TLS settings') plus the default receive limit and keepalive,
-    where they set none."""
+    """``options`` plus ``extra`` (the TLS settings') plus the default receive limit, keepalive and
+    retry policy (:data:`DEFAULT_RETRY_POLICY`), where they set none."""
     out = [*extra, *(options or ())]
     names = {name for name, _ in out}
     if "grpc.max_receive_message_length" not in names:
         out.append(("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES))
     out.extend((name, value) for name, value in DEFAULT_KEEPALIVE_OPTIONS if name not in names)
+    if "grpc.service_config" not in names:
+        out.append(("grpc.service_config", _service_config()))
     return out
 
 

@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import dataclasses
 import difflib
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -666,7 +668,16 @@ async def _bind(
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     started = False
     try:
-        bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+        in_use = _address_in_use(host, port)
+        if in_use is not None:
+            raise RuntimeError(
+                f"cannot bind {bind}: {in_use} (another kvservice or another program listens on port {port}): "
+                "choose another --port, or --port 0 for a free one"
+            )
+        try:
+            bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+        except RuntimeError as e:  # grpc's own words name GRPC_VERBOSITY: ours name the address
+            raise RuntimeError(f"cannot bind {bind}: {e}") from None
         if bound == 0:
             raise RuntimeError(f"cannot bind {bind}")
         uds = core.config.bind.uds
@@ -690,6 +701,27 @@ async def _bind(
         raise
     core.config = core.config.replace(port=bound)
     return server, health, bind.rsplit(":", 1)[0] + f":{bound}"
+
+
+def _address_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` is taken ("Address already in use"), tried with a plain socket before
+    gRPC binds it (gRPC's own failure writes a raw internal line to stderr first); None when free,
+    when ``port`` is 0, or when the host does not resolve (gRPC's bind then says why)."""
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return e.strerror
+    return None
 
 
 async def _start_probes(running: RunningServer) -> None:

@@ -51,6 +51,11 @@ def test_serve_on_a_port_in_use_is_a_clean_error():
         port = s.getsockname()[1]
         proc = _run("serve", "--device", "meta", "--num-blocks", "16", "--port", str(port))
     _assert_clean_error(proc, str(port))
+    assert (proc.stdout, proc.stderr) == (  # one line: not gRPC's internal add_port.cc line before it
+        "",
+        f"Error: cannot bind 127.0.0.1:{port}: Address already in use (another kvservice or another program "
+        f"listens on port {port}): choose another --port, or --port 0 for a free one\n",
+    )
 
 
 @pytest.fixture(scope="module")

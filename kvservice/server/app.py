@@ -34,6 +34,7 @@ from kvservice.core.engine import EngineLimits, KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig
 from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
 from kvservice.core.model_config import (
+    KNOWN_ARCHITECTURES,
     ModelKVLayout,
     get_preset,
     load_kv_cache_layout,
@@ -406,12 +407,20 @@ def _model_kv_layout(cache: CacheSettings) -> ModelKVLayout:
         ValueError: a bad config or layout file (the message names the file and the field).
     """
     if cache.model_config is not None:
-        return model_kv_layout(
-            load_model_config(cache.model_config),
-            name=cache.model_config,
-            block_size=cache.block_size,
-            kv_cache_dtype=cache.kv_cache_dtype,
-        )
+        model_config = load_model_config(cache.model_config)
+        try:
+            return model_kv_layout(
+                model_config, name=cache.model_config, block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype
+            )
+        except ValueError as e:
+            architecture = (model_config.get("architectures") or [None])[0]
+            if architecture in KNOWN_ARCHITECTURES:
+                raise
+            raise ValueError(
+                f"{e}. Any other model: describe its layers in a layout file for --kv-cache-layout "
+                "(kind, count, heads, head size, dtype, window ... per run of layers; docs/operations.md, "
+                "KV cache layout)"
+            ) from None
     if cache.kv_cache_layout is not None:
         return load_kv_cache_layout(
             cache.kv_cache_layout, block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype

@@ -549,7 +549,7 @@ class AuthSettings(_Section):
         tls_cert_file, tls_key_file: the server's certificate chain and private key (PEM; both
             or neither). Without them the port is plain text.
         tls_client_ca_file: CA (PEM) client certificates must chain to: mutual TLS.
-        auth_tokens_file: TOML file of bearer tokens with roles (scheduler, watcher).
+        auth_tokens_file: TOML file of bearer tokens with roles (scheduler, watcher, worker).
         allow_insecure_bind: bind a non-loopback host with neither TLS nor tokens, or a ZMQ
             socket off loopback (no authentication there at all); refused otherwise.
     """
@@ -568,7 +568,11 @@ class AuthSettings(_Section):
         default_text="none",
     )
     auth_tokens_file: str | None = setting(
-        None, "TOML file of bearer tokens with roles scheduler/watcher.", path=True, default_text="no tokens"
+        None,
+        "TOML file of bearer tokens ([[tokens]] name, role, token or token_sha256) with roles "
+        "scheduler (every RPC), watcher (events and reads) or worker (the data plane and reads).",
+        path=True,
+        default_text="no tokens",
     )
     allow_insecure_bind: bool = setting(
         False,

@@ -140,6 +140,17 @@ def test_serve_with_a_bad_model_config_names_the_field(tmp_path):
     _assert_clean_error(proc, "missing field 'num_attention_heads'")
 
 
+def test_serve_with_an_unknown_architecture_points_to_the_layout_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["FalconForCausalLM"], "num_hidden_layers": 4}')
+    proc = _run("serve", "--port", "0", "--device", "meta", "--model-config", str(tmp_path))
+    _assert_clean_error(
+        proc,
+        "unknown architecture 'FalconForCausalLM'; known: ",
+        "describe its layers in a layout file for --kv-cache-layout",
+    )
+    assert proc.stderr.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

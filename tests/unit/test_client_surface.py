@@ -101,7 +101,27 @@ def test_the_namespace_and_jetstream_import_without_nats():
         "    print(str(e).split(' (')[0], '|', str(e).split(': ')[-1])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out == "JetStreamWatcher needs nats-py, which is not installed | pip install 'kvservice-client[nats]'\n"
+    assert (
+        out
+        == "JetStreamWatcher needs nats-py, which is not installed | pip install nats-py (kvservice-client's nats extra)\n"
+    )
+
+
+def test_torch_view_without_torch_says_how_to_install_it():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "try:\n"
+        "    import kvservice_client.torch_view\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == (
+        "torch | kvservice_client.torch_view maps the server's KV memory as torch tensors and needs torch, which is "
+        "not installed: pip install torch (or './clients/python[torch]' from a kvservice checkout); "
+        "kvservice_client.data reads and writes blocks as bytes without it\n"
+    )
 
 
 # --- the twin clients ------------------------------------------------------------------------

@@ -253,7 +253,9 @@ def _flatten_per_request(
     counts = [len(ids) for ids in per_request]
     given = list(num_new_token_ids)
     if given and given != counts:
-        raise ValueError(f"decode(): num_new_token_ids {given} differs from the lengths of new_token_ids' lists {counts}")
+        raise ValueError(
+            f"decode(): num_new_token_ids {given} differs from the lengths of new_token_ids' lists {counts}"
+        )
     return [int(token) for ids in per_request for token in ids], counts
 
 

@@ -56,6 +56,7 @@ from kvservice.server.probes import ProbePort
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
 from kvservice.server.settings import (
+    DEFAULT_REQUEST_IDLE_TIMEOUT_S,
     SECTIONS,
     AuthSettings,
     BindSettings,
@@ -753,14 +754,19 @@ async def _start_probes(running: RunningServer) -> None:
 
 
 def _start_reaper(running: RunningServer) -> None:
-    """Free requests not called for ``request_idle_timeout_s`` (when set)."""
+    """Free requests not called for ``request_idle_timeout_s`` (unless 0 or None); the start notes
+    a timeout other than the default, or none."""
     timeout_s = running.config.limits.request_idle_timeout_s
-    if timeout_s is None:
+    if not timeout_s:
+        running.notes.append(
+            "request_idle_timeout_s off: a request whose scheduler stopped calling holds its blocks until freed"
+        )
         return
     running.reaper = RequestReaper(running.engine, running.servicer.publish, timeout_s)
     running.reaper.start()
     running.closers.append(running.reaper.stop)
-    running.notes.append(f"requests not called for {timeout_s:g} s are freed (request_idle_timeout_s)")
+    if timeout_s != DEFAULT_REQUEST_IDLE_TIMEOUT_S:
+        running.notes.append(f"requests not called for {timeout_s:g} s are freed (request_idle_timeout_s)")
 
 
 async def _start_sinks(running: RunningServer) -> None:

@@ -68,6 +68,7 @@ from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, 
 from kvservice_client.jetstream import redact_url
 
 __all__ = [
+    "DEFAULT_REQUEST_IDLE_TIMEOUT_S",
     "AuthSettings",
     "BindSettings",
     "CacheSettings",
@@ -357,6 +358,12 @@ class CacheSettings(_Section):
             raise ValueError("give model_config or kv_cache_layout, not both")
 
 
+DEFAULT_REQUEST_IDLE_TIMEOUT_S = 600.0
+"""Seconds without a call after which the server frees a request (``request_idle_timeout_s``): ten
+minutes, far beyond a scheduler step (a scheduler calls every running request each step), so only
+the requests of a scheduler that stopped calling are freed."""
+
+
 @dataclass(frozen=True)
 class LimitsSettings(_Section):
     """Bounds on requests, Steps and messages; each refusal names its bound.
@@ -369,7 +376,8 @@ class LimitsSettings(_Section):
             yielding, so its events are one batch).
         max_message_bytes: largest gRPC message accepted or sent, bytes.
         request_idle_timeout_s: a request not called for this long is freed as by Free, seconds
-            (None: never).
+            (:data:`DEFAULT_REQUEST_IDLE_TIMEOUT_S`, so the requests of a scheduler that crashed
+            do not hold their blocks for ever; 0 or None: never).
         max_waiting_tokens: prompt tokens held by waiting requests (registered, not yet admitted)
             at once (8,388,608, about 370 MiB of server memory; 0: no bound); one more is refused
             with RESOURCE_EXHAUSTED naming max_waiting_tokens.
@@ -395,10 +403,9 @@ class LimitsSettings(_Section):
         default_text="64MiB",
     )
     request_idle_timeout_s: float | None = setting(
-        None,
-        "Free a request not called for this long, seconds.",
-        check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds (or unset: off)",
-        default_text="off",
+        DEFAULT_REQUEST_IDLE_TIMEOUT_S,
+        "Free a request not called (GetComputedBlocks, AllocateSlots) for this long, seconds; 0: never.",
+        check=lambda v: None if 0 <= v < float("inf") else "must be a finite number >= 0 seconds (0: off)",
     )
     max_waiting_tokens: int = setting(
         8 * 1024 * 1024,

@@ -146,6 +146,10 @@ def test_both_clients_have_the_same_public_methods():
         "take_events",
         "ping",
         "close",
+        "attach_kv_cache",
+        "write_blocks",
+        "read_blocks",
+        "iter_read_blocks",
     } <= set(_public_methods(KVCacheClient))
 
 
@@ -165,7 +169,7 @@ def test_the_twin_methods_have_identical_signatures_and_docs(name: str):
         return
     assert _normalized_signature(sync) == _normalized_signature(async_)
     assert not inspect.iscoroutinefunction(sync)
-    assert inspect.iscoroutinefunction(async_) == (name != "stream_events")
+    assert inspect.iscoroutinefunction(async_) == (name not in ("stream_events", "iter_read_blocks"))
 
 
 def test_the_constructors_take_the_same_arguments():

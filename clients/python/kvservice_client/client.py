@@ -45,7 +45,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 import grpc
 import grpc.aio
@@ -54,6 +54,7 @@ from google.protobuf.message import Message
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice_client.convert import PayloadFormatLike
+from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods, Metadata, Timeout
 from kvservice_client.errors import KVServiceError, StatusCode
 from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
     ReportMode,
@@ -100,14 +101,6 @@ __all__ = [
     "decode_new_block_ids",
     "step_results",
 ]
-
-Timeout = Union[float, datetime.timedelta, None]
-"""A call deadline: seconds from now (float) or a ``timedelta``; None for the client's default."""
-
-Metadata = Union[Mapping[str, str | bytes], Sequence[tuple[str, str | bytes]], None]
-"""gRPC metadata: a mapping or a sequence of ``(key, value)`` pairs. Keys are lower-case ASCII
-letters, digits, ``-``, ``_``, ``.``; the values of other keys than those ending in ``-bin`` (which
-take bytes) are printable ASCII; anything else is a ValueError naming the key, before any call."""
 
 _STREAMING_METHODS = frozenset({"StreamEvents"})
 
@@ -911,7 +904,7 @@ class _ClientBase(_KVCacheServiceRPCs, Generic[_ChannelT, _StubT]):
         return {"timeout": seconds, "metadata": pairs or None}
 
 
-class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
+class KVCacheClient(BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
     __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
 
     _channel_module: ClassVar[Any] = grpc
@@ -939,7 +932,7 @@ class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub]):
             raise KVServiceError.from_rpc_error(err) from err
 
 
-class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"]):
+class AsyncKVCacheClient(AsyncDataPlaneMethods, _ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"]):
     __doc__ = (
         "``grpc.aio`` client of ``kvservice.v1.KVCacheService``; the async twin of :class:`KVCacheClient`\n"
         "(same methods, as coroutines; ``stream_events`` returns an async iterator).\n" + _CLIENT_ARGS_DOC

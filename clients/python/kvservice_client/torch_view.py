@@ -17,7 +17,9 @@ while the request runs; never a block another request reads from the prefix cach
 The view carries the server's epoch. Before every use it checks the server's control segment:
 once that server stopped (or crashed and a restarted server found it), :meth:`KVCacheView.block_view`
 raises :class:`KVCacheViewClosedError` instead of handing out memory that no longer belongs to a
-running cache.
+running cache. A tensor taken before that is a plain tensor over the mapping and is not checked: it
+keeps reading the old memory without a word, so take views per use, or call :meth:`KVCacheView.check`
+before trusting one kept across calls.
 
 Example::
 

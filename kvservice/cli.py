@@ -323,6 +323,11 @@ def watch(
     show_default=True,
     help="Embedded server's model KV layout.",
 )
+@click.option(
+    "--model-config",
+    type=click.Path(exists=True),
+    help="A Hugging Face config.json (or its folder): the embedded server's KV layout, as serve --model-config [--preset].",
+)
 @click.option("--block-size", type=int, help="Embedded server's block size in tokens [16].")
 @click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
 @click.option(
@@ -419,7 +424,7 @@ def replay(**options: Any) -> None:
     _check_replay_options(options)
     outputs = ("routing.json", "routing.png") if options["instances"] >= 2 else ("report.json", "agreement.png")
     _check_replay_out_dir(options["out_dir"], outputs)
-    click.echo(_replay_first_line(options))
+    click.echo(_replay_first_line(options, _target_layout(options["target"]) if options["target"] else None))
     # The process ends after the replay. The interpreter's last collections, as it tears the
     # modules down, would traverse every object the replay made (0.1-0.3 s) for memory the OS takes
     # back anyway; frozen objects are skipped. atexit: in a process that goes on (a test), only
@@ -464,6 +469,7 @@ def _replay_one_instance(options: dict[str, Any], plots: PlotProcess) -> None:
         limit=options["limit"],
         target=options["target"],
         preset=options["preset"],
+        model_config=options["model_config"],
         block_size=options["block_size"],
         num_blocks=options["num_blocks"],
         device=device,
@@ -547,10 +553,13 @@ def _check_replay_options(options: dict[str, Any]) -> None:
             raise click.UsageError(
                 "--kv-cache-memory sizes the one embedded server; give --num-blocks with --instances"
             )
+    if options["target"] is not None and options["model_config"] is not None:
+        raise click.UsageError("--model-config sets the embedded server's layout; --target has its own")
     if options["target"] is None:
         try:
             CacheSettings(
                 preset=options["preset"],
+                model_config=options["model_config"],
                 block_size=options["block_size"],
                 num_blocks=options["num_blocks"],
                 device=options["device"] or "meta",
@@ -572,12 +581,21 @@ def _check_replay_options(options: dict[str, Any]) -> None:
             )
 
 
-def _replay_first_line(options: dict[str, Any]) -> str:
-    """What the replay is about to do, printed before anything heavy is imported or started."""
+def _replay_first_line(options: dict[str, Any], target_layout: str | None = None) -> str:
+    """What the replay is about to do, printed before anything heavy is imported or started
+    (``target_layout``: what ``--target`` holds, :func:`_target_layout`). Pools are counted in
+    ``num_blocks``, block 0 (the null block) included, as the table counts them."""
     trace = options["trace"] or "the embedded Mooncake sample"
     limit = f", first {options['limit']} requests" if options["limit"] else ""
-    block_size = options["block_size"] or PRESETS[options["preset"]].default_block_size
-    pool = options["num_blocks"] - 1
+    if options["block_size"]:
+        block_size = options["block_size"]
+    elif options["model_config"]:
+        from kvservice.core.model_config import DEFAULT_BLOCK_SIZE
+
+        block_size = DEFAULT_BLOCK_SIZE
+    else:
+        block_size = PRESETS[options["preset"]].default_block_size
+    pool = options["num_blocks"] - 1  # the mirror's default is half the blocks a request can get
     mirror = options["mirror_capacity"]
     if mirror == 0:
         mirror_text = "unbounded"
@@ -591,16 +609,37 @@ def _replay_first_line(options: dict[str, Any]) -> str:
         )
     else:
         what = f"report mode {'incremental and full' if options['report_mode'] in (None, 'both') else options['report_mode']}"
+    layout = f"model config {options['model_config']}" if options["model_config"] else f"preset {options['preset']}"
     if options["target"]:
-        where = f"server {options['target']}"
+        where = f"server {options['target']} ({target_layout or 'layout unknown'})"
+        layout = ""
     elif options["kv_cache_memory"] is not None:
         where = f"pool sized from a {options['kv_cache_memory']} KV cache budget, blocks of {block_size} tokens"
     else:
-        where = f"pool {pool:,} blocks of {block_size} tokens"
+        where = f"pool {options['num_blocks']:,} blocks of {block_size} tokens"
     return (
-        f"replay: {trace}{limit}; preset {options['preset']}, {where}, mirror {mirror_text}; {what}; "
+        f"replay: {trace}{limit}; {layout + ', ' if layout else ''}{where}, mirror {mirror_text}; {what}; "
         f"{options['watchers']} watcher(s){' + a late one' if options['late_watcher'] else ''}"
     )
+
+
+def _target_layout(target: str) -> str:
+    """What ``--target`` holds, from its GetKVCacheGroupMetadata: "preset P, N blocks of B tokens"
+    (and the number of KV cache groups when more than one).
+
+    Raises:
+        click.ClickException: the target does not answer (its address and the status named).
+    """
+    from kvservice_client.client import KVCacheClient, KVServiceError
+
+    try:
+        with KVCacheClient(target, timeout=10.0) as client:
+            metadata = client.get_kv_cache_group_metadata()
+    except KVServiceError as e:
+        raise click.ClickException(f"{target}: {e.code.name}: {e.message}") from None
+    group = metadata.groups[0]
+    groups = f", {len(metadata.groups)} KV cache groups" if len(metadata.groups) > 1 else ""
+    return f"preset {metadata.preset}, {group.num_blocks:,} blocks of {group.block_size} tokens{groups}"
 
 
 def _parse_kv_cache_memory(value: str | None) -> int | None:
@@ -631,6 +670,7 @@ def _replay_instances(options: dict[str, Any]) -> None:
             limit=options["limit"],
             instances=options["instances"],
             preset=options["preset"],
+            model_config=options["model_config"],
             block_size=options["block_size"],
             num_blocks=options["num_blocks"],
             rate_scale=options["rate_scale"],

@@ -74,6 +74,8 @@ class MultiReplayConfig:
             :class:`~kvservice.replay.runner.ReplayConfig`.
         instances: servers per policy (>= 2).
         preset, block_size, device, hash_algorithm: every embedded server's settings.
+        model_config: a ``config.json`` (or its folder) whose KV layout the servers take instead
+            of ``preset``.
         num_blocks: each instance's pool, in blocks (the null block included, as ``--num-blocks``).
         rate_scale: arrival-rate multiplier (arrival times are divided by it); None = ``instances``,
             so each instance carries about the single-server replay's load.
@@ -98,6 +100,7 @@ class MultiReplayConfig:
     limit: int | None = None
     instances: int = 2
     preset: str = "llama-3-8b"
+    model_config: str | None = None
     block_size: int | None = None
     num_blocks: int = DEFAULT_NUM_BLOCKS
     rate_scale: float | None = None
@@ -283,6 +286,7 @@ async def replay_policy(
             server = await start_server(
                 port=0,
                 preset=config.preset,
+                model_config=config.model_config,
                 block_size=config.block_size,
                 num_blocks=config.num_blocks,
                 device=config.device,

@@ -66,6 +66,8 @@ class ReplayConfig:
             None = start an embedded server per mode.
         preset, block_size, num_blocks, device, hash_algorithm: the embedded server's settings
             (device "meta": real tensor shapes, no memory, as no model runs in a replay).
+        model_config: a Hugging Face ``config.json`` (or its folder) whose KV layout the embedded
+            server takes instead of ``preset`` (the server's ``model_config``).
         kv_cache_memory: size the embedded server's pool from this many bytes of KV cache (as
             vLLM sizes it: ``bytes // the largest group's bytes per block``) instead of
             ``num_blocks`` (None: use ``num_blocks``).
@@ -87,6 +89,7 @@ class ReplayConfig:
     limit: int | None = None
     target: str | None = None
     preset: str = "llama-3-8b"
+    model_config: str | None = None
     block_size: int | None = None
     num_blocks: int = DEFAULT_NUM_BLOCKS
     kv_cache_memory: int | None = None
@@ -330,6 +333,7 @@ def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
         wall_time_s=wall_time_s,
         mirror_capacity_blocks=run.mirror_capacity,
         pool_size_blocks=run.pool_blocks,
+        num_readmission_max_hit_tokens=sum(max(a.num_tokens - 1, 0) // bs * bs for a in admissions if a.readmission),
         series=[(i, p, a) for i, (p, a) in enumerate(zip(predicted, actual))],
         kv_data=run.kv_data,
     )
@@ -407,6 +411,7 @@ async def replay_mode(
         server = await start_server(
             port=0,
             preset=config.preset,
+            model_config=config.model_config,
             block_size=config.block_size,
             num_blocks=None if config.kv_cache_memory is not None else config.num_blocks,
             kv_cache_memory=config.kv_cache_memory,
@@ -513,6 +518,8 @@ async def run_replay(
     accepted = [r for r in requests if len(r.prompt_token_ids) < first.max_model_len]
     ideal = ideal_prefix_hits(accepted, first.block_size) if accepted else []
     ideal_pct = 100.0 * sum(ideal) / max(sum(len(r.prompt_token_ids) for r in accepted), 1)
+    for result in results:  # the bound over each mode's own admissions (readmissions included)
+        result.report.num_ideal_hit_tokens = sum(ideal) + result.report.num_readmission_max_hit_tokens
     metadata.update(
         {
             "hash_algorithm": config.hash_algorithm,

@@ -29,8 +29,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / ".vllm-src"
@@ -51,8 +52,19 @@ def fetch() -> Path:
             env = {**os.environ, "TMPDIR": tmp}
             subprocess.run(
                 [
-                    sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                    "--no-build-isolation", "--no-clean", f"vllm=={VLLM_VERSION}", "-d", tmp,
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "--no-build-isolation",
+                    "--no-clean",
+                    f"vllm=={VLLM_VERSION}",
+                    "-d",
+                    tmp,
                 ],
                 env=env,
                 check=False,  # fails at the metadata step, after unpacking: expected

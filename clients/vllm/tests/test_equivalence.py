@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import collections
 
-import pytest
-
 import kvservice_vllm
+import pytest
 from kvservice_vllm.drive import make_scheduler, mooncake_items, run_trace
 
 pytestmark = pytest.mark.timeout(900)
@@ -45,7 +44,10 @@ def test_the_same_scheduler_output_step_by_step_on_the_mooncake_sample(cls, monk
         engine = remote.kvservice_server.running.engine
         assert engine.manager.block_pool.num_evictions > 0
         assert expected.num_preemptions > 0 and expected.num_hit_tokens > 0
-        assert remote.kv_cache_manager.block_pool.get_num_free_blocks() == native.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert (
+            remote.kv_cache_manager.block_pool.get_num_free_blocks()
+            == native.kv_cache_manager.block_pool.get_num_free_blocks()
+        )
         kinds = _kinds(got)
         mean = {k: sum(v) / len(v) for k, v in kinds.items()}
         # About one round trip a decode step: a lookup made ahead that an eviction voids costs one
@@ -69,7 +71,11 @@ def test_the_pool_is_vllms_after_every_schedule(monkeypatch):
         checked.append((engine.manager.block_pool.get_num_free_blocks(), step))
 
     expected = []
-    run_trace(native, ITEMS[:20], on_step=lambda step, out: expected.append((native.kv_cache_manager.block_pool.get_num_free_blocks(), step)))
+    run_trace(
+        native,
+        ITEMS[:20],
+        on_step=lambda step, out: expected.append((native.kv_cache_manager.block_pool.get_num_free_blocks(), step)),
+    )
     run_trace(remote, ITEMS[:20], on_step=check)
     remote.shutdown()
     assert checked == expected

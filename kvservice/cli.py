@@ -419,8 +419,18 @@ def watch(
     "--nats-url",
     help="With --instances: every server publishes to this NATS JetStream (a stream per policy run, deleted after) and the router's mirrors are fed over it, not over gRPC StreamEvents.",
 )
+@click.option(
+    "--scheduler",
+    type=click.Choice(["kvservice", "vllm", "vllm-async"]),
+    default="kvservice",
+    show_default=True,
+    help="vllm / vllm-async: vLLM 0.33's own Scheduler / AsyncScheduler over the trace, in process and on an embedded kvservice, compared step by step (needs kvservice-vllm: bash scripts/setup_vllm.sh).",
+)
 def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""
+    if options["scheduler"] != "kvservice":
+        _replay_vllm(options)
+        return
     _check_replay_options(options)
     outputs = ("routing.json", "routing.png") if options["instances"] >= 2 else ("report.json", "agreement.png")
     _check_replay_out_dir(options["out_dir"], outputs)
@@ -443,6 +453,38 @@ def replay(**options: Any) -> None:
 
     with PlotProcess(enabled=(os.cpu_count() or 1) > 1) as plots:
         _replay_one_instance(options, plots)
+
+
+def _replay_vllm(options: dict[str, Any]) -> None:
+    """``replay --scheduler vllm``: vLLM's scheduler in process and on kvservice
+    (``kvservice.replay.vllm_mode``); its table, and ``vllm-report.json`` in ``--out``."""
+    from rich.console import Console
+
+    from kvservice.replay.vllm_mode import render, run_vllm_replay
+
+    if options["target"] is not None or options["instances"] >= 2:
+        raise click.UsageError("--scheduler vllm runs its own embedded server: leave out --target and --instances")
+    limit = options["limit"]
+    first = f", first {limit} requests" if limit else ""
+    click.echo(
+        f"kvservice replay --scheduler {options['scheduler']}: {options['trace'] or 'the Mooncake sample'}{first}; "
+        f"{options['num_blocks']:,} blocks of {options['block_size'] or 16} tokens"
+    )
+    try:
+        report = run_vllm_replay(
+            trace=options["trace"],
+            limit=options["limit"],
+            num_blocks=options["num_blocks"],
+            block_size=options["block_size"] or 16,
+            max_model_len=131072,
+            async_scheduling=options["scheduler"] == "vllm-async",
+            out_dir=options["out_dir"],
+        )
+    except ModuleNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    Console().print(render(report))
+    if not report.same_decisions:
+        raise click.ClickException(f"the two runs decided differently from step {report.first_difference_step} on")
 
 
 def _replay_one_instance(options: dict[str, Any], plots: PlotProcess) -> None:

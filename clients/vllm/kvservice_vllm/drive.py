@@ -198,6 +198,7 @@ def run_trace(
     *,
     max_steps: int = 1_000_000,
     on_step: Callable[[int, Any], None] | None = None,
+    stop_at_max_steps: bool = False,
 ) -> DriveResult:
     """Run ``scheduler`` until every item has finished (or ``max_steps``).
 
@@ -205,6 +206,8 @@ def run_trace(
         scheduler: a vLLM scheduler (``AsyncScheduler`` runs one step ahead, as vLLM's async engine).
         items: the trace, in arrival order.
         on_step: called with (step index, ``SchedulerOutput``) after each ``schedule()``.
+        stop_at_max_steps: end after ``max_steps`` steps with requests left (a benchmark's window)
+            instead of raising.
 
     Returns:
         The run's records and figures.
@@ -255,6 +258,8 @@ def run_trace(
     step = 0
     while pending or scheduler.has_requests() or in_flight:
         if step >= max_steps:
+            if stop_at_max_steps:
+                break
             raise RuntimeError(f"{max_steps} steps ran and {scheduler.get_num_unfinished_requests()} requests remain")
         while pending and pending[0].arrival_step <= step:
             item = pending.popleft()

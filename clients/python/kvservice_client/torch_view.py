@@ -148,6 +148,13 @@ class KVCacheView:
         self._storages = storages
 
     @property
+    def storages(self) -> tuple[torch.Tensor, ...]:
+        """The mapped storages, each a flat uint8 tensor over the server's memory (index =
+        ``storage_idx``): what a worker views its own way (``kvservice_vllm.Worker`` builds
+        vLLM's KV cache views over it). Not checked against the server's stop: see :meth:`check`."""
+        return tuple(self._storages)
+
+    @property
     def num_groups(self) -> int:
         """KV cache groups."""
         return len(self._groups)

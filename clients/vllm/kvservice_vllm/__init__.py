@@ -17,6 +17,17 @@ __all__ = [
     "RemoteManagerError",
     "Scheduler",
     "UnsupportedKVCacheConfig",
+    "Worker",
     "install",
     "layout_toml",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``kvservice_vllm.Worker`` (``--worker-cls``), imported on first use: vLLM's GPU worker
+    module is heavy and a scheduler process does not need it."""
+    if name == "Worker":
+        from kvservice_vllm.worker import Worker
+
+        return Worker
+    raise AttributeError(f"module 'kvservice_vllm' has no attribute {name!r}")

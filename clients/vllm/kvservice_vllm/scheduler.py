@@ -14,7 +14,8 @@ The ``kvservice`` entry of ``--additional-config`` (each key also an environment
   file): TLS to the server, as ``kvservice_client.KVCacheClient`` takes them;
 * ``owner`` (``KVSERVICE_OWNER``): the name the scheduler claims the pool under (default
   ``vllm-HOST-PID``); ``claim_ttl_s`` (``KVSERVICE_CLAIM_TTL_S``, default 30);
-* ``timeout_s`` (``KVSERVICE_TIMEOUT_S``, default 60): the deadline of one round trip.
+* ``timeout_s`` (``KVSERVICE_TIMEOUT_S``, default 60): the deadline of one round trip;
+* ``worker_token`` (``KVSERVICE_WORKER_TOKEN``): a ``worker`` token for ``kvservice_vllm.Worker``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ _ENV = {
     "owner": "KVSERVICE_OWNER",
     "claim_ttl_s": "KVSERVICE_CLAIM_TTL_S",
     "timeout_s": "KVSERVICE_TIMEOUT_S",
+    "worker_token": "KVSERVICE_WORKER_TOKEN",
 }
 
 

@@ -46,7 +46,7 @@ SUITES = {
 def fetch() -> Path:
     """vLLM's ``tests/`` at ``.vllm-src/tests`` (downloaded once) and the offline HF cache."""
     tests = SRC / "tests"
-    if not (tests / "v1" / "core" / "test_scheduler.py").exists():
+    if not (tests / "v1" / "core" / "test_scheduler.py").exists() or not (SRC / "pyproject.toml").exists():
         SRC.mkdir(exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="vllm-sdist-", dir=SRC) as tmp:
             env = {**os.environ, "TMPDIR": tmp}
@@ -77,6 +77,8 @@ def fetch() -> Path:
             if tests.exists():
                 shutil.rmtree(tests)
             shutil.copytree(unpacked, tests)
+            # vLLM's own pytest settings (its markers), so the run does not take kvservice's.
+            shutil.copyfile(unpacked.parent / "pyproject.toml", SRC / "pyproject.toml")
     hf = SRC / "hf"
     for config in sorted((SUITE_DIR / "hf").glob("*.json")):
         org, name = config.stem.split("--", 1)
@@ -97,7 +99,8 @@ def run_pytest(paths: list[str], report: Path, *, embedded: bool) -> dict[str, s
         "VLLM_TARGET_DEVICE": "cpu",
         "PYTHONPATH": str(SUITE_DIR) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
-    args = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", "-p", "outcome_plugin"]
+    args = [sys.executable, "-m", "pytest", *paths, "-q", "--rootdir", str(SRC), "-c", str(SRC / "pyproject.toml")]
+    args += ["-p", "no:cacheprovider", "-p", "outcome_plugin"]
     args += ["-p", "no:randomly"]
     if embedded:
         args += ["-p", "kvservice_embedded_plugin"]

@@ -53,7 +53,9 @@ def kv_caches_over(
     caches: dict[str, Any] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         group_id, group = next(
-            (g, group) for g, group in enumerate(kv_cache_config.kv_cache_groups) if tensor.layers[0] in group.layer_names
+            (g, group)
+            for g, group in enumerate(kv_cache_config.kv_cache_groups)
+            if tensor.layers[0] in group.layer_names
         )
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -61,7 +63,11 @@ def kv_caches_over(
         if not spec.has_layer_views:
             caches.update((name, raw) for name in tensor.layers)
             continue
-        kernel = kernel_block_sizes[group_id] if kernel_block_sizes is not None and group_id < len(kernel_block_sizes) else None
+        kernel = (
+            kernel_block_sizes[group_id]
+            if kernel_block_sizes is not None and group_id < len(kernel_block_sizes)
+            else None
+        )
         views = create_kv_cache_views(
             raw, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor, kernel_block_size=kernel
         )

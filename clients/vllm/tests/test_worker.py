@@ -81,7 +81,9 @@ def test_the_views_over_the_pool_are_vllms_own(kinds):
 def test_a_pool_placed_otherwise_is_refused_naming_the_field():
     _, kv_cache_config = _kv_cache_config(["full"] * 4, 8 * 1024 * 1024)
     _, other = _kv_cache_config(["full"] * 4, 4 * 1024 * 1024)
-    server = EmbeddedServer(other, max_model_len=4096, enable_prefix_caching=True, hash_algorithm="sha256", hash_seed="s")
+    server = EmbeddedServer(
+        other, max_model_len=4096, enable_prefix_caching=True, hash_algorithm="sha256", hash_seed="s"
+    )
     client = KVCacheClient(server.address)
     try:
         with pytest.raises(ValueError, match=r"kv_cache_tensors\[0\]\.size: the server has"):
@@ -97,3 +99,40 @@ def test_the_worker_class_is_vllms_gpu_worker():
     import kvservice_vllm.worker as worker
 
     assert issubclass(worker.Worker, VllmWorker)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pool attached by CUDA IPC)")
+def test_the_views_over_a_cuda_pool_are_vllms_own():
+    """As the CPU test, with the pool in CUDA memory attached through its IPC handle (the device
+    machine runs it; CI has none)."""
+    config, kv_cache_config = _kv_cache_config(["full"] * 4, 8 * 1024 * 1024)
+    layout = config.cache_config.get_resolved_kv_cache_layout()
+    server = EmbeddedServer(
+        kv_cache_config,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        hash_algorithm="sha256",
+        hash_seed="s",
+        device="cuda",
+    )
+    client = KVCacheClient(server.address)
+    try:
+        check_pool_placement(client.get_kv_cache_group_metadata(), kv_cache_config)
+        pool = attach(client)
+        (storage,) = pool.storages
+        assert storage.is_cuda
+        ours = kv_caches_over(storage, kv_cache_config, "cuda", layout)
+        theirs = allocate_kv_cache(kv_cache_config, torch.device("cuda"), layout)
+        for name in theirs:
+            a, b = ours[name], theirs[name]
+            assert (a.shape, a.stride(), a.dtype, a.storage_offset()) == (
+                b.shape,
+                b.stride(),
+                b.dtype,
+                b.storage_offset(),
+            )
+        pool.close()
+    finally:
+        client.close()
+        server.stop()

@@ -125,7 +125,6 @@ class Worker(_worker_base()):  # type: ignore[misc]  # vLLM's class, resolved at
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         from kvservice_client import KVCacheClient
         from kvservice_client.torch_view import attach
-
         from kvservice_vllm.scheduler import kvservice_settings
 
         settings = kvservice_settings(self.vllm_config)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import collections
 
-import kvservice_vllm
 import pytest
+
+import kvservice_vllm
 from kvservice_vllm.drive import make_scheduler, mooncake_items, run_trace
 
 pytestmark = pytest.mark.timeout(900)

@@ -8,10 +8,11 @@ import re
 import threading
 from pathlib import Path
 
-import kvservice_vllm
 import pytest
 import vllm.v1.core.kv_cache_manager as vllm_manager
 import vllm.v1.core.sched.scheduler as vllm_scheduler
+
+import kvservice_vllm
 from kvservice_vllm.drive import TraceItem, make_scheduler, run_trace
 from kvservice_vllm.layout import UnsupportedKVCacheConfig, layout_toml
 

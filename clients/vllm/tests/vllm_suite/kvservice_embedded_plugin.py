@@ -7,8 +7,9 @@ vLLM's ``tests/`` (``scripts/vllm_tests.py`` does both).
 
 from __future__ import annotations
 
-import kvservice_vllm
 from vllm.v1.core.sched.scheduler import Scheduler
+
+import kvservice_vllm
 
 _init = Scheduler.__init__
 

@@ -153,12 +153,18 @@ def _extras(directory: str) -> set[str]:
 def test_install_lines_name_a_checkout_path_and_extras_that_exist():
     """The packages are not on an index: ``pip install 'kvservice[otel]'`` fails outside the
     checkout, so every line installs from a path (``.`` or ``./clients/python``)."""
-    packages = {".": _extras("."), "./clients/python": _extras("clients/python")}
+    packages = {
+        ".": _extras("."),
+        "./clients/python": _extras("clients/python"),
+        "./clients/vllm": _extras("clients/vllm"),
+    }
     lines = _pip_install_lines()
     assert len(lines) >= 5
     bad = []
     for where, args in lines:
         for arg in args:
+            if arg.startswith("-"):  # pip's own options (--no-deps)
+                continue
             path, _, extras = arg.partition("[")
             if path not in packages:
                 bad.append(f"{where}: {arg} is not a path in the checkout")

@@ -28,6 +28,7 @@ import msgspec
 import pytest
 
 from kvservice.server.app import ServerConfig, load_config, start_server
+from kvservice.server.snapshot import snapshot_events
 from kvservice.server.zmq_publisher import ZmqEventPublisher, check_endpoint_exposure
 from kvservice_client.events import KVEventBatch, encode_event_batch
 from tests.service.conftest import SMALL_SERVER
@@ -329,7 +330,9 @@ async def test_a_snapshot_bigger_than_the_replay_high_water_mark_comes_whole_as_
     assert [m[1] for m in replayed] == [(publisher.seq_base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
     _, events, rank = msgspec.msgpack.decode(replayed[0][2])
     assert rank is None
-    presence = [e for e in running.snapshots.mirror.events() if not getattr(e, "reused", False)]  # each block once
+    presence = [
+        e for e in snapshot_events(running.snapshots.mirror) if not getattr(e, "reused", False)
+    ]  # each block once
     assert len(presence) == 1 + 100  # AllBlocksCleared, then one BlockStored per request's chain
     assert events == msgspec.msgpack.decode(encode_event_batch(KVEventBatch(0.0, presence, None)))[1]
     subscriber.apply(replayed[0])

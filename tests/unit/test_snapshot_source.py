@@ -11,13 +11,13 @@ import pytest
 
 from kvservice.server.event_log import EventLog
 from kvservice.server.snapshot import (
-    PARENT,
-    TOKEN_IDS,
     YIELD_EVERY_TOKENS,
     ByteBudget,
     CachedSetMirror,
     SnapshotSource,
+    snapshot_events,
 )
+from kvservice.server.snapshot.mirror import PARENT, TOKEN_IDS
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -47,7 +47,7 @@ def test_the_mirror_keeps_each_block_s_own_tokens_not_the_announcing_event():
     refs_before = sys.getrefcount(event.token_ids)
     del event  # nothing in the mirror refers to the event or its token list
     assert refs_before == 2  # the local name and getrefcount's argument
-    assert mirror.events() == [
+    assert snapshot_events(mirror) == [
         AllBlocksCleared(),
         BlockStored(
             block_hashes=[11],
@@ -134,7 +134,7 @@ async def test_batches_appended_while_a_cut_is_produced_are_held_back_then_appli
     log, source = log_with_source(part_tokens=64)
     log.append([stored([c], None, 4 * c) for c in range(400)])  # 1,600 tokens
     log.settle()  # on a running loop the batch reaches the mirror after this callback, or now
-    expected = source.mirror.events()
+    expected = snapshot_events(source.mirror)
     snap = await source.get()
     assert not snap.done
     log.append([BlockRemoved(block_hashes=list(range(200)), medium="CPU", group_idx=0)])  # seq 2

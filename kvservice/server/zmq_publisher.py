@@ -37,9 +37,11 @@ replay from 0 (one "gap" line in its log), and is answered with the whole epoch,
 **A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
 batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
 cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them), as
-*one* batch with the wire seq it was cut at (the snapshot mirror's seq), then the batches after
-that seq (none, unless a gRPC snapshot cut is in production and the mirror holds batches back),
-then the end marker. A consumer that applies the replay in
+*one* batch with the wire seq it was cut at (the snapshot's watermark), then the retained batches
+after that seq (those appended while it was cut, or held back from the mirror by a gRPC cut in
+production), then the end marker. The snapshot comes from the server's ``SnapshotSource`` as every
+snapshot does (a cut shared with the gRPC callers at that head, produced and made into events in
+steps that yield to the loop). A consumer that applies the replay in
 order ends exact whatever it missed (vLLM's buffer answers from the oldest retained batch instead,
 leaving such a consumer partial for good). Two differences from the gRPC snapshot:
 
@@ -88,7 +90,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvservice.server.auth import is_loopback_host
-from kvservice.server.snapshot import materialize, snapshot_runs
 from kvservice_client.events import AllBlocksCleared, KVEventBatch, encode_event_batch
 
 if TYPE_CHECKING:
@@ -112,6 +113,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 REPLAY_YIELD_EVERY = 256
 """Replayed batches sent between two yields to the loop (a long replay never stalls other calls)."""
+
+_SNAPSHOT_TRIES = 3
+"""Snapshots a replay from below retention is cut from, at most (see ``_snapshot_messages``)."""
 
 
 def import_zmq() -> Any:
@@ -272,7 +276,7 @@ class ZmqEventPublisher:
             allow_insecure_bind: bind a non-loopback address anyway (with a warning in
                 :attr:`notes`); refused otherwise.
             snapshots: the server's snapshot source: a replay from below retention is answered
-                with a snapshot cut from its mirror (None: with the retained batches only).
+                with a snapshot from it (None: with the retained batches only).
 
         Raises:
             ValueError: a non-loopback bind without ``allow_insecure_bind`` (see
@@ -377,33 +381,17 @@ class ZmqEventPublisher:
         identity, _, start_bytes = frames
         start_seq = int.from_bytes(start_bytes, "big")
         log = self._log
-        log.settle()  # a batch appended in this turn of the loop reaches the mirror (or pending) first
+        log.settle()  # a batch appended in this turn of the loop is in what follows
         base = self.seq_base
-        messages: list[tuple[int, bytes]] = []  # (wire seq, payload), cut now: nothing awaits in between
+        messages: list[tuple[int, bytes]] = []  # (wire seq, payload)
         if start_seq <= base + log.head_seq:
             oldest = log.oldest_seq
             if start_seq < base + oldest and oldest > 1 and self._snapshots is not None:  # below retention
                 self.num_snapshot_replays += 1
-                logger.info(
-                    "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
-                    start_seq,
-                    base + oldest,
-                    base + self._snapshots.mirror.seq,
-                )
-                # One batch, not the gRPC stream's parts: see "A start below retention" above.
-                # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a
-                # second BlockStored per block to a vLLM reader, which ignores ``reused``.
-                # Read synchronously from the mirror's own table: nothing applies a batch meanwhile.
-                source = self._snapshots
-                mirror = source.mirror
-                events = [
-                    materialize(item, mirror.group_kinds, mirror.group_windows)
-                    for item in snapshot_runs(mirror.table, None)
-                    if item is None or not item[1]
-                ]
-                snapshot = KVEventBatch(time.time(), events, log.data_parallel_rank)
-                messages = [(base + mirror.seq, encode_event_batch(snapshot))]
-                messages.extend((base + e.seq, e.msgpack) for e in source.pending)  # held back by a gRPC cut
+                answer = await self._snapshot_messages(start_seq, self._snapshots)
+                if answer is None:
+                    return
+                messages = answer
             else:
                 if start_seq <= base:
                     messages.append((base, self._epoch_start))
@@ -416,6 +404,49 @@ class ZmqEventPublisher:
                 await asyncio.sleep(0)
         if self._send_reply(identity, (b"", END_SEQ, b"")):
             self.num_replays += 1
+
+    async def _snapshot_messages(self, start_seq: int, source: SnapshotSource) -> list[tuple[int, bytes]] | None:
+        """A replay's answer from a snapshot (its start was below retention): the snapshot as one
+        batch at its wire seq, then the retained batches after it, as ``(wire seq, payload)``.
+
+        The snapshot comes from ``source`` as every snapshot does (:meth:`SnapshotSource.get`: a
+        cut shared with the gRPC callers at that head, produced and made into events in steps
+        that yield to the loop). One batch, not the gRPC stream's parts: see "A start below
+        retention" in the module docstring; presence only (:meth:`Snapshot.presence_events`): the
+        recency-order re-announcements (``reused``) would be a second BlockStored per block to a
+        vLLM reader, which ignores ``reused``. A cut at most ``_SNAPSHOT_TRIES`` times: the
+        batches after a cut's watermark come from the log's retention, and a cut whose next
+        batch left it meanwhile is cut again; after that the replay is abandoned (None; counted
+        in :attr:`num_replays_abandoned`, logged).
+        """
+        log = self._log
+        base = self.seq_base
+        for _ in range(_SNAPSHOT_TRIES):
+            snapshot = await source.get(None)
+            events = await snapshot.presence_events()
+            log.settle()
+            if snapshot.seq + 1 < log.oldest_seq:  # a batch after the watermark left retention meanwhile
+                continue
+            logger.info(
+                "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
+                start_seq,
+                base + log.oldest_seq,
+                base + snapshot.seq,
+            )
+            batch = encode_event_batch(KVEventBatch(snapshot.ts, events, log.data_parallel_rank))
+            # entries_from returns a copy: trimming the log meanwhile leaves it whole.
+            return [
+                (base + snapshot.seq, batch),
+                *((base + e.seq, e.msgpack) for e in log.entries_from(snapshot.seq + 1)),
+            ]
+        self.num_replays_abandoned += 1
+        logger.warning(
+            "ZMQ replay from seq %d abandoned: the batches after each of %d snapshots left retention while it was "
+            "cut (raise event_max_batches / event_max_bytes)",
+            start_seq,
+            _SNAPSHOT_TRIES,
+        )
+        return None
 
     def _send_reply(self, identity: bytes, frames: tuple[bytes, bytes, bytes]) -> bool:
         """Send one reply message; False (the replay abandoned, counted, logged) when the client

@@ -764,3 +764,48 @@ async def test_a_replay_asked_for_in_the_turn_a_batch_was_appended_includes_it(
     assert stored == {h for _, h in cached_pairs(running)} and len(stored) == len(cached_pairs(running))
     within = await replay_in_this_turn(base + log.head_seq + 1, 2)  # from the batch this turn appends
     assert within[:-1] == [[b"", (base + log.head_seq).to_bytes(8, "big"), log.entries_from(log.head_seq)[0].msgpack]]
+
+
+async def test_a_snapshot_replay_whose_next_batch_left_retention_while_it_was_cut_is_cut_again(
+    start_kv_server, connect, zctx, monkeypatch
+):
+    """The replay's snapshot comes from the server's SnapshotSource (its cut yields to the loop, so
+    batches are appended meanwhile) and the batches after its watermark from the log's retention:
+    when the batch after the first cut's watermark has left retention by the time the cut's events
+    are made, that cut is useless (a gap after it) and the replay is cut again, at the new head;
+    the answer is still one snapshot batch, then the batches after it, then the end marker."""
+    from kvservice.server.snapshot import Snapshot
+
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=3
+    )
+    client = await connect(running)
+    await workload(client, num_requests=12)
+    log, publisher, source = running.event_log, running.zmq_publisher, running.snapshots
+    assert log.oldest_seq > 1
+    cuts_before = source.num_cuts
+    presence_events = Snapshot.presence_events
+    seqs = []
+
+    async def churning(snap: Snapshot) -> list:
+        events = await presence_events(snap)
+        seqs.append(snap.seq)
+        if len(seqs) == 1:  # while the first was cut: four batches, one more than retention holds
+            for n in range(4):
+                running.engine.get_computed_blocks(f"churn{n}", [9000 + 100 * n + t for t in range(16)])
+                assert running.engine.allocate_slots(f"churn{n}", 16).allocated
+                running.engine.free(f"churn{n}")
+                running.servicer.publish()
+            log.settle()
+            assert log.oldest_seq > seqs[0] + 1
+        return events
+
+    monkeypatch.setattr(Snapshot, "presence_events", churning)
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    replayed = await subscriber.replay(0)
+    assert len(seqs) == 2 and seqs[1] == seqs[0] + 4 == log.head_seq
+    assert source.num_cuts == cuts_before + 2
+    assert [m[1] for m in replayed] == [(publisher.seq_base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
+    subscriber.apply(replayed[0])
+    assert subscriber.cached == cached_pairs(running) and subscriber.cached
+    assert publisher.num_snapshot_replays == 1 and publisher.num_replays_abandoned == 0

@@ -304,3 +304,16 @@ def test_outside_the_snapshot_package_only_the_package_is_imported():
         and _internal(i.imported) != _SNAPSHOT
     ]
     assert bad == []
+
+
+def test_the_server_reads_snapshots_through_the_source_alone():
+    """No server module outside the snapshot package reads a source's mirror or its held batches
+    (``.mirror``, ``.pending``): every snapshot (gRPC and ZMQ) comes from ``SnapshotSource.get``."""
+    bad = []
+    for name, path in MODULES.items():
+        if not _is_under(name, "kvservice.server") or _is_under(name, _SNAPSHOT):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("mirror", "pending"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert bad == []

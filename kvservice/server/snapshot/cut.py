@@ -11,6 +11,7 @@ callers read them. The rules (which blocks, in which order, at which cost) are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from bisect import bisect_right
 from collections.abc import AsyncGenerator, Callable, Coroutine, Hashable, Iterator, Sequence
@@ -18,7 +19,7 @@ from itertools import chain, compress, islice, repeat
 from operator import itemgetter, ne
 from typing import Any, Union
 
-from kvservice.server.snapshot.budget import YIELD_EVERY_TOKENS
+from kvservice.server.snapshot.budget import YIELD_EVERY_TOKENS, HalfShare
 from kvservice.server.snapshot.mirror import BlockView, CachedSetMirror, StoredRecord
 from kvservice_client.events import AllBlocksCleared, BlockStored, KVEvent
 
@@ -552,6 +553,33 @@ class Snapshot:
         """Part ``i``'s events (made now: the caller encodes and drops them)."""
         kinds, windows = self.group_kinds, self.group_windows
         return [materialize(item, kinds, windows) for item in self.parts[i]]
+
+    async def presence_events(self) -> list[KVEvent]:
+        """The snapshot's first half as one list of events, as its parts are produced:
+        AllBlocksCleared, then a BlockStored for every cached block once, parents first, without
+        the recency-order re-announcements (``reused``), which a reader that ignores ``reused``
+        would count as second copies. Made in steps of about ``YIELD_EVERY_TOKENS`` token ids that
+        take at most about half the loop (:class:`HalfShare`); for a wire that sends a snapshot as
+        one batch (the ZMQ replay, :mod:`kvservice.server.zmq_publisher`).
+
+        Raises:
+            Exception: the production failed (its error).
+        """
+        kinds, windows = self.group_kinds, self.group_windows
+        events: list[KVEvent] = []
+        num_tokens = 0
+        share = HalfShare()
+        async with contextlib.aclosing(self.iter_parts()) as parts:
+            async for i, _ in parts:
+                for item in self.parts[i]:
+                    if item is not None and item[1]:  # the second half begins: the first is whole
+                        return events
+                    events.append(materialize(item, kinds, windows))
+                    num_tokens += run_tokens(item)
+                    if num_tokens >= YIELD_EVERY_TOKENS:
+                        num_tokens = 0
+                        await share.step()
+        return events
 
     def _add_part(self, part: list[Run], num_tokens: int) -> None:
         self.parts.append(part)

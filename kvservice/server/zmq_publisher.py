@@ -37,9 +37,9 @@ replay from 0 (one "gap" line in its log), and is answered with the whole epoch,
 **A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
 batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
 cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them), as
-*one* batch with the wire seq it was cut at (the snapshot's watermark), then the retained batches
-after that seq (those appended while it was cut, or held back from the mirror by a gRPC cut in
-production), then the end marker. The snapshot comes from the server's ``SnapshotSource`` as every
+*one* batch with the wire seq it was cut at (the snapshot's watermark), then every batch after that
+seq (the retained ones, and those published while the snapshot's events were made), then the end
+marker. The snapshot comes from the server's ``SnapshotSource`` as every
 snapshot does (a cut shared with the gRPC callers at that head, produced and made into events in
 steps that yield to the loop). A consumer that applies the replay in
 order ends exact whatever it missed (vLLM's buffer answers from the oldest retained batch instead,
@@ -252,6 +252,7 @@ class ZmqEventPublisher:
         self.notes: list[str] = []
         self._closed = False
         self._replay_task: asyncio.Task | None = None
+        self._following: list[list[LogEntry]] = []  # per snapshot replay in the making, the batches since
 
     @classmethod
     async def start(
@@ -336,6 +337,8 @@ class ZmqEventPublisher:
         A refused send is counted in :attr:`num_dropped` and logged; it never raises."""
         if self._closed:
             return
+        for after in self._following:  # a snapshot replay whose events are being made
+            after.append(entry)
         if self._send_live(self.seq_base + entry.seq, entry.msgpack):
             self.num_published += 1
 
@@ -407,26 +410,39 @@ class ZmqEventPublisher:
 
     async def _snapshot_messages(self, start_seq: int, source: SnapshotSource) -> list[tuple[int, bytes]] | None:
         """A replay's answer from a snapshot (its start was below retention): the snapshot as one
-        batch at its wire seq, then the retained batches after it, as ``(wire seq, payload)``.
+        batch at its wire seq, then every batch after it, as ``(wire seq, payload)``.
 
         The snapshot comes from ``source`` as every snapshot does (:meth:`SnapshotSource.get`: a
         cut shared with the gRPC callers at that head, produced and made into events in steps
         that yield to the loop). One batch, not the gRPC stream's parts: see "A start below
         retention" in the module docstring; presence only (:meth:`Snapshot.presence_events`): the
         recency-order re-announcements (``reused``) would be a second BlockStored per block to a
-        vLLM reader, which ignores ``reused``. A cut at most ``_SNAPSHOT_TRIES`` times: the
-        batches after a cut's watermark come from the log's retention, and a cut whose next
-        batch left it meanwhile is cut again; after that the replay is abandoned (None; counted
-        in :attr:`num_replays_abandoned`, logged).
+        vLLM reader, which ignores ``reused``.
+
+        The batches after the watermark: those the source holds when it hands the snapshot over
+        (:meth:`SnapshotSource.batches_after`: the batches a cut in production holds back from
+        its mirror; none when the cut is at the head), then every batch published while its
+        events are made (kept here as :meth:`publish` sends them), so retention trimmed meanwhile
+        loses none. Should the source not hold them (never right after ``get``), the log's
+        retention is read, and a snapshot whose next batch it dropped is asked for again, at most
+        ``_SNAPSHOT_TRIES`` times; then the replay is abandoned (None; counted in
+        :attr:`num_replays_abandoned`, logged).
         """
         log = self._log
         base = self.seq_base
         for _ in range(_SNAPSHOT_TRIES):
-            snapshot = await source.get(None)
-            events = await snapshot.presence_events()
-            log.settle()
-            if snapshot.seq + 1 < log.oldest_seq:  # a batch after the watermark left retention meanwhile
-                continue
+            snapshot = await source.get(None)  # settled: every batch up to the head is published
+            after = source.batches_after(snapshot)
+            if after is None:
+                if snapshot.seq + 1 < log.oldest_seq:
+                    await snapshot.wait_done()  # let the mirror move on: the next ask cuts afresh
+                    continue
+                after = log.entries_from(snapshot.seq + 1)  # a copy
+            self._following.append(after)  # publish() appends the later ones
+            try:
+                events = await snapshot.presence_events()
+            finally:
+                self._following.remove(after)
             logger.info(
                 "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
                 start_seq,
@@ -434,15 +450,11 @@ class ZmqEventPublisher:
                 base + snapshot.seq,
             )
             batch = encode_event_batch(KVEventBatch(snapshot.ts, events, log.data_parallel_rank))
-            # entries_from returns a copy: trimming the log meanwhile leaves it whole.
-            return [
-                (base + snapshot.seq, batch),
-                *((base + e.seq, e.msgpack) for e in log.entries_from(snapshot.seq + 1)),
-            ]
+            return [(base + snapshot.seq, batch), *((base + e.seq, e.msgpack) for e in after)]
         self.num_replays_abandoned += 1
         logger.warning(
-            "ZMQ replay from seq %d abandoned: the batches after each of %d snapshots left retention while it was "
-            "cut (raise event_max_batches / event_max_bytes)",
+            "ZMQ replay from seq %d abandoned: the batch after each of %d snapshots had left retention when it "
+            "was handed over (raise event_max_batches / event_max_bytes)",
             start_seq,
             _SNAPSHOT_TRIES,
         )

@@ -766,14 +766,12 @@ async def test_a_replay_asked_for_in_the_turn_a_batch_was_appended_includes_it(
     assert within[:-1] == [[b"", (base + log.head_seq).to_bytes(8, "big"), log.entries_from(log.head_seq)[0].msgpack]]
 
 
-async def test_a_snapshot_replay_whose_next_batch_left_retention_while_it_was_cut_is_cut_again(
+async def test_a_snapshot_replay_keeps_the_batches_published_while_its_events_are_made(
     start_kv_server, connect, zctx, monkeypatch
 ):
-    """The replay's snapshot comes from the server's SnapshotSource (its cut yields to the loop, so
-    batches are appended meanwhile) and the batches after its watermark from the log's retention:
-    when the batch after the first cut's watermark has left retention by the time the cut's events
-    are made, that cut is useless (a gap after it) and the replay is cut again, at the new head;
-    the answer is still one snapshot batch, then the batches after it, then the end marker."""
+    """The replay's snapshot comes from the server's SnapshotSource, and its events are made in
+    steps that yield to the loop, so batches are published meanwhile: they follow the snapshot in
+    the answer even when retention (3 batches) has dropped them by the time it is sent."""
     from kvservice.server.snapshot import Snapshot
 
     running = await start_kv_server(
@@ -788,24 +786,67 @@ async def test_a_snapshot_replay_whose_next_batch_left_retention_while_it_was_cu
     seqs = []
 
     async def churning(snap: Snapshot) -> list:
-        events = await presence_events(snap)
         seqs.append(snap.seq)
-        if len(seqs) == 1:  # while the first was cut: four batches, one more than retention holds
-            for n in range(4):
-                running.engine.get_computed_blocks(f"churn{n}", [9000 + 100 * n + t for t in range(16)])
-                assert running.engine.allocate_slots(f"churn{n}", 16).allocated
-                running.engine.free(f"churn{n}")
-                running.servicer.publish()
+        for n in range(4):  # one more batch than retention holds
+            running.engine.get_computed_blocks(f"churn{n}", [9000 + 100 * n + t for t in range(16)])
+            assert running.engine.allocate_slots(f"churn{n}", 16).allocated
+            running.engine.free(f"churn{n}")
+            running.servicer.publish()
             log.settle()
-            assert log.oldest_seq > seqs[0] + 1
-        return events
+        assert log.oldest_seq > seqs[0] + 1
+        return await presence_events(snap)
 
     monkeypatch.setattr(Snapshot, "presence_events", churning)
     subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
     replayed = await subscriber.replay(0)
-    assert len(seqs) == 2 and seqs[1] == seqs[0] + 4 == log.head_seq
-    assert source.num_cuts == cuts_before + 2
-    assert [m[1] for m in replayed] == [(publisher.seq_base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
-    subscriber.apply(replayed[0])
+    base = publisher.seq_base
+    assert seqs == [log.head_seq - 4] and source.num_cuts == cuts_before + 1
+    assert [m[1] for m in replayed] == [(base + s).to_bytes(8, "big") for s in range(seqs[0], log.head_seq + 1)] + [
+        VLLM_END_SEQ
+    ]
+    for message in replayed[:-1]:
+        subscriber.apply(message)
+    assert subscriber.cached == cached_pairs(running) and subscriber.cached
+    assert publisher.num_snapshot_replays == 1 and publisher.num_replays_abandoned == 0
+
+
+async def test_a_snapshot_joined_in_production_is_followed_by_the_batches_the_source_holds_back(
+    start_kv_server, connect, zctx, monkeypatch
+):
+    """A cut in production holds back from the mirror every batch after its watermark: when the
+    log's retention (3 batches) drops them before the snapshot is handed over, the replay takes
+    them from the source (SnapshotSource.batches_after), and the answer is still the snapshot at
+    its watermark, then every batch after it."""
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=3
+    )
+    client = await connect(running)
+    await workload(client, num_requests=12)
+    log, publisher, source = running.event_log, running.zmq_publisher, running.snapshots
+    get = source.get
+    handed: list[int] = []
+
+    async def late(group_idxs=None):
+        snap = await get(group_idxs)  # its production has just started
+        handed.append(snap.seq)
+        for n in range(4):  # four batches past it before it is handed over
+            running.engine.get_computed_blocks(f"late{n}", [9000 + 100 * n + t for t in range(16)])
+            assert running.engine.allocate_slots(f"late{n}", 16).allocated
+            running.engine.free(f"late{n}")
+            running.servicer.publish()
+            log.settle()
+        assert log.oldest_seq > snap.seq + 1 and not snap.done
+        return snap
+
+    monkeypatch.setattr(source, "get", late)
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    replayed = await subscriber.replay(0)
+    base = publisher.seq_base
+    assert handed == [log.head_seq - 4]
+    assert [m[1] for m in replayed] == [(base + s).to_bytes(8, "big") for s in range(handed[0], log.head_seq + 1)] + [
+        VLLM_END_SEQ
+    ]
+    for message in replayed[:-1]:
+        subscriber.apply(message)
     assert subscriber.cached == cached_pairs(running) and subscriber.cached
     assert publisher.num_snapshot_replays == 1 and publisher.num_replays_abandoned == 0

@@ -142,6 +142,18 @@ class SnapshotSource:
                         group.clear()
         return groups
 
+    def batches_after(self, snapshot: Snapshot) -> list[Any] | None:
+        """The batches after ``snapshot``'s watermark up to the head, as this source holds them
+        (while a cut is in production it holds back every batch after the mirror's seq), or None
+        when it no longer holds them all (its mirror has moved past the watermark: the log's
+        retention is the only place left). Right after :meth:`get` returns it never is None: the
+        snapshot is at the mirror's seq."""
+        self._settle_log()
+        pending = self.pending
+        if pending:
+            return list(pending) if pending[0].seq == snapshot.seq + 1 else None
+        return [] if self.mirror.seq == snapshot.seq else None
+
     def min_bytes(self, group_idxs: tuple[int, ...] | None) -> int:
         """A lower bound on the encoded size of a snapshot now, in bytes, known without a cut:
         one byte per token id, in both halves of the snapshot (at the mirror's seq, which the

@@ -189,14 +189,14 @@ async def test_the_byte_budget_s_rate_makes_a_writer_wait_while_its_bucket_is_in
 async def test_a_write_above_the_budget_is_charged_for_its_one_long_hold():
     """A write of 3x ``max_bytes`` (one write start: a whole TakeEvents answer) costs the rate 3x its
     size; writes within the budget cost their size."""
-    budget = ByteBudget(100, bytes_per_s=1)  # 1 byte a second: no refill to speak of meanwhile
+    budget = ByteBudget(100, bytes_per_s=1)  # 1 byte a second: a refill of a few bytes at most meanwhile
     await budget.acquire(60)
     budget.release(60)
-    assert budget._credit == pytest.approx(40, abs=0.01)
+    assert budget._credit == pytest.approx(40, abs=5)
     await asyncio.sleep(0)  # the next turn
     await budget.acquire(300)  # goes alone (nothing in flight), into debt by 3 x 300
     budget.release(300)
-    assert budget._credit == pytest.approx(40 - 900, abs=0.01) and budget.num_bytes == 360
+    assert budget._credit == pytest.approx(40 - 900, abs=10) and budget.num_bytes == 360  # not 40 - 300
 
 
 async def test_a_write_that_does_not_complete_stops_holding_the_budget_after_hold_s():

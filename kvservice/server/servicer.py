@@ -263,7 +263,7 @@ class KVCacheServicer:
         self.event_log = event_log
         self.metadata = metadata
         self.max_step_ops = max_step_ops
-        self.data_plane: Any = None
+        self.data_plane: DataPlane | None = None
         """The :class:`kvservice.server.data_plane.DataPlane` (set by the app); None: the data-plane
         RPCs answer FAILED_PRECONDITION."""
         # One op per member of the StepOp oneof, the method named after it (``_free`` for ``free``);

@@ -89,7 +89,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvservice.server.auth import is_loopback_host
+from kvservice.server.endpoints import check_endpoint_exposure, is_bind_endpoint, is_loopback_endpoint
 from kvservice_client.events import AllBlocksCleared, KVEventBatch, encode_event_batch
 
 if TYPE_CHECKING:
@@ -132,65 +132,6 @@ def import_zmq() -> Any:
             f"zmq_endpoint needs pyzmq, which is not installed ({e}): pip install 'kvservice[zmq]'"
         ) from None
     return zmq
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind an endpoint with a wildcard (``*`` or ``::``) or an ``ipc://`` /
-    ``inproc://`` one; connect to any other (e.g. ``tcp://indexer:5557``, a router's bound SUB)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether binding ``endpoint`` reaches only this machine: ``ipc://`` and ``inproc://``, or
-    ``tcp://`` on a loopback host (``127.0.0.0/8``, ``[::1]``, ``localhost``; any port, ``*``
-    included). Wildcard hosts (``*``, ``0.0.0.0``, ``[::]``), other addresses, interface names
-    and other transports are not."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-    return is_loopback_host(host)
-
-
-def check_endpoint_exposure(
-    zmq_endpoint: str | None, zmq_replay_endpoint: str | None, *, allow_insecure_bind: bool
-) -> list[str]:
-    """Apply the bind rule to the PUB endpoint (bound or connected by :func:`is_bind_endpoint`)
-    and the replay endpoint (always bound): a socket bound on a non-loopback address (see
-    :func:`is_loopback_endpoint`) needs ``allow_insecure_bind``.
-
-    Args:
-        zmq_endpoint: the PUB endpoint, or None (off).
-        zmq_replay_endpoint: the ROUTER endpoint, or None (no replay).
-        allow_insecure_bind: bind non-loopback addresses anyway.
-
-    Returns:
-        One warning note per socket bound on a non-loopback address (empty when there is none).
-
-    Raises:
-        ValueError: such a bind without ``allow_insecure_bind`` (the message names the setting,
-            the endpoint and ``allow_insecure_bind (--allow-insecure-bind)``).
-    """
-    notes = []
-    for setting, endpoint, bind in (
-        ("zmq_endpoint", zmq_endpoint, zmq_endpoint is not None and is_bind_endpoint(zmq_endpoint)),
-        ("zmq_replay_endpoint", zmq_replay_endpoint, True),
-    ):
-        if endpoint is None or not bind or is_loopback_endpoint(endpoint):
-            continue
-        if not allow_insecure_bind:
-            raise ValueError(
-                f"{setting} {endpoint!r} binds a non-loopback address and ZMQ has no authentication or encryption: "
-                "anyone who reaches the port reads the KV events (prompt token ids), whatever TLS or tokens the "
-                "gRPC port has; bind loopback (e.g. tcp://127.0.0.1:*) or ipc://, or set allow_insecure_bind "
-                "(--allow-insecure-bind) to bind anyway"
-            )
-        notes.append(
-            f"{setting} {endpoint} bound on a non-loopback address (allow_insecure_bind): ZMQ carries no "
-            "authentication or encryption; the KV events (token ids) are readable by anyone who reaches the port"
-        )
-    return notes
 
 
 class ZmqEventPublisher:
@@ -328,6 +269,11 @@ class ZmqEventPublisher:
         mode = "bound" if self.bound else "connected"
         replay = f", replay on {self.replay_endpoint}" if self.replay_endpoint else ", no replay"
         return f"ZMQ KV events on {self.endpoint} ({mode}), topic {self.topic.decode()!r}{replay}"
+
+    def counters(self) -> dict[str, int]:
+        """Published, dropped and replays answered (the EventSink's counters; ZMQ's own
+        per-subscriber drops are invisible to a publisher)."""
+        return {"num_published": self.num_published, "num_dropped": self.num_dropped, "num_replays": self.num_replays}
 
     # -- live --------------------------------------------------------------------------------
 

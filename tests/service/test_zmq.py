@@ -528,13 +528,13 @@ def test_settings_are_checked():
         },
         zmq_replay_endpoint="tcp://*:5558",
     )
-    assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic, config.zmq_hwm) == (
+    assert (config.zmq.endpoint, config.zmq.replay_endpoint, config.zmq.topic, config.zmq.hwm) == (
         "tcp://*:5557",
         "tcp://*:5558",
         "kv@a@b",
         10,
     )
-    assert ServerConfig().zmq_topic == "" and ServerConfig().zmq_endpoint is None
+    assert ServerConfig().zmq.topic == "" and ServerConfig().zmq.endpoint is None
 
 
 # -- exposure: ZMQ has no authentication, so a bind off loopback needs allow_insecure_bind ----------
@@ -560,7 +560,7 @@ def test_a_pub_bind_off_loopback_is_refused_without_the_flag(endpoint):
         ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_endpoint", endpoint=re.escape(endpoint))
     ):
         ServerConfig(zmq_endpoint=endpoint)
-    assert ServerConfig(zmq_endpoint=endpoint, allow_insecure_bind=True).zmq_endpoint == endpoint
+    assert ServerConfig(zmq_endpoint=endpoint, allow_insecure_bind=True).zmq.endpoint == endpoint
 
 
 @pytest.mark.parametrize(
@@ -599,7 +599,7 @@ def test_a_replay_bind_off_loopback_is_refused_without_the_flag(endpoint):
 )
 def test_loopback_ipc_and_connect_endpoints_need_no_flag(endpoint, replay_endpoint):
     config = ServerConfig(zmq_endpoint=endpoint, zmq_replay_endpoint=replay_endpoint)
-    assert (config.zmq_endpoint, config.zmq_replay_endpoint) == (endpoint, replay_endpoint)
+    assert (config.zmq.endpoint, config.zmq.replay_endpoint) == (endpoint, replay_endpoint)
     assert check_endpoint_exposure(endpoint, replay_endpoint, allow_insecure_bind=False) == []
     assert check_endpoint_exposure(endpoint, replay_endpoint, allow_insecure_bind=True) == []
 

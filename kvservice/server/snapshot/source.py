@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 from kvservice.core.errors import ShuttingDownError
 from kvservice.server.snapshot.budget import (
@@ -18,6 +18,11 @@ from kvservice.server.snapshot.budget import (
 from kvservice.server.snapshot.cut import Run, Snapshot, run_tokens, snapshot_runs
 from kvservice.server.snapshot.mirror import CachedSetMirror
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    from kvservice.server.event_log import EventLog, LogEntry
 
 __all__ = ["SnapshotSource"]
 
@@ -69,7 +74,7 @@ class SnapshotSource:
         self.max_concurrent_cuts = max_concurrent_cuts
         self.budget = ByteBudget(max_bytes_in_flight, max_bytes_per_s, max_let_go_bytes=max_bytes_stalled)
         self.num_cuts = 0
-        self.pending: deque[Any] = deque()
+        self.pending: deque[LogEntry] = deque()
         self._latest: dict[tuple[int, ...] | None, Snapshot] = {}  # per filter, the newest cut
         self._in_production: set[Snapshot] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -82,7 +87,7 @@ class SnapshotSource:
     @classmethod
     def attach(
         cls,
-        event_log: Any,
+        event_log: EventLog,
         *,
         part_tokens: int = 32_768,
         max_concurrent_cuts: int = 2,
@@ -105,7 +110,7 @@ class SnapshotSource:
         source._settle_log = event_log.settle
         return source
 
-    def on_batch(self, entry: Any) -> None:
+    def on_batch(self, entry: LogEntry) -> None:
         """Apply an appended batch (an event-log listener; ``entry`` has ``seq`` and ``events``), or
         hold it back while a cut is in production or held batches wait."""
         if self._in_production or self.pending:
@@ -113,7 +118,7 @@ class SnapshotSource:
             return
         self._apply(entry)
 
-    def _apply(self, entry: Any) -> None:
+    def _apply(self, entry: LogEntry) -> None:
         self.mirror.apply(entry.seq, entry.events)
         if self._latest:  # drop finished cuts the batch made stale
             for key, snap in list(self._latest.items()):
@@ -142,7 +147,7 @@ class SnapshotSource:
                         group.clear()
         return groups
 
-    def batches_after(self, snapshot: Snapshot) -> list[Any] | None:
+    def batches_after(self, snapshot: Snapshot) -> list[LogEntry] | None:
         """The batches after ``snapshot``'s watermark up to the head, as this source holds them
         (while a cut is in production it holds back every batch after the mirror's seq), or None
         when it no longer holds them all (its mirror has moved past the watermark: the log's
@@ -203,7 +208,7 @@ class SnapshotSource:
         self._start(self._produce(snap))
         return snap
 
-    def _start(self, coro: Any) -> None:
+    def _start(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

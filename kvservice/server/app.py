@@ -26,7 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvservice.core.engine import EngineLimits, KVCacheEngine
-from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig
+from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig, is_block_hash_format
 from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
 from kvservice.core.model_config import (
     ModelKVLayout,
@@ -320,13 +320,15 @@ def _build_core(config: ServerConfig) -> _Core:
             shm.close()
         raise
     medium = config.events.kv_events_medium
+    block_hash_format = cache.block_hash_format
+    assert is_block_hash_format(block_hash_format), f"{block_hash_format!r}: CacheSettings checks it"
     manager = KVCacheManager(
         kv_cache_config,
         cast(int, cache.max_model_len),  # resolved by _size_pool (the preset's or the pool's when None)
         prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed)
         if cache.enable_prefix_caching
         else None,
-        kv_events=KVEventsConfig(block_hash_format=cache.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by CacheSettings
+        kv_events=KVEventsConfig(block_hash_format=block_hash_format, medium=medium),
     )
     limits = config.limits
     engine = KVCacheEngine(

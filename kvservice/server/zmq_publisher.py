@@ -460,4 +460,5 @@ def _open(zmq: Any, sock: Any, endpoint: str, setting: str, *, bind: bool) -> st
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         raise RuntimeError(f"{setting}: cannot {'bind' if bind else 'connect'} {endpoint!r}: {e}") from None
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)  # type: ignore[no-any-return]  # pyzmq's getsockopt_string is untyped
+    bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the wildcard port resolved
+    return bound

@@ -452,9 +452,9 @@ def _token_ids(record: StoredRecord, start: int, stop: int) -> list[int]:
     packed bytes read as int64: the same ids)."""
     tokens = record.tokens
     width = record.block_size
-    if type(tokens) is bytes:
+    if isinstance(tokens, bytes):
         return memoryview(tokens).cast("q")[start * width : stop * width].tolist()
-    return tokens[start * width : stop * width]  # type: ignore[no-any-return]  # the event's list of ints
+    return tokens[start * width : stop * width]
 
 
 def materialize(item: Run, group_kinds: Sequence[str | None], group_windows: Sequence[int | None]) -> KVEvent:

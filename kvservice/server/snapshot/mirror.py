@@ -15,7 +15,7 @@ from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any, cast
 
-from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash, KVEvent
 
 __all__ = [
     "BLOCK_SIZE",
@@ -92,15 +92,15 @@ class StoredRecord:
     def __init__(
         self,
         group_idx: int,
-        hashes: tuple,
-        parents: tuple | None,
-        parent_block_hash: Any,
+        hashes: tuple[ExternalBlockHash, ...],
+        parents: tuple[ExternalBlockHash | None, ...] | None,
+        parent_block_hash: ExternalBlockHash | None,
         block_size: int,
         lora_id: int | None,
         lora_name: str | None,
         medium: str | None,
         extra_keys: list | None,
-        tokens: Any,
+        tokens: list[int] | bytes,
     ) -> None:
         self.group_idx = group_idx
         self.hashes = hashes
@@ -113,7 +113,7 @@ class StoredRecord:
         self.extra_keys = extra_keys
         self.tokens = tokens
         self.num_live = 0
-        self._index: dict | None = None
+        self._index: dict[ExternalBlockHash, int] | None = None
 
     @classmethod
     def of(cls, event: BlockStored) -> StoredRecord:
@@ -135,16 +135,16 @@ class StoredRecord:
         if type(self.tokens) is not bytes:
             self.tokens = struct.pack(f"{len(self.tokens)}q", *self.tokens)
 
-    def position(self, block_hash: Any) -> int:
+    def position(self, block_hash: ExternalBlockHash) -> int:
         """The index of ``block_hash`` in :attr:`hashes` (its last application: the smallest
         index when an event named it twice, as hashes are applied last to first)."""
         index = self._index
         if index is None:
             n = len(self.hashes)
             index = self._index = dict(zip(reversed(self.hashes), range(n - 1, -1, -1)))
-        return index[block_hash]  # type: ignore[no-any-return]  # the dict maps hashes to ints
+        return index[block_hash]
 
-    def parent_of(self, i: int) -> Any:
+    def parent_of(self, i: int) -> ExternalBlockHash | None:
         if self.parents is not None:
             return self.parents[i]
         return self.hashes[i - 1] if i else self.parent_block_hash

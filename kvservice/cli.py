@@ -29,7 +29,30 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
     ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """The ``kvservice`` group. With ``--log-format json`` asked for (the flag, or
+    ``KVSERVICE_LOG_FORMAT=json``) a command-line error is one JSON line too (``logger``
+    "kvservice.cli", ``level`` ERROR, the ``usage`` when it is a usage error), as every other
+    line of ``kvservice serve`` is."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the command line (as click's; see the class docstring for the errors)."""
+        if _requested_log_format() != "json" or kwargs.get("standalone_mode") is False:
+            return super().main(*args, **kwargs)
+        from kvservice.server.observability import json_line
+
+        try:
+            return super().main(*args, **{**kwargs, "standalone_mode": False})
+        except click.ClickException as e:
+            usage = {"usage": e.ctx.get_usage()} if isinstance(e, click.UsageError) and e.ctx is not None else {}
+            print(json_line("ERROR", "kvservice.cli", e.format_message(), **usage), file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            print(json_line("ERROR", "kvservice.cli", "aborted"), file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--version",
     is_flag=True,
@@ -117,18 +140,74 @@ def _server_options(func: Any) -> Any:
 @click.pass_context
 def serve(ctx: click.Context, config_file: str | None, **flags: Any) -> None:
     """Run the service until SIGTERM/SIGINT (flags > KVSERVICE_* env > --config file > defaults)."""
-    from kvservice.server.app import load_config, run_server
+    from kvservice.server.app import ServerConfig, load_config, run_server
+    from kvservice.server.observability import configure_logging, log_uncaught_exceptions_and_warnings
 
     if flags.get("log_level") is None:  # `kvservice --log-level X serve` as well as `serve --log-level X`
         flags["log_level"] = (ctx.obj or {}).get("log_level")
+    config: ServerConfig | None = None
+    with _HeldLogRecords() as held:  # an unknown KVSERVICE_* variable is logged in the format chosen
+        try:
+            config = load_config(config_file, **flags)
+        except ValueError as e:
+            failure = str(e)
+    if config is not None:
+        level, log_format = config.logging.log_level, config.logging.log_format
+    else:  # the settings did not load: their error goes out in the format asked for, if any
+        level, log_format = flags["log_level"] or "WARNING", _requested_log_format(flags)
+    held.release(configure_logging(level, log_format))
+    if log_format == "json":
+        log_uncaught_exceptions_and_warnings()
     try:
-        config = load_config(config_file, **flags)
-        from kvservice.server.observability import configure_logging
-
-        configure_logging(config.logging.log_level, config.logging.log_format)
+        if config is None:
+            raise ValueError(failure)
         asyncio.run(run_server(config))
     except (ValueError, MemoryError, OSError, RuntimeError) as e:
+        if log_format == "json":
+            logging.getLogger("kvservice.cli").error(str(e))
+            sys.exit(1)
         raise click.ClickException(str(e)) from None
+
+
+class _HeldLogRecords:
+    """While open, the root logger's records are held instead of written; :meth:`release` hands
+    them to a handler (those at or above the root's level by then)."""
+
+    def __enter__(self) -> _HeldLogRecords:
+        import logging.handlers
+
+        self._root = logging.getLogger()
+        self._saved = list(self._root.handlers)
+        self._held = logging.handlers.BufferingHandler(capacity=1 << 16)
+        for handler in self._saved:
+            self._root.removeHandler(handler)
+        self._root.addHandler(self._held)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._root.removeHandler(self._held)
+        for handler in self._saved:
+            self._root.addHandler(handler)
+
+    def release(self, handler: logging.Handler) -> None:
+        for record in self._held.buffer:
+            if record.levelno >= self._root.getEffectiveLevel():
+                handler.handle(record)
+        self._held.buffer.clear()
+
+
+def _requested_log_format(flags: dict[str, Any] | None = None) -> str:
+    """The log format asked for on the command line or in ``KVSERVICE_LOG_FORMAT`` (for output
+    made before, or without, loaded settings): "json" or "text"."""
+    asked = (flags or {}).get("log_format") or os.environ.get("KVSERVICE_LOG_FORMAT")
+    if asked is None:
+        args = sys.argv[1:]
+        for i, arg in enumerate(args):
+            if arg == "--log-format" and i + 1 < len(args):
+                asked = args[i + 1]
+            elif arg.startswith("--log-format="):
+                asked = arg.split("=", 1)[1]
+    return "json" if str(asked).lower() == "json" else "text"
 
 
 @main.command()
@@ -244,6 +323,11 @@ def watch(
     show_default=True,
     help="Embedded server's model KV layout.",
 )
+@click.option(
+    "--model-config",
+    type=click.Path(exists=True),
+    help="A Hugging Face config.json (or its folder): the embedded server's KV layout, as serve --model-config [--preset].",
+)
 @click.option("--block-size", type=int, help="Embedded server's block size in tokens [16].")
 @click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
 @click.option(
@@ -315,7 +399,11 @@ def watch(
     show_default=True,
     help="Where report.json and agreement.png go.",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Draw progress bars.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="A progress bar, or a plain line every 10 s [a bar when stdout is a terminal, plain lines otherwise].",
+)
 # -- multi-instance routing option --
 @click.option(
     "--instances",
@@ -336,7 +424,7 @@ def replay(**options: Any) -> None:
     _check_replay_options(options)
     outputs = ("routing.json", "routing.png") if options["instances"] >= 2 else ("report.json", "agreement.png")
     _check_replay_out_dir(options["out_dir"], outputs)
-    click.echo(_replay_first_line(options))
+    click.echo(_replay_first_line(options, _target_layout(options["target"]) if options["target"] else None))
     # The process ends after the replay. The interpreter's last collections, as it tears the
     # modules down, would traverse every object the replay made (0.1-0.3 s) for memory the OS takes
     # back anyway; frozen objects are skipped. atexit: in a process that goes on (a test), only
@@ -381,6 +469,7 @@ def _replay_one_instance(options: dict[str, Any], plots: PlotProcess) -> None:
         limit=options["limit"],
         target=options["target"],
         preset=options["preset"],
+        model_config=options["model_config"],
         block_size=options["block_size"],
         num_blocks=options["num_blocks"],
         device=device,
@@ -464,10 +553,13 @@ def _check_replay_options(options: dict[str, Any]) -> None:
             raise click.UsageError(
                 "--kv-cache-memory sizes the one embedded server; give --num-blocks with --instances"
             )
+    if options["target"] is not None and options["model_config"] is not None:
+        raise click.UsageError("--model-config sets the embedded server's layout; --target has its own")
     if options["target"] is None:
         try:
             CacheSettings(
                 preset=options["preset"],
+                model_config=options["model_config"],
                 block_size=options["block_size"],
                 num_blocks=options["num_blocks"],
                 device=options["device"] or "meta",
@@ -489,12 +581,21 @@ def _check_replay_options(options: dict[str, Any]) -> None:
             )
 
 
-def _replay_first_line(options: dict[str, Any]) -> str:
-    """What the replay is about to do, printed before anything heavy is imported or started."""
+def _replay_first_line(options: dict[str, Any], target_layout: str | None = None) -> str:
+    """What the replay is about to do, printed before anything heavy is imported or started
+    (``target_layout``: what ``--target`` holds, :func:`_target_layout`). Pools are counted in
+    ``num_blocks``, block 0 (the null block) included, as the table counts them."""
     trace = options["trace"] or "the embedded Mooncake sample"
     limit = f", first {options['limit']} requests" if options["limit"] else ""
-    block_size = options["block_size"] or PRESETS[options["preset"]].default_block_size
-    pool = options["num_blocks"] - 1
+    if options["block_size"]:
+        block_size = options["block_size"]
+    elif options["model_config"]:
+        from kvservice.core.model_config import DEFAULT_BLOCK_SIZE
+
+        block_size = DEFAULT_BLOCK_SIZE
+    else:
+        block_size = PRESETS[options["preset"]].default_block_size
+    pool = options["num_blocks"] - 1  # the mirror's default is half the blocks a request can get
     mirror = options["mirror_capacity"]
     if mirror == 0:
         mirror_text = "unbounded"
@@ -508,16 +609,37 @@ def _replay_first_line(options: dict[str, Any]) -> str:
         )
     else:
         what = f"report mode {'incremental and full' if options['report_mode'] in (None, 'both') else options['report_mode']}"
+    layout = f"model config {options['model_config']}" if options["model_config"] else f"preset {options['preset']}"
     if options["target"]:
-        where = f"server {options['target']}"
+        where = f"server {options['target']} ({target_layout or 'layout unknown'})"
+        layout = ""
     elif options["kv_cache_memory"] is not None:
         where = f"pool sized from a {options['kv_cache_memory']} KV cache budget, blocks of {block_size} tokens"
     else:
-        where = f"pool {pool:,} blocks of {block_size} tokens"
+        where = f"pool {options['num_blocks']:,} blocks of {block_size} tokens"
     return (
-        f"replay: {trace}{limit}; preset {options['preset']}, {where}, mirror {mirror_text}; {what}; "
+        f"replay: {trace}{limit}; {layout + ', ' if layout else ''}{where}, mirror {mirror_text}; {what}; "
         f"{options['watchers']} watcher(s){' + a late one' if options['late_watcher'] else ''}"
     )
+
+
+def _target_layout(target: str) -> str:
+    """What ``--target`` holds, from its GetKVCacheGroupMetadata: "preset P, N blocks of B tokens"
+    (and the number of KV cache groups when more than one).
+
+    Raises:
+        click.ClickException: the target does not answer (its address and the status named).
+    """
+    from kvservice_client.client import KVCacheClient, KVServiceError
+
+    try:
+        with KVCacheClient(target, timeout=10.0) as client:
+            metadata = client.get_kv_cache_group_metadata()
+    except KVServiceError as e:
+        raise click.ClickException(f"{target}: {e.code.name}: {e.message}") from None
+    group = metadata.groups[0]
+    groups = f", {len(metadata.groups)} KV cache groups" if len(metadata.groups) > 1 else ""
+    return f"preset {metadata.preset}, {group.num_blocks:,} blocks of {group.block_size} tokens{groups}"
 
 
 def _parse_kv_cache_memory(value: str | None) -> int | None:
@@ -548,6 +670,7 @@ def _replay_instances(options: dict[str, Any]) -> None:
             limit=options["limit"],
             instances=options["instances"],
             preset=options["preset"],
+            model_config=options["model_config"],
             block_size=options["block_size"],
             num_blocks=options["num_blocks"],
             rate_scale=options["rate_scale"],

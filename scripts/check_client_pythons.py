@@ -2,8 +2,10 @@
 
 For each version (``python3.N`` on PATH, or a pyenv install), make a venv under
 ``.venv-clients/py3N`` (kept between runs), install ``clients/python`` (no torch, no server) with
-the test tools, and run the client-only test files with it. A version that is not installed is
-reported as skipped, with the reason; the server stays on the venv ``scripts/setup.sh`` makes.
+the test tools, and run the client-only test files with it; on the oldest version also in
+``.venv-clients/py310-floor`` with grpcio and protobuf at exactly the client's floors. A version
+that is not installed is reported as skipped, with the reason; the server stays on the venv
+``scripts/setup.sh`` makes.
 
     python scripts/check_client_pythons.py            # every version found
     python scripts/check_client_pythons.py 3.10 3.13  # just these
@@ -18,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +35,26 @@ CLIENT_TESTS = (
 )
 """Test files that import only ``kvservice_client`` (and test tools): they run without torch."""
 TEST_TOOLS = ("pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3", "hypothesis>=6.100")
+FLOOR_PINNED = ("grpcio", "protobuf")
+"""Dependencies whose floor (``clients/python/pyproject.toml``) the floor run installs exactly."""
+
+
+def floor_pins() -> list[str]:
+    """``name==floor`` of each :data:`FLOOR_PINNED` dependency of the client package."""
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    dependencies = tomllib.loads((ROOT / "clients" / "python" / "pyproject.toml").read_text())["project"][
+        "dependencies"
+    ]
+    pins = []
+    for name in FLOOR_PINNED:
+        (floor,) = [m.group(1) for d in dependencies if (m := re.fullmatch(rf"{name}>=([\w.]+)", d))]
+        pins.append(f"{name}=={floor}")
+    return pins
 
 
 def find_python(version: str) -> str | None:
@@ -56,14 +79,15 @@ def find_python(version: str) -> str | None:
     return None
 
 
-def check(version: str, python: str) -> tuple[bool, str]:
-    """Make (or reuse) the venv of ``version``, install the client, run its tests."""
-    venv = ROOT / ".venv-clients" / f"py{version.replace('.', '')}"
+def check(version: str, python: str, pins: Sequence[str] = ()) -> tuple[bool, str]:
+    """Make (or reuse) the venv of ``version``, install the client (with ``pins``: those exact
+    dependency versions), run its tests."""
+    venv = ROOT / ".venv-clients" / (f"py{version.replace('.', '')}" + ("-floor" if pins else ""))
     vpython = venv / "bin" / "python"
     if not vpython.exists():
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
     install = subprocess.run(
-        [str(vpython), "-m", "pip", "install", "-q", str(ROOT / "clients" / "python"), *TEST_TOOLS],
+        [str(vpython), "-m", "pip", "install", "-q", *pins, str(ROOT / "clients" / "python"), *TEST_TOOLS],
         capture_output=True,
         text=True,
     )
@@ -99,6 +123,13 @@ def main(argv: list[str]) -> int:
         ok, detail = check(version, python)
         print(f"python {version} ({python}): {'ok' if ok else 'FAILED'}: {detail}", flush=True)
         passed, failed = passed + ok, failed + (not ok)
+        if version == VERSIONS[0]:  # the oldest Python, with the oldest grpcio and protobuf allowed
+            pins = floor_pins()
+            ok, detail = check(version, python, pins)
+            print(
+                f"python {version} at the floors ({', '.join(pins)}): {'ok' if ok else 'FAILED'}: {detail}", flush=True
+            )
+            passed, failed = passed + ok, failed + (not ok)
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
     return 0 if failed == 0 else 1
 

@@ -35,15 +35,21 @@ Any type URLs, the wire format); a .proto under ``protos/`` that imports a sibli
 explanation instead of generating something wrong.
 
 The tools are pinned (:data:`PINNED_VERSIONS`): the generated files record the grpcio and protobuf
-versions they need at runtime, so a different generator changes the runtime floor. Output is
-byte-for-byte deterministic (sorted inputs, relative paths, no timestamps).
+versions they need at runtime (``GRPC_GENERATED_VERSION``, ``ValidateProtobufRuntimeVersion``),
+so the generator sets the client's dependency floors. It is an old one on purpose: grpcio-tools
+1.66.2 (protobuf 5.27 gencode) lets the client run with grpcio >= 1.66.2 and protobuf >= 5.27.2,
+beside packages that pin protobuf 5 or 6, where stubs from the newest tools would demand the
+newest grpcio and protobuf. Those tools need protobuf < 6, which the dev venv's grpcio and
+OpenTelemetry packages do not allow, so they live in a venv of their own, ``.venv-protogen/``
+(made on first use, with exactly the pins; gitignored). Output is byte-for-byte deterministic
+(sorted inputs, relative paths, no timestamps).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -62,8 +68,11 @@ PROTO_PACKAGE = "kvservice_client._proto"
 """Python package the proto tree is mirrored under (``protos/kvservice/v1`` -> ``<this>.kvservice.v1``)."""
 OUTPUT_DIR = CLIENT_ROOT / Path(*PROTO_PACKAGE.split("."))
 
-PINNED_VERSIONS: dict[str, str] = {"grpcio-tools": "1.85.1", "mypy-protobuf": "5.1.0"}
+PINNED_VERSIONS: dict[str, str] = {"grpcio-tools": "1.66.2", "mypy-protobuf": "5.1.0"}
 """Distribution name -> the exact version the committed stubs were generated with."""
+
+TOOLS_VENV = REPO_ROOT / ".venv-protogen"
+"""The venv holding exactly :data:`PINNED_VERSIONS` (made by :func:`tools_python` when missing)."""
 
 SCRIPT_NAME = "scripts/gen_protos.py"
 _ALLOWED_IMPORT_PREFIXES = ("google/protobuf/",)
@@ -74,26 +83,62 @@ class GenerationError(RuntimeError):
     """Generation cannot proceed (wrong tool versions, a protoc failure, an unsupported import)."""
 
 
-def check_pinned_versions() -> None:
+def _installed_versions(python: str) -> dict[str, str | None]:
+    """The versions of the pinned distributions in ``python``'s environment (None: absent)."""
+    code = (
+        "import importlib.metadata as m, json, sys\n"
+        "out = {}\n"
+        "for d in sys.argv[1:]:\n"
+        "    try: out[d] = m.version(d)\n"
+        "    except m.PackageNotFoundError: out[d] = None\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run([python, "-c", code, *PINNED_VERSIONS], capture_output=True, text=True, check=True)
+    versions: dict[str, str | None] = json.loads(result.stdout)
+    return versions
+
+
+def tools_python() -> str:
+    """An interpreter that has exactly the pinned tools: :data:`TOOLS_VENV`'s, made (``python -m
+    venv`` and ``pip install`` of the pins, from the package index) when it is missing or holds
+    other versions.
+
+    Raises:
+        GenerationError: the venv cannot be made or the pins installed (pip's output is named).
+    """
+    python = TOOLS_VENV / "bin" / "python"
+    if python.exists() and _installed_versions(str(python)) == PINNED_VERSIONS:
+        return str(python)
+    pins = [f"{d}=={v}" for d, v in PINNED_VERSIONS.items()]
+    try:
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(TOOLS_VENV)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    except subprocess.CalledProcessError as e:
+        raise GenerationError(f"cannot make {TOOLS_VENV} with {' '.join(pins)}:\n{e.stdout}{e.stderr}") from None
+    return str(python)
+
+
+def check_pinned_versions(python: str) -> None:
     """Refuse to generate with any grpcio-tools / mypy-protobuf other than the pinned ones.
 
     Raises:
-        GenerationError: a tool is missing or at another version (the message says how to fix it).
+        GenerationError: a tool is missing or at another version in ``python``'s environment.
     """
-    problems = []
-    for dist, pinned in PINNED_VERSIONS.items():
-        try:
-            installed = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            installed = None
-        if installed != pinned:
-            problems.append(f"{dist}=={pinned} is required, found {installed or 'none'}")
+    installed = _installed_versions(python)
+    problems = [
+        f"{d}=={v} is required, found {installed[d] or 'none'}" for d, v in PINNED_VERSIONS.items() if installed[d] != v
+    ]
     if problems:
-        pins = " ".join(f"{d}=={v}" for d, v in PINNED_VERSIONS.items())
         raise GenerationError(
-            "refusing to generate stubs with unpinned tools: "
+            f"refusing to generate stubs with unpinned tools ({python}): "
             + "; ".join(problems)
-            + f". Install them with: {sys.executable} -m pip install {pins}"
+            + f"; remove {TOOLS_VENV} and rerun to make it again"
         )
 
 
@@ -137,16 +182,20 @@ def _check_imports(proto_paths: list[str]) -> None:
                 )
 
 
-def _write_plugin(path: Path, entry_point: str) -> Path:
-    """A protoc plugin shim that runs mypy-protobuf in this interpreter (the version just checked)."""
+def _write_plugin(path: Path, entry_point: str, python: str) -> Path:
+    """A protoc plugin shim that runs mypy-protobuf in ``python`` (the tools' interpreter)."""
+    # mypy-protobuf 5.1.0 ships its own descriptor module as protobuf 6.32 gencode; the tools' protobuf
+    # is 5.29 (grpcio-tools 1.66.2 needs < 6), whose runtime check refuses newer gencode although the
+    # module loads and works: the check is off in this plugin process only (its documented switch).
     path.write_text(
-        f"#!{sys.executable}\nimport sys\nfrom mypy_protobuf.main import {entry_point}\nsys.exit({entry_point}())\n"
+        f"#!{python}\nimport os, sys\nos.environ['TEMPORARILY_DISABLE_PROTOBUF_VERSION_CHECK'] = 'true'\n"
+        f"from mypy_protobuf.main import {entry_point}\nsys.exit({entry_point}())\n"
     )
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
 
 
-def _run_protoc(work: Path, proto_paths: list[str], out: Path) -> bytes:
+def _run_protoc(work: Path, proto_paths: list[str], out: Path, python: str) -> bytes:
     """Stage the protos, run protoc with all four generators; return the FileDescriptorSet bytes."""
     include = work / "include"
     staged_root = include / Path(*PROTO_PACKAGE.split("."))
@@ -156,12 +205,12 @@ def _run_protoc(work: Path, proto_paths: list[str], out: Path) -> bytes:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(PROTO_ROOT / rel, dest)
         staged.append(dest.relative_to(include).as_posix())
-    mypy_plugin = _write_plugin(work / "protoc-gen-mypy", "main")
-    mypy_grpc_plugin = _write_plugin(work / "protoc-gen-mypy_grpc", "grpc")
+    mypy_plugin = _write_plugin(work / "protoc-gen-mypy", "main", python)
+    mypy_grpc_plugin = _write_plugin(work / "protoc-gen-mypy_grpc", "grpc", python)
     descriptor_set = work / "descriptors.pb"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable,
+        python,
         "-m",
         "grpc_tools.protoc",
         "-I.",
@@ -400,14 +449,15 @@ def generate(dest: Path) -> list[Path]:
     """
     from google.protobuf import descriptor_pb2
 
-    check_pinned_versions()
+    python = tools_python()
+    check_pinned_versions(python)
     proto_paths = _find_protos()
     _check_imports(proto_paths)
     header = _header(proto_paths)
     with tempfile.TemporaryDirectory(prefix="kvservice-gen-protos-") as tmp:
         work = Path(tmp)
         out = work / "out"
-        descriptor_set = _run_protoc(work, proto_paths, out)
+        descriptor_set = _run_protoc(work, proto_paths, out, python)
         generated_root = out / Path(*PROTO_PACKAGE.split("."))
         files: dict[Path, str] = {}
         for path in sorted(generated_root.rglob("*")):

@@ -6,7 +6,17 @@ and the OpenSSL headers are present; ``optional=True`` makes a failed build a wa
 compiled path is tested against. Everything else is in pyproject.toml.
 """
 
-from setuptools import Extension, setup
+import sys
+
+# pip builds this package's metadata before it resolves the dependencies: say the Python is too
+# old here, before pip looks for protobuf and grpcio releases for it and fails on those instead.
+if sys.version_info < (3, 10):  # noqa: UP036 (the check runs on the Pythons requires-python excludes)
+    sys.exit(
+        f"kvservice-client needs Python 3.10 or newer (requires-python >=3.10); this is Python "
+        f"{sys.version_info.major}.{sys.version_info.minor}: install it with python3.10 or newer"
+    )
+
+from setuptools import Extension, setup  # noqa: E402 (after the version check, which needs nothing)
 
 setup(
     ext_modules=[

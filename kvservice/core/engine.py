@@ -77,10 +77,16 @@ class ComputedBlocksResult:
     Attributes:
         num_computed_tokens: the hit, in tokens.
         block_ids: per group, the hit's block ids (0 = null placeholder).
+        num_free_hit_blocks: per group, the hit's blocks that are free (held by no request); empty
+            when not counted.
+        num_free_blocks_ahead: the hit's first free block's position in the free queue (0 = the
+            head), when asked (:meth:`KVCacheEngine.find_cache_hit`); else 0.
     """
 
     num_computed_tokens: int
     block_ids: tuple[list[int], ...]
+    num_free_hit_blocks: tuple[int, ...] = ()
+    num_free_blocks_ahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -793,22 +799,39 @@ class KVCacheEngine:
             self.owned[request_id] = None
             self.num_waiting_tokens += num_prompt_tokens
         else:
+            if num_tokens_kept == 0 and num_prompt_tokens:
+                # Sent whole again (a new request under an id in use): its prompt may differ too.
+                if request_id in self.running:
+                    raise InvalidArgumentError(
+                        "num_tokens_kept", f"0 for {request_id!r}, which holds blocks: its prompt cannot be replaced"
+                    )
+                if not 1 <= num_prompt_tokens <= num_tokens:
+                    raise InvalidArgumentError(
+                        "num_prompt_tokens", f"{num_prompt_tokens} outside 1..{num_tokens} (the tokens sent)"
+                    )
+                self.num_waiting_tokens += num_prompt_tokens - request.num_prompt_tokens
+                request.num_prompt_tokens = num_prompt_tokens
             request.replace_tail(num_tokens_kept, token_ids, num_block_hashes_kept, block_hashes)
         self._touch(request_id)
 
-    def find_cache_hit(self, request_id: str, max_cache_hit_length: int | None = None) -> ComputedBlocksResult:
+    def find_cache_hit(
+        self, request_id: str, max_cache_hit_length: int | None = None, *, free_queue_horizon: int = 0
+    ) -> ComputedBlocksResult:
         """The prefix-cache hit of a waiting scheduler-owned request, by its own hashes (vLLM 0.33:
-        ``get_computed_blocks``); counts one lookup in the server's prefix-cache counters.
+        ``get_computed_blocks``). Changes nothing: the server's prefix-cache counters count the
+        admission that takes a hit (:meth:`allocate_owned`), as vLLM records its stats.
 
         Args:
             request_id: the request (registered by :meth:`update_request`, not running).
             max_cache_hit_length: the longest hit, in tokens (default ``num_tokens - 1``: the
                 last token is always computed).
+            free_queue_horizon: also find how deep in the free queue the hit's first free block
+                is, looking at most this many blocks deep (0: do not look).
 
         Raises:
             RequestNotFoundError: unknown id.
-            InvalidArgumentError: the request is running or not scheduler-owned, or
-                max_cache_hit_length outside 0..num_tokens.
+            InvalidArgumentError: the request is running or not scheduler-owned,
+                max_cache_hit_length outside 0..num_tokens, or free_queue_horizon above the pool.
         """
         request = self._owned_request(request_id)
         if request_id in self.running:
@@ -820,16 +843,32 @@ class KVCacheEngine:
             raise InvalidArgumentError(
                 "max_cache_hit_length", f"{max_cache_hit_length} outside 0..{request.num_tokens} (the request's tokens)"
             )
-        self._touch(request_id)
+        num_pool_blocks = self.manager.kv_cache_config.num_blocks
+        if not 0 <= free_queue_horizon <= num_pool_blocks:
+            raise InvalidArgumentError(
+                "free_queue_horizon", f"{free_queue_horizon} outside 0..{num_pool_blocks} (the pool's blocks)"
+            )
         manager = self.manager
         if not manager.enable_caching or limit <= 0:
-            return ComputedBlocksResult(0, self._no_blocks)
+            return ComputedBlocksResult(0, self._no_blocks, (), free_queue_horizon)
         blocks, num_tokens = manager.coordinator.find_longest_cache_hit(request, limit)
-        stats = manager.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_tokens
-        return ComputedBlocksResult(num_tokens, tuple([b.block_id for b in group] for group in blocks))
+        free = {b.block_id for group in blocks for b in group if b.ref_cnt == 0 and not b.is_null}
+        ahead = free_queue_horizon
+        if free and free_queue_horizon:
+            block = manager.block_pool.free_block_queue.fake_head.next_free_block
+            for position in range(free_queue_horizon):
+                if block is None or block.block_id < 0:
+                    break
+                if block.block_id in free:
+                    ahead = position
+                    break
+                block = block.next_free_block
+        return ComputedBlocksResult(
+            num_tokens,
+            tuple([b.block_id for b in group] for group in blocks),
+            tuple(sum(1 for b in group if b.ref_cnt == 0 and not b.is_null) for group in blocks),
+            ahead,
+        )
 
     def allocate_owned(
         self,
@@ -926,6 +965,11 @@ class KVCacheEngine:
         if request_id not in self.running:
             self.running.add(request_id)
             self.num_waiting_tokens -= request.num_prompt_tokens
+            if manager.enable_caching:  # counted at admission, as vLLM records its stats
+                stats = manager.prefix_cache_stats
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_new_computed_tokens
         tables = coordinator.get_blocks(request_id)
         return OwnedAllocateResult(
             True,

@@ -248,7 +248,7 @@ class JetStreamFeeds:
             Whether the stream is gone.
         """
         try:
-            nats = import_nats("the replay's JetStream feed", "kvservice[nats]")
+            nats = import_nats("the replay's JetStream feed", "kvservice's nats")
 
             async def quiet(error: Exception) -> None:
                 """Connection errors surface through the raise."""

@@ -74,6 +74,8 @@ class MultiReplayConfig:
             :class:`~kvservice.replay.runner.ReplayConfig`.
         instances: servers per policy (>= 2).
         preset, block_size, device, hash_algorithm: every embedded server's settings.
+        model_config: a ``config.json`` (or its folder) whose KV layout the servers take instead
+            of ``preset``.
         num_blocks: each instance's pool, in blocks (the null block included, as ``--num-blocks``).
         rate_scale: arrival-rate multiplier (arrival times are divided by it); None = ``instances``,
             so each instance carries about the single-server replay's load.
@@ -84,7 +86,8 @@ class MultiReplayConfig:
             default, half the pool, loses most conversation histories here); 0 = unbounded.
         scheduler: each instance's scheduler limits (its report mode is replaced by ``report_mode``).
         policies: the policies to run, in order (a subset of :data:`~kvservice.replay.routing.POLICIES`).
-        show_progress: draw progress bars.
+        show_progress: draw a progress bar (True), plain lines (False), or a bar only in a
+            terminal (None).
         nats_url: NATS server URL(s): every server publishes to JetStream and the mirrors are fed
             over it (:class:`~kvservice.replay.jetstream_feed.JetStreamFeeds`); None = the gRPC feed.
 
@@ -97,6 +100,7 @@ class MultiReplayConfig:
     limit: int | None = None
     instances: int = 2
     preset: str = "llama-3-8b"
+    model_config: str | None = None
     block_size: int | None = None
     num_blocks: int = DEFAULT_NUM_BLOCKS
     rate_scale: float | None = None
@@ -106,7 +110,7 @@ class MultiReplayConfig:
     mirror_capacity: int | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
     policies: tuple[str, ...] = POLICIES
-    show_progress: bool = True
+    show_progress: bool | None = None
     nats_url: str | None = field(default=None, repr=False)  # may hold a password or token
 
     def __post_init__(self) -> None:
@@ -282,6 +286,7 @@ async def replay_policy(
             server = await start_server(
                 port=0,
                 preset=config.preset,
+                model_config=config.model_config,
                 block_size=config.block_size,
                 num_blocks=config.num_blocks,
                 device=config.device,

@@ -2,8 +2,9 @@
 
 Worker processes (one per report mode) never draw: they send ``(mode, finished)`` through a
 queue (:func:`worker_reporter`), and the parent's :class:`Progress` draws one bar over all modes
-(tqdm, in a terminal) or, with ``--no-progress``, prints a plain line every ``interval_s``
-seconds and when a mode ends, so a log shows the run is alive without a bar's control codes.
+(tqdm) when its stream is a terminal, or else (output piped or sent to a file, or
+``--no-progress``) prints a plain line every ``interval_s`` seconds and when a mode ends, so a log
+shows the run is alive without a bar's control codes (``--progress`` draws the bar anyway).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Progress:
     Args:
         modes: the modes (or policies), in display order.
         total: requests per mode.
-        bar: draw a tqdm bar; else plain lines.
+        bar: draw a tqdm bar (True), plain lines (False), or a bar only when ``stream`` is a
+            terminal (None).
         interval_s: seconds between plain lines.
         stream: where plain lines go (default stdout).
         clock: seconds (monotonic).
@@ -38,7 +40,7 @@ class Progress:
         modes: Sequence[str],
         total: int,
         *,
-        bar: bool,
+        bar: bool | None,
         interval_s: float = 10.0,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -53,6 +55,9 @@ class Progress:
         self._last_printed: dict[str, int] | None = None
         self._lock = threading.Lock()
         self._bar: Any = None
+        if bar is None:
+            isatty = getattr(self._stream, "isatty", None)
+            bar = bool(isatty is not None and isatty())
         if bar:
             from tqdm.auto import tqdm
 

@@ -175,6 +175,12 @@ class ModeReport:
         num_prefill_tokens: tokens actually computed by prefill, in tokens (every admission's and
             prefill chunk's scheduled tokens, recomputation after preemption included; hits and
             decode tokens excluded; ``SchedulerStats.num_prefill_tokens``).
+        num_readmission_max_hit_tokens: over the readmissions, the most each could hit (all but
+            its last token, in whole blocks), in tokens.
+        num_ideal_hit_tokens: what an infinite cache would have hit over these same admissions, in
+            tokens: each request's first admission as ``traces.ideal_prefix_hits`` has it, each
+            readmission its most (``num_ideal_hit_tokens`` >= ``num_hit_tokens`` on every run;
+            None when not computed).
         agreement: the watcher's predicted hits against the server's actual hits.
         num_events: KV events the watcher received.
         num_batches: event batches the watcher received.
@@ -210,6 +216,8 @@ class ModeReport:
     wall_time_s: float
     mirror_capacity_blocks: int
     pool_size_blocks: int
+    num_readmission_max_hit_tokens: int = 0
+    num_ideal_hit_tokens: int | None = None
     series: list[AgreementPoint] = field(default_factory=list)
     late_watcher: AgreementStats | None = None
     first_watcher_since_late_join: AgreementStats | None = None
@@ -226,6 +234,14 @@ class ModeReport:
         """Prefix-cache hit rate in tokens over each request's first admission, percent (None
         without prompt tokens)."""
         return _pct(self.num_first_admission_hit_tokens, self.num_first_admission_prompt_tokens)
+
+    @property
+    def ideal_hit_rate_tokens_pct(self) -> float | None:
+        """What an infinite cache would hit over these admissions, percent of their tokens (the
+        bound of :attr:`hit_rate_tokens_pct`; None when not computed)."""
+        if self.num_ideal_hit_tokens is None:
+            return None
+        return _pct(self.num_ideal_hit_tokens, self.num_prompt_tokens)
 
     @property
     def hit_rate_blocks_pct(self) -> float | None:
@@ -245,7 +261,8 @@ class ReplayReport:
         num_blocks: blocks in the server's pool.
         modes: one report per mode that ran, in run order (one or two, distinct modes).
         ideal_hit_rate_tokens_pct: the infinite-cache prefix hit rate of the replayed requests at
-            ``block_size`` (``traces.ideal_prefix_hits``), if computed.
+            ``block_size``, each once (``traces.ideal_prefix_hits``: the bound of every mode's
+            first-admission rate), if computed.
         metadata: other run facts (versions, hash algorithm, start time ...), JSON scalars only.
 
     Raises:
@@ -340,6 +357,8 @@ _MODE_SCALAR_FIELDS = (
     "wall_time_s",
     "mirror_capacity_blocks",
     "pool_size_blocks",
+    "num_readmission_max_hit_tokens",
+    "num_ideal_hit_tokens",
 )
 
 
@@ -360,6 +379,7 @@ def _mode_to_dict(m: ModeReport) -> dict[str, Any]:
     d["hit_rate_tokens_pct"] = m.hit_rate_tokens_pct
     d["hit_rate_blocks_pct"] = m.hit_rate_blocks_pct
     d["first_admission_hit_rate_tokens_pct"] = m.first_admission_hit_rate_tokens_pct
+    d["ideal_hit_rate_tokens_pct"] = m.ideal_hit_rate_tokens_pct
     d["agreement"] = _agreement_to_dict(m.agreement)
     d["rpc_latency"] = {k: getattr(m.rpc_latency, k) for k in _LATENCY_FIELDS}
     d["series"] = [list(p) for p in m.series]
@@ -369,15 +389,19 @@ def _mode_to_dict(m: ModeReport) -> dict[str, Any]:
     return d
 
 
-_FIELDS_ADDED_LATER = frozenset(
-    {"num_first_admission_prompt_tokens", "num_first_admission_hit_tokens", "num_prefill_tokens"}
-)
-"""Absent from reports written before they existed: read as 0 (their rates as unknown)."""
+_FIELDS_ADDED_LATER: dict[str, Any] = {
+    "num_first_admission_prompt_tokens": 0,
+    "num_first_admission_hit_tokens": 0,
+    "num_prefill_tokens": 0,
+    "num_readmission_max_hit_tokens": 0,
+    "num_ideal_hit_tokens": None,
+}
+"""Absent from reports written before they existed: read as these (their rates as unknown)."""
 
 
 def _mode_from_dict(d: dict[str, Any]) -> ModeReport:
     return ModeReport(
-        **{k: d.get(k, 0) if k in _FIELDS_ADDED_LATER else d[k] for k in _MODE_SCALAR_FIELDS},
+        **{k: d.get(k, _FIELDS_ADDED_LATER[k]) if k in _FIELDS_ADDED_LATER else d[k] for k in _MODE_SCALAR_FIELDS},
         agreement=_agreement_from_dict(d["agreement"]),
         rpc_latency=LatencySummary(**{k: d["rpc_latency"][k] for k in _LATENCY_FIELDS}),
         series=[(int(i), int(p), int(a)) for i, p, a in d.get("series", [])],
@@ -484,7 +508,7 @@ def _kv_data_rows(kv: dict[str, Any] | None) -> list[tuple[str, str]]:
     ]
 
 
-def _mode_rows(m: ModeReport, *, late: bool, kv_data: bool = False) -> list[tuple[str, str]]:
+def _mode_rows(m: ModeReport, *, late: bool, kv_data: bool = False, ideal: bool = False) -> list[tuple[str, str]]:
     lat = m.rpc_latency
     late_rows = (
         [
@@ -500,6 +524,11 @@ def _mode_rows(m: ModeReport, *, late: bool, kv_data: bool = False) -> list[tupl
         ("prefix hit rate (tokens)", _fmt_pct(m.hit_rate_tokens_pct)),
         ("prefix hit rate (blocks)", _fmt_pct(m.hit_rate_blocks_pct)),
         ("prefix hit rate, first admissions (tokens)", _fmt_pct(m.first_admission_hit_rate_tokens_pct)),
+        *(
+            [("ideal, infinite cache, same admissions (tokens)", _fmt_pct(m.ideal_hit_rate_tokens_pct))]
+            if ideal
+            else []
+        ),
         ("tokens prefilled (recompute included)", _fmt_int(m.num_prefill_tokens)),
         *_fmt_agreement(m.agreement),
         *late_rows,
@@ -511,12 +540,18 @@ def _mode_rows(m: ModeReport, *, late: bool, kv_data: bool = False) -> list[tupl
             f"{_fmt_float(lat.p50_ms, 3)} / {_fmt_float(lat.p99_ms, 3)}",
         ),
         ("wall time (s)", _fmt_float(m.wall_time_s)),
-        (
-            "mirror capacity / pool size (blocks)",
-            f"{_fmt_int(m.mirror_capacity_blocks)} / {_fmt_int(m.pool_size_blocks)}",
+        (  # num_blocks as everywhere else (block 0, the null block, included)
+            "mirror capacity / num_blocks (blocks)",
+            f"{_fmt_int(m.mirror_capacity_blocks)} / {_fmt_int(m.pool_size_blocks + 1)}",
         ),
         *(_kv_data_rows(m.kv_data) if kv_data else []),
     ]
+
+
+def _is_path(layout: str) -> bool:
+    """Whether the server's layout name is a file (``--model-config``, ``--kv-cache-layout``), not
+    a preset's name."""
+    return "/" in layout or layout.endswith((".json", ".toml"))
 
 
 def render_table(report: ReplayReport, *, width: int = 120) -> str:
@@ -535,7 +570,7 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
     table = Table(
         title=(
             f"kvservice replay: {Path(report.trace_path).name} ({report.num_trace_lines:,} lines)"
-            f"\npreset {report.preset}, block_size {report.block_size} tokens, "
+            f"\n{'layout' if _is_path(report.preset) else 'preset'} {report.preset}, block_size {report.block_size} tokens, "
             f"num_blocks {report.num_blocks:,}"
         ),
         title_justify="left",
@@ -545,7 +580,8 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
         table.add_column(m.mode, justify="right")
     late = any(m.late_watcher is not None for m in report.modes)
     kv_data = any(m.kv_data is not None for m in report.modes)
-    per_mode = [_mode_rows(m, late=late, kv_data=kv_data) for m in report.modes]
+    ideal = any(m.num_ideal_hit_tokens is not None for m in report.modes)
+    per_mode = [_mode_rows(m, late=late, kv_data=kv_data, ideal=ideal) for m in report.modes]
     for i, (label, _) in enumerate(per_mode[0]):
         table.add_row(label, *(rows[i][1] for rows in per_mode))
     notes = []
@@ -553,7 +589,10 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
     if skipped:
         notes.append(f"skipped {max(skipped.values()):,} trace requests whose prompt is max_model_len tokens or longer")
     if report.ideal_hit_rate_tokens_pct is not None:
-        notes.append(f"ideal prefix hit rate, infinite cache (tokens): {_fmt_pct(report.ideal_hit_rate_tokens_pct)}")
+        notes.append(
+            "ideal prefix hit rate, infinite cache, each request once (tokens; bounds the first-admission rate): "
+            f"{_fmt_pct(report.ideal_hit_rate_tokens_pct)}"
+        )
     buffer = io.StringIO()
     console = Console(
         file=buffer,

@@ -66,6 +66,8 @@ class ReplayConfig:
             None = start an embedded server per mode.
         preset, block_size, num_blocks, device, hash_algorithm: the embedded server's settings
             (device "meta": real tensor shapes, no memory, as no model runs in a replay).
+        model_config: a Hugging Face ``config.json`` (or its folder) whose KV layout the embedded
+            server takes instead of ``preset`` (the server's ``model_config``).
         kv_cache_memory: size the embedded server's pool from this many bytes of KV cache (as
             vLLM sizes it: ``bytes // the largest group's bytes per block``) instead of
             ``num_blocks`` (None: use ``num_blocks``).
@@ -74,7 +76,8 @@ class ReplayConfig:
         late_watcher: add a watcher that joins from a snapshot halfway through.
         mirror_capacity: mirror size in blocks; None = half the pool; 0 = unbounded.
         scheduler: scheduler limits.
-        show_progress: draw a progress bar.
+        show_progress: draw a progress bar (True), plain lines (False), or a bar only in a
+            terminal (None).
         kv_data: "shm" (a worker writes every newly computed block through the attached memory
             and checks every hit's blocks at admission), "grpc" (the same over WriteBlocks /
             ReadBlocks) or "off"; see ``kvservice.replay.kv_data``. Needs a device with memory.
@@ -86,6 +89,7 @@ class ReplayConfig:
     limit: int | None = None
     target: str | None = None
     preset: str = "llama-3-8b"
+    model_config: str | None = None
     block_size: int | None = None
     num_blocks: int = DEFAULT_NUM_BLOCKS
     kv_cache_memory: int | None = None
@@ -96,7 +100,7 @@ class ReplayConfig:
     late_watcher: bool = False
     mirror_capacity: int | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
-    show_progress: bool = True
+    show_progress: bool | None = None
     kv_data: str = "off"
     kv_data_sample: int = 1
 
@@ -329,6 +333,7 @@ def summarise(run: ModeRun, wall_time_s: float) -> ModeReport:
         wall_time_s=wall_time_s,
         mirror_capacity_blocks=run.mirror_capacity,
         pool_size_blocks=run.pool_blocks,
+        num_readmission_max_hit_tokens=sum(max(a.num_tokens - 1, 0) // bs * bs for a in admissions if a.readmission),
         series=[(i, p, a) for i, (p, a) in enumerate(zip(predicted, actual))],
         kv_data=run.kv_data,
     )
@@ -406,6 +411,7 @@ async def replay_mode(
         server = await start_server(
             port=0,
             preset=config.preset,
+            model_config=config.model_config,
             block_size=config.block_size,
             num_blocks=None if config.kv_cache_memory is not None else config.num_blocks,
             kv_cache_memory=config.kv_cache_memory,
@@ -473,8 +479,8 @@ async def run_replay(
     With several modes on embedded servers and at least :data:`PARALLEL_MIN_REQUESTS` requests,
     each mode runs in its own worker process (the modes are independent: two fresh servers, same
     trace), so the replay uses two cores. Progress is one display in this process
-    (:class:`~kvservice.replay.progress.Progress`): a bar with ``show_progress``, else a plain
-    line every 10 s and at the end of each mode.
+    (:class:`~kvservice.replay.progress.Progress`): a bar with ``show_progress`` (by default in a
+    terminal), else a plain line every 10 s and at the end of each mode.
 
     Args:
         config: what to replay.
@@ -512,6 +518,8 @@ async def run_replay(
     accepted = [r for r in requests if len(r.prompt_token_ids) < first.max_model_len]
     ideal = ideal_prefix_hits(accepted, first.block_size) if accepted else []
     ideal_pct = 100.0 * sum(ideal) / max(sum(len(r.prompt_token_ids) for r in accepted), 1)
+    for result in results:  # the bound over each mode's own admissions (readmissions included)
+        result.report.num_ideal_hit_tokens = sum(ideal) + result.report.num_readmission_max_hit_tokens
     metadata.update(
         {
             "hash_algorithm": config.hash_algorithm,

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from kvservice.core.engine import EngineLimits, KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig, is_block_hash_format
 from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
 from kvservice.core.model_config import (
+    KNOWN_ARCHITECTURES,
     ModelKVLayout,
     get_preset,
     load_kv_cache_layout,
@@ -45,10 +48,17 @@ from kvservice.memory import (
 )
 from kvservice.server.auth import AuthSetup, build_auth, is_loopback_host
 from kvservice.server.event_log import EventLog
+from kvservice.server.observability import announce
 from kvservice.server.probes import ProbePort
 from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
-from kvservice.server.settings import CacheSettings, ServerConfig, load_config, parse_bytes
+from kvservice.server.settings import (
+    DEFAULT_REQUEST_IDLE_TIMEOUT_S,
+    CacheSettings,
+    ServerConfig,
+    load_config,
+    parse_bytes,
+)
 from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, start_sinks
 from kvservice.server.snapshot import SnapshotSource
 
@@ -134,19 +144,42 @@ class RunningServer:
         return self.config.metrics.port
 
     def describe(self) -> str:
-        """Two lines: where it listens and what it holds."""
+        """Where it listens, what it holds, and the notes: the start banner's lines as text."""
+        return "\n".join(message for message, _, _ in self.banner_lines())
+
+    def banner_lines(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """The start banner as (message, event, fields) per line: "listening" (``address``,
+        ``epoch``), "layout" (``preset``, ``num_blocks``, ``max_model_len``; its message goes on
+        over the KV tensors' lines), then one "note" each. ``kvservice serve`` writes them as text
+        or as JSON objects (``kvservice.server.observability.announce``)."""
         meta = self.servicer.metadata
         groups = ", ".join(
             f"group {g.group_idx}: {_kind_name(g.kind)} block_size {g.block_size}"
             + (f" window {g.sliding_window}" if g.HasField("sliding_window") else "")
             for g in meta.groups
         )
-        return (
-            f"kvservice listening on {self.address} (epoch {self.event_log.epoch})\n"
+        layout = (
             f"preset {meta.preset}: {self.config.cache.num_blocks} blocks ({groups}), max_model_len "
             f"{self.config.cache.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
-            f"{self.tensors.describe()}" + "".join(f"\nnote: {note}" for note in self.notes)
+            f"{self.tensors.describe()}"
         )
+        return [
+            (
+                f"kvservice listening on {self.address} (epoch {self.event_log.epoch})",
+                "listening",
+                {"address": self.address, "epoch": self.event_log.epoch},
+            ),
+            (
+                layout,
+                "layout",
+                {
+                    "preset": meta.preset,
+                    "num_blocks": self.config.cache.num_blocks,
+                    "max_model_len": self.config.cache.max_model_len,
+                },
+            ),
+            *((f"note: {note}", "note", {}) for note in self.notes),
+        ]
 
     def check_invariants(self) -> None:
         """Run the engine's own consistency check now (pool, ref counts, block tables; see
@@ -220,12 +253,20 @@ def _model_kv_layout(cache: CacheSettings) -> ModelKVLayout:
         ValueError: a bad config or layout file (the message names the file and the field).
     """
     if cache.model_config is not None:
-        return model_kv_layout(
-            load_model_config(cache.model_config),
-            name=cache.model_config,
-            block_size=cache.block_size,
-            kv_cache_dtype=cache.kv_cache_dtype,
-        )
+        model_config = load_model_config(cache.model_config)
+        try:
+            return model_kv_layout(
+                model_config, name=cache.model_config, block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype
+            )
+        except ValueError as e:
+            architecture = (model_config.get("architectures") or [None])[0]
+            if architecture in KNOWN_ARCHITECTURES:
+                raise
+            raise ValueError(
+                f"{e}. Any other model: describe its layers in a layout file for --kv-cache-layout "
+                "(kind, count, heads, head size, dtype, window ... per run of layers; docs/operations.md, "
+                "KV cache layout)"
+            ) from None
     if cache.kv_cache_layout is not None:
         return load_kv_cache_layout(
             cache.kv_cache_layout, block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype
@@ -407,19 +448,30 @@ def _add_data_plane(core: _Core, auth: AuthSetup, closers: list[Callable[[], Awa
     )
 
 
-def _add_observability(core: _Core, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
-    """The RPC context for JSON logs (``log_format`` json) and a span per RPC (``otel_tracing``),
-    ahead of auth so refused calls are seen too."""
+def _add_observability(
+    core: _Core, interceptors: list[grpc.aio.ServerInterceptor], closers: list[Callable[[], Awaitable[None]]]
+) -> None:
+    """The RPC context for JSON logs (``log_format`` json) and a span per RPC (``otel_tracing``;
+    spans go where the ``OTEL_*`` variables say, flushed at stop), ahead of auth so refused calls
+    are seen too.
+
+    Raises:
+        RuntimeError, ValueError: as :func:`kvservice.server.observability.configure_tracing`.
+    """
     settings = core.config.logging
     if settings.log_format == "json" or settings.log_level.upper() == "DEBUG":
         from kvservice.server.observability import RpcContextInterceptor
 
         interceptors.insert(0, RpcContextInterceptor())
     if settings.otel_tracing:
-        from kvservice.server.observability import TracingInterceptor, default_tracer_provider
+        from kvservice.server.observability import configure_tracing, tracing_interceptor
 
-        core.notes.append(default_tracer_provider())
-        interceptors.insert(0, TracingInterceptor())
+        interceptor = tracing_interceptor()
+        note, flush = configure_tracing()
+        core.notes.append(note)
+        if flush is not None:
+            closers.append(flush)
+        interceptors.insert(0, interceptor)
 
 
 def _start_metrics(
@@ -481,7 +533,16 @@ async def _bind(
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     started = False
     try:
-        bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+        in_use = _address_in_use(host, port)
+        if in_use is not None:
+            raise RuntimeError(
+                f"cannot bind {bind}: {in_use} (another kvservice or another program listens on port {port}): "
+                "choose another --port, or --port 0 for a free one"
+            )
+        try:
+            bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+        except RuntimeError as e:  # grpc's own words name GRPC_VERBOSITY: ours name the address
+            raise RuntimeError(f"cannot bind {bind}: {e}") from None
         if bound == 0:
             raise RuntimeError(f"cannot bind {bind}")
         uds = core.config.bind.uds
@@ -507,6 +568,27 @@ async def _bind(
     return server, health, bind.rsplit(":", 1)[0] + f":{bound}"
 
 
+def _address_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` is taken ("Address already in use"), tried with a plain socket before
+    gRPC binds it (gRPC's own failure writes a raw internal line to stderr first); None when free,
+    when ``port`` is 0, or when the host does not resolve (gRPC's bind then says why)."""
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return e.strerror
+    return None
+
+
 async def _start_probes(running: RunningServer) -> None:
     """Bind the probe ports (``health_port``, ``health_http_port``) when set; bound ports go into
     the config. A failure stops the server."""
@@ -527,14 +609,19 @@ async def _start_probes(running: RunningServer) -> None:
 
 
 def _start_reaper(running: RunningServer) -> None:
-    """Free requests not called for ``request_idle_timeout_s`` (when set)."""
+    """Free requests not called for ``request_idle_timeout_s`` (unless 0 or None); the start notes
+    a timeout other than the default, or none."""
     timeout_s = running.config.limits.request_idle_timeout_s
-    if timeout_s is None:
+    if not timeout_s:
+        running.notes.append(
+            "request_idle_timeout_s off: a request whose scheduler stopped calling holds its blocks until freed"
+        )
         return
     running.reaper = RequestReaper(running.engine, running.servicer.publish, timeout_s)
     running.reaper.start()
     running.closers.append(running.reaper.stop)
-    running.notes.append(f"requests not called for {timeout_s:g} s are freed (request_idle_timeout_s)")
+    if timeout_s != DEFAULT_REQUEST_IDLE_TIMEOUT_S:
+        running.notes.append(f"requests not called for {timeout_s:g} s are freed (request_idle_timeout_s)")
 
 
 async def _start_sinks(running: RunningServer) -> None:
@@ -586,13 +673,13 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     auth = build_auth(core.config.bind.host, core.config.auth)
     core.notes.extend(auth.notes)
     interceptors: list[grpc.aio.ServerInterceptor] = [] if auth.interceptor is None else [auth.interceptor]
-    _add_observability(core, interceptors)
     assert core.snapshots is not None
     closers: list[Callable[[], Awaitable[None]]] = [
         core.snapshots.close,
         core.servicer.heap_trimmer.close,
         core.servicer.close,
     ]
+    _add_observability(core, interceptors, closers)
     _add_data_plane(core, auth, closers)
     _start_metrics(core, interceptors, closers)
     server, health, address = await _bind(core, interceptors, auth.credentials, closers)
@@ -672,7 +759,8 @@ async def run_server(config: ServerConfig, *, ready: Callable[[RunningServer], N
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the banner: a signal right after it still drains
         loop.add_signal_handler(sig, stop.set)
-    print(running.describe(), flush=True)
+    for message, event, fields in running.banner_lines():
+        announce(message, event, **fields)
     profile_path = os.environ.get("KVSERVICE_PROFILE", "")  # a cProfile dump of the serving loop, for benchmarks
     profiler = None
     if profile_path:
@@ -684,12 +772,15 @@ async def run_server(config: ServerConfig, *, ready: Callable[[RunningServer], N
         ready(running)
     await stop.wait()
     bind = running.config.bind
-    print(
+    announce(
         f"kvservice: stopping (graceful): NOT_SERVING, drain {bind.drain_delay_s:g} s, then stop within "
         f"{bind.shutdown_grace_s:g} s",
-        flush=True,
+        "stopping",
+        drain_delay_s=bind.drain_delay_s,
+        shutdown_grace_s=bind.shutdown_grace_s,
     )
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)
     await running.stop(drain_delay_s=bind.drain_delay_s)
+    announce("kvservice: stopped", "stopped")

@@ -51,7 +51,7 @@ published: it is dropped the same way.
 Throughput: one round trip to NATS per batch (tens of microseconds on loopback; a batch is one
 scheduler call's events, so a step-batched scheduler publishes one message per step).
 
-nats-py is an optional dependency: ``pip install 'kvservice[nats]'``.
+nats-py is an optional dependency: ``pip install nats-py`` (the ``nats`` extra).
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def import_nats() -> Any:
 
     Raises:
         RuntimeError: nats-py is not installed (``nats_url needs nats-py, ...: pip install
-            'kvservice[nats]'``).
+            nats-py (kvservice's nats extra)``).
     """
-    return client_import_nats("nats_url", "kvservice[nats]")
+    return client_import_nats("nats_url", "kvservice's nats")
 
 
 def default_instance(hostname: str, port: int) -> str:

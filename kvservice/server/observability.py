@@ -1,5 +1,5 @@
 """Logs and traces: ``--log-format text|json``, the RPC context on every log line, and an
-OpenTelemetry span per RPC (``--otel-tracing``, ``pip install 'kvservice[otel]'``).
+OpenTelemetry span per RPC (``--otel-tracing``, kvservice's ``otel`` extra).
 
 * **RPC context.** :class:`RpcContextInterceptor` puts the RPC (``KVCacheService/Step``) and,
   where the request has one, the ``request_id`` into context variables for the call's task; a
@@ -8,14 +8,21 @@ OpenTelemetry span per RPC (``--otel-tracing``, ``pip install 'kvservice[otel]'`
 * **JSON logs** (python-json-logger): one object per line with ``time``, ``level``, ``logger``,
   ``message``, and ``rpc`` / ``request_id`` where there is one (and ``code``, ``duration_ms`` on
   ``rpc done``).
-* **Traces**: :class:`TracingInterceptor` opens one SERVER span per RPC, named
-  ``kvservice.v1.KVCacheService/Method``, with ``rpc.system`` "grpc", ``rpc.service``,
-  ``rpc.method``, ``rpc.grpc.status_code``, ``kvservice.request_id`` where the request has one,
-  and for Step ``kvservice.step.num_ops`` and ``kvservice.step.ops.<op>`` (count per op kind). A
-  non-OK status marks the span as an error. Spans go to OpenTelemetry's global tracer provider:
-  configure it (an exporter) in the process that starts the server, or let
-  :func:`default_tracer_provider` set up the SDK with the OTLP exporter when
-  ``opentelemetry-exporter-otlp`` is installed (its ``OTEL_EXPORTER_OTLP_*`` variables apply).
+* **Start-up and stop lines** (where the server listens, its layout, the notes, "stopping") go
+  to stdout through the :data:`banner` logger, written at every ``--log-level``: as the plain
+  text they always were, or with ``--log-format json`` as JSON objects with an ``event``
+  ("listening", "layout", "note", "stopping", "stopped") and their own fields.
+* **Traces** (opentelemetry-instrumentation-grpc, ``--otel-tracing``): :func:`tracing_interceptor`
+  opens one SERVER span per RPC, named ``/kvservice.v1.KVCacheService/Method``, a child of the
+  caller's span when the call carries its context (W3C ``traceparent`` metadata by default), with
+  the library's ``rpc.system``, ``rpc.service``, ``rpc.method``, ``rpc.grpc.status_code`` and
+  peer attributes, and kvservice's ``kvservice.request_id`` where the request has one and for
+  Step ``kvservice.step.num_ops``, ``kvservice.step.ops.<op>`` (count per op kind) and
+  ``kvservice.request_ids``. A server-side status (UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED,
+  INTERNAL, UNAVAILABLE, DATA_LOSS) marks the span as an error, as OpenTelemetry's gRPC
+  conventions have it; the caller's (INVALID_ARGUMENT, NOT_FOUND ...) leaves it unset. :func:`configure_tracing`
+  sends spans where the standard ``OTEL_*`` variables say (``OTEL_TRACES_EXPORTER=console``,
+  ``otlp`` ...), unless the process set a tracer provider of its own.
 """
 
 from __future__ import annotations
@@ -27,21 +34,25 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, cast
 
 import grpc
 
 __all__ = [
     "CallInterceptor",
     "RpcContextInterceptor",
-    "TracingInterceptor",
+    "announce",
+    "banner",
     "configure_logging",
+    "configure_tracing",
     "current_request_id",
     "current_rpc",
-    "default_tracer_provider",
     "final_code",
+    "json_line",
+    "log_uncaught_exceptions_and_warnings",
     "note_request",
+    "tracing_interceptor",
 ]
 
 logger = logging.getLogger(__name__)
@@ -50,7 +61,6 @@ current_rpc: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvserv
 """The RPC being handled in this task (``KVCacheService/Step``), or None."""
 current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvservice_request_id", default=None)
 """The request id of the RPC being handled (its ``request_id`` field), or None."""
-_current_span: contextvars.ContextVar[Any] = contextvars.ContextVar("kvservice_span", default=None)
 
 
 def note_request(request: Any) -> None:
@@ -59,9 +69,10 @@ def note_request(request: Any) -> None:
     request_id = _request_id(request)
     if request_id is not None:
         current_request_id.set(request_id)
-    span = _current_span.get()
-    if span is not None:
-        _annotate(span, request)
+    if _trace_api is not None:
+        span = _trace_api.get_current_span()
+        if span.is_recording():
+            _annotate(span, request)
 
 
 def _annotate(span: Any, request: Any) -> None:
@@ -94,37 +105,99 @@ class _RpcContextFilter(logging.Filter):
         return True
 
 
-def configure_logging(level: str, log_format: str = "text", stream: Any = None) -> logging.Handler:
+banner = logging.getLogger("kvservice.serve")
+"""The start-up and stop lines of ``kvservice serve`` (see the module docstring): INFO records
+that :func:`configure_logging` writes to stdout whatever the root logger's level."""
+
+
+def _json_formatter() -> logging.Formatter:
+    from pythonjsonlogger.json import JsonFormatter
+
+    return JsonFormatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s",
+        rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+    )
+
+
+def _formatter(log_format: str, text: str) -> logging.Formatter:
+    if log_format == "json":
+        return _json_formatter()
+    if log_format == "text":
+        return logging.Formatter(text)
+    raise ValueError(f"log_format must be 'text' or 'json'; got {log_format!r}")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to ``sys.stdout`` as it is when a record is written (a test's capture, a redirect)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
+
+
+def configure_logging(level: str, log_format: str = "text", stream: Any = None, out: Any = None) -> logging.Handler:
     """Set the root logger to ``level`` with one handler writing ``log_format`` to ``stream``
-    (default stderr), replacing the handlers it had.
+    (default stderr), replacing the handlers it had; and the :data:`banner` logger to write its
+    lines (at any level) to ``out`` (default: stdout as it is at each line), as plain text or as
+    JSON objects.
 
     Returns:
-        The handler.
+        The root logger's handler.
 
     Raises:
         ValueError: ``log_format`` is neither "text" nor "json".
     """
     handler = logging.StreamHandler(stream or sys.stderr)
-    if log_format == "json":
-        from pythonjsonlogger.json import JsonFormatter
-
-        handler.setFormatter(
-            JsonFormatter(
-                "%(asctime)s %(levelname)s %(name)s %(message)s",
-                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-            )
-        )
-    elif log_format == "text":
-        handler.setFormatter(logging.Formatter(_LOG_FORMAT_TEXT))
-    else:
-        raise ValueError(f"log_format must be 'text' or 'json'; got {log_format!r}")
+    handler.setFormatter(_formatter(log_format, _LOG_FORMAT_TEXT))
     handler.addFilter(_RpcContextFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    banner_handler = logging.StreamHandler(out) if out is not None else _StdoutHandler()
+    banner_handler.setFormatter(_formatter(log_format, "%(message)s"))
+    for old in list(banner.handlers):
+        banner.removeHandler(old)
+    banner.addHandler(banner_handler)
+    banner.setLevel(logging.INFO)
+    banner.propagate = False
     return handler
+
+
+def announce(message: str, event: str, **fields: Any) -> None:
+    """Write one start-up or stop line through :data:`banner` (``event`` and ``fields`` are the
+    JSON object's extra keys). Printed as it is where :func:`configure_logging` was not called."""
+    if not banner.handlers:
+        print(message, flush=True)
+        return
+    banner.info(message, extra={"event": event, **fields})
+    for handler in banner.handlers:
+        handler.flush()
+
+
+def json_line(level: str, logger_name: str, message: str, **fields: Any) -> str:
+    """One JSON log line (as ``--log-format json`` writes them) for output that does not come
+    from a logger (a command-line error)."""
+    record = logging.makeLogRecord(
+        {"name": logger_name, "levelname": level, "levelno": logging.getLevelName(level), "msg": message, **fields}
+    )
+    return _json_formatter().format(record)
+
+
+def log_uncaught_exceptions_and_warnings() -> None:
+    """Send what Python would print past the loggers into them: an uncaught exception (logged
+    CRITICAL with its traceback in ``exc_info``) and ``warnings`` (logger ``py.warnings``)."""
+    crash = logging.getLogger("kvservice")
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            sys.__excepthook__(kind, value, tb)
+            return
+        crash.critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, tb))
+
+    sys.excepthook = hook
+    logging.captureWarnings(True)
 
 
 def final_code(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -245,70 +318,131 @@ class RpcContextInterceptor(CallInterceptor):
         current_rpc.reset(rpc_token)
 
 
-class TracingInterceptor(CallInterceptor):
-    """One OpenTelemetry SERVER span per RPC (see the module docstring).
+_OTEL_INSTALL = (
+    "pip install opentelemetry-sdk opentelemetry-instrumentation-grpc opentelemetry-exporter-otlp-proto-grpc "
+    "(kvservice's otel extra)"
+)
+_trace_api: Any = None  # opentelemetry.trace once tracing_interceptor() was made: note_request annotates spans
+
+
+def tracing_interceptor(tracer_provider: Any = None) -> grpc.aio.ServerInterceptor:
+    """opentelemetry-instrumentation-grpc's aio server interceptor: one SERVER span per RPC (see
+    the module docstring), its parent the caller's span when the call's metadata carries one (the
+    propagators of ``OTEL_PROPAGATORS``, W3C ``traceparent`` by default). :func:`note_request`
+    adds kvservice's attributes to it.
+
+    The library's interceptor iterates a response-streaming handler as an async generator
+    (open-telemetry/opentelemetry-python-contrib#3066); kvservice's stream with
+    ``context.write`` and return None, so those go through its unary path, which awaits the
+    handler under the same span.
 
     Args:
         tracer_provider: where spans go (default: OpenTelemetry's global provider).
 
     Raises:
-        RuntimeError: opentelemetry-api is not installed (names ``pip install 'kvservice[otel]'``).
+        RuntimeError: the library is not installed (the message names the install line).
     """
+    global _trace_api
+    try:
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+    except ImportError as e:
+        raise RuntimeError(f"otel_tracing needs OpenTelemetry ({e}): {_OTEL_INSTALL}") from None
+    interceptor: Any = aio_server_interceptor(tracer_provider=tracer_provider)  # the library is untyped
+    as_stream = interceptor._intercept_aio_server_stream
+    as_unary = interceptor._intercept_aio_server_unary
 
-    def __init__(self, tracer_provider: Any = None) -> None:
-        super().__init__()
-        try:
-            from opentelemetry import trace
-        except ImportError as e:
-            raise RuntimeError(f"otel_tracing needs opentelemetry-api ({e}): pip install 'kvservice[otel]'") from None
-        self._trace = trace
-        self._tracer = trace.get_tracer("kvservice", tracer_provider=tracer_provider)
+    def intercept_stream(behavior: Callable[..., Any], handler_call_details: grpc.HandlerCallDetails) -> Any:
+        if inspect.isasyncgenfunction(behavior):
+            return as_stream(behavior, handler_call_details)
+        return as_unary(behavior, handler_call_details)
 
-    def begin(self, path: str | None, request: Any) -> Any:
-        """Open the call's span."""
-        path = path or "other"
-        service, _, method = path.rpartition("/")
-        span = self._tracer.start_span(path, kind=self._trace.SpanKind.SERVER)
-        span.set_attribute("rpc.system", "grpc")
-        span.set_attribute("rpc.service", service)
-        span.set_attribute("rpc.method", method)
-        if not isinstance(request, bytes):  # a handler with its own deserializer (health, reflection)
-            _annotate(span, request)
-        return span, _current_span.set(span)
-
-    def end(self, state: Any, code: grpc.StatusCode) -> None:
-        """End the call's span with its status."""
-        span, token = state
-        _current_span.reset(token)
-        span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if code is not grpc.StatusCode.OK:
-            span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, code.name))
-        span.end()
+    interceptor._intercept_aio_server_stream = intercept_stream
+    _trace_api = trace
+    return cast(grpc.aio.ServerInterceptor, interceptor)
 
 
-def default_tracer_provider() -> str:
-    """Make sure spans go somewhere: when OpenTelemetry's global provider is still the default
-    (no-op) one and the SDK and the OTLP exporter are installed, install an SDK provider
-    exporting OTLP (configured by the ``OTEL_EXPORTER_OTLP_*`` variables).
+def _compact_console_exporter() -> Any:
+    """The SDK's console exporter writing one JSON object per line (its default indents them)."""
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    return ConsoleSpanExporter(formatter=lambda span: span.to_json(indent=None) + "\n")
+
+
+def _span_exporters(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
+    """The span exporters ``OTEL_TRACES_EXPORTER`` names (comma-separated; default ``otlp``, as
+    the OpenTelemetry SDK environment specification has it; ``none``: no exporter), made from
+    their ``opentelemetry_traces_exporter`` entry points. ``otlp`` is OTLP over gRPC, or over
+    HTTP when ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL`` is
+    ``http/protobuf``; each exporter reads its own ``OTEL_EXPORTER_*`` variables.
+
+    Raises:
+        ValueError: a name no installed package provides (the message names the install line).
+    """
+    from importlib.metadata import entry_points
+
+    names = [name.strip() for name in environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if name.strip()]
+    if names == ["none"]:
+        return []
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    exporters = []
+    for name in names:
+        if name == "console":
+            exporters.append((name, _compact_console_exporter()))
+            continue
+        entry = name
+        if name == "otlp":
+            entry = "otlp_proto_http" if (protocol or "grpc").strip() == "http/protobuf" else "otlp_proto_grpc"
+        found = entry_points(group="opentelemetry_traces_exporter", name=entry)
+        if not found:
+            raise ValueError(f"OTEL_TRACES_EXPORTER: no installed exporter is called {name!r} ({_OTEL_INSTALL})")
+        exporters.append((name, next(iter(found)).load()()))
+    return exporters
+
+
+def configure_tracing(environ: Mapping[str, str] | None = None) -> tuple[str, Callable[[], Awaitable[None]] | None]:
+    """Make spans go where the standard ``OTEL_*`` variables say. When the process already set
+    OpenTelemetry's global tracer provider (an embedding program), spans go to it. Otherwise an
+    SDK provider is set up: resource from ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``
+    (``service.name`` kvservice when neither names one), sampler from ``OTEL_TRACES_SAMPLER``,
+    a batch processor (``OTEL_BSP_*``) per exporter of ``OTEL_TRACES_EXPORTER`` (see
+    :func:`_span_exporters`).
 
     Returns:
-        A line for the start banner saying where spans go.
+        (a line for the start banner saying where spans go, a coroutine function that flushes the
+        provider's pending spans at stop, or None).
+
+    Raises:
+        RuntimeError: opentelemetry-sdk is missing where it is needed; ValueError: as
+            :func:`_span_exporters`.
     """
+    import os
+
     from opentelemetry import trace
 
+    environ = os.environ if environ is None else environ
     provider = trace.get_tracer_provider()
     if type(provider).__name__ not in ("ProxyTracerProvider", "NoOpTracerProvider"):
-        return f"OpenTelemetry: a span per RPC to the configured {type(provider).__name__}"
+        return f"OpenTelemetry: a span per RPC to the process's {type(provider).__name__}", None
     try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    except ImportError:
-        return (
-            "OpenTelemetry: a span per RPC, but no tracer provider is configured and "
-            "opentelemetry-exporter-otlp is not installed: spans are dropped"
-        )
-    sdk = TracerProvider()
-    sdk.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    except ImportError as e:
+        raise RuntimeError(f"otel_tracing needs opentelemetry-sdk ({e}): {_OTEL_INSTALL}") from None
+    exporters = _span_exporters(environ)
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "kvservice"}))
+    sdk = TracerProvider(resource=resource)
+    for _, exporter in exporters:
+        sdk.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(sdk)
-    return "OpenTelemetry: a span per RPC, exported over OTLP (OTEL_EXPORTER_OTLP_* variables)"
+    if not exporters:
+        return "OpenTelemetry: a span per RPC, OTEL_TRACES_EXPORTER=none: spans are dropped", None
+
+    async def flush() -> None:
+        await asyncio.to_thread(sdk.force_flush, 5000)
+
+    names = ", ".join(name for name, _ in exporters)
+    return f"OpenTelemetry: a span per RPC to {names} (OTEL_TRACES_EXPORTER; OTEL_EXPORTER_* configure them)", flush

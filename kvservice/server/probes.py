@@ -52,12 +52,14 @@ class ProbePort:
     """The probe endpoints of one server (see the module docstring).
 
     Attributes:
+        host: the host both ports bind (as given: ``health_host``, else ``host``).
         grpc_port: the bound plaintext gRPC health port (None: off).
         http_port: the bound HTTP port (None: off).
         ready: what ``/readyz`` answers (set False when a stop begins).
     """
 
     def __init__(self) -> None:
+        self.host = ""
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.ready = True
@@ -74,6 +76,7 @@ class ProbePort:
             RuntimeError: a port cannot be bound (the message names the setting).
         """
         probe = cls()
+        probe.host = host
         try:
             if grpc_port is not None:
                 server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -101,11 +104,12 @@ class ProbePort:
 
     def describe(self) -> str:
         """One line for the start banner."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         parts = []
         if self.grpc_port is not None:
-            parts.append(f"grpc.health.v1 on port {self.grpc_port}")
+            parts.append(f"grpc.health.v1 on {host}:{self.grpc_port}")
         if self.http_port is not None:
-            parts.append(f"HTTP /healthz /readyz on port {self.http_port}")
+            parts.append(f"HTTP /healthz /readyz on {host}:{self.http_port}")
         return "probes (plain text, no token): " + ", ".join(parts)
 
     async def close(self) -> None:

@@ -640,11 +640,13 @@ class KVCacheServicer:
 
     def _manager_get_computed_blocks(self, call: pb.ManagerCall.GetComputedBlocks, out: pb.ManagerResult) -> None:
         limit = call.max_cache_hit_length if call.HasField("max_cache_hit_length") else None
-        result = self.engine.find_cache_hit(call.request_id, limit)
+        result = self.engine.find_cache_hit(call.request_id, limit, free_queue_horizon=call.free_queue_horizon)
         answer = out.computed_blocks
         answer.SetInParent()
         answer.num_computed_tokens = result.num_computed_tokens
         _fill_groups(answer.block_ids, result.block_ids)
+        answer.num_free_hit_blocks.extend(result.num_free_hit_blocks)
+        answer.num_free_blocks_ahead = result.num_free_blocks_ahead
 
     def _manager_allocate_slots(self, call: pb.ManagerCall.AllocateSlots, out: pb.ManagerResult) -> None:
         engine = self.engine

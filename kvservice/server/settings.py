@@ -82,6 +82,7 @@ else:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_REQUEST_IDLE_TIMEOUT_S",
     "AuthSettings",
     "BindSettings",
     "CacheSettings",
@@ -380,6 +381,12 @@ class CacheSettings(_Section):
             raise ValueError("give model_config or kv_cache_layout, not both")
 
 
+DEFAULT_REQUEST_IDLE_TIMEOUT_S = 600.0
+"""Seconds without a call after which the server frees a request (``request_idle_timeout_s``): ten
+minutes, far beyond a scheduler step (a scheduler calls every running request each step), so only
+the requests of a scheduler that stopped calling are freed."""
+
+
 @dataclass(frozen=True)
 class LimitsSettings(_Section):
     """Bounds on requests, Steps and messages; each refusal names its bound.
@@ -392,7 +399,8 @@ class LimitsSettings(_Section):
             yielding, so its events are one batch).
         max_message_bytes: largest gRPC message accepted or sent, bytes.
         request_idle_timeout_s: a request not called for this long is freed as by Free, seconds
-            (None: never).
+            (:data:`DEFAULT_REQUEST_IDLE_TIMEOUT_S`, so the requests of a scheduler that crashed
+            do not hold their blocks for ever; 0 or None: never).
         max_waiting_tokens: prompt tokens held by waiting requests (registered, not yet admitted)
             at once (8,388,608, about 370 MiB of server memory; 0: no bound); one more is refused
             with RESOURCE_EXHAUSTED naming max_waiting_tokens.
@@ -418,10 +426,9 @@ class LimitsSettings(_Section):
         default_text="64MiB",
     )
     request_idle_timeout_s: float | None = setting(
-        None,
-        "Free a request not called for this long, seconds.",
-        check=lambda v: None if 0 < v < float("inf") else "must be a finite number > 0 seconds (or unset: off)",
-        default_text="off",
+        DEFAULT_REQUEST_IDLE_TIMEOUT_S,
+        "Free a request not called (GetComputedBlocks, AllocateSlots) for this long, seconds; 0: never.",
+        check=lambda v: None if 0 <= v < float("inf") else "must be a finite number >= 0 seconds (0: off)",
     )
     max_waiting_tokens: int = setting(
         8 * 1024 * 1024,
@@ -572,7 +579,7 @@ class AuthSettings(_Section):
         tls_cert_file, tls_key_file: the server's certificate chain and private key (PEM; both
             or neither). Without them the port is plain text.
         tls_client_ca_file: CA (PEM) client certificates must chain to: mutual TLS.
-        auth_tokens_file: TOML file of bearer tokens with roles (scheduler, watcher).
+        auth_tokens_file: TOML file of bearer tokens with roles (scheduler, watcher, worker).
         allow_insecure_bind: bind a non-loopback host with neither TLS nor tokens, or a ZMQ
             socket off loopback (no authentication there at all); refused otherwise.
     """
@@ -591,7 +598,11 @@ class AuthSettings(_Section):
         default_text="none",
     )
     auth_tokens_file: str | None = setting(
-        None, "TOML file of bearer tokens with roles scheduler/watcher.", path=True, default_text="no tokens"
+        None,
+        "TOML file of bearer tokens ([[tokens]] name, role, token or token_sha256) with roles "
+        "scheduler (every RPC), watcher (events and reads) or worker (the data plane and reads).",
+        path=True,
+        default_text="no tokens",
     )
     allow_insecure_bind: bool = setting(
         False,
@@ -819,9 +830,10 @@ class LoggingSettings(_Section):
 
     Attributes:
         log_level: Python logging level of the server's loggers.
-        log_format: "text" or "json" (one object per line: time, level, logger, message, and the
-            rpc / request_id of the call a line was logged in).
-        otel_tracing: an OpenTelemetry span per RPC (needs ``kvservice[otel]``).
+        log_format: "text" or "json" (every line ``kvservice serve`` writes one object: time,
+            level, logger, message, and the rpc / request_id of the call a line was logged in).
+        otel_tracing: an OpenTelemetry span per RPC, exported as the ``OTEL_*`` variables say
+            (needs kvservice's ``otel`` extra).
     """
 
     name: ClassVar[str] = "logging"
@@ -833,11 +845,15 @@ class LoggingSettings(_Section):
     )
     log_format: str = setting(
         "text",
-        "Log lines as text or JSON (one object per line).",
+        "Log lines as text or JSON (every line one object, the start-up lines and errors too).",
         choices=("text", "json"),
         check=one_of(("text", "json")),
     )
-    otel_tracing: bool = setting(False, "An OpenTelemetry span per RPC (pip install 'kvservice[otel]').")
+    otel_tracing: bool = setting(
+        False,
+        "An OpenTelemetry span per RPC, exported as the OTEL_* variables say (OTEL_TRACES_EXPORTER=console|otlp); "
+        "needs the otel extra (pip install ./clients/python '.[otel]' in the checkout).",
+    )
 
 
 SECTIONS: tuple[type[_Section], ...] = (

@@ -78,7 +78,7 @@ LAN address, an interface name) unless ``allow_insecure_bind`` is set, and then 
 (``tcp://127.0.0.1:*``, ``tcp://[::1]:5557``) and connects to a ``tcp://host:port`` the operator
 named (the receiving router binds it) are allowed.
 
-pyzmq is an optional dependency: ``pip install 'kvservice[zmq]'``.
+pyzmq is an optional dependency: ``pip install pyzmq`` (the ``zmq`` extra).
 """
 
 from __future__ import annotations
@@ -122,14 +122,14 @@ def import_zmq() -> Any:
     """Import pyzmq (and ``zmq.asyncio``).
 
     Raises:
-        RuntimeError: pyzmq is not installed (the message names ``pip install 'kvservice[zmq]'``).
+        RuntimeError: pyzmq is not installed (the message names ``pip install pyzmq``).
     """
     try:
         import zmq
         import zmq.asyncio
     except ImportError as e:
         raise RuntimeError(
-            f"zmq_endpoint needs pyzmq, which is not installed ({e}): pip install 'kvservice[zmq]'"
+            f"zmq_endpoint needs pyzmq, which is not installed ({e}): pip install pyzmq (kvservice's zmq extra)"
         ) from None
     return zmq
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,14 @@ class Lines:
             self.seen.append(line)
             if text in line:
                 return line
+
+    def rest(self) -> list[str]:
+        """The lines not read yet, to the end of the output (call once the process has exited)."""
+        more = []
+        while (line := self._queue.get(timeout=TIMEOUT_S)) is not None:
+            self.seen.append(line)
+            more.append(line)
+        return more
 
 
 def _spawn(*args: str) -> subprocess.Popen:
@@ -121,3 +130,69 @@ def test_replay_sizes_the_embedded_pool_from_a_memory_budget(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "preset llama-3-8b, block_size 16 tokens, num_blocks 32,768" in result.stdout  # 64 GiB // 2 MiB
+
+
+def test_replay_into_a_file_writes_plain_lines_not_bar_frames(tmp_path):
+    """``kvservice replay > log.txt``: stdout is not a terminal, so no progress bar (its frames
+    would fill the log); the plain progress line, the table and the last line are there."""
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvservice.cli", "replay", "--limit", "3", "--out", str(tmp_path / "out")],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    assert result.returncode == 0, result.stderr
+    text = log.read_text()
+    assert "\r" not in text and "\x1b" not in text and "req/s" not in text and "it/s" not in text
+    progress = [line for line in text.splitlines() if re.fullmatch(r"replay \d+ s: .* requests", line)]
+    assert progress and progress[-1].endswith(" s: incremental 3/3, full 3/3 requests"), text
+    assert text.splitlines()[-1].startswith("wrote ")
+    assert "\r" not in result.stderr
+
+
+@pytest.mark.slow
+def test_replay_against_a_target_names_the_targets_layout_first(tmp_path):
+    """``--target``: the first line is what the server holds (its GetKVCacheGroupMetadata), not
+    the --preset default the replay would have used for an embedded server."""
+    serve = _spawn("serve", "--port", "0", "--preset", "qwen-2.5-0.5b", "--num-blocks", "4096", "--device", "meta")
+    try:
+        address = Lines(serve.stdout).wait_for("kvservice listening on").split()[3]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvservice.cli", "replay", "--target", address, "--limit", "2"]
+            + ["--report-mode", "full", "--no-late-watcher", "--out", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[0] == (
+            f"replay: the embedded Mooncake sample, first 2 requests; server {address} (preset qwen-2.5-0.5b, "
+            "4,096 blocks of 16 tokens), mirror half the server's pool; report mode full; 1 watcher(s)"
+        )
+        assert "preset qwen-2.5-0.5b, block_size 16 tokens, num_blocks 4,096" in result.stdout  # the table's
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(TIMEOUT_S)
+
+
+def test_replay_takes_a_model_config(tmp_path):
+    from tests.tooling.tools import ROOT
+
+    config = ROOT / "tests/data/model_configs/qwen2.5-0.5b"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvservice.cli", "replay", "--model-config", str(config), "--limit", "2"]
+        + ["--num-blocks", "4096", "--report-mode", "full", "--no-late-watcher", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == (
+        f"replay: the embedded Mooncake sample, first 2 requests; model config {config}, pool 4,096 blocks of 16 "
+        "tokens, mirror 2,047 blocks; report mode full; 1 watcher(s)"
+    )
+    assert f"layout {config}, block_size 16 tokens, num_blocks 4,096" in " ".join(result.stdout.split())
+    assert "│ mirror capacity / num_blocks (blocks)" in result.stdout and "2,047 / 4,096" in result.stdout

@@ -51,6 +51,11 @@ def test_serve_on_a_port_in_use_is_a_clean_error():
         port = s.getsockname()[1]
         proc = _run("serve", "--device", "meta", "--num-blocks", "16", "--port", str(port))
     _assert_clean_error(proc, str(port))
+    assert (proc.stdout, proc.stderr) == (  # one line: not gRPC's internal add_port.cc line before it
+        "",
+        f"Error: cannot bind 127.0.0.1:{port}: Address already in use (another kvservice or another program "
+        f"listens on port {port}): choose another --port, or --port 0 for a free one\n",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +138,17 @@ def test_serve_with_a_bad_model_config_names_the_field(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4}')
     proc = _run("serve", "--port", "0", "--device", "meta", "--model-config", str(tmp_path))
     _assert_clean_error(proc, "missing field 'num_attention_heads'")
+
+
+def test_serve_with_an_unknown_architecture_points_to_the_layout_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["FalconForCausalLM"], "num_hidden_layers": 4}')
+    proc = _run("serve", "--port", "0", "--device", "meta", "--model-config", str(tmp_path))
+    _assert_clean_error(
+        proc,
+        "unknown architecture 'FalconForCausalLM'; known: ",
+        "describe its layers in a layout file for --kv-cache-layout",
+    )
+    assert proc.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def test_sigterm_goes_not_ready_keeps_serving_through_the_drain_then_exits():
     try:
         out = Lines(serve.stdout)
         address = out.wait_for("kvservice listening on").split()[3]
-        http_port = int(out.wait_for("HTTP /healthz /readyz on port").rsplit(" ", 1)[1])
+        http_port = int(out.wait_for("HTTP /healthz /readyz on 127.0.0.1:").rsplit(":", 1)[1])
         assert _readyz(http_port) == 200
         serve.send_signal(signal.SIGTERM)
         assert "stopping (graceful): NOT_SERVING, drain 3 s, then stop within 1 s" in out.wait_for("stopping")

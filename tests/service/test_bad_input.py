@@ -962,6 +962,32 @@ CASES = [
         IA,
         ("request: not a valid kvservice.v1.ReadBlocksRequest",),
     ),
+    # ManagerStep: refused whole (a failing call inside one is answered in its results:
+    # tests/service/test_manager_step.py)
+    Case(
+        "manager step without an owner",
+        "owner",
+        '""',
+        lambda c: pb.ManagerStepRequest(),
+        IA,
+        ("owner: must not be empty",),
+    ),
+    Case(
+        "manager step owner over 256 bytes",
+        "owner",
+        '"o" * 257',
+        lambda c: pb.ManagerStepRequest(owner="o" * 257),
+        IA,
+        ("owner: longer than 256 bytes",),
+    ),
+    Case(
+        "manager step claim of two hours",
+        "claim_ttl_s",
+        "7200",
+        lambda c: pb.ManagerStepRequest(owner="s", claim_ttl_s=7200),
+        IA,
+        ("claim_ttl_s: 7200.0 outside 0 < ttl <= 3600 seconds",),
+    ),
 ]
 
 
@@ -973,9 +999,12 @@ def rpc_of(request: Any) -> str:
         return {"get_computed_blocks": "GetComputedBlocks", "allocate_slots": "AllocateSlots", "free": "Free"}[
             request.WhichOneof("op")
         ]
-    return {pb.StreamEventsRequest: "StreamEvents", pb.TakeEventsRequest: "TakeEvents", pb.StepRequest: "Step"}[
-        type(request)
-    ]
+    return {
+        pb.StreamEventsRequest: "StreamEvents",
+        pb.TakeEventsRequest: "TakeEvents",
+        pb.StepRequest: "Step",
+        pb.ManagerStepRequest: "ManagerStep",
+    }[type(request)]
 
 
 async def _raw_call(client, raw: Raw) -> None:
@@ -1018,6 +1047,8 @@ async def error_of(client, request: Any) -> KVServiceError:
             await next_batch(client.stream_events(request))
         elif isinstance(request, pb.TakeEventsRequest):
             await client.take_events(request)
+        elif isinstance(request, pb.ManagerStepRequest):
+            await client.manager_step(request)
         else:
             await client.step(request)
     except KVServiceError as err:

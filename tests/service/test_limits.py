@@ -51,8 +51,11 @@ def fill_the_pool() -> pb.StepRequest:
 async def test_idle_requests_are_freed_as_a_free_would_free_them(start_kv_server, connect, caplog):
     caplog.set_level(logging.INFO, logger="kvservice.server.reaper")
     reaping = await start_kv_server(request_idle_timeout_s=0.2)
-    twin = await start_kv_server()
+    twin = await start_kv_server(request_idle_timeout_s=0)  # 0: off
     assert twin.reaper is None and reaping.reaper is not None and reaping.reaper.num_reaped_requests == 0
+    assert twin.notes[-1] == (
+        "request_idle_timeout_s off: a request whose scheduler stopped calling holds its blocks until freed"
+    )
     clients = {"reaping": await connect(reaping), "twin": await connect(twin)}
     streams = {
         name: await StreamReader.open(clients[name], running)
@@ -212,3 +215,11 @@ async def test_a_call_past_its_deadline_changes_nothing(start_kv_server, connect
     # The same call in time does change the state (so the refusal above is what kept it unchanged).
     await deadline_calls()[method](client, 10.0)
     assert await observed_state(running, client) != before
+
+
+async def test_requests_of_a_scheduler_that_stopped_are_freed_by_default(start_kv_server):
+    """On by default (600 s), so a crashed scheduler's requests do not hold their blocks for ever;
+    the start names only a timeout that is not the default."""
+    running = await start_kv_server()
+    assert running.reaper is not None and running.reaper.idle_timeout_s == 600.0
+    assert not any("request_idle_timeout_s" in note for note in running.notes)

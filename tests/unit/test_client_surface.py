@@ -28,6 +28,7 @@ from kvservice_client import (
 from kvservice_client._facade import _RPC, unary
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
+from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods
 from kvservice_client.rpc_table import KV_CACHE_SERVICE, snake_case
 from kvservice_client.tls import resolve_channel_security
 
@@ -104,7 +105,27 @@ def test_the_namespace_and_jetstream_import_without_nats():
         "    print(str(e).split(' (')[0], '|', str(e).split(': ')[-1])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out == "JetStreamWatcher needs nats-py, which is not installed | pip install 'kvservice-client[nats]'\n"
+    assert (
+        out
+        == "JetStreamWatcher needs nats-py, which is not installed | pip install nats-py (kvservice-client's nats extra)\n"
+    )
+
+
+def test_torch_view_without_torch_says_how_to_install_it():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "try:\n"
+        "    import kvservice_client.torch_view\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == (
+        "torch | kvservice_client.torch_view maps the server's KV memory as torch tensors and needs torch, which is "
+        "not installed: pip install torch (or './clients/python[torch]' from a kvservice checkout); "
+        "kvservice_client.data reads and writes blocks as bytes without it\n"
+    )
 
 
 # --- the twin clients ------------------------------------------------------------------------
@@ -129,6 +150,10 @@ def test_both_clients_have_the_same_public_methods():
         "take_events",
         "ping",
         "close",
+        "attach_kv_cache",
+        "write_blocks",
+        "read_blocks",
+        "iter_read_blocks",
     } <= set(_public_methods(KVCacheClient))
 
 
@@ -150,7 +175,8 @@ def test_the_twin_methods_have_identical_signatures_and_docs(name: str):
     assert not inspect.iscoroutinefunction(sync)
     server_streaming = {rpc.client_method for rpc in KV_CACHE_SERVICE if rpc.response_streaming}
     assert server_streaming == {"stream_events", "read_blocks"}
-    assert inspect.iscoroutinefunction(async_) == (name not in server_streaming)
+    # read_blocks is the data-plane helper (a list of blocks); iter_read_blocks streams them.
+    assert inspect.iscoroutinefunction(async_) == (name not in ("stream_events", "iter_read_blocks"))
 
 
 def test_the_constructors_take_the_same_arguments():
@@ -173,10 +199,11 @@ RPC_METHODS = {
 
 # The RPCs whose method is the generated default (it takes the request message).
 DEFAULT_RPC_METHODS = {
-    "attach_kv_cache": "pb.AttachKVCacheResponse",
-    "write_blocks": "pb.WriteBlocksResponse",
     "manager_step": "pb.ManagerStepResponse",
 }
+
+# The RPCs whose method is a plain data-plane helper (kvservice_client.data) over the default.
+DATA_PLANE_METHODS = ("attach_kv_cache", "write_blocks", "read_blocks")
 
 
 def _entries() -> dict[str, _RPC]:
@@ -205,23 +232,18 @@ def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
     """Both clients' RPC methods come from one table (the generated defaults, some replaced by the
     hand-written entries of client._KVCacheServiceRPCs); each client holds its own function per
     entry, with the entry's docstring and the method's return type."""
-    entries = _entries()
+    entries = {n: e for n, e in _entries().items() if n not in DATA_PLANE_METHODS}
     unary_methods = {**RPC_METHODS, **DEFAULT_RPC_METHODS}
-    assert set(entries) == {*unary_methods, "stream_events", "read_blocks"}
+    assert set(entries) == {*unary_methods, "stream_events"}
+    for name in DATA_PLANE_METHODS:  # the helpers replace the generated defaults
+        assert inspect.getattr_static(KVCacheClient, name) is inspect.getattr_static(BlockingDataPlaneMethods, name)
+        assert inspect.getattr_static(AsyncKVCacheClient, name) is inspect.getattr_static(AsyncDataPlaneMethods, name)
     returns = {
         cls: {name: inspect.signature(vars(cls)[name]).return_annotation for name in entries}
         for cls in (KVCacheClient, AsyncKVCacheClient)
     }
-    assert returns[KVCacheClient] == {
-        **unary_methods,
-        "stream_events": "Iterator[pb.EventBatch]",
-        "read_blocks": "Iterator[pb.ReadBlocksChunk]",
-    }
-    assert returns[AsyncKVCacheClient] == {
-        **unary_methods,
-        "stream_events": "AsyncIterator[pb.EventBatch]",
-        "read_blocks": "AsyncIterator[pb.ReadBlocksChunk]",
-    }
+    assert returns[KVCacheClient] == {**unary_methods, "stream_events": "Iterator[pb.EventBatch]"}
+    assert returns[AsyncKVCacheClient] == {**unary_methods, "stream_events": "AsyncIterator[pb.EventBatch]"}
     for cls in (KVCacheClient, AsyncKVCacheClient):
         for name, entry in entries.items():
             function = vars(cls)[name]
@@ -231,16 +253,13 @@ def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
 
 
 def test_a_generated_default_takes_the_request_message_and_is_documented_by_the_proto():
-    signature = inspect.signature(KVCacheClient.attach_kv_cache)
+    signature = inspect.signature(KVCacheClient.manager_step)
     assert str(signature) == (
-        "(self, request: 'pb.AttachKVCacheRequest | None' = None, *, timeout: 'Timeout' = None, "
-        "metadata: 'Metadata' = None) -> 'pb.AttachKVCacheResponse'"
+        "(self, request: 'pb.ManagerStepRequest | None' = None, *, timeout: 'Timeout' = None, "
+        "metadata: 'Metadata' = None) -> 'pb.ManagerStepResponse'"
     )
-    assert KVCacheClient.attach_kv_cache.__doc__.startswith("Data plane (role `worker` or `scheduler`): describe")
-    assert str(inspect.signature(AsyncKVCacheClient.write_blocks)) == (
-        "(self, requests: 'Iterable[pb.WriteBlocksChunk]', *, timeout: 'Timeout' = None, "
-        "metadata: 'Metadata' = None) -> 'pb.WriteBlocksResponse'"
-    )
+    assert KVCacheClient.manager_step.__doc__.startswith("vLLM's KV cache manager for a scheduler")
+    assert str(inspect.signature(rpcs.KVCacheServiceMethods.write_blocks.build)).startswith("(self, requests")
 
 
 def _calls_of_each_method(client: Any) -> list[tuple[str, Callable[[], object]]]:

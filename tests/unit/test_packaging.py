@@ -99,3 +99,25 @@ def test_go_stubs_generate_from_the_proto_without_flags(tmp_path):
     assert "type GetComputedBlocksRequest struct" in stubs.read_text()
     if plugins["protoc-gen-go-grpc"] is not None:
         assert "func NewKVCacheServiceClient(" in (out / "kv_cache_service_grpc.pb.go").read_text()
+
+
+def test_the_client_on_python_3_9_says_it_needs_3_10():
+    """pip prepares the client's metadata (setup.py) before it looks for protobuf and grpcio
+    releases for that Python: the first error is the Python version, not a missing protobuf."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_client_pythons", ROOT / "scripts" / "check_client_pythons.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    python39 = module.find_python("3.9")
+    if python39 is None:
+        pytest.skip("no Python 3.9 on this machine")
+    result = subprocess.run(
+        [python39, "setup.py", "egg_info"], cwd=ROOT / "clients" / "python", capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "kvservice-client needs Python 3.10 or newer (requires-python >=3.10); this is Python 3.9: install it "
+        "with python3.10 or newer"
+    )

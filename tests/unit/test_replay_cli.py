@@ -51,6 +51,6 @@ def test_the_first_line_comes_before_the_replay_starts(monkeypatch, tmp_path):
     )
     assert result.exit_code == 1 and seen
     assert result.output.splitlines()[0] == (
-        "replay: the embedded Mooncake sample, first 5 requests; preset llama-3-8b, pool 32,767 blocks of 16 "
+        "replay: the embedded Mooncake sample, first 5 requests; preset llama-3-8b, pool 32,768 blocks of 16 "
         "tokens, mirror unbounded; report mode incremental and full; 1 watcher(s) + a late one"
     )

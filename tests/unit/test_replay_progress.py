@@ -88,3 +88,21 @@ async def test_run_in_workers_returns_in_job_order_and_the_parent_draws_their_pr
     assert results == ["incremental done", "full done"]
     assert progress.finished == {"incremental": 3, "full": 2}
     assert worker_progress() is None  # this process is no worker
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_by_default_a_bar_only_in_a_terminal():
+    """``bar=None`` (the replay's default): tqdm's frames in a terminal; plain lines when the
+    output is a file or a pipe, so ``kvservice replay > log.txt`` writes no frames."""
+    for stream, bar in ((io.StringIO(), False), (Terminal(), True)):
+        progress = Progress(["full"], 10, bar=None, stream=stream, clock=Clock())
+        progress.update("full", 10)
+        progress.close()
+        if bar:
+            assert "\r" in stream.getvalue() and "10/10" in stream.getvalue()
+        else:
+            assert stream.getvalue() == "replay 0 s: full 10/10 requests\n"

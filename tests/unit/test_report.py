@@ -42,8 +42,10 @@ def _mode(name: str, series: list[tuple[int, int, int]], **overrides: object) ->
         num_preemptions=2,
         rpc_latency=LatencySummary.from_samples([0.25, 0.5, 0.75, 1.0, 4.0]),
         wall_time_s=3.5,
-        mirror_capacity_blocks=2_048,
-        pool_size_blocks=2_048,
+        mirror_capacity_blocks=1_023,
+        pool_size_blocks=2_047,  # num_blocks 2,048 less the null block
+        num_readmission_max_hit_tokens=1_904,
+        num_ideal_hit_tokens=4_400,
         series=series,
     )
     fields.update(overrides)
@@ -243,8 +245,12 @@ def test_render_table_both_modes_side_by_side() -> None:
     assert row("mean depth predicted / actual") == ["2.00 / 2.20", "2.20 / 2.20"]
     assert row("events / batches") == ["4,321 / 987", "4,321 / 987"]
     assert row("RPC latency p50 / p99 (ms)") == ["0.750 / 3.880", "0.750 / 3.880"]
-    assert row("mirror capacity / pool size") == ["2,048 / 2,048", "2,048 / 2,048"]
-    assert "ideal prefix hit rate, infinite cache (tokens): 25.00 %" in text
+    assert row("ideal, infinite cache, same admissions (tokens)") == ["36.67 %", "36.67 %"]  # 4,400 / 12,000
+    assert row("mirror capacity / num_blocks") == ["1,023 / 2,048", "1,023 / 2,048"]  # one count, as the title's
+    assert (
+        "ideal prefix hit rate, infinite cache, each request once (tokens; bounds the first-admission rate): 25.00 %"
+        in text
+    )
     assert row("late watcher since it joined") == ["-", "50.00 % of 2, MAE 0.500"]
     assert row("first watcher, same requests") == ["-", "100.00 % of 2, MAE 0.000"]
     assert all(line == line.rstrip() for line in lines)
@@ -253,7 +259,7 @@ def test_render_table_both_modes_side_by_side() -> None:
 def test_render_table_single_mode_and_markup_safe() -> None:
     report = _report(
         trace_path="/x/[bold]trace.jsonl",
-        modes=[_mode("full", SERIES_FULL)],
+        modes=[_mode("full", SERIES_FULL, num_ideal_hit_tokens=None)],
         ideal_hit_rate_tokens_pct=None,
     )
     text = render_table(report)

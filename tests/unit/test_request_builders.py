@@ -128,3 +128,31 @@ def test_a_numpy_uint8_array_goes_as_token_ids():
 
     request = get_computed_blocks_request("r", np.array([5, 6, 7], dtype=np.uint8), None, None, None, None, ())
     assert list(request.prompt_token_ids) == [5, 6, 7] and not request.packed_prompt_token_ids
+
+
+# --- decode: per-request token lists -------------------------------------------------------------
+
+
+def test_decode_takes_one_token_list_per_request_as_the_flat_form():
+    from kvservice_client.request_builders import decode_request
+
+    flat = decode_request(["a", "b", "c"], [7, 8, 9, 10], [1, 2, 1], (), ())
+    assert decode_request(["a", "b", "c"], [[7], [8, 9], [10]], (), (), ()) == flat
+    assert decode_request(["a", "b", "c"], [(7,), array("i", [8, 9]), [10]], [1, 2, 1], (), ()) == flat
+    assert list(decode_request(["a", "b"], [5, 6], (), (), ()).new_token_ids) == [5, 6]  # one each, as before
+
+
+@pytest.mark.parametrize(
+    ("new_token_ids", "num_new_token_ids", "error", "message"),
+    [
+        ([[1]], (), ValueError, "new_token_ids has 1 per-request lists for 2 request_ids"),
+        ([[1], [2]], [1, 2], ValueError, r"num_new_token_ids \[1, 2\] differs from the lengths .* \[1, 1\]"),
+        ([[1], 2], (), TypeError, "must be ints, or one sequence of ints per request"),
+        (["x", "y"], (), TypeError, "new_token_ids is one flat sequence of ints, request after request, or one"),
+    ],
+)
+def test_decode_token_ids_of_another_shape_are_named(new_token_ids, num_new_token_ids, error, message):
+    from kvservice_client.request_builders import decode_request
+
+    with pytest.raises(error, match=message):
+        decode_request(["a", "b"], new_token_ids, num_new_token_ids, (), ())

@@ -190,8 +190,8 @@ def test_consumer_idle_timeout_must_be_positive():
     [
         ({"max_step_tokens": 0}, "max_step_tokens must be >= 1; got 0"),
         ({"max_streams": 0}, "max_streams must be >= 1; got 0"),
-        ({"request_idle_timeout_s": 0.0}, "request_idle_timeout_s must be a finite number > 0 seconds"),
-        ({"request_idle_timeout_s": float("inf")}, "request_idle_timeout_s must be a finite number > 0 seconds"),
+        ({"request_idle_timeout_s": -1.0}, "request_idle_timeout_s must be a finite number >= 0 seconds (0: off)"),
+        ({"request_idle_timeout_s": float("inf")}, "request_idle_timeout_s must be a finite number >= 0 seconds"),
         ({"consumer_idle_timeout_s": -1.0}, "consumer_idle_timeout_s must be > 0 seconds; got -1.0"),
     ],
 )
@@ -216,7 +216,7 @@ def test_limit_settings_come_from_flags_env_and_files(tmp_path):
         ServerConfig().events.consumer_idle_timeout_s,
         ServerConfig().events.max_streams,
         ServerConfig().limits.max_step_tokens,
-    ) == (None, 3600.0, 1024, 1 << 18)
+    ) == (600.0, 3600.0, 1024, 1 << 18)  # the requests of a scheduler that stopped are freed by default
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
     for flag in (
         "--request-idle-timeout-s",

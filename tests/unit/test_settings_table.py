@@ -164,3 +164,11 @@ def test_log_level_after_the_other_subcommands(command):
         assert CliRunner().invoke(probe, ["--log-level", "error"]).output == "ERROR\n"
     finally:
         root.setLevel(saved)
+
+
+def test_the_auth_tokens_file_help_names_every_role():
+    from kvservice.server.auth import ROLES
+
+    help_text = " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split())
+    line = help_text.split("--auth-tokens-file", 1)[1].split(" --", 1)[0]
+    assert [role for role in ROLES if role not in line] == [], line

@@ -62,6 +62,7 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.convert import PayloadFormatLike
+from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods
 from kvservice_client.errors import KVServiceError, StatusCode
 from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
     ReportMode,
@@ -94,6 +95,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_RETRY_POLICY",
+    "IDEMPOTENT_METHODS",
     "AsyncKVCacheClient",
     "KVCacheClient",
     "KVServiceError",
@@ -140,16 +143,46 @@ silently ends with UNAVAILABLE within about 40 s and an :class:`EventWatcher` re
 accepts pings this often (its ``keepalive_min_client_interval_s`` defaults to 5 s)."""
 
 
+IDEMPOTENT_METHODS = ("Ping", "GetUsage", "GetKVCacheGroupMetadata", "GetComputedBlocks", "AttachKVCache", "ReadBlocks")
+"""The RPCs a client may send again without changing what the server does: reads, and
+``GetComputedBlocks`` (a second lookup of a request registered with the same prompt answers its
+hit and registers nothing). AllocateSlots, Free, Step, ResetPrefixCache, TakeEvents (it moves its
+consumer's cursor), WriteBlocks and StreamEvents (an :class:`EventWatcher` resumes it itself) are
+not retried."""
+
+DEFAULT_RETRY_POLICY = {
+    "maxAttempts": 4,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+"""gRPC's own retry policy (its service config, ``grpc.service_config``) for
+:data:`IDEMPOTENT_METHODS` on a channel a client opens: a call that ends UNAVAILABLE (the server
+restarting or draining, a connection lost) is sent again up to 3 times, after about 0.1, 0.2 and
+0.4 s (gRPC randomizes each backoff), within the call's deadline. A channel whose ``options`` set
+``grpc.service_config`` keeps its own; ``("grpc.enable_retries", 0)`` turns retries off."""
+
+
+def _service_config() -> str:
+    import json
+
+    names = [{"service": "kvservice.v1.KVCacheService", "method": method} for method in IDEMPOTENT_METHODS]
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": DEFAULT_RETRY_POLICY}]})
+
+
 def _channel_options(
     options: Sequence[tuple[str, Any]] | None, extra: Sequence[tuple[str, Any]] = ()
 ) -> list[tuple[str, Any]]:
-    """``options`` plus ``extra`` (the TLS settings') plus the default receive limit and keepalive,
-    where they set none."""
+    """``options`` plus ``extra`` (the TLS settings') plus the default receive limit, keepalive and
+    retry policy (:data:`DEFAULT_RETRY_POLICY`), where they set none."""
     out = [*extra, *(options or ())]
     names = {name for name, _ in out}
     if "grpc.max_receive_message_length" not in names:
         out.append(("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES))
     out.extend((name, value) for name, value in DEFAULT_KEEPALIVE_OPTIONS if name not in names)
+    if "grpc.service_config" not in names:
+        out.append(("grpc.service_config", _service_config()))
     return out
 
 
@@ -714,7 +747,7 @@ class _ClientBase(_KVCacheServiceRPCs, rpcs.KVCacheServiceMethods, Generic[_Chan
         return {"timeout": seconds, "metadata": pairs or None}
 
 
-class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase):  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
+class KVCacheClient(BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase):  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
     __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
 
     _channel_module: ClassVar[Any] = grpc
@@ -746,7 +779,9 @@ class KVCacheClient(_ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncC
             raise KVServiceError.from_rpc_error(err) from err
 
 
-class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"], AsyncClientBase):  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
+class AsyncKVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
+    AsyncDataPlaneMethods, _ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"], AsyncClientBase
+):
     __doc__ = (
         "``grpc.aio`` client of ``kvservice.v1.KVCacheService``; the async twin of :class:`KVCacheClient`\n"
         "(same methods, as coroutines; ``stream_events`` returns an async iterator).\n" + _CLIENT_ARGS_DOC
@@ -779,7 +814,8 @@ class AsyncKVCacheClient(_ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAs
 
 def _install_rpcs(cls: type[_ClientBase[Any, Any]], asynchronous: bool) -> None:
     """Gives ``cls`` a plain function per entry of its bases' tables, under the entry's name (an
-    entry of an earlier base replaces a later one's: the hand-written over the generated default).
+    entry of an earlier base replaces a later one's: the hand-written over the generated default;
+    a plain method of an earlier base, as the data-plane helpers, replaces both).
 
     Raises:
         TypeError: an entry of an RPC that ``cls._service`` does not have, or an RPC of it that no
@@ -800,6 +836,9 @@ def _install_rpcs(cls: type[_ClientBase[Any, Any]], asynchronous: bool) -> None:
             "(rerun scripts/gen_protos.py: its generated entries are stale)"
         )
     for name, entry in entries.items():
+        first = next(vars(base)[name] for base in cls.__mro__ if name in vars(base))
+        if not isinstance(first, _RPC):
+            continue  # a plain method of an earlier base (the data-plane helpers) over the entry
         function = entry.function(asynchronous)
         function.__name__ = name
         function.__module__ = cls.__module__

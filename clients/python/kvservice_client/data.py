@@ -5,46 +5,75 @@ A block's bytes are laid out as the proto's data-plane comment says (each view o
 group's ``bytes_per_block``. Each block travels in chunks of at most ``max_data_chunk_bytes``
 (``GetKVCacheGroupMetadata``), the last one carrying the block's xxh3_64 checksum.
 
+The helpers are methods of both clients too (:class:`BlockingDataPlaneMethods`,
+:class:`AsyncDataPlaneMethods`, bases of ``KVCacheClient`` and ``AsyncKVCacheClient``). A block is
+named by ``(group_idx, block_id)`` (the ids an allocation answers, ``new_block_ids[g].block_ids``),
+by ``(group_idx, block_hash)`` (the full digest, for reads) or by a :func:`block_ref`.
+
 Example::
 
     with KVCacheClient("127.0.0.1:50051", token=worker_token) as client:
-        write_blocks(client, "req-1", [(0, 7, block_bytes)])
-        for block in read_blocks(client, [block_ref(0, block_id=7)]):
+        slots = client.allocate_slots("req-1", num_new_tokens=64)
+        block_id = slots.new_block_ids[0].block_ids[0]
+        client.write_blocks("req-1", [(0, block_id, block_bytes)])
+        for block in client.read_blocks([(0, block_id)]):
             assert block.data == block_bytes
 
-Both helpers keep about one chunk (``write_blocks``: one chunk; ``iter_read_blocks``: one block)
-in memory at a time; the async twins (``awrite_blocks``, ``aiter_read_blocks``) take an
-:class:`~kvservice_client.client.AsyncKVCacheClient`.
+Both keep about one chunk (``write_blocks``: one chunk; ``iter_read_blocks``: one block) in memory
+at a time; the async twins (``awrite_blocks``, ``aiter_read_blocks``, or the same methods of an
+:class:`~kvservice_client.client.AsyncKVCacheClient`) await.
 """
 
 from __future__ import annotations
 
 import inspect
 import operator
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+)
 from contextlib import aclosing, closing
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, Union, cast
 
 import grpc
 import grpc.aio
 import xxhash
 
+# The client module takes this module's method classes as the clients' bases, so this module never
+# imports it (docs/ARCHITECTURE.md §1.3): the call aliases come from the facade both use, and a
+# client is what DataPlaneClient reads of it.
+from kvservice_client._facade import Metadata, Timeout  # noqa: E402 (after the note on why not client)
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.client import (
-    AsyncKVCacheClient,
-    KVCacheClient,
-    KVServiceError,
-    Metadata,
-    Timeout,
-    _aiterate_stream,
-    _iterate_stream,
-)
+from kvservice_client.errors import KVServiceError
+
+
+class DataPlaneClient(Protocol):
+    """What the helpers use of a :class:`~kvservice_client.client.KVCacheClient` (blocking
+    helpers) or :class:`~kvservice_client.client.AsyncKVCacheClient` (the ``a...`` helpers)."""
+
+    @property
+    def stub(self) -> Any: ...
+
+    def _rpc(self, method: str, request: Any, timeout: Any, metadata: Any) -> Any: ...
+
+    def _call_options(self, streaming: bool, timeout: Any, metadata: Any) -> dict[str, Any]: ...
+
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 __all__ = [
+    "AsyncDataPlaneMethods",
+    "BlockRefLike",
+    "BlockingDataPlaneMethods",
+    "DataPlaneClient",
+    "Metadata",
     "ReadBlock",
     "aattach_kv_cache",
     "attach_kv_cache",
@@ -55,6 +84,7 @@ __all__ = [
     "block_ref",
     "iter_read_blocks",
     "read_blocks",
+    "Timeout",
     "write_block_chunks",
     "write_blocks",
 ]
@@ -76,6 +106,35 @@ def block_ref(group_idx: int, *, block_id: int | None = None, block_hash: bytes 
     if block_hash is not None and block_id is None:
         return pb.BlockRef(group_idx=group_idx, block_hash=block_hash)
     raise ValueError("give exactly one of block_id or block_hash")
+
+
+BlockRefLike = Union[pb.BlockRef, tuple[int, int], tuple[int, bytes]]
+"""A block to read: a ``BlockRef``, ``(group_idx, block_id)`` or ``(group_idx, block_hash)`` (the
+full digest as bytes)."""
+
+
+def _block_refs(refs: Iterable[BlockRefLike]) -> list[pb.BlockRef]:
+    """``refs`` as ``BlockRef`` messages.
+
+    Raises:
+        TypeError: an item that is neither a ``BlockRef`` nor a (group_idx, block id or hash) pair.
+    """
+    out = []
+    for ref in refs:
+        if isinstance(ref, pb.BlockRef):
+            out.append(ref)
+            continue
+        try:
+            group_idx, block = ref
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"a block to read is a BlockRef, (group_idx, block_id) or (group_idx, block_hash); got {ref!r}"
+            ) from None
+        if isinstance(block, (bytes, bytearray)):
+            out.append(block_ref(_uint32("group_idx", group_idx), block_hash=bytes(block)))
+        else:
+            out.append(block_ref(_uint32("group_idx", group_idx), block_id=_uint32("block_id", block)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +207,25 @@ def write_block_chunks(
         TypeError: an id that is not an integer, or a block's data that is not bytes-like.
     """
     return _block_chunks(request_id, _checked_blocks(blocks, chunk_bytes), chunk_bytes)
+
+
+def _check_block_sizes(blocks: list[tuple[int, int, memoryview]], bytes_per_block: list[int]) -> None:
+    """Each block is exactly its group's ``bytes_per_block`` long (the server would see a block
+    that ends early as a checksum on an incomplete block).
+
+    Raises:
+        ValueError: a group out of range, or a block of another size (both named).
+    """
+    for group_idx, block_id, view in blocks:
+        if group_idx >= len(bytes_per_block):
+            raise ValueError(
+                f"block {block_id}: group_idx {group_idx} out of range (the server has {len(bytes_per_block)} groups)"
+            )
+        if len(view) != bytes_per_block[group_idx]:
+            raise ValueError(
+                f"block {block_id} of group {group_idx}: {len(view)} bytes, but a block of that group is "
+                f"{bytes_per_block[group_idx]} bytes (bytes_per_block); nothing was sent"
+            )
 
 
 def _block_chunks(
@@ -233,10 +311,10 @@ def _named(helper: Callable[..., Any], plan: Callable[..., Any], prefix: str, cl
     )
 
 
-def _blocking(plan: Callable[Concatenate[Any, _P], _Plan[_R]]) -> Callable[Concatenate[KVCacheClient, _P], _R]:
+def _blocking(plan: Callable[Concatenate[Any, _P], _Plan[_R]]) -> Callable[Concatenate[DataPlaneClient, _P], _R]:
     """The helper that runs ``plan`` on a :class:`KVCacheClient`."""
 
-    def helper(client: KVCacheClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         steps = plan(client, *args, **kwargs)
         done, value = _advance(steps, None)
         while not done:
@@ -250,10 +328,10 @@ def _blocking(plan: Callable[Concatenate[Any, _P], _Plan[_R]]) -> Callable[Conca
 
 def _awaiting(
     plan: Callable[Concatenate[Any, _P], _Plan[_R]],
-) -> Callable[Concatenate[AsyncKVCacheClient, _P], Coroutine[Any, Any, _R]]:
+) -> Callable[Concatenate[DataPlaneClient, _P], Coroutine[Any, Any, _R]]:
     """The helper (a coroutine function) that runs ``plan`` on an :class:`AsyncKVCacheClient`."""
 
-    async def helper(client: AsyncKVCacheClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    async def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         steps = plan(client, *args, **kwargs)
         done, value = _advance(steps, None)
         while not done:
@@ -295,19 +373,24 @@ def _write_blocks(
     Args:
         client: the service.
         request_id: the running request the blocks were allocated to.
-        blocks: (group_idx, block_id, the block's bytes) each, bytes_per_block long.
-        chunk_bytes: chunk size (at most the server's ``max_data_chunk_bytes``; None: that, asked
-            with GetKVCacheGroupMetadata).
+        blocks: (group_idx, block_id, the block's bytes) each: block ids as the allocation answered
+            them (``new_block_ids[g].block_ids``), the bytes exactly the group's ``bytes_per_block``.
+        chunk_bytes: chunk size (at most the server's ``max_data_chunk_bytes``; None: that).
+
+    The layout is asked first (GetKVCacheGroupMetadata), so a block of the wrong size is refused
+    by name before any byte is sent.
 
     Raises:
         ValueError, TypeError: a bad block or ``chunk_bytes`` (see :func:`write_block_chunks`),
-            before any call.
+            before any call; ValueError: a block whose bytes are not its group's
+            ``bytes_per_block`` long, or a group the server does not have, before WriteBlocks.
         KVServiceError: FAILED_PRECONDITION (a block the request may not write, named),
             INVALID_ARGUMENT (a bad chunk: the field is named), PERMISSION_DENIED ...
     """
     checked = _checked_blocks(blocks, 1 if chunk_bytes is None else chunk_bytes)  # before any call
+    layout = yield client._rpc("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataRequest(), timeout, metadata)
+    _check_block_sizes(checked, [group.bytes_per_block for group in layout.groups])
     if chunk_bytes is None:
-        layout = yield client.get_kv_cache_group_metadata(timeout=timeout, metadata=metadata)
         chunk_bytes = layout.max_data_chunk_bytes or 1
     chunks = _block_chunks(request_id, checked, chunk_bytes)
     response: pb.WriteBlocksResponse = yield client._rpc("WriteBlocks", chunks, timeout, metadata)
@@ -320,17 +403,43 @@ write_blocks = _blocking(_write_blocks)
 awrite_blocks = _awaiting(_write_blocks)
 
 
-def _read_blocks_call(client: Any, refs: Iterable[pb.BlockRef], timeout: Timeout, metadata: Metadata) -> Any:
-    options = client._call_options("ReadBlocks", timeout, metadata)
-    return client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=list(refs)), **options)
+def _iterate_stream(call: Any) -> Generator[Any, None, None]:
+    try:
+        yield from call
+    except grpc.RpcError as err:
+        raise KVServiceError.from_rpc_error(err) from err
+    finally:
+        call.cancel()
+
+
+async def _aiterate_stream(call: Any) -> AsyncGenerator[Any, None]:
+    try:
+        async for item in call:
+            yield item
+    except grpc.aio.AioRpcError as err:
+        raise KVServiceError.from_rpc_error(err) from err
+    finally:
+        call.cancel()
+
+
+def _read_blocks_call(client: Any, refs: Iterable[BlockRefLike], timeout: Timeout, metadata: Metadata) -> Any:
+    request = pb.ReadBlocksRequest(blocks=_block_refs(refs))
+    options = client._call_options(False, timeout, metadata)  # a read has the client's default deadline
+    return client.stub.ReadBlocks(request, **options)
 
 
 def iter_read_blocks(
-    client: KVCacheClient, refs: Iterable[pb.BlockRef], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
 ) -> Iterator[ReadBlock]:
     """Read blocks (ReadBlocks), one :class:`ReadBlock` at a time, in request order.
 
+    Args:
+        client: the service.
+        refs: the blocks (:data:`BlockRefLike`: ``(group_idx, block_id)``, ``(group_idx,
+            block_hash)`` or a :func:`block_ref`).
+
     Raises:
+        TypeError: a ref of another shape (before any call).
         KVServiceError: NOT_FOUND (a hash not cached, named), INVALID_ARGUMENT, FAILED_PRECONDITION,
             DATA_LOSS (a checksum that does not match) ...
     """
@@ -342,14 +451,14 @@ def iter_read_blocks(
 
 
 def read_blocks(
-    client: KVCacheClient, refs: Iterable[pb.BlockRef], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
 ) -> list[ReadBlock]:
     """:func:`iter_read_blocks` as a list."""
     return list(iter_read_blocks(client, refs, timeout=timeout, metadata=metadata))
 
 
 async def aiter_read_blocks(
-    client: AsyncKVCacheClient, refs: Iterable[pb.BlockRef], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
 ) -> AsyncIterator[ReadBlock]:
     """:func:`iter_read_blocks` for an :class:`AsyncKVCacheClient`."""
     assembler = _Assembler()
@@ -360,7 +469,131 @@ async def aiter_read_blocks(
 
 
 async def aread_blocks(
-    client: AsyncKVCacheClient, refs: Iterable[pb.BlockRef], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
 ) -> list[ReadBlock]:
     """:func:`aiter_read_blocks` as a list."""
     return [block async for block in aiter_read_blocks(client, refs, timeout=timeout, metadata=metadata)]
+
+
+# --- the same, as methods of the two clients ----------------------------------------------------
+
+_ATTACH_DOC = """The server's description of its KV memory (``AttachKVCache``; see
+:func:`kvservice_client.data.attach_kv_cache`); map it with
+:func:`kvservice_client.torch_view.attach`.
+
+Raises:
+    KVServiceError: FAILED_PRECONDITION ("no memory behind a meta device"), PERMISSION_DENIED ...
+"""
+_WRITE_DOC = """Write whole blocks of a running request (WriteBlocks; see
+:func:`kvservice_client.data.write_blocks`).
+
+Args:
+    request_id: the running request the blocks were allocated to.
+    blocks: (group_idx, block_id, the block's bytes) each, the bytes exactly the group's
+        ``bytes_per_block`` long.
+    chunk_bytes: chunk size (None: the server's ``max_data_chunk_bytes``).
+    timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+    metadata: extra metadata for this call.
+
+Returns:
+    ``num_blocks_written`` and ``num_bytes_written``.
+
+Raises:
+    ValueError, TypeError: a bad block (a wrong size named), before any byte is sent.
+    KVServiceError: FAILED_PRECONDITION (a block the request may not write, named), ...
+"""
+_READ_DOC = """Read blocks (ReadBlocks; see :func:`kvservice_client.data.read_blocks`), as a list in
+request order.
+
+Args:
+    refs: ``(group_idx, block_id)``, ``(group_idx, block_hash)`` or :func:`kvservice_client.data.block_ref` each.
+    timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+    metadata: extra metadata for this call.
+
+Returns:
+    One :class:`kvservice_client.data.ReadBlock` per ref (``data``: its bytes; ``evicted``: read by
+    hash, it left the cache while it streamed).
+
+Raises:
+    KVServiceError: NOT_FOUND (a hash not cached, named), FAILED_PRECONDITION, DATA_LOSS ...
+"""
+_ITER_READ_DOC = """Read blocks (ReadBlocks) one :class:`kvservice_client.data.ReadBlock` at a time, holding
+about one block in memory (see :meth:`read_blocks` for the arguments and errors).
+"""
+
+
+class BlockingDataPlaneMethods:
+    """The data plane as methods of :class:`~kvservice_client.client.KVCacheClient` (a base class
+    of it): the helpers of this module with the client as ``self``."""
+
+    __slots__ = ()
+
+    def attach_kv_cache(self, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:
+        return attach_kv_cache(cast(DataPlaneClient, self), timeout=timeout, metadata=metadata)
+
+    def write_blocks(
+        self,
+        request_id: str,
+        blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
+        *,
+        chunk_bytes: int | None = None,
+        timeout: Timeout = None,
+        metadata: Metadata = None,
+    ) -> pb.WriteBlocksResponse:
+        return write_blocks(
+            cast(DataPlaneClient, self), request_id, blocks, chunk_bytes=chunk_bytes, timeout=timeout, metadata=metadata
+        )
+
+    def read_blocks(
+        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    ) -> list[ReadBlock]:
+        return read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+
+    def iter_read_blocks(
+        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    ) -> Iterator[ReadBlock]:
+        return iter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+
+    attach_kv_cache.__doc__, write_blocks.__doc__ = _ATTACH_DOC, _WRITE_DOC
+    read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC
+
+
+class AsyncDataPlaneMethods:
+    """The data plane as methods of :class:`~kvservice_client.client.AsyncKVCacheClient` (a base
+    class of it), coroutines (``iter_read_blocks``: an async iterator)."""
+
+    __slots__ = ()
+
+    async def attach_kv_cache(self, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:
+        return await aattach_kv_cache(cast(DataPlaneClient, self), timeout=timeout, metadata=metadata)
+
+    async def write_blocks(
+        self,
+        request_id: str,
+        blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
+        *,
+        chunk_bytes: int | None = None,
+        timeout: Timeout = None,
+        metadata: Metadata = None,
+    ) -> pb.WriteBlocksResponse:
+        return await awrite_blocks(
+            cast(DataPlaneClient, self),
+            request_id,
+            blocks,
+            chunk_bytes=chunk_bytes,
+            timeout=timeout,
+            metadata=metadata,
+        )
+
+    async def read_blocks(
+        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    ) -> list[ReadBlock]:
+        return await aread_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+
+    def iter_read_blocks(
+        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    ) -> AsyncIterator[ReadBlock]:
+        return aiter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+
+    attach_kv_cache.__doc__, write_blocks.__doc__ = _ATTACH_DOC, _WRITE_DOC
+    read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC

@@ -30,7 +30,7 @@ Example::
         index = watcher.mirrors["node1-50051"].index
         index.predict_hit_blocks(block_hashes)
 
-nats-py is an optional dependency (``pip install 'kvservice-client[nats]'``); this module imports
+nats-py is an optional dependency (``pip install nats-py``, the ``nats`` extra); this module imports
 it only when a watcher starts, so the constants here need no NATS.
 """
 
@@ -200,22 +200,24 @@ async def connect_nats(
     raise asyncio.TimeoutError()
 
 
-def import_nats(needed_by: str = "JetStreamWatcher", extra: str = "kvservice-client[nats]") -> Any:
+def import_nats(needed_by: str = "JetStreamWatcher", extra: str = "kvservice-client's nats") -> Any:
     """Import nats-py (with ``nats.js.api`` and ``nats.js.errors``) and return the ``nats`` module.
 
     Args:
         needed_by: what needs it, for the error message.
-        extra: the pip extra that installs it, for the error message.
+        extra: the package extra that installs it, for the error message.
 
     Raises:
-        RuntimeError: nats-py is not installed (the message names ``pip install '<extra>'``).
+        RuntimeError: nats-py is not installed (the message names ``pip install nats-py`` and the extra).
     """
     try:
         import nats
         import nats.js.api
         import nats.js.errors
     except ImportError as e:
-        raise RuntimeError(f"{needed_by} needs nats-py, which is not installed ({e}): pip install '{extra}'") from None
+        raise RuntimeError(
+            f"{needed_by} needs nats-py, which is not installed ({e}): pip install nats-py ({extra} extra)"
+        ) from None
     return nats
 
 

@@ -200,9 +200,14 @@ def decode_request(
     num_lookahead_tokens: Iterable[int],
 ) -> pb.DecodeRequest:
     """A ``DecodeRequest`` (packed arrays; see ``KVCacheClient.decode``), or the one given.
+    ``new_token_ids`` may also be one sequence of token ids per request (``[[t0], [t1, t2]]``):
+    it is flattened, and ``num_new_token_ids`` (when not given) is each one's length.
 
     Raises:
-        TypeError: a request message together with field arguments, or one string of ids.
+        TypeError: a request message together with field arguments, one string of ids, or token
+            ids that are neither ints nor one sequence of ints per request.
+        ValueError: per-request token lists whose count is not the number of requests, or whose
+            lengths differ from ``num_new_token_ids``.
     """
     if isinstance(request_ids, pb.DecodeRequest):
         _require_no_fields(
@@ -215,14 +220,46 @@ def decode_request(
         return request_ids
     if isinstance(request_ids, str):
         raise TypeError("decode() takes a sequence of request ids, not one string")
+    if isinstance(new_token_ids, Sequence) and new_token_ids and _is_token_list(new_token_ids[0]):
+        new_token_ids, num_new_token_ids = _flatten_per_request(request_ids, new_token_ids, num_new_token_ids)
     # Packed repeated fields take any sequence of ints in one C call: no per-request message.
-    return pb.DecodeRequest(
-        request_ids=request_ids,
-        new_token_ids=new_token_ids,
-        num_new_token_ids=num_new_token_ids,
-        num_new_tokens=num_new_tokens,
-        num_lookahead_tokens=num_lookahead_tokens,
-    )
+    try:
+        return pb.DecodeRequest(
+            request_ids=request_ids,
+            new_token_ids=new_token_ids,
+            num_new_token_ids=num_new_token_ids,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
+    except TypeError as e:
+        raise TypeError(
+            f"decode(): request_ids must be strings and the token counts ints ({e}); new_token_ids is one flat "
+            "sequence of ints, request after request, or one sequence of ints per request"
+        ) from None
+
+
+def _is_token_list(value: Any) -> bool:
+    """A list, tuple, ``array`` or 1-D numpy array (not a token id, numpy's int scalars included)."""
+    return isinstance(value, (list, tuple, array)) or getattr(value, "ndim", 0) == 1
+
+
+def _flatten_per_request(
+    request_ids: Sequence[str], per_request: Sequence[Any], num_new_token_ids: Iterable[int]
+) -> tuple[list[int], list[int]]:
+    """One token-id list per request -> (the flat ids, the count per request)."""
+    if not all(_is_token_list(ids) for ids in per_request):
+        raise TypeError("decode(): new_token_ids must be ints, or one sequence of ints per request")
+    if len(per_request) != len(request_ids):
+        raise ValueError(
+            f"decode(): new_token_ids has {len(per_request)} per-request lists for {len(request_ids)} request_ids"
+        )
+    counts = [len(ids) for ids in per_request]
+    given = list(num_new_token_ids)
+    if given and given != counts:
+        raise ValueError(
+            f"decode(): num_new_token_ids {given} differs from the lengths of new_token_ids' lists {counts}"
+        )
+    return [int(token) for ids in per_request for token in ids], counts
 
 
 def free_request(request_id: str | pb.FreeRequest) -> pb.FreeRequest:

@@ -1,4 +1,5 @@
-"""Map the server's KV cache memory into this process (needs torch: ``pip install 'kvservice-client[torch]'``).
+"""Map the server's KV cache memory into this process (needs torch: ``pip install torch``, or
+``pip install './clients/python[torch]'`` from a checkout).
 
 ``attach(client)`` calls ``AttachKVCache`` and maps what it describes, without copying: CPU memory
 lives in POSIX shared-memory segments (``/dev/shm/<name>``, mode 0600: same host, same user),
@@ -16,7 +17,9 @@ while the request runs; never a block another request reads from the prefix cach
 The view carries the server's epoch. Before every use it checks the server's control segment:
 once that server stopped (or crashed and a restarted server found it), :meth:`KVCacheView.block_view`
 raises :class:`KVCacheViewClosedError` instead of handing out memory that no longer belongs to a
-running cache.
+running cache. A tensor taken before that is a plain tensor over the mapping and is not checked: it
+keeps reading the old memory without a word, so take views per use, or call :meth:`KVCacheView.check`
+before trusting one kept across calls.
 
 Example::
 
@@ -32,7 +35,17 @@ import mmap
 import os
 from collections.abc import Sequence
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "kvservice_client.torch_view maps the server's KV memory as torch tensors and needs torch, which is not "
+        "installed: pip install torch (or './clients/python[torch]' from a kvservice checkout); "
+        "kvservice_client.data reads and writes blocks as bytes without it",
+        name="torch",
+    ) from None
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVCacheClient, Metadata, Timeout

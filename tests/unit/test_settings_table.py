@@ -120,7 +120,7 @@ def test_each_check_lives_in_one_section_and_names_the_flat_setting():
 
 
 def test_an_unknown_kvservice_variable_warns_with_the_nearest_setting(caplog):
-    with caplog.at_level(logging.WARNING, logger="kvservice.server.app"):
+    with caplog.at_level(logging.WARNING, logger="kvservice.server.settings"):
         config = load_config(
             None, {"KVSERVICE_ZMQ_ENDPIONT": "tcp://*:1", "KVSERVICE_TOKEN": "t" * 32, "KVSERVICE_PORT": "1"}
         )

@@ -45,13 +45,14 @@ class EventFormatter:
             for group in self._end_block:
                 group.clear()
             return f"{tag} AllBlocksCleared"
-        g = event.group_idx if event.group_idx is not None else 0  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-        kind = event.kv_cache_spec_kind or "?"  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-        window = event.kv_cache_spec_sliding_window  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
+        assert isinstance(event, (BlockStored, BlockRemoved)), f"not a KV event: {event!r}"
+        g = event.group_idx if event.group_idx is not None else 0
+        kind = event.kv_cache_spec_kind or "?"
+        window = event.kv_cache_spec_sliding_window
         head = f"{tag} {type(event).__name__} group={g} kind={kind} window={window if window is not None else '-'}"
-        hashes = " ".join(short_hash(h) for h in event.block_hashes[:4])  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-        if len(event.block_hashes) > 4:  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
-            hashes += f" ...(+{len(event.block_hashes) - 4})"  # type: ignore[attr-defined]  # dispatch on type(event) is X, which mypy does not narrow from the KVCacheEvent base
+        hashes = " ".join(short_hash(h) for h in event.block_hashes[:4])
+        if len(event.block_hashes) > 4:
+            hashes += f" ...(+{len(event.block_hashes) - 4})"
         if isinstance(event, BlockRemoved):
             group = self._group(g)
             for h in event.block_hashes:

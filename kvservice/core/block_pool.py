@@ -15,7 +15,7 @@ its last block) emits nothing, and evicting one of two copies emits nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, final
 
 import numpy as np
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "BlockHashToBlockMap"]
 
 
+@final  # no subclass: `type(value) is KVCacheBlock` then tells a block from a dict of them, for mypy too
 class KVCacheBlock:
     """One block id of the pool.
 
@@ -56,6 +57,9 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash is not None else None
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+_LINKED = "a listed block's links are never None (the sentinels close the list)"
 
 
 class FreeKVCacheBlockQueue:
@@ -99,8 +103,9 @@ class FreeKVCacheBlockQueue:
         if block is self.fake_tail or block is None:
             raise ValueError("no free blocks")
         nxt = block.next_free_block
+        assert nxt is not None, _LINKED
         self.fake_head.next_free_block = nxt
-        nxt.prev_free_block = self.fake_head  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        nxt.prev_free_block = self.fake_head
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
         return block
@@ -116,14 +121,16 @@ class FreeKVCacheBlockQueue:
         out = []
         block = self.fake_head.next_free_block
         for _ in range(n):
+            assert block is not None, _LINKED
             out.append(block)
-            nxt = block.next_free_block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
-            block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
             block = nxt
+        assert block is not None, _LINKED
         self.fake_head.next_free_block = block
-        block.prev_free_block = self.fake_head  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        block.prev_free_block = self.fake_head
         self.num_free_blocks -= n
-        return out  # type: ignore[return-value]  # the list holds only blocks (the sentinels are never returned)
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from the middle of the queue (O(1)).
@@ -142,7 +149,8 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail (evicted last)."""
         last = self.fake_tail.prev_free_block
-        last.next_free_block = block  # type: ignore[union-attr]  # the fake head and tail keep every link of a listed block set (None only outside the list)
+        assert last is not None, _LINKED
+        last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self.fake_tail
         self.fake_tail.prev_free_block = block
@@ -155,18 +163,20 @@ class FreeKVCacheBlockQueue:
             return
         tail = self.fake_tail
         last = tail.prev_free_block
+        assert last is not None, _LINKED
         for block in blocks:
-            last.next_free_block = block  # type: ignore[union-attr]  # the fake head and tail keep every link of a listed block set (None only outside the list)
+            last.next_free_block = block
             block.prev_free_block = last
             last = block
-        last.next_free_block = tail  # type: ignore[union-attr]  # the fake head and tail keep every link of a listed block set (None only outside the list)
+        last.next_free_block = tail
         tail.prev_free_block = last
         self.num_free_blocks += len(blocks)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the head (evicted first)."""
         first = self.fake_head.next_free_block
-        first.prev_free_block = block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        assert first is not None, _LINKED
+        first.prev_free_block = block
         block.next_free_block = first
         block.prev_free_block = self.fake_head
         self.fake_head.next_free_block = block
@@ -177,9 +187,10 @@ class FreeKVCacheBlockQueue:
         out = []
         block = self.fake_head.next_free_block
         while block is not self.fake_tail:
+            assert block is not None, _LINKED
             out.append(block)
-            block = block.next_free_block  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
-        return out  # type: ignore[return-value]  # the list holds only blocks (the sentinels are never returned)
+            block = block.next_free_block
+        return out
 
 
 class BlockHashToBlockMap:
@@ -207,7 +218,7 @@ class BlockHashToBlockMap:
         value = self._map.get(block_hash)
         if value is None or type(value) is KVCacheBlock:
             return value
-        return next(iter(value.values()))  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        return next(iter(value.values()))
 
     def insert(self, block_hash: bytes, block: KVCacheBlock) -> bool:
         """Index ``block`` under ``block_hash``; True when the hash was not present before."""
@@ -218,7 +229,7 @@ class BlockHashToBlockMap:
         if type(value) is KVCacheBlock:
             self._map[block_hash] = {value.block_id: value, block.block_id: block}
         else:
-            value[block.block_id] = block  # type: ignore[index]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
+            value[block.block_id] = block
         return False
 
     def pop(self, block_hash: bytes, block_id: int) -> bool:
@@ -233,9 +244,9 @@ class BlockHashToBlockMap:
                 raise KeyError((block_hash.hex(), block_id))
             del self._map[block_hash]
             return True
-        del value[block_id]  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
-        if len(value) == 1:  # type: ignore[arg-type]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
-            self._map[block_hash] = next(iter(value.values()))  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+        del value[block_id]
+        if len(value) == 1:
+            self._map[block_hash] = next(iter(value.values()))
         return False
 
     def num_copies(self, block_hash: bytes) -> int:
@@ -243,7 +254,7 @@ class BlockHashToBlockMap:
         value = self._map.get(block_hash)
         if value is None:
             return 0
-        return 1 if type(value) is KVCacheBlock else len(value)  # type: ignore[arg-type]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
+        return 1 if type(value) is KVCacheBlock else len(value)
 
     def hashes(self) -> list[bytes]:
         """The present hashes, in insertion order."""
@@ -255,7 +266,7 @@ class BlockHashToBlockMap:
             if type(value) is KVCacheBlock:
                 yield value
             else:
-                yield from value.values()  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+                yield from value.values()
 
     def clear(self) -> None:
         self._map.clear()
@@ -554,7 +565,8 @@ class BlockPool:
         return events
 
     def _uncache(self, block: KVCacheBlock) -> bool:
-        return self.cached_block_hash_to_block[block.group_idx].pop(block.block_hash, block.block_id)  # type: ignore[arg-type]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed)
+        assert block.block_hash is not None, f"{block} is not cached"
+        return self.cached_block_hash_to_block[block.group_idx].pop(block.block_hash, block.block_id)
 
     def _encode_hashes(self, hashes: Sequence[bytes]) -> list[int | bytes]:
         """``[block_hash_encoder(h) for h in hashes]``; for the default encoder (the last 8 bytes
@@ -650,4 +662,4 @@ class BlockPool:
 
 def _copies(hash_map: BlockHashToBlockMap, block_hash: bytes) -> list[KVCacheBlock]:
     value = hash_map._map[block_hash]
-    return [value] if type(value) is KVCacheBlock else list(value.values())  # type: ignore[union-attr]  # a hash maps to one block or a dict of them (dispatch on type(value) is KVCacheBlock, unnarrowed); free-list links are set inside the list
+    return [value] if type(value) is KVCacheBlock else list(value.values())

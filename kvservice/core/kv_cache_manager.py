@@ -12,9 +12,9 @@ Mirrors vLLM's ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeGuard
 
 from kvservice.core.block_pool import BlockPool, KVCacheBlock
 from kvservice.core.coordinator import get_kv_cache_coordinator
@@ -39,11 +39,13 @@ from kvservice_client.hashing import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BlockHashFormat",
     "KVCacheBlocks",
     "KVCacheGroupMetadata",
     "KVCacheManager",
     "KVCacheMetadata",
     "KVEventsConfig",
+    "is_block_hash_format",
     "PrefixCacheStats",
     "PrefixCachingConfig",
 ]
@@ -86,6 +88,15 @@ class PrefixCachingConfig:
     hash_seed: str = DEFAULT_HASH_SEED
 
 
+BlockHashFormat = Literal["int64", "digest"]
+"""How events publish a block hash (see :class:`KVEventsConfig`)."""
+
+
+def is_block_hash_format(value: str) -> TypeGuard[BlockHashFormat]:
+    """Whether ``value`` names a :data:`BlockHashFormat` (a setting read as a string)."""
+    return value in ("int64", "digest")
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """KV events: how they are published.
@@ -96,11 +107,11 @@ class KVEventsConfig:
         medium: the events' ``medium`` ("GPU" by default, as vLLM's primary pool; ``ServerConfig.kv_events_medium``).
     """
 
-    block_hash_format: Literal["int64", "digest"] = "int64"
+    block_hash_format: BlockHashFormat = "int64"
     medium: str = "GPU"
 
     def __post_init__(self) -> None:
-        if self.block_hash_format not in ("int64", "digest"):
+        if not is_block_hash_format(self.block_hash_format):
             raise ValueError(f"block_hash_format must be 'int64' or 'digest'; got {self.block_hash_format!r}")
 
 
@@ -198,9 +209,9 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self.kv_events = kv_events
         self.enable_caching = prefix_caching is not None
-        encoder = block_hash_to_int
+        encoder: Callable[[bytes], int | bytes] = block_hash_to_int
         if kv_events is not None and kv_events.block_hash_format == "digest":
-            encoder = _publish_digest  # type: ignore[assignment]  # the published form is int or bytes by block_hash_format
+            encoder = _publish_digest
         self.block_pool = BlockPool(
             kv_cache_config.num_blocks,
             len(kv_cache_config.kv_cache_groups),
@@ -233,9 +244,9 @@ class KVCacheManager:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def new_request(self, request_id: str, prompt_token_ids: Iterable[int], **kwargs: object) -> Request:
-        """A :class:`Request` hashed with this manager's rule (kwargs as ``Request``)."""
-        return Request(request_id, prompt_token_ids, block_hasher=self.block_hasher, **kwargs)  # type: ignore[arg-type]  # kwargs are Request's own keyword arguments
+    def new_request(self, request_id: str, prompt_token_ids: Iterable[int], **kwargs: Any) -> Request:
+        """A :class:`Request` hashed with this manager's rule (kwargs as ``Request``'s own)."""
+        return Request(request_id, prompt_token_ids, block_hasher=self.block_hasher, **kwargs)
 
     def empty_blocks(self) -> KVCacheBlocks:
         """An empty result (no blocks in any group)."""

@@ -396,8 +396,8 @@ def min_blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:
         if kind in (KVCacheSpecKind.SLIDING_WINDOW, KVCacheSpecKind.SLIDING_WINDOW_MLA):
             window = get_kv_cache_spec_sliding_window(spec) or num_tokens
             total += min(all_blocks, -(-(window - 1) // bs) + 2)
-        elif kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
-            total += min(all_blocks, -(-spec.attention_chunk_size // bs) + 1)  # type: ignore[attr-defined]  # only chunked-local specs reach this branch (dispatch on type)
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            total += min(all_blocks, -(-spec.attention_chunk_size // bs) + 1)
         elif kind is KVCacheSpecKind.MAMBA:
             total += min(all_blocks, 2)
         else:

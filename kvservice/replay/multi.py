@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvservice.replay.multi_report import MultiReport, PolicyReport
 from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
@@ -51,7 +51,7 @@ from kvservice.replay.routing import (
 )
 from kvservice.replay.runner import DEFAULT_NUM_BLOCKS, ReplayConfig, load_requests
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig
-from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits
+from kvservice.replay.traces import DEFAULT_TRACE, TraceFormat, TraceRequest, ideal_prefix_hits
 from kvservice_client.client import AsyncKVCacheClient
 from kvservice_client.watcher import HitPredictor
 
@@ -96,7 +96,7 @@ class MultiReplayConfig:
     """
 
     trace: str | None = None
-    trace_format: str = "auto"
+    trace_format: TraceFormat | Literal["auto"] = "auto"
     limit: int | None = None
     instances: int = 2
     preset: str = "llama-3-8b"

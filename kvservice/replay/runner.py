@@ -26,12 +26,12 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Literal, TextIO
 
 from kvservice.replay.progress import Progress, ProgressCallback, run_in_workers, worker_progress
 from kvservice.replay.report import AgreementStats, LatencySummary, ModeReport, ReplayReport
 from kvservice.replay.scheduler import ReplayRequest, ReplayScheduler, SchedulerConfig, SchedulerStats
-from kvservice.replay.traces import DEFAULT_TRACE, TraceRequest, ideal_prefix_hits, read_trace
+from kvservice.replay.traces import DEFAULT_TRACE, TraceFormat, TraceRequest, ideal_prefix_hits, read_trace
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient
 from kvservice_client.watcher import EventWatcher, HitPredictor, PrefixIndex
@@ -85,7 +85,7 @@ class ReplayConfig:
     """
 
     trace: str | None = None
-    trace_format: str = "auto"
+    trace_format: TraceFormat | Literal["auto"] = "auto"
     limit: int | None = None
     target: str | None = None
     preset: str = "llama-3-8b"
@@ -377,7 +377,7 @@ class ModeResult:
 def load_requests(config: ReplayConfig) -> list[TraceRequest]:
     """The trace's requests (``config.limit`` of them)."""
     trace_path = config.trace or str(DEFAULT_TRACE)
-    return list(read_trace(trace_path, format=config.trace_format, limit=config.limit))  # type: ignore[arg-type]  # trace_format is checked against the Literal's values by ReplayConfig
+    return list(read_trace(trace_path, format=config.trace_format, limit=config.limit))
 
 
 async def replay_mode(

@@ -305,10 +305,12 @@ def _iter_json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield lineno, obj
 
 
-def _get_int(obj: dict[str, Any], field: str, path: Path, lineno: int, *, minimum: int, default: Any = ...) -> int:
+def _get_int(
+    obj: dict[str, Any], field: str, path: Path, lineno: int, *, minimum: int, default: int | None = None
+) -> int:
     if field not in obj:
-        if default is not ...:
-            return default  # type: ignore[no-any-return]  # default is the caller's int/float
+        if default is not None:
+            return default
         raise TraceFormatError(path, lineno, field, "missing")
     value = obj[field]
     if type(value) is not int:
@@ -318,10 +320,10 @@ def _get_int(obj: dict[str, Any], field: str, path: Path, lineno: int, *, minimu
     return value
 
 
-def _get_ms(obj: dict[str, Any], field: str, path: Path, lineno: int, *, default: Any = ...) -> float:
+def _get_ms(obj: dict[str, Any], field: str, path: Path, lineno: int, *, default: float | None = None) -> float:
     if field not in obj:
-        if default is not ...:
-            return default  # type: ignore[no-any-return]  # default is the caller's int/float
+        if default is not None:
+            return default
         raise TraceFormatError(path, lineno, field, "missing")
     value = obj[field]
     if type(value) not in (int, float) or not math.isfinite(value):
@@ -664,9 +666,8 @@ def ideal_prefix_hits(requests: Iterable[TraceRequest | Sequence[int]], block_si
     seen: set[bytes] = set()
     hits: list[int] = []
     for request in requests:
-        tokens = getattr(request, "prompt_token_ids", request)
-        if not (isinstance(tokens, array) and tokens.typecode == "i"):
-            tokens = array("i", tokens)  # type: ignore[arg-type]  # the row's tokens / hash ids are a sequence of ints here (checked by the reader)
+        ids = request.prompt_token_ids if isinstance(request, TraceRequest) else request
+        tokens = ids if isinstance(ids, array) and ids.typecode == "i" else array("i", ids)
         view = memoryview(tokens).cast("B")
         max_hit_blocks = max(len(tokens) - 1, 0) // block_size
         parent = b""
@@ -707,12 +708,12 @@ def ideal_prefix_hits_from_hash_ids(
     seen: set[int] = set()
     hits: list[int] = []
     for request in requests:
-        hash_ids = getattr(request, "hash_ids", request)
+        hash_ids = request.hash_ids if isinstance(request, TraceRequest) else request
         hit = 0
-        for h in hash_ids:  # type: ignore[union-attr]  # the row's tokens / hash ids are a sequence of ints here (checked by the reader)
+        for h in hash_ids:
             if h not in seen:
                 break
             hit += 1
-        seen.update(hash_ids)  # type: ignore[arg-type]  # the row's tokens / hash ids are a sequence of ints here (checked by the reader)
+        seen.update(hash_ids)
         hits.append(hit)
     return hits

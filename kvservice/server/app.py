@@ -11,18 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import difflib
 import errno
 import gc
 import logging
 import os
 import signal
 import socket
-import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -31,7 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvservice.core.engine import EngineLimits, KVCacheEngine
-from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig
+from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, PrefixCachingConfig, is_block_hash_format
 from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
 from kvservice.core.model_config import (
     KNOWN_ARCHITECTURES,
@@ -49,7 +46,7 @@ from kvservice.memory import (
     num_blocks_from_budget,
     resolve_device,
 )
-from kvservice.server.auth import build_auth, is_loopback_host
+from kvservice.server.auth import AuthSetup, build_auth, is_loopback_host
 from kvservice.server.event_log import EventLog
 from kvservice.server.observability import announce
 from kvservice.server.probes import ProbePort
@@ -57,31 +54,22 @@ from kvservice.server.reaper import RequestReaper
 from kvservice.server.servicer import SERVICE_NAME, KVCacheServicer, build_metadata_response
 from kvservice.server.settings import (
     DEFAULT_REQUEST_IDLE_TIMEOUT_S,
-    SECTIONS,
-    AuthSettings,
-    BindSettings,
     CacheSettings,
-    EventsSettings,
-    LimitsSettings,
-    LoggingSettings,
-    MetricsSettings,
-    NatsSettings,
-    ZmqSettings,
+    ServerConfig,
+    load_config,
     parse_bytes,
-    setting_aliases,
-    settings_table,
 )
 from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, start_sinks
 from kvservice.server.snapshot import SnapshotSource
-from kvservice.server.vllm_flags import kv_events_config_settings
-from kvservice.server.zmq_publisher import check_endpoint_exposure
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+if TYPE_CHECKING:  # imported lazily where used (the sinks' optional dependencies); here only for annotations
+    import torch
 
-if TYPE_CHECKING:  # the generated messages are imported lazily where used; here only for annotations
+    from kvservice.core.kv_cache_spec import KVCacheGroupSpec
+    from kvservice.server.metrics import ServerMetrics
+    from kvservice.server.nats_sink import NatsJetStreamSink
+    from kvservice.server.zmq_publisher import ZmqEventPublisher
+    from kvservice.shm import SharedMemoryAllocator
     from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -90,153 +78,6 @@ __all__ = ["RunningServer", "ServerConfig", "load_config", "parse_bytes", "run_s
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-
-OTHER_ENV_VARS = frozenset({"KVSERVICE_TOKEN", "KVSERVICE_PROFILE"})
-"""``KVSERVICE_*`` variables that are not server settings (the watch token, the bench profiler):
-not warned about by :func:`load_config`."""
-
-
-@dataclass(frozen=True, init=False)
-class ServerConfig:
-    """Everything ``kvservice serve`` can be told: one section per concern.
-
-    Build it from sections, from flat settings, or both (flat names are listed by
-    :func:`kvservice.server.settings.settings_table`; each section's docstring says what its
-    settings mean, their units and bounds)::
-
-        ServerConfig(port=0, zmq_endpoint="tcp://127.0.0.1:*")
-        ServerConfig(cache=CacheSettings(preset="qwen-2.5-0.5b"), port=0)
-
-    A flat name reads through to its section (``config.zmq_endpoint is config.zmq.endpoint``);
-    :meth:`replace` and ``dataclasses.replace`` take flat names too.
-
-    Attributes:
-        bind, cache, limits, events, auth, zmq, nats, metrics, logging: the sections
-            (``kvservice.server.settings``).
-
-    Raises:
-        ValueError: a bad setting (each section checks its own; the message names the flat
-            setting and the bound), or a rule across sections (a ZMQ bind off loopback without
-            allow_insecure_bind).
-        TypeError: an unknown setting name.
-    """
-
-    bind: BindSettings
-    cache: CacheSettings
-    limits: LimitsSettings
-    events: EventsSettings
-    auth: AuthSettings
-    zmq: ZmqSettings
-    nats: NatsSettings
-    metrics: MetricsSettings
-    logging: LoggingSettings
-
-    def __init__(self, **values: Any) -> None:
-        table, aliases = settings_table(), setting_aliases()
-        given = {section.name: values.pop(section.name, None) for section in SECTIONS}
-        values = {aliases.get(name, name): value for name, value in values.items()}
-        if values.get("kv_events_config") is not None:  # vLLM's JSON; a setting given by name wins
-            values = {**kv_events_config_settings(values["kv_events_config"]), **values}
-        changes: dict[str, dict[str, Any]] = {}
-        for flat, value in values.items():
-            row = table.get(aliases.get(flat, flat))
-            if row is None:
-                raise TypeError(f"ServerConfig got an unknown setting {flat!r}")
-            changes.setdefault(row.section, {})[row.attr] = value
-        for section in SECTIONS:
-            base, change = given[section.name], changes.get(section.name, {})
-            if base is None:
-                value = section(**change)
-            else:
-                value = dataclasses.replace(base, **change) if change else base
-            object.__setattr__(self, section.name, value)
-        # The one rule across sections: ZMQ has no authentication, so a bind off loopback needs
-        # allow_insecure_bind (refused here, before anything is allocated).
-        check_endpoint_exposure(
-            self.zmq.endpoint, self.zmq.replay_endpoint, allow_insecure_bind=self.auth.allow_insecure_bind
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        row = settings_table().get(setting_aliases().get(name, name))
-        if row is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(getattr(self, row.section), row.attr)
-
-    def replace(self, **flat: Any) -> ServerConfig:
-        """A copy with flat settings (or whole sections) replaced, checked again."""
-        return ServerConfig(**{section.name: getattr(self, section.name) for section in SECTIONS}, **flat)
-
-    def flat(self) -> dict[str, Any]:
-        """Every setting by flat name (what ``ServerConfig(**config.flat())`` rebuilds)."""
-        return {name: getattr(getattr(self, row.section), row.attr) for name, row in settings_table().items()}
-
-
-def load_config(
-    config_file: str | Path | None = None,
-    environ: Mapping[str, str] | None = None,
-    **overrides: Any,
-) -> ServerConfig:
-    """Build a :class:`ServerConfig` from a TOML file, ``KVSERVICE_*`` variables and overrides.
-
-    Every name is a flat setting name (:func:`~kvservice.server.settings.settings_table`): the
-    TOML key (``-`` or ``_``; at the top level or under ``[kvservice]``), the variable
-    ``KVSERVICE_<NAME>``, the override keyword. Overrides whose value is None are ignored (flags
-    not given). Precedence: overrides > environment > file > defaults. A relative path in the file
-    (``*_file`` settings) is relative to the file's directory; in the environment and overrides,
-    to the working directory. A ``KVSERVICE_*`` variable that names no setting is logged as a
-    WARNING (with the nearest setting's variable) and ignored.
-
-    Raises:
-        ValueError: an unknown key (file or override) or a bad value, naming its source and the
-            setting.
-    """
-    table, aliases = settings_table(), setting_aliases()
-    values: dict[str, Any] = {}
-
-    def put(key: str, value: Any, source: str) -> None:
-        key = aliases.get(key, key)
-        try:
-            values[key] = table[key].parse(value)
-        except ValueError as e:
-            raise ValueError(f"{source}: {key}: {e}") from None
-
-    if config_file is not None:
-        try:
-            with open(config_file, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{config_file}: not valid TOML: {e}") from None
-        data = data.get("kvservice", data)
-        for key, value in data.items():
-            key = key.replace("-", "_")
-            if key not in table and key not in aliases:
-                raise ValueError(f"{config_file}: unknown key {key!r}")
-            put(key, value, str(config_file))
-            key = aliases.get(key, key)
-            if (
-                (key.endswith("_file") or key in ("model_config", "kv_cache_layout"))
-                and isinstance(values[key], str)
-                and not os.path.isabs(values[key])
-            ):
-                # A path in a config file is relative to that file, not to where the server starts.
-                values[key] = str(Path(config_file).resolve().parent / values[key])
-    environ = os.environ if environ is None else environ
-    for env_key, value in environ.items():
-        if not env_key.startswith("KVSERVICE_"):
-            continue
-        key = env_key[len("KVSERVICE_") :].lower()
-        if key in table or key in aliases:
-            put(key, value, env_key)
-        elif env_key not in OTHER_ENV_VARS:
-            near = difflib.get_close_matches(key, list(table), n=1)
-            hint = f" (did you mean KVSERVICE_{near[0].upper()}?)" if near else ""
-            logger.warning("ignoring %s: no setting is called %s%s", env_key, key, hint)
-    for key, value in overrides.items():
-        if key not in table and key not in aliases:
-            raise ValueError(f"unknown setting {key!r}")
-        if value is not None:
-            put(key, value, f"--{key.replace('_', '-')}")
-    return ServerConfig(**values)
 
 
 @dataclass
@@ -261,7 +102,7 @@ class RunningServer:
     servicer: KVCacheServicer
     tensors: KVCacheTensors
     config: ServerConfig
-    health: Any = field(repr=False, default=None)
+    health: health_aio.HealthServicer | None = field(repr=False, default=None)
     snapshots: SnapshotSource | None = field(repr=False, default=None)
     notes: list[str] = field(default_factory=list)
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list, repr=False)
@@ -282,16 +123,20 @@ class RunningServer:
         return self.sinks.get(kind) or NullEventSink()
 
     @property
-    def zmq_publisher(self) -> Any:
-        """The ZMQ sink (``kvservice.server.zmq_publisher.ZmqEventPublisher``; None without
-        ``zmq_endpoint``)."""
-        return self.sinks.get("zmq")
+    def zmq_publisher(self) -> ZmqEventPublisher | None:
+        """The ZMQ sink (None without ``zmq_endpoint``)."""
+        from kvservice.server.zmq_publisher import ZmqEventPublisher
+
+        sink = self.sinks.get("zmq")
+        return sink if isinstance(sink, ZmqEventPublisher) else None
 
     @property
-    def nats_sink(self) -> Any:
-        """The NATS JetStream sink (``kvservice.server.nats_sink.NatsJetStreamSink``; None without
-        ``nats_url``)."""
-        return self.sinks.get("nats")
+    def nats_sink(self) -> NatsJetStreamSink | None:
+        """The NATS JetStream sink (None without ``nats_url``)."""
+        from kvservice.server.nats_sink import NatsJetStreamSink
+
+        sink = self.sinks.get("nats")
+        return sink if isinstance(sink, NatsJetStreamSink) else None
 
     @property
     def metrics_port(self) -> int | None:
@@ -314,8 +159,8 @@ class RunningServer:
             for g in meta.groups
         )
         layout = (
-            f"preset {meta.preset}: {self.config.num_blocks} blocks ({groups}), max_model_len "
-            f"{self.config.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
+            f"preset {meta.preset}: {self.config.cache.num_blocks} blocks ({groups}), max_model_len "
+            f"{self.config.cache.max_model_len} tokens; hash {meta.hash_algorithm} seed {meta.hash_seed!r}; "
             f"{self.tensors.describe()}"
         )
         return [
@@ -329,8 +174,8 @@ class RunningServer:
                 "layout",
                 {
                     "preset": meta.preset,
-                    "num_blocks": self.config.num_blocks,
-                    "max_model_len": self.config.max_model_len,
+                    "num_blocks": self.config.cache.num_blocks,
+                    "max_model_len": self.config.cache.max_model_len,
                 },
             ),
             *((f"note: {note}", "note", {}) for note in self.notes),
@@ -429,7 +274,9 @@ def _model_kv_layout(cache: CacheSettings) -> ModelKVLayout:
     return get_preset(cache.preset).kv_layout(cache.block_size, cache.kv_cache_dtype)
 
 
-def _resolve_num_blocks(cache: CacheSettings, kv_cache_config_groups: Any, device: Any) -> int:
+def _resolve_num_blocks(
+    cache: CacheSettings, kv_cache_config_groups: Sequence[KVCacheGroupSpec], device: torch.device | str
+) -> int:
     """Blocks in the pool: ``num_blocks``, else what the KV tensor budget holds."""
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -454,12 +301,12 @@ class _Core:
     event_log: EventLog
     servicer: KVCacheServicer
     notes: list[str]
-    metrics: Any = None
-    shm: Any = None  # kvservice.shm.SharedMemoryAllocator: the KV memory (CPU) and the control segment
+    metrics: ServerMetrics | None = None
+    shm: SharedMemoryAllocator | None = None  # the KV memory (CPU) and the control segment
     snapshots: SnapshotSource | None = None  # where every snapshot is cut
 
 
-def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, Any, list[str], str]:
+def _size_pool(config: ServerConfig) -> tuple[ServerConfig, KVCacheConfig, torch.device | str, list[str], str]:
     """The pool's size and max_model_len resolved (the config says them); the device (a torch
     device, or the string ``"meta"``: a meta pool needs no torch, so none is imported for it).
 
@@ -514,13 +361,15 @@ def _build_core(config: ServerConfig) -> _Core:
             shm.close()
         raise
     medium = config.events.kv_events_medium
+    block_hash_format = cache.block_hash_format
+    assert is_block_hash_format(block_hash_format), f"{block_hash_format!r}: CacheSettings checks it"
     manager = KVCacheManager(
         kv_cache_config,
         cast(int, cache.max_model_len),  # resolved by _size_pool (the preset's or the pool's when None)
         prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed)
         if cache.enable_prefix_caching
         else None,
-        kv_events=KVEventsConfig(block_hash_format=cache.block_hash_format, medium=medium),  # type: ignore[arg-type]  # block_hash_format is checked to be one of the Literal's values by CacheSettings
+        kv_events=KVEventsConfig(block_hash_format=block_hash_format, medium=medium),
     )
     limits = config.limits
     engine = KVCacheEngine(
@@ -577,7 +426,7 @@ def _build_core(config: ServerConfig) -> _Core:
     return _Core(config, engine, tensors, event_log, servicer, notes, shm=shm, snapshots=snapshots)
 
 
-def _add_data_plane(core: _Core, auth: Any, closers: list[Callable[[], Awaitable[None]]]) -> None:
+def _add_data_plane(core: _Core, auth: AuthSetup, closers: list[Callable[[], Awaitable[None]]]) -> None:
     """AttachKVCache, ReadBlocks and WriteBlocks (``kvservice.server.data_plane``); with auth off,
     attach only from loopback or the Unix socket. The shared memory is removed at stop."""
     from kvservice.server.data_plane import DataPlane
@@ -599,7 +448,9 @@ def _add_data_plane(core: _Core, auth: Any, closers: list[Callable[[], Awaitable
     )
 
 
-def _add_observability(core: _Core, interceptors: list[Any], closers: list[Callable[[], Awaitable[None]]]) -> None:
+def _add_observability(
+    core: _Core, interceptors: list[grpc.aio.ServerInterceptor], closers: list[Callable[[], Awaitable[None]]]
+) -> None:
     """The RPC context for JSON logs (``log_format`` json) and a span per RPC (``otel_tracing``;
     spans go where the ``OTEL_*`` variables say, flushed at stop), ahead of auth so refused calls
     are seen too.
@@ -623,7 +474,9 @@ def _add_observability(core: _Core, interceptors: list[Any], closers: list[Calla
         interceptors.insert(0, interceptor)
 
 
-def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[[], Awaitable[None]]]) -> None:
+def _start_metrics(
+    core: _Core, interceptors: list[grpc.aio.ServerInterceptor], closers: list[Callable[[], Awaitable[None]]]
+) -> None:
     """Serve Prometheus metrics (with ``metrics_port``); the bound port goes into ``core.config``."""
     settings = core.config.metrics
     if settings.port is None:
@@ -645,10 +498,10 @@ def _start_metrics(core: _Core, interceptors: list[Any], closers: list[Callable[
 
 async def _bind(
     core: _Core,
-    interceptors: list[Any],
+    interceptors: list[grpc.aio.ServerInterceptor],
     credentials: grpc.ServerCredentials | None,
     closers: list[Callable[[], Awaitable[None]]],
-) -> tuple[grpc.aio.Server, Any, str]:
+) -> tuple[grpc.aio.Server, health_aio.HealthServicer, str]:
     """Build the gRPC server (the service, health, reflection), bind and start it; health SERVING.
 
     Returns:
@@ -777,7 +630,7 @@ async def _start_sinks(running: RunningServer) -> None:
     config = running.config
     ctx = SinkContext(running.event_log, running.port, config.auth.allow_insecure_bind, running.snapshots)
     try:
-        started = await start_sinks({section.name: getattr(config, section.name) for section in SECTIONS}, ctx)
+        started = await start_sinks(config, ctx)
     except BaseException:
         await running.stop(0)
         raise
@@ -788,6 +641,8 @@ async def _start_sinks(running: RunningServer) -> None:
         running.notes.extend(done.sink.notes)
         if done.resolved:
             running.config = running.config.replace(**done.resolved)
+        if done.zmq_seq_base is not None:
+            running.servicer.metadata.zmq_seq_base = done.zmq_seq_base
 
 
 async def start_server(config: ServerConfig | None = None, **overrides: Any) -> RunningServer:
@@ -830,7 +685,7 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
     server, health, address = await _bind(core, interceptors, auth.credentials, closers)
     running = RunningServer(
         address,
-        core.config.port,
+        core.config.bind.port,
         server,
         core.engine,
         core.event_log,
@@ -851,9 +706,6 @@ async def start_server(config: ServerConfig | None = None, **overrides: Any) -> 
         raise
     if core.metrics is not None:
         core.metrics.sinks = running.sinks
-    seq_base = getattr(running.sinks.get("zmq"), "seq_base", None)
-    if seq_base is not None:
-        core.servicer.metadata.zmq_seq_base = seq_base
     return running
 
 
@@ -894,7 +746,7 @@ def _add_uds_port(
     closers.append(remove_socket)
 
 
-async def run_server(config: ServerConfig, *, ready: Any = None) -> None:
+async def run_server(config: ServerConfig, *, ready: Callable[[RunningServer], None] | None = None) -> None:
     """Start a server, print where it listens and what it holds, and serve until SIGTERM/SIGINT;
     then stop gracefully (open streams end with UNAVAILABLE naming their last seq)."""
     running = await start_server(config)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import re
 import ssl
@@ -57,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from kvservice.server.endpoints import is_loopback_host
 from kvservice_client.rpc_table import KV_CACHE_SERVICE, ROLES, Role, ServiceTable
 
 if sys.version_info >= (3, 11):
@@ -397,20 +397,6 @@ def server_credentials(
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether a bind address reaches only this machine: ``localhost``, 127.0.0.0/8 or ``::1``
-    (brackets allowed). Wildcards (``0.0.0.0``, ``::``), other addresses and other names are not."""
-    host = host.strip()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # -- server setup ------------------------------------------------------------------------------

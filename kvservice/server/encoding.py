@@ -9,6 +9,8 @@ subscriber gets the same bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.server.event_log import EventLog, LogEntry, filter_events
 from kvservice.server.snapshot import YIELD_EVERY_TOKENS, HalfShare, Snapshot, materialize, run_tokens
@@ -23,9 +25,13 @@ __all__ = [
     "encoded_snapshot_part",
     "encoded_snapshot_part_in_steps",
     "snapshot_part_message",
+    "take_response",
 ]
 
 _FORMATS = (pb.PAYLOAD_FORMAT_UNSPECIFIED, pb.PAYLOAD_FORMAT_PROTOBUF, pb.PAYLOAD_FORMAT_MSGPACK)
+
+_BATCHES_KEY = bytes([pb.TakeEventsResponse.DESCRIPTOR.fields_by_name["batches"].number << 3 | 2])
+"""The key of ``TakeEventsResponse.batches`` on the wire (field 1, length-delimited)."""
 
 
 def check_format(payload_format: int) -> int:
@@ -142,3 +148,29 @@ async def encoded_snapshot_part_in_steps(
             s, j, more=more, payload_format=payload_format, epoch=epoch, data_parallel_rank=data_parallel_rank
         ),
     )
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf varint: 7 bits a byte, least significant first."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def take_response(snapshot_parts: Sequence[bytes], rest: pb.TakeEventsResponse) -> bytes:
+    """A serialized ``TakeEventsResponse`` whose ``batches`` are ``snapshot_parts`` (each a
+    serialized ``EventBatch``, as :func:`encoded_snapshot_part_in_steps` makes them, shared with the
+    streams), then ``rest``'s batches, with ``rest``'s ``next_seq`` and ``epoch``.
+
+    Concatenated serialized messages parse as their merge (repeated fields appended in order), so
+    each part is framed as one ``batches`` entry (its key and length) and ``rest`` serialized after
+    them: no part is parsed or serialized again, and the only work is one join of the bytes.
+    """
+    pieces: list[bytes] = []
+    for data in snapshot_parts:
+        pieces += (_BATCHES_KEY, _varint(len(data)), data)
+    pieces.append(rest.SerializeToString())
+    return b"".join(pieces)

@@ -306,7 +306,7 @@ class EventLog:
             len(entries) - self._start > cfg.max_batches or self._bytes > cfg.max_bytes
         ):
             self._bytes -= entries[self._start].num_bytes
-            entries[self._start] = None  # type: ignore[call-overload]  # a retired slot is None until the ring reuses it
+            entries[self._start] = None  # type: ignore[call-overload]  # the list is typed by its retained part; a slot before _start holds None (its entry let go) until that prefix is deleted below
             self._start += 1
         if self._start > 1024 and self._start * 2 > len(entries):
             del entries[: self._start]

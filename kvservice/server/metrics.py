@@ -45,6 +45,7 @@ from kvservice.core.engine import KVCacheEngine
 from kvservice.server.build_info import build_info
 from kvservice.server.event_log import EventLog, LogEntry
 from kvservice.server.observability import CallInterceptor
+from kvservice.server.sinks import EventSink
 from kvservice.server.snapshot import SnapshotSource
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -150,7 +151,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(self))
-        self.sinks: Mapping[str, Any] = {}
+        self.sinks: Mapping[str, EventSink] = {}
         """The server's event sinks by kind (set once they started; read at scrape)."""
         self.registry.register(_SinkCollector(self))
         Info(
@@ -292,7 +293,8 @@ SINK_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("kvservice_event_sink_reconnects", "counter", "num_reconnects", "Reconnects of a sink's client, by sink."),
     ("kvservice_event_sink_replays", "counter", "num_replays", "Replay requests answered (ZMQ), by sink."),
 )
-"""(metric, type, sink attribute, help): a sink without the attribute has no sample."""
+"""(metric, type, the counter's name in ``EventSink.counters()``, help): a sink that does not count
+it has no sample."""
 
 
 class _SinkCollector(Collector):
@@ -302,13 +304,13 @@ class _SinkCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        """One family per :data:`SINK_METRICS` row, a sample per sink that has the attribute."""
-        sinks = dict(self._metrics.sinks)
-        for name, kind, attr, doc in SINK_METRICS:
+        """One family per :data:`SINK_METRICS` row, a sample per sink that counts it."""
+        counters = {name: sink.counters() for name, sink in self._metrics.sinks.items()}
+        for name, kind, counter, doc in SINK_METRICS:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["sink"])
-            for sink_name, sink in sinks.items():
-                value = getattr(sink, attr, None)
-                if isinstance(value, int):
+            for sink_name, values in counters.items():
+                value = values.get(counter)
+                if value is not None:
                     family.add_metric([sink_name], value)
             yield family
 

@@ -285,6 +285,16 @@ class NatsJetStreamSink:
         """Batches queued, not yet acked."""
         return len(self._pending)
 
+    def counters(self) -> dict[str, int]:
+        """Published (acked), dropped, pending, retries and reconnects (the EventSink's counters)."""
+        return {
+            "num_published": self.num_published,
+            "num_dropped": self.num_dropped,
+            "num_pending": self.num_pending,
+            "num_retries": self.num_retries,
+            "num_reconnects": self.num_reconnects,
+        }
+
     # -- the event log's listener ----------------------------------------------------------
 
     def enqueue(self, entry: LogEntry) -> None:

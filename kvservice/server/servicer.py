@@ -52,7 +52,7 @@ from kvservice.server.encoding import (
     check_format,
     encoded_batch,
     encoded_snapshot_part_in_steps,
-    snapshot_part_message,
+    take_response,
 )
 from kvservice.server.event_log import EventLog, LogEntry, Subscriber
 from kvservice.server.heap import HeapTrimmer
@@ -114,6 +114,17 @@ def _sends_serialized(handler: _Handler) -> _Handler:
     registration has no response serializer."""
     setattr(handler, _SENDS_SERIALIZED, True)
     return handler
+
+
+_JOIN_BESIDE_THE_LOOP_BYTES = 1 << 20
+"""A TakeEvents answer of at least this many snapshot bytes is joined on a worker thread: CPython's
+``bytes.join`` releases the GIL while it copies 1 MiB or more (about 3 ms for 4 MB here), so the loop
+is not held for the copy."""
+
+
+def _on_done(context: grpc.aio.ServicerContext, callback: Callable[[grpc.aio.ServicerContext], None]) -> None:
+    """Run ``callback(context)`` when the RPC ends (answered, failed or cancelled)."""
+    context.add_done_callback(callback)  # type: ignore[arg-type]  # grpc-stubs types the callback as a generic class with __call__, not a Protocol, so no function matches it
 
 
 _REPORT_MODES = {
@@ -252,7 +263,7 @@ class KVCacheServicer:
         self.event_log = event_log
         self.metadata = metadata
         self.max_step_ops = max_step_ops
-        self.data_plane: Any = None
+        self.data_plane: DataPlane | None = None
         """The :class:`kvservice.server.data_plane.DataPlane` (set by the app); None: the data-plane
         RPCs answer FAILED_PRECONDITION."""
         # One op per member of the StepOp oneof, the method named after it (``_free`` for ``free``);
@@ -889,13 +900,14 @@ class KVCacheServicer:
         finally:
             timer.cancel()
 
-    async def TakeEvents(
-        self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.TakeEventsResponse:
-        """Pull batches after a named consumer's cursor."""
+    @_sends_serialized
+    async def TakeEvents(self, request: pb.TakeEventsRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """Pull batches after a named consumer's cursor (the answer serialized here: a snapshot's
+        parts are the bytes its streams get, joined; see :meth:`_snapshot_for_take`)."""
         log = self.event_log
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
+        snapshot_parts: list[bytes] = []
         try:
             payload_format = check_format(request.payload_format)
             group_idxs = log.check_filter(request.group_idxs)
@@ -911,12 +923,10 @@ class KVCacheServicer:
                 log.check_start_seq(request.start_seq, request.epoch)
             previous = log.consumer_cursor(request.consumer)
             max_bytes = log.config.max_take_bytes
-            batches: list[pb.EventBatch] = []
             snapshot_seq = None
             if request.snapshot:
-                batches = await self._snapshot_for_take(group_idxs, payload_format, max_bytes)
-                snapshot_seq = batches[0].seq
-                max_bytes -= sum(b.ByteSize() + 8 for b in batches)
+                snapshot_seq, snapshot_parts = await self._snapshot_for_take(group_idxs, payload_format, max_bytes)
+                max_bytes -= sum(len(data) + 8 for data in snapshot_parts)
             messages: dict[int, pb.EventBatch] = {}
 
             def size_of(entry: LogEntry) -> int:
@@ -932,24 +942,43 @@ class KVCacheServicer:
                 size_of=size_of,
                 max_bytes=max_bytes,
             )
-            batches.extend(messages[entry.seq] for entry in entries)
+            response = pb.TakeEventsResponse(
+                batches=[messages[entry.seq] for entry in entries], next_seq=next_seq, epoch=log.epoch
+            )
         except Exception as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
-        # The cursor stays put if the answer never reaches the consumer (deadline, cancellation).
-        context.add_done_callback(
-            lambda ctx: ctx.cancelled() and log.restore_consumer(request.consumer, previous, next_seq)  # type: ignore[arg-type, func-returns-value]  # `and` runs the restore only on cancel; its None is ignored
-        )
-        return pb.TakeEventsResponse(batches=batches, next_seq=next_seq, epoch=log.epoch)
+
+        def restore_if_cancelled(ctx: grpc.aio.ServicerContext) -> None:
+            # The cursor stays put if the answer never reaches the consumer (deadline, cancellation).
+            if ctx.cancelled():
+                log.restore_consumer(request.consumer, previous, next_seq)
+
+        _on_done(context, restore_if_cancelled)
+        if not snapshot_parts:
+            return response.SerializeToString()
+        # Written within the snapshot streams' shared budget, as their parts are: one answer of up
+        # to max_take_bytes is one write start on the loop, taken in turn and at the budget's rate.
+        num_bytes = sum(len(data) for data in snapshot_parts)
+        finish = await self.snapshots.budget.admit(num_bytes)
+        _on_done(context, lambda ctx: finish())
+        if num_bytes < _JOIN_BESIDE_THE_LOOP_BYTES:
+            return take_response(snapshot_parts, response)
+        # A join of 1 MiB or more copies its bytes with the GIL released: the loop runs meanwhile.
+        return await asyncio.to_thread(take_response, snapshot_parts, response)
 
     async def _snapshot_for_take(
         self, group_idxs: tuple[int, ...] | None, payload_format: int, max_bytes: int
-    ) -> list[pb.EventBatch]:
-        """A snapshot's parts as ``EventBatch`` messages for one TakeEvents answer.
+    ) -> tuple[int, list[bytes]]:
+        """A snapshot for one TakeEvents answer: its watermark seq and its parts, each a serialized
+        ``EventBatch``, made as a stream's are (:func:`encoded_snapshot_part_in_steps`: in steps that
+        yield to the loop, once per payload format and shared with every stream and take at that
+        head), so building the answer never holds the loop for more than a step.
 
         Raises:
             CapacityExceededError: the snapshot is above ``max_bytes``: at once (before any cut)
-                when its lower bound (:meth:`SnapshotSource.min_bytes`) is, else after the cut.
+                when its lower bound (:meth:`SnapshotSource.min_bytes`) is, else once its parts
+                are made (the size named exactly).
         """
         bound = self.snapshots.min_bytes(group_idxs)
         if bound > max_bytes:
@@ -959,24 +988,26 @@ class KVCacheServicer:
             )
         snapshot = await self.snapshots.get(group_idxs)
         log = self.event_log
-        parts = [
-            snapshot_part_message(
-                snapshot,
-                i,
-                more=more,
-                payload_format=payload_format,
-                epoch=log.epoch,
-                data_parallel_rank=log.data_parallel_rank,
+        parts = []
+        async for i, more in snapshot.iter_parts():
+            parts.append(
+                await encoded_snapshot_part_in_steps(
+                    snapshot,
+                    i,
+                    more=more,
+                    payload_format=payload_format,
+                    epoch=log.epoch,
+                    data_parallel_rank=log.data_parallel_rank,
+                )
             )
-            async for i, more in snapshot.iter_parts()
-        ]
-        size = sum(b.ByteSize() + 8 for b in parts)
+            await asyncio.sleep(0)  # a turn between parts too: parts of fewer tokens than a step add up
+        size = sum(len(data) + 8 for data in parts)
         if size > max_bytes:
             raise CapacityExceededError(
                 f"snapshot is {size} bytes, above max_take_bytes {max_bytes} a TakeEvents answer carries: "
                 "take it with StreamEvents (sent in parts)"
             )
-        return parts
+        return snapshot.seq, parts
 
     async def GetKVCacheGroupMetadata(
         self, request: pb.GetKVCacheGroupMetadataRequest, context: grpc.aio.ServicerContext
@@ -1045,7 +1076,7 @@ class KVCacheServicer:
         method of its own: without one, it runs the Step op's (``_<op>``) as a unary call.
 
         A request that does not parse is answered INVALID_ARGUMENT (:func:`_parsed`); a handler marked
-        :func:`_sends_serialized` writes bytes serialized once for every reader (StreamEvents).
+        :func:`_sends_serialized` sends bytes serialized once for every reader (StreamEvents, TakeEvents).
 
         Raises:
             TypeError: an RPC of ``service`` without a handler method (named).

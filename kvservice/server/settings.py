@@ -14,7 +14,7 @@ Sections (each a frozen dataclass that checks its own values once, in ``__post_i
 ``LoggingSettings``       log level
 ========================  ===================================================================
 
-:class:`kvservice.server.app.ServerConfig` holds one of each. Every setting has a **flat name**,
+:class:`ServerConfig` (at the end of this module) holds one of each. Every setting has a **flat name**,
 unique over all sections (``port``, ``zmq_endpoint``, ``event_max_batches``): the one name the
 CLI option (``--zmq-endpoint``), the environment variable (``KVSERVICE_ZMQ_ENDPOINT``), the TOML
 key (``zmq_endpoint`` or ``zmq-endpoint``, at the top level or under ``[kvservice]``) and the
@@ -39,13 +39,14 @@ them; ``kvservice serve``'s options are generated from it, so no default is writ
   ``choices`` gives the CLI a choice list (``one_of`` checks it everywhere else); ``secret=True``
   keeps it out of ``repr``;
 * a check that spans fields of one section goes in that section's ``_check``; one that spans
-  sections in ``ServerConfig.__post_init__``.
+  sections in ``ServerConfig.__init__``.
 
 Nothing else changes: the option, the variable, the TOML key and the keyword all appear, and
-``tests/unit/test_settings_table.py`` checks them against this table. Read it where it is used
-(``config.cache.block_size``, or ``config.block_size``: flat names are readable on the config too).
+``tests/unit/test_settings_table.py`` checks them against this table. Read it through its
+section (``config.cache.block_size``: typed); each component is handed its own section, not the
+whole configuration. Flat names build a configuration and replace values in it, never read one.
 
-Layering (defaults < TOML file < ``KVSERVICE_*`` < flags) is :func:`kvservice.server.app.load_config`.
+Layering (defaults < TOML file < ``KVSERVICE_*`` < flags) is :func:`load_config`.
 Chosen over pydantic-settings: that would bring pydantic and pydantic-core into a server whose
 settings are a few dozen scalars with bounds, add their import to every start, and its sources
 cover neither click (which every other subcommand uses) nor paths relative to the config file;
@@ -55,17 +56,30 @@ the table here is stdlib ``dataclasses.field(metadata=...)``, the layering about
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
+import os
 import re
+import sys
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from kvservice.core.model_config import PRESETS
+from kvservice.server.endpoints import check_endpoint_exposure
 from kvservice.server.vllm_flags import KV_CACHE_DTYPES, kv_events_config_settings
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
 from kvservice_client.jetstream import redact_url
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_REQUEST_IDLE_TIMEOUT_S",
@@ -77,7 +91,9 @@ __all__ = [
     "LoggingSettings",
     "MetricsSettings",
     "NatsSettings",
+    "OTHER_ENV_VARS",
     "SECTIONS",
+    "ServerConfig",
     "Setting",
     "SettingInfo",
     "ZmqSettings",
@@ -88,6 +104,7 @@ __all__ = [
     "check_subject_prefix",
     "fraction",
     "in_range",
+    "load_config",
     "one_of",
     "parse_bytes",
     "positive",
@@ -1023,3 +1040,147 @@ def parse_bytes(value: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a byte count: {value!r} (e.g. 1073741824, 512MiB, 1GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# -- the configuration ------------------------------------------------------------------------
+
+
+OTHER_ENV_VARS = frozenset({"KVSERVICE_TOKEN", "KVSERVICE_PROFILE"})
+"""``KVSERVICE_*`` variables that are not server settings (the watch token, the bench profiler):
+not warned about by :func:`load_config`."""
+
+
+@dataclass(frozen=True, init=False)
+class ServerConfig:
+    """Everything ``kvservice serve`` can be told: one section per concern.
+
+    Build it from sections, from flat settings, or both (flat names are listed by
+    :func:`kvservice.server.settings.settings_table`; each section's docstring says what its
+    settings mean, their units and bounds)::
+
+        ServerConfig(port=0, zmq_endpoint="tcp://127.0.0.1:*")
+        ServerConfig(cache=CacheSettings(preset="qwen-2.5-0.5b"), port=0)
+
+    Flat names build and replace (:meth:`replace`); a value is read through its section, typed
+    (``config.zmq.endpoint``; :meth:`flat` gives every value by flat name).
+
+    Attributes:
+        bind, cache, limits, events, auth, zmq, nats, metrics, logging: the sections (above).
+
+    Raises:
+        ValueError: a bad setting (each section checks its own; the message names the flat
+            setting and the bound), or a rule across sections (a ZMQ bind off loopback without
+            allow_insecure_bind).
+        TypeError: an unknown setting name.
+    """
+
+    bind: BindSettings
+    cache: CacheSettings
+    limits: LimitsSettings
+    events: EventsSettings
+    auth: AuthSettings
+    zmq: ZmqSettings
+    nats: NatsSettings
+    metrics: MetricsSettings
+    logging: LoggingSettings
+
+    def __init__(self, **values: Any) -> None:
+        table, aliases = settings_table(), setting_aliases()
+        given = {section.name: values.pop(section.name, None) for section in SECTIONS}
+        values = {aliases.get(name, name): value for name, value in values.items()}
+        if values.get("kv_events_config") is not None:  # vLLM's JSON; a setting given by name wins
+            values = {**kv_events_config_settings(values["kv_events_config"]), **values}
+        changes: dict[str, dict[str, Any]] = {}
+        for flat, value in values.items():
+            row = table.get(aliases.get(flat, flat))
+            if row is None:
+                raise TypeError(f"ServerConfig got an unknown setting {flat!r}")
+            changes.setdefault(row.section, {})[row.attr] = value
+        for section in SECTIONS:
+            base, change = given[section.name], changes.get(section.name, {})
+            if base is None:
+                value = section(**change)
+            else:
+                value = dataclasses.replace(base, **change) if change else base
+            object.__setattr__(self, section.name, value)
+        # The one rule across sections: ZMQ has no authentication, so a bind off loopback needs
+        # allow_insecure_bind (refused here, before anything is allocated).
+        check_endpoint_exposure(
+            self.zmq.endpoint, self.zmq.replay_endpoint, allow_insecure_bind=self.auth.allow_insecure_bind
+        )
+
+    def replace(self, **flat: Any) -> ServerConfig:
+        """A copy with flat settings (or whole sections) replaced, checked again."""
+        return ServerConfig(**{section.name: getattr(self, section.name) for section in SECTIONS}, **flat)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by flat name (what ``ServerConfig(**config.flat())`` rebuilds)."""
+        return {name: getattr(getattr(self, row.section), row.attr) for name, row in settings_table().items()}
+
+
+def load_config(
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ServerConfig:
+    """Build a :class:`ServerConfig` from a TOML file, ``KVSERVICE_*`` variables and overrides.
+
+    Every name is a flat setting name (:func:`~kvservice.server.settings.settings_table`): the
+    TOML key (``-`` or ``_``; at the top level or under ``[kvservice]``), the variable
+    ``KVSERVICE_<NAME>``, the override keyword. Overrides whose value is None are ignored (flags
+    not given). Precedence: overrides > environment > file > defaults. A relative path in the file
+    (``*_file`` settings) is relative to the file's directory; in the environment and overrides,
+    to the working directory. A ``KVSERVICE_*`` variable that names no setting is logged as a
+    WARNING (with the nearest setting's variable) and ignored.
+
+    Raises:
+        ValueError: an unknown key (file or override) or a bad value, naming its source and the
+            setting.
+    """
+    table, aliases = settings_table(), setting_aliases()
+    values: dict[str, Any] = {}
+
+    def put(key: str, value: Any, source: str) -> None:
+        key = aliases.get(key, key)
+        try:
+            values[key] = table[key].parse(value)
+        except ValueError as e:
+            raise ValueError(f"{source}: {key}: {e}") from None
+
+    if config_file is not None:
+        try:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{config_file}: not valid TOML: {e}") from None
+        data = data.get("kvservice", data)
+        for key, value in data.items():
+            key = key.replace("-", "_")
+            if key not in table and key not in aliases:
+                raise ValueError(f"{config_file}: unknown key {key!r}")
+            put(key, value, str(config_file))
+            key = aliases.get(key, key)
+            if (
+                (key.endswith("_file") or key in ("model_config", "kv_cache_layout"))
+                and isinstance(values[key], str)
+                and not os.path.isabs(values[key])
+            ):
+                # A path in a config file is relative to that file, not to where the server starts.
+                values[key] = str(Path(config_file).resolve().parent / values[key])
+    environ = os.environ if environ is None else environ
+    for env_key, value in environ.items():
+        if not env_key.startswith("KVSERVICE_"):
+            continue
+        key = env_key[len("KVSERVICE_") :].lower()
+        if key in table or key in aliases:
+            put(key, value, env_key)
+        elif env_key not in OTHER_ENV_VARS:
+            near = difflib.get_close_matches(key, list(table), n=1)
+            hint = f" (did you mean KVSERVICE_{near[0].upper()}?)" if near else ""
+            logger.warning("ignoring %s: no setting is called %s%s", env_key, key, hint)
+    for key, value in overrides.items():
+        if key not in table and key not in aliases:
+            raise ValueError(f"unknown setting {key!r}")
+        if value is not None:
+            put(key, value, f"--{key.replace('_', '-')}")
+    return ServerConfig(**values)

@@ -6,8 +6,8 @@ with a null object (:class:`NullEventSink`, vLLM's ``NullEventPublisher``), and 
 kind whose settings section turns it on. The data plane and the servicer never touch a sink:
 batches reach them only through the event log (``EventLog.add_listener``).
 
-**Adding a sink**: write a class with ``publish``, ``close``, ``describe`` and ``notes`` (any
-class with them is an :class:`EventSink`; no base class), give it a settings section in
+**Adding a sink**: write a class with ``publish``, ``close``, ``describe``, ``counters`` and
+``notes`` (any class with them is an :class:`EventSink`; no base class), give it a settings section in
 ``kvservice.server.settings`` (a field of ``ServerConfig`` named like the kind), and add a
 :class:`SinkKind` to :data:`SINKS` with a start function. Nothing in ``app.py`` changes.
 """
@@ -20,9 +20,18 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from kvservice.server.event_log import EventLog, LogEntry
-    from kvservice.server.settings import NatsSettings, ZmqSettings
+    from kvservice.server.settings import NatsSettings, ServerConfig, ZmqSettings
+    from kvservice.server.snapshot import SnapshotSource
 
-__all__ = ["SINKS", "EventSink", "NullEventSink", "SinkContext", "SinkKind", "StartedSink", "start_sinks"]
+__all__ = [
+    "SINKS",
+    "EventSink",
+    "NullEventSink",
+    "SinkContext",
+    "SinkKind",
+    "StartedSink",
+    "start_sinks",
+]
 
 
 @runtime_checkable
@@ -49,6 +58,12 @@ class EventSink(Protocol):
     def describe(self) -> str:
         """One line for the start banner: where batches go."""
 
+    def counters(self) -> Mapping[str, int]:
+        """The counters it keeps, now, by name (read at each metrics scrape; the names are
+        ``kvservice.server.metrics.SINK_METRICS``': ``num_published``, ``num_dropped``,
+        ``num_pending``, ``num_retries``, ``num_reconnects``, ``num_replays``; a sink leaves out
+        what it does not count)."""
+
 
 class NullEventSink:
     """The sink that takes every batch and does nothing (a server with no sink configured)."""
@@ -65,6 +80,10 @@ class NullEventSink:
     def describe(self) -> str:
         """``"no event sink"``."""
         return "no event sink"
+
+    def counters(self) -> Mapping[str, int]:
+        """None: it counts nothing."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -83,16 +102,24 @@ class SinkContext:
     event_log: EventLog
     port: int
     allow_insecure_bind: bool
-    snapshots: Any = None
+    snapshots: SnapshotSource | None = None
 
 
 @dataclass
 class StartedSink:
-    """A started sink and the flat settings it resolved at start (e.g. ``nats_instance``), which
-    the running server's config records."""
+    """A started sink and what the running server records of it.
+
+    Attributes:
+        sink: the sink.
+        resolved: the flat settings it resolved at start (e.g. ``nats_instance``), which the
+            running server's config records.
+        zmq_seq_base: the ZMQ wire seq of its epoch start (``ZmqEventPublisher.seq_base``), which
+            ``GetKVCacheGroupMetadata`` publishes; None for other sinks.
+    """
 
     sink: EventSink
     resolved: dict[str, Any] = field(default_factory=dict)
+    zmq_seq_base: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +150,7 @@ async def _start_zmq(settings: ZmqSettings, ctx: SinkContext) -> StartedSink:
         allow_insecure_bind=ctx.allow_insecure_bind,
         snapshots=ctx.snapshots,
     )
-    return StartedSink(publisher)
+    return StartedSink(publisher, zmq_seq_base=publisher.seq_base)
 
 
 async def _start_nats(settings: NatsSettings, ctx: SinkContext) -> StartedSink:
@@ -140,8 +167,9 @@ SINKS: tuple[SinkKind, ...] = (
 """The kinds a server can start, in start order (closed in reverse)."""
 
 
-async def start_sinks(sections: Mapping[str, Any], ctx: SinkContext) -> dict[str, StartedSink]:
-    """Start every kind of :data:`SINKS` whose section (``sections[kind.name]``) turns it on.
+async def start_sinks(config: ServerConfig, ctx: SinkContext) -> dict[str, StartedSink]:
+    """Start every kind of :data:`SINKS` whose section (``config.<kind>``: ``config.zmq``) turns it
+    on; each start is handed its own section and ``ctx``.
 
     Returns:
         The started sinks by kind, in start order.
@@ -154,8 +182,11 @@ async def start_sinks(sections: Mapping[str, Any], ctx: SinkContext) -> dict[str
     started: dict[str, StartedSink] = {}
     try:
         for kind in SINKS:
-            if kind.enabled(sections[kind.name]):
-                started[kind.name] = await kind.start(sections[kind.name], ctx)
+            section = getattr(
+                config, kind.name
+            )  # a section of ServerConfig per kind (tests/unit/test_settings_table.py)
+            if kind.enabled(section):
+                started[kind.name] = await kind.start(section, ctx)
     except BaseException:
         for done in reversed(started.values()):
             await done.sink.close()

@@ -69,7 +69,8 @@ def _walk(descriptor: Descriptor, data: bytes, prefix: str) -> str | None:
             except UnicodeDecodeError:
                 return name
         else:
-            found = _walk(field.message_type, chunk, name + ".")  # type: ignore[arg-type]  # a message field's message_type is set (the walk only enters message fields)
+            assert field.message_type is not None, f"{name}: the walk enters message fields only"
+            found = _walk(field.message_type, chunk, name + ".")
             if found is not None:
                 return found
     return None

@@ -37,9 +37,11 @@ replay from 0 (one "gap" line in its log), and is answered with the whole epoch,
 **A start below retention** (below ``seq_base + oldest retained seq``, when the log has dropped
 batches) is answered with a snapshot first: ``AllBlocksCleared`` and a ``BlockStored`` for every
 cached block, parents first (the event log's snapshot events, as ``StreamEvents`` sends them), as
-*one* batch with the wire seq it was cut at (the snapshot mirror's seq), then the batches after
-that seq (none, unless a gRPC snapshot cut is in production and the mirror holds batches back),
-then the end marker. A consumer that applies the replay in
+*one* batch with the wire seq it was cut at (the snapshot's watermark), then every batch after that
+seq (the retained ones, and those published while the snapshot's events were made), then the end
+marker. The snapshot comes from the server's ``SnapshotSource`` as every
+snapshot does (a cut shared with the gRPC callers at that head, produced and made into events in
+steps that yield to the loop). A consumer that applies the replay in
 order ends exact whatever it missed (vLLM's buffer answers from the oldest retained batch instead,
 leaving such a consumer partial for good). Two differences from the gRPC snapshot:
 
@@ -87,8 +89,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvservice.server.auth import is_loopback_host
-from kvservice.server.snapshot import materialize, snapshot_runs
+from kvservice.server.endpoints import check_endpoint_exposure, is_bind_endpoint, is_loopback_endpoint
 from kvservice_client.events import AllBlocksCleared, KVEventBatch, encode_event_batch
 
 if TYPE_CHECKING:
@@ -113,6 +114,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_YIELD_EVERY = 256
 """Replayed batches sent between two yields to the loop (a long replay never stalls other calls)."""
 
+_SNAPSHOT_TRIES = 3
+"""Snapshots a replay from below retention is cut from, at most (see ``_snapshot_messages``)."""
+
 
 def import_zmq() -> Any:
     """Import pyzmq (and ``zmq.asyncio``).
@@ -128,65 +132,6 @@ def import_zmq() -> Any:
             f"zmq_endpoint needs pyzmq, which is not installed ({e}): pip install pyzmq (kvservice's zmq extra)"
         ) from None
     return zmq
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind an endpoint with a wildcard (``*`` or ``::``) or an ``ipc://`` /
-    ``inproc://`` one; connect to any other (e.g. ``tcp://indexer:5557``, a router's bound SUB)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether binding ``endpoint`` reaches only this machine: ``ipc://`` and ``inproc://``, or
-    ``tcp://`` on a loopback host (``127.0.0.0/8``, ``[::1]``, ``localhost``; any port, ``*``
-    included). Wildcard hosts (``*``, ``0.0.0.0``, ``[::]``), other addresses, interface names
-    and other transports are not."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-    return is_loopback_host(host)
-
-
-def check_endpoint_exposure(
-    zmq_endpoint: str | None, zmq_replay_endpoint: str | None, *, allow_insecure_bind: bool
-) -> list[str]:
-    """Apply the bind rule to the PUB endpoint (bound or connected by :func:`is_bind_endpoint`)
-    and the replay endpoint (always bound): a socket bound on a non-loopback address (see
-    :func:`is_loopback_endpoint`) needs ``allow_insecure_bind``.
-
-    Args:
-        zmq_endpoint: the PUB endpoint, or None (off).
-        zmq_replay_endpoint: the ROUTER endpoint, or None (no replay).
-        allow_insecure_bind: bind non-loopback addresses anyway.
-
-    Returns:
-        One warning note per socket bound on a non-loopback address (empty when there is none).
-
-    Raises:
-        ValueError: such a bind without ``allow_insecure_bind`` (the message names the setting,
-            the endpoint and ``allow_insecure_bind (--allow-insecure-bind)``).
-    """
-    notes = []
-    for setting, endpoint, bind in (
-        ("zmq_endpoint", zmq_endpoint, zmq_endpoint is not None and is_bind_endpoint(zmq_endpoint)),
-        ("zmq_replay_endpoint", zmq_replay_endpoint, True),
-    ):
-        if endpoint is None or not bind or is_loopback_endpoint(endpoint):
-            continue
-        if not allow_insecure_bind:
-            raise ValueError(
-                f"{setting} {endpoint!r} binds a non-loopback address and ZMQ has no authentication or encryption: "
-                "anyone who reaches the port reads the KV events (prompt token ids), whatever TLS or tokens the "
-                "gRPC port has; bind loopback (e.g. tcp://127.0.0.1:*) or ipc://, or set allow_insecure_bind "
-                "(--allow-insecure-bind) to bind anyway"
-            )
-        notes.append(
-            f"{setting} {endpoint} bound on a non-loopback address (allow_insecure_bind): ZMQ carries no "
-            "authentication or encryption; the KV events (token ids) are readable by anyone who reaches the port"
-        )
-    return notes
 
 
 class ZmqEventPublisher:
@@ -248,6 +193,7 @@ class ZmqEventPublisher:
         self.notes: list[str] = []
         self._closed = False
         self._replay_task: asyncio.Task | None = None
+        self._following: list[list[LogEntry]] = []  # per snapshot replay in the making, the batches since
 
     @classmethod
     async def start(
@@ -272,7 +218,7 @@ class ZmqEventPublisher:
             allow_insecure_bind: bind a non-loopback address anyway (with a warning in
                 :attr:`notes`); refused otherwise.
             snapshots: the server's snapshot source: a replay from below retention is answered
-                with a snapshot cut from its mirror (None: with the retained batches only).
+                with a snapshot from it (None: with the retained batches only).
 
         Raises:
             ValueError: a non-loopback bind without ``allow_insecure_bind`` (see
@@ -324,6 +270,11 @@ class ZmqEventPublisher:
         replay = f", replay on {self.replay_endpoint}" if self.replay_endpoint else ", no replay"
         return f"ZMQ KV events on {self.endpoint} ({mode}), topic {self.topic.decode()!r}{replay}"
 
+    def counters(self) -> dict[str, int]:
+        """Published, dropped and replays answered (the EventSink's counters; ZMQ's own
+        per-subscriber drops are invisible to a publisher)."""
+        return {"num_published": self.num_published, "num_dropped": self.num_dropped, "num_replays": self.num_replays}
+
     # -- live --------------------------------------------------------------------------------
 
     def publish(self, entry: LogEntry) -> None:
@@ -332,6 +283,8 @@ class ZmqEventPublisher:
         A refused send is counted in :attr:`num_dropped` and logged; it never raises."""
         if self._closed:
             return
+        for after in self._following:  # a snapshot replay whose events are being made
+            after.append(entry)
         if self._send_live(self.seq_base + entry.seq, entry.msgpack):
             self.num_published += 1
 
@@ -377,33 +330,17 @@ class ZmqEventPublisher:
         identity, _, start_bytes = frames
         start_seq = int.from_bytes(start_bytes, "big")
         log = self._log
-        log.settle()  # a batch appended in this turn of the loop reaches the mirror (or pending) first
+        log.settle()  # a batch appended in this turn of the loop is in what follows
         base = self.seq_base
-        messages: list[tuple[int, bytes]] = []  # (wire seq, payload), cut now: nothing awaits in between
+        messages: list[tuple[int, bytes]] = []  # (wire seq, payload)
         if start_seq <= base + log.head_seq:
             oldest = log.oldest_seq
             if start_seq < base + oldest and oldest > 1 and self._snapshots is not None:  # below retention
                 self.num_snapshot_replays += 1
-                logger.info(
-                    "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
-                    start_seq,
-                    base + oldest,
-                    base + self._snapshots.mirror.seq,
-                )
-                # One batch, not the gRPC stream's parts: see "A start below retention" above.
-                # Presence only: the snapshot's reuse-order re-announcements (reused=True) are a
-                # second BlockStored per block to a vLLM reader, which ignores ``reused``.
-                # Read synchronously from the mirror's own table: nothing applies a batch meanwhile.
-                source = self._snapshots
-                mirror = source.mirror
-                events = [
-                    materialize(item, mirror.group_kinds, mirror.group_windows)
-                    for item in snapshot_runs(mirror.table, None)
-                    if item is None or not item[1]
-                ]
-                snapshot = KVEventBatch(time.time(), events, log.data_parallel_rank)
-                messages = [(base + mirror.seq, encode_event_batch(snapshot))]
-                messages.extend((base + e.seq, e.msgpack) for e in source.pending)  # held back by a gRPC cut
+                answer = await self._snapshot_messages(start_seq, self._snapshots)
+                if answer is None:
+                    return
+                messages = answer
             else:
                 if start_seq <= base:
                     messages.append((base, self._epoch_start))
@@ -416,6 +353,58 @@ class ZmqEventPublisher:
                 await asyncio.sleep(0)
         if self._send_reply(identity, (b"", END_SEQ, b"")):
             self.num_replays += 1
+
+    async def _snapshot_messages(self, start_seq: int, source: SnapshotSource) -> list[tuple[int, bytes]] | None:
+        """A replay's answer from a snapshot (its start was below retention): the snapshot as one
+        batch at its wire seq, then every batch after it, as ``(wire seq, payload)``.
+
+        The snapshot comes from ``source`` as every snapshot does (:meth:`SnapshotSource.get`: a
+        cut shared with the gRPC callers at that head, produced and made into events in steps
+        that yield to the loop). One batch, not the gRPC stream's parts: see "A start below
+        retention" in the module docstring; presence only (:meth:`Snapshot.presence_events`): the
+        recency-order re-announcements (``reused``) would be a second BlockStored per block to a
+        vLLM reader, which ignores ``reused``.
+
+        The batches after the watermark: those the source holds when it hands the snapshot over
+        (:meth:`SnapshotSource.batches_after`: the batches a cut in production holds back from
+        its mirror; none when the cut is at the head), then every batch published while its
+        events are made (kept here as :meth:`publish` sends them), so retention trimmed meanwhile
+        loses none. Should the source not hold them (never right after ``get``), the log's
+        retention is read, and a snapshot whose next batch it dropped is asked for again, at most
+        ``_SNAPSHOT_TRIES`` times; then the replay is abandoned (None; counted in
+        :attr:`num_replays_abandoned`, logged).
+        """
+        log = self._log
+        base = self.seq_base
+        for _ in range(_SNAPSHOT_TRIES):
+            snapshot = await source.get(None)  # settled: every batch up to the head is published
+            after = source.batches_after(snapshot)
+            if after is None:
+                if snapshot.seq + 1 < log.oldest_seq:
+                    await snapshot.wait_done()  # let the mirror move on: the next ask cuts afresh
+                    continue
+                after = log.entries_from(snapshot.seq + 1)  # a copy
+            self._following.append(after)  # publish() appends the later ones
+            try:
+                events = await snapshot.presence_events()
+            finally:
+                self._following.remove(after)
+            logger.info(
+                "ZMQ replay from seq %d is below the oldest retained seq %d: answered with a snapshot at seq %d",
+                start_seq,
+                base + log.oldest_seq,
+                base + snapshot.seq,
+            )
+            batch = encode_event_batch(KVEventBatch(snapshot.ts, events, log.data_parallel_rank))
+            return [(base + snapshot.seq, batch), *((base + e.seq, e.msgpack) for e in after)]
+        self.num_replays_abandoned += 1
+        logger.warning(
+            "ZMQ replay from seq %d abandoned: the batch after each of %d snapshots had left retention when it "
+            "was handed over (raise event_max_batches / event_max_bytes)",
+            start_seq,
+            _SNAPSHOT_TRIES,
+        )
+        return None
 
     def _send_reply(self, identity: bytes, frames: tuple[bytes, bytes, bytes]) -> bool:
         """Send one reply message; False (the replay abandoned, counted, logged) when the client
@@ -471,4 +460,5 @@ def _open(zmq: Any, sock: Any, endpoint: str, setting: str, *, bind: bool) -> st
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         raise RuntimeError(f"{setting}: cannot {'bind' if bind else 'connect'} {endpoint!r}: {e}") from None
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)  # type: ignore[no-any-return]  # pyzmq's getsockopt_string is untyped
+    bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the wildcard port resolved
+    return bound

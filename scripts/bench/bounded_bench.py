@@ -1,6 +1,6 @@
 """Bounded cost (issue 15): what snapshot watchers cost other clients, and memory against settings.
 
-    python scripts/bench/bounded_bench.py stall  [--blocks 32768] [--clients 1,100] [--seconds 10]
+    python scripts/bench/bounded_bench.py stall  [--blocks 32768] [--clients 1,100] [--seconds 10] [--rpc stream|take]
     python scripts/bench/bounded_bench.py memory
     python scripts/bench/bounded_bench.py cut    --blocks 1048576 [--shape fresh|shared] [--repeat 3]
     ... --server-src DIR    # run the server from another source tree (e.g. main, for "before")
@@ -9,7 +9,9 @@ stall: a server (meta device, block size 16) holding ``--blocks`` cached blocks;
 GetUsage latency (p50/p99, sync client, this process) while idle, then while N other clients (a
 separate process) loop StreamEvents(SNAPSHOT) to the end of each snapshot (until the deadline, then
 they stop mid-snapshot: "snapshots done" counts whole ones); the figure is the loaded
-p99 as a ratio to the idle p99 of the same run (target <= 3x).
+p99 as a ratio to the idle p99 of the same run (target <= 3x). ``--rpc take`` is the unary row
+(issue 26): the N clients loop ``TakeEvents(snapshot=true)`` instead (each its own consumer; a
+whole snapshot per answer, refused above ``max_take_bytes``: a refusal counts in "takes refused").
 
 memory: server RSS growth (VmRSS) in two workloads, each on a fresh server:
 * pinning: 400 requests of 4,096 tokens on a 2,048-block pool, admitted and freed one by one, with
@@ -155,20 +157,46 @@ def _snapshot_more(data: bytes) -> bool:
     return more
 
 
-async def _snapshot_load(address: str, num_clients: int, seconds: float, readers: str = "parse") -> int:
+async def _snapshot_load(
+    address: str, num_clients: int, seconds: float, readers: str = "parse", rpc: str = "stream"
+) -> tuple[int, int]:
     """N snapshot clients; ``readers="raw"`` takes each message's bytes as they come and reads only
     ``snapshot_more`` from them (the server's work is the same; the readers' parsing, which on a
-    real deployment runs on the routers' own machines, then takes little of this machine's CPU)."""
+    real deployment runs on the routers' own machines, then takes little of this machine's CPU).
+    ``rpc="take"``: each loops ``TakeEvents(snapshot=true)`` (raw: the answer's bytes unparsed).
+    Returns (whole snapshots taken, refusals)."""
     from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
     from kvservice_client.client import AsyncKVCacheClient
+    from kvservice_client.errors import KVServiceError
     from kvservice_client.request_builders import stream_events_request
 
-    done = 0
+    done = refused = 0
     end = time.monotonic() + seconds
     clients = [
         AsyncKVCacheClient(address, options=[("grpc.use_local_subchannel_pool", 1)], timeout=None)
         for _ in range(min(num_clients, 8))
     ]
+
+    async def take_loop(client, consumer: str) -> None:
+        nonlocal done, refused
+        raw = client.channel.unary_unary(
+            "/kvservice.v1.KVCacheService/TakeEvents",
+            request_serializer=pb.TakeEventsRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        while time.monotonic() < end:
+            try:
+                if readers == "raw":
+                    await raw(pb.TakeEventsRequest(consumer=consumer, snapshot=True))
+                else:
+                    await client.take_events(consumer, snapshot=True)
+            except KVServiceError:  # refused (above max_take_bytes): counted, asked again
+                refused += 1
+                continue
+            except Exception:  # the raw call's error
+                refused += 1
+                continue
+            done += 1
 
     async def loop(client) -> None:
         nonlocal done
@@ -192,18 +220,25 @@ async def _snapshot_load(address: str, num_clients: int, seconds: float, readers
             done += 1
 
     try:  # stop at the deadline, mid-snapshot if need be (a rate-bounded 1M-block snapshot takes seconds)
-        await asyncio.wait_for(
-            asyncio.gather(*(loop(clients[i % len(clients)]) for i in range(num_clients))), seconds + 1
+        loops = (
+            take_loop(clients[i % len(clients)], f"bench-{i}") if rpc == "take" else loop(clients[i % len(clients)])
+            for i in range(num_clients)
         )
+        await asyncio.wait_for(asyncio.gather(*loops), seconds + 1)
     except asyncio.TimeoutError:
         pass
     for client in clients:
         await client.close()
-    return done
+    return done, refused
 
 
 def stall(
-    blocks: int, clients: list[int], seconds: float, server_src: str | None, readers: str = "parse"
+    blocks: int,
+    clients: list[int],
+    seconds: float,
+    server_src: str | None,
+    readers: str = "parse",
+    rpc: str = "stream",
 ) -> list[dict]:
     from kvservice_client.client import KVCacheClient
 
@@ -228,7 +263,7 @@ def stall(
             idle = _latencies(client, seconds)
             for n in clients:
                 load = subprocess.Popen(
-                    [sys.executable, __file__, "_load", server.address, str(n), str(seconds + 2), readers],
+                    [sys.executable, __file__, "_load", server.address, str(n), str(seconds + 2), readers, rpc],
                     stdout=subprocess.PIPE,
                     text=True,
                     env=_env(None),
@@ -237,10 +272,12 @@ def stall(
                 time.sleep(1.0)  # let the load start
                 loaded = _latencies(client, seconds)
                 out, _ = load.communicate(timeout=3600)
+                done, refused = (int(x) for x in out.strip().splitlines()[-1].split()) if out.strip() else (None, None)
                 rows.append(
                     {
                         "blocks": cached,
                         "clients": n,
+                        "rpc": "TakeEvents" if rpc == "take" else "StreamEvents",
                         "readers": readers,
                         "fill_s": fill_s,
                         "idle_p50_ms": _p(idle, 0.5) * 1e3,
@@ -249,7 +286,8 @@ def stall(
                         "loaded_p99_ms": _p(loaded, 0.99) * 1e3,
                         "loaded_max_ms": max(loaded) * 1e3,
                         "ratio_p99": _p(loaded, 0.99) / _p(idle, 0.99),
-                        "snapshots_done": int(out.strip().splitlines()[-1]) if out.strip() else None,
+                        "snapshots_done": done,
+                        "takes_refused": refused,
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -458,7 +496,7 @@ def cut(num_blocks: int, shape: str, repeat: int) -> list[dict]:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_load":
-        print(asyncio.run(_snapshot_load(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])))
+        print(*asyncio.run(_snapshot_load(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), *sys.argv[5:7])))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["stall", "memory", "cut"])
@@ -474,11 +512,22 @@ if __name__ == "__main__":
         default="parse",
         help="snapshot clients parse every message (parse) or read only snapshot_more from its bytes (raw)",
     )
+    parser.add_argument(
+        "--rpc",
+        choices=["stream", "take"],
+        default="stream",
+        help="stall: the load clients loop StreamEvents(SNAPSHOT) (stream) or TakeEvents(snapshot=true) (take)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.what == "stall":
         result = stall(
-            args.blocks, [int(n) for n in args.clients.split(",")], args.seconds, args.server_src, args.readers
+            args.blocks,
+            [int(n) for n in args.clients.split(",")],
+            args.seconds,
+            args.server_src,
+            args.readers,
+            args.rpc,
         )
     elif args.what == "cut":
         result = cut(args.blocks, args.shape, args.repeat)

@@ -90,7 +90,7 @@ def test_every_line_of_a_served_run_is_json():
     assert messages == [
         (
             "WARNING",
-            "kvservice.server.app",
+            "kvservice.server.settings",  # load_config warns (it lives beside the settings)
             "ignoring KVSERVICE_NO_SUCH_SETTING: no setting is called no_such_setting",
         ),
         ("INFO", "kvservice.server.reaper", "freed 1 request(s) idle for 1 s or more (request_idle_timeout_s): r1"),

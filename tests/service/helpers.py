@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.server.app import RunningServer
+from kvservice.server.snapshot import snapshot_events
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient
 from kvservice_client.convert import proto_to_batch
@@ -187,7 +188,7 @@ def server_state(running: RunningServer) -> dict[str, Any]:
     return {
         "engine_usage": engine.get_usage(),
         "retained": [entry.seq for entry in log.entries_from(log.oldest_seq)],
-        "snapshot": running.snapshots.mirror.events(),
+        "snapshot": snapshot_events(running.snapshots.mirror),
         "cached": running.snapshots.mirror.cached_hashes(),
         "pool": pool_hashes(running),
         "requests": {rid: (r.num_tokens, r.num_computed_tokens) for rid, r in engine.requests.items()},

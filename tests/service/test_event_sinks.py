@@ -7,6 +7,7 @@ import pytest
 
 import kvservice.server.sinks as sinks
 from kvservice.server.nats_sink import NatsJetStreamSink
+from kvservice.server.settings import ServerConfig
 from kvservice.server.sinks import EventSink, NullEventSink, SinkContext, SinkKind, StartedSink, start_sinks
 from kvservice.server.zmq_publisher import ZmqEventPublisher
 
@@ -29,6 +30,9 @@ class RecordingSink:
     def describe(self) -> str:
         return f"{self.name} sink"
 
+    def counters(self) -> dict[str, int]:
+        return {"num_published": len(self.seqs)}
+
 
 def _kind(name: str, log: list[str], *, fail: bool = False, enabled: bool = True) -> SinkKind:
     async def start(settings, ctx: SinkContext) -> StartedSink:
@@ -44,10 +48,11 @@ def _kind(name: str, log: list[str], *, fail: bool = False, enabled: bool = True
 
 def test_zmq_nats_and_null_are_event_sinks():
     for cls in (ZmqEventPublisher, NatsJetStreamSink, NullEventSink, RecordingSink):
-        for method in ("publish", "close", "describe"):
+        for method in ("publish", "close", "describe", "counters"):
             assert callable(getattr(cls, method)), (cls, method)
     assert isinstance(NullEventSink(), EventSink)
     assert NullEventSink().describe() == "no event sink" and NullEventSink().notes == []
+    assert NullEventSink().counters() == {}
     assert [kind.name for kind in sinks.SINKS] == ["zmq", "nats"]
 
 
@@ -60,7 +65,8 @@ async def test_one_loop_starts_the_enabled_kinds_in_order_and_feeds_them_every_b
     assert list(running.sinks) == ["zmq"] and log == ["start zmq"]
     assert isinstance(running.sinks["zmq"], EventSink)
     assert isinstance(running.sink("nats"), NullEventSink) and running.nats_sink is None
-    assert running.zmq_publisher is running.sinks["zmq"]
+    assert running.sink("zmq") is running.sinks["zmq"]
+    assert running.zmq_publisher is None  # the typed accessor gives the ZMQ publisher only, not another kind's sink
     assert running.notes[-2:] == ["zmq sink", "zmq note"]
     client = await connect(running)
     for request_id, first in (("r1", 0), ("r2", 100)):  # each allocation publishes one BlockStored batch
@@ -86,7 +92,7 @@ async def test_start_sinks_with_nothing_enabled_starts_nothing():
     original = sinks.SINKS
     sinks.SINKS = kinds
     try:
-        assert await start_sinks({"zmq": None}, SinkContext(None, 0, False)) == {}  # type: ignore[arg-type]
+        assert await start_sinks(ServerConfig(), SinkContext(None, 0, False)) == {}  # type: ignore[arg-type]
     finally:
         sinks.SINKS = original
     assert log == []

@@ -48,17 +48,17 @@ async def test_a_failed_check_is_recorded_and_logged_and_the_call_still_answers(
 
 async def test_off_by_default(kv_server, client) -> None:
     await client.get_computed_blocks("A", range(1, 10))
-    assert kv_server.config.check_invariants is False
+    assert kv_server.config.cache.check_invariants is False
     assert kv_server.servicer.num_invariant_checks == 0
 
 
 def test_the_setting_from_env_toml_and_flags(tmp_path) -> None:
-    assert load_config(None, {"KVSERVICE_CHECK_INVARIANTS": "true"}).check_invariants is True
-    assert load_config(None, {"KVSERVICE_CHECK_INVARIANTS": "0"}).check_invariants is False
+    assert load_config(None, {"KVSERVICE_CHECK_INVARIANTS": "true"}).cache.check_invariants is True
+    assert load_config(None, {"KVSERVICE_CHECK_INVARIANTS": "0"}).cache.check_invariants is False
     toml = tmp_path / "kv.toml"
     toml.write_text("check_invariants = true\n")
-    assert load_config(toml, {}).check_invariants is True
-    assert load_config(toml, {}, check_invariants=False).check_invariants is False
+    assert load_config(toml, {}).cache.check_invariants is True
+    assert load_config(toml, {}, check_invariants=False).cache.check_invariants is False
     with pytest.raises(ValueError, match="KVSERVICE_CHECK_INVARIANTS: check_invariants: not a boolean: 'maybe'"):
         load_config(None, {"KVSERVICE_CHECK_INVARIANTS": "maybe"})
 
@@ -72,7 +72,7 @@ def test_the_serve_flag(monkeypatch) -> None:
     seen = []
 
     async def fake_run_server(config, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(config.check_invariants)
+        seen.append(config.cache.check_invariants)
 
     monkeypatch.setattr(app, "run_server", fake_run_server)
     for args in (["--check-invariants"], ["--no-check-invariants"], []):

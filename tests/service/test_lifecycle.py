@@ -123,7 +123,7 @@ async def test_memory_budget_sizes_the_pool(start_kv_server, connect):
     running = await start_kv_server(device="cpu", num_blocks=None, kv_cache_memory=10 * QWEN_BLOCK_BYTES + 100)
     client = await connect(running)
     meta = await client.get_kv_cache_group_metadata()
-    assert running.config.num_blocks == 10
+    assert running.config.cache.num_blocks == 10
     assert [(g.num_blocks, g.bytes_per_block, g.device, g.dtype, g.num_layers) for g in meta.groups] == [
         (10, QWEN_BLOCK_BYTES, "cpu", "bfloat16", 24)
     ]

@@ -52,7 +52,7 @@ async def test_waiting_requests_are_bounded_by_max_waiting_tokens(start_kv_serve
 
 async def test_the_default_bound_is_on(start_kv_server):
     running = await start_kv_server()
-    assert running.config.max_waiting_tokens == 8 * 1024 * 1024
+    assert running.config.limits.max_waiting_tokens == 8 * 1024 * 1024
     assert running.engine.limits.max_waiting_tokens == 8 * 1024 * 1024
     assert (await start_kv_server(max_waiting_tokens=0)).engine.limits.max_waiting_tokens is None
 

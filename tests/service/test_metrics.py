@@ -66,7 +66,7 @@ def by_method_and_code(samples: Samples, name: str, **extra: str) -> dict[tuple[
 
 async def test_metrics_after_a_known_sequence(start_kv_server, connect):
     running = await start_kv_server(metrics_port=0)
-    assert running.metrics_port not in (None, 0) and running.config.metrics_port == running.metrics_port
+    assert running.metrics_port not in (None, 0) and running.config.metrics.port == running.metrics_port
     scheduler, watcher = await connect(running), await connect(running)
 
     assert (await scheduler.get_computed_blocks("a", A)).num_computed_tokens == 0
@@ -178,7 +178,7 @@ async def test_subscriber_lag_is_batches_behind_the_head(start_kv_server, connec
 async def test_metrics_are_off_by_default(start_kv_server):
     before = {t.ident for t in threading.enumerate()}
     running = await start_kv_server()
-    assert running.metrics_port is None and running.config.metrics_port is None
+    assert running.metrics_port is None and running.config.metrics.port is None
     started = [t.name for t in threading.enumerate() if t.ident not in before]
     assert not [name for name in started if "serve_forever" in name], started
     assert not any("metrics" in note for note in running.notes)
@@ -198,7 +198,7 @@ async def test_metrics_settings_are_checked(start_kv_server):
     with pytest.raises(ValueError, match=r"metrics_port must be in 0\.\.65535; got 70000"):
         load_config(metrics_port=70000)
     config = load_config(environ={"KVSERVICE_METRICS_PORT": "9400", "KVSERVICE_METRICS_HOST": "0.0.0.0"})
-    assert (config.metrics_port, config.metrics_host) == (9400, "0.0.0.0")
+    assert (config.metrics.port, config.metrics.host) == (9400, "0.0.0.0")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -18,7 +18,7 @@ async def test_gemma3_config_at_64_gib_gets_vllms_seven_groups_and_block_count(s
     running = await start_kv_server(
         model_config=str(CONFIGS / "gemma-3-27b"), block_size=16, num_blocks=None, kv_cache_memory=64 << 30
     )
-    assert running.config.num_blocks == 52428  # vLLM 0.33's (tests/data/vectors); main gave 8456
+    assert running.config.cache.num_blocks == 52428  # vLLM 0.33's (tests/data/vectors); main gave 8456
     meta = await (await connect(running)).get_kv_cache_group_metadata()
     assert [(g.kind, g.num_layers, g.block_size) for g in meta.groups] == [
         (SLIDING, 9, 16),
@@ -36,7 +36,7 @@ async def test_gemma3_config_at_64_gib_gets_vllms_seven_groups_and_block_count(s
 
 async def test_the_gemma_preset_is_the_same_layout(start_kv_server):
     running = await start_kv_server(preset="gemma-3-27b", block_size=16, num_blocks=None, kv_cache_memory=64 << 30)
-    assert running.config.num_blocks == 52428
+    assert running.config.cache.num_blocks == 52428
     assert running.servicer.metadata.preset == "gemma-3-27b"
 
 
@@ -49,7 +49,7 @@ async def test_kv_cache_dtype_fp8_halves_the_page(start_kv_server):
         kv_cache_memory=1 << 30,
     )
     [group] = running.servicer.metadata.groups
-    assert (group.dtype, group.page_size_bytes, running.config.num_blocks) == ("float8_e4m3fn", 32768, 1024)
+    assert (group.dtype, group.page_size_bytes, running.config.cache.num_blocks) == ("float8_e4m3fn", 32768, 1024)
 
 
 @pytest.mark.parametrize(

@@ -234,8 +234,8 @@ async def test_each_batch_is_one_message_with_its_position_in_headers(nats_serve
 
     # Without nats_instance the instance is <hostname>-<port>, one subject token.
     other = await start_kv_server(nats_url=nats_server.url)
-    assert other.config.nats_instance == default_instance(socket.gethostname(), other.port)
-    assert "." not in other.config.nats_instance
+    assert other.config.nats.instance == default_instance(socket.gethostname(), other.port)
+    assert "." not in other.config.nats.instance
 
 
 async def test_durable_watcher_mirrors_the_cached_set(nats_server, start_kv_server, connect):

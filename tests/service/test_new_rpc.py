@@ -151,8 +151,8 @@ def test_the_registration_serves_each_rpc_of_the_table_with_its_kind(kv_server):
             rpc.request_streaming,
             rpc.response_streaming,
         )
-        # StreamEvents writes bytes serialized once for every reader; the rest their messages.
-        assert (handler.response_serializer is None) == (rpc.name == "StreamEvents"), rpc.name
+        # StreamEvents and TakeEvents send snapshot parts serialized once for every reader; the rest their messages.
+        assert (handler.response_serializer is None) == (rpc.name in ("StreamEvents", "TakeEvents")), rpc.name
         # A client stream is parsed by gRPC; a unary request by _parsed (INVALID_ARGUMENT naming the field).
         assert (handler.request_deserializer is not None) == rpc.request_streaming, rpc.name
     assert generic.service(Details(f"/{KV_CACHE_SERVICE.name}/NoSuchMethod")) is None

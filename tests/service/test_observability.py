@@ -57,7 +57,7 @@ async def test_json_log_lines_parse_and_carry_the_rpc_and_request_id(start_kv_se
 def test_log_format_is_checked_and_text_stays_the_default():
     from kvservice.server.app import ServerConfig
 
-    assert ServerConfig().log_format == "text" and ServerConfig().otel_tracing is False
+    assert ServerConfig().logging.log_format == "text" and ServerConfig().logging.otel_tracing is False
     with pytest.raises(ValueError, match="log_format must be one of text, json; got 'xml'"):
         ServerConfig(log_format="xml")
 

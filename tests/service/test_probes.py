@@ -42,8 +42,8 @@ async def test_probe_ports_answer_plaintext_without_a_token_beside_tls_and_token
         health_port=0,
         health_http_port=0,
     )
-    assert running.config.health_port == running.probes.grpc_port not in (None, 0)
-    assert running.config.health_http_port == running.probes.http_port not in (None, 0)
+    assert running.config.bind.health_port == running.probes.grpc_port not in (None, 0)
+    assert running.config.bind.health_http_port == running.probes.http_port not in (None, 0)
     assert running.probes.describe() in running.notes
     async with grpc.aio.insecure_channel(f"127.0.0.1:{running.probes.grpc_port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -94,6 +94,6 @@ def test_drain_and_probe_settings_are_checked():
     with pytest.raises(ValueError, match="health_port must be in 0..65535; got 70000"):
         ServerConfig(health_port=70000)
     # grace_seconds is the older name of shutdown_grace_s, everywhere.
-    assert ServerConfig(grace_seconds=1.5).bind.shutdown_grace_s == 1.5 == ServerConfig(grace_seconds=1.5).grace_seconds
-    assert load_config(None, {"KVSERVICE_GRACE_SECONDS": "2"}).shutdown_grace_s == 2.0
-    assert load_config(None, {}, grace_seconds=3).shutdown_grace_s == 3.0
+    assert ServerConfig(grace_seconds=1.5).bind.shutdown_grace_s == 1.5  # the alias builds
+    assert load_config(None, {"KVSERVICE_GRACE_SECONDS": "2"}).bind.shutdown_grace_s == 2.0
+    assert load_config(None, {}, grace_seconds=3).bind.shutdown_grace_s == 3.0

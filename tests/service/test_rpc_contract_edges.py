@@ -120,7 +120,7 @@ async def test_a_prompt_the_pool_can_never_hold_is_refused_at_registration(start
 
 async def test_a_preset_max_model_len_is_lowered_to_what_the_pool_holds(start_kv_server):
     running = await start_kv_server(preset="llama-3-8b", block_size=16, num_blocks=512, max_model_len=None)
-    assert running.engine.max_model_len == 511 * 16 == running.config.max_model_len
+    assert running.engine.max_model_len == 511 * 16 == running.config.cache.max_model_len
     assert running.notes == [
         "max_model_len lowered from the preset's 131072 to 8176 tokens, what the pool holds",
         "auth off: no TLS, no tokens (loopback only)",

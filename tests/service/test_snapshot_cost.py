@@ -134,3 +134,58 @@ async def test_snapshot_streams_write_within_the_shared_bytes_in_flight_budget_a
             for h in e.block_hashes
         }
         assert stored == expected
+
+
+async def test_a_take_events_snapshot_is_made_in_steps_that_let_other_calls_in(start_kv_server, connect, monkeypatch):
+    """Issue 26: a unary snapshot never holds the loop. The answer is the streams' parts (the same
+    bytes, made once per payload format, shared), encoded in steps that yield to the loop, joined
+    beside the loop, and written within the snapshot streams' shared byte budget. A GetUsage sent
+    while the take's first encoding step has yielded is answered while the take still waits, and
+    then the take's answer equals the streamed snapshot's parts, byte for byte."""
+    import threading
+
+    from kvservice.server import servicer as servicer_module
+    from kvservice.server.snapshot import YIELD_EVERY_TOKENS, HalfShare
+
+    running = await start_kv_server(num_blocks=1100, max_model_len=1024, snapshot_part_tokens=2 * YIELD_EVERY_TOKENS)
+    scheduler = await connect(running)
+    await fill(scheduler, 4, 1024)  # 1,024 cached blocks of 4 tokens: 8,192 token ids in the two halves
+    watcher, other = await connect(running), await connect(running)
+    cut = await running.snapshots.get()
+    await cut.wait_done()  # cut, not encoded: the take makes the parts' bytes
+    loop = asyncio.get_running_loop()
+    yielded, gate = loop.create_future(), asyncio.Event()
+    step = HalfShare.step
+
+    async def gated_step(share: HalfShare) -> None:
+        if not yielded.done():  # the take's first step: held here until the other call is answered
+            yielded.set_result(None)
+            await gate.wait()
+        await step(share)
+
+    monkeypatch.setattr(HalfShare, "step", gated_step)
+    joined_on: list[threading.Thread] = []
+    take_response = servicer_module.take_response
+
+    def recording_join(parts, rest):
+        joined_on.append(threading.current_thread())
+        return take_response(parts, rest)
+
+    monkeypatch.setattr(servicer_module, "take_response", recording_join)
+    monkeypatch.setattr(servicer_module, "_JOIN_BESIDE_THE_LOOP_BYTES", 0)  # this answer is small
+    budget_before = running.snapshots.budget.num_bytes
+    take = loop.create_task(watcher.take_events("w", snapshot=True))
+    done, _ = await asyncio.wait({take, yielded}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {yielded}, "the take answered without yielding to the loop once"
+    usage = await other.get_usage()
+    assert usage.num_cached_blocks == 1024 and not take.done()
+    gate.set()
+    taken = await take
+    parts = await read_snapshot(watcher.stream_events(snapshot=True))
+    assert [b.SerializeToString() for b in taken.batches] == [b.SerializeToString() for b in parts]
+    assert len(parts) == 4 and running.snapshots.num_cuts == 1
+    assert taken.next_seq == running.event_log.head_seq + 1 and taken.epoch == running.event_log.epoch
+    assert joined_on and threading.main_thread() not in joined_on  # joined on a worker thread
+    size = sum(len(b.SerializeToString()) for b in parts)
+    assert running.snapshots.budget.num_bytes - budget_before == 2 * size  # the take's answer, then the stream's parts
+    assert running.snapshots.budget.in_flight == 0

@@ -40,7 +40,7 @@ async def test_a_stream_that_never_reads_is_cut_by_its_write_timeout_though_not_
             break
     await wait_until(lambda: log.num_subscribers == 0, timeout=60)
     assert sub.num_write_timeouts == 1 and running.servicer.num_stream_write_timeouts == 1
-    assert running.event_log.head_seq - sub.last_seq < running.config.max_subscriber_lag  # never behind
+    assert running.event_log.head_seq - sub.last_seq < running.config.events.max_subscriber_lag  # never behind
     assert not sub.ended.done() or sub.ended.cancelled()  # not ended for lag: cut by the timer
     # The call really ended: reading on, the client gets what was in flight, then the status.
     with pytest.raises(KVServiceError) as err:

@@ -49,14 +49,14 @@ def test_the_zmq_sink_is_on_exactly_when_vllm_would_publish(case):
 def test_vllms_example_invocations_map_onto_the_zmq_settings(monkeypatch):
     first, second = (example["args"] for example in VECTORS["example_invocations"])
     config = serve_config([*first, "--allow-insecure-bind"], monkeypatch)
-    assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic) == (
+    assert (config.zmq.endpoint, config.zmq.replay_endpoint, config.zmq.topic) == (
         "tcp://*:5557",
         "tcp://*:5558",
         "kv-events",
     )
-    assert config.zmq.kv_events_config == json.loads(json.dumps(first[1])) and config.event_max_batches == 100_000
+    assert config.zmq.kv_events_config == json.loads(json.dumps(first[1])) and config.events.max_batches == 100_000
     config = serve_config([*second, "--allow-insecure-bind"], monkeypatch)
-    assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic) == ("tcp://*:20080", None, "")
+    assert (config.zmq.endpoint, config.zmq.replay_endpoint, config.zmq.topic) == ("tcp://*:20080", None, "")
 
 
 def test_kv_events_config_keeps_kvservices_bind_rule_and_a_named_setting_wins():
@@ -66,13 +66,13 @@ def test_kv_events_config_keeps_kvservices_bind_rule_and_a_named_setting_wins():
     config = load_config(
         None, {"KVSERVICE_ZMQ_TOPIC": "from-env"}, kv_events_config=example, zmq_endpoint="tcp://127.0.0.1:*"
     )
-    assert (config.zmq_endpoint, config.zmq_topic, config.zmq_hwm, config.event_max_batches) == (
+    assert (config.zmq.endpoint, config.zmq.topic, config.zmq.hwm, config.events.max_batches) == (
         "tcp://127.0.0.1:*",
         "from-env",
         10,
         64,
     )
-    assert ServerConfig(kv_events_config='{"enable_kv_cache_events": false}').zmq_endpoint is None
+    assert ServerConfig(kv_events_config='{"enable_kv_cache_events": false}').zmq.endpoint is None
 
 
 @pytest.mark.parametrize(
@@ -109,19 +109,19 @@ def test_vllms_cache_flags_spelled_as_vllm_spells_them(monkeypatch):
         monkeypatch,
     )
     assert (
-        config.hash_algorithm,
-        config.num_blocks,
-        config.kv_cache_dtype,
-        config.max_model_len,
-        config.block_size,
-        config.gpu_memory_utilization,
+        config.cache.hash_algorithm,
+        config.cache.num_blocks,
+        config.cache.kv_cache_dtype,
+        config.cache.max_model_len,
+        config.cache.block_size,
+        config.cache.gpu_memory_utilization,
     ) == ("sha256", 64, "fp8", 128, 16, 0.5)
 
 
 def test_vllm_values_not_served_here_are_refused_naming_those_that_are():
     # Every hash algorithm vLLM 0.33 offers is served, with vLLM's digests (tests/unit/test_vllm_vectors.py).
     assert set(HASH_ALGORITHMS) == set(VECTORS["prefix_caching_hash_algo_choices"])
-    assert ServerConfig(prefix_caching_hash_algo="xxhash_cbor").hash_algorithm == "xxhash_cbor"
+    assert ServerConfig(prefix_caching_hash_algo="xxhash_cbor").cache.hash_algorithm == "xxhash_cbor"
     assert set(KV_CACHE_DTYPES) < set(VECTORS["cache_dtype_choices"])
     with pytest.raises(
         ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2; got 'nvfp4'"

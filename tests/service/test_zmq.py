@@ -28,6 +28,7 @@ import msgspec
 import pytest
 
 from kvservice.server.app import ServerConfig, load_config, start_server
+from kvservice.server.snapshot import snapshot_events
 from kvservice.server.zmq_publisher import ZmqEventPublisher, check_endpoint_exposure
 from kvservice_client.events import KVEventBatch, encode_event_batch
 from tests.service.conftest import SMALL_SERVER
@@ -329,7 +330,9 @@ async def test_a_snapshot_bigger_than_the_replay_high_water_mark_comes_whole_as_
     assert [m[1] for m in replayed] == [(publisher.seq_base + log.head_seq).to_bytes(8, "big"), VLLM_END_SEQ]
     _, events, rank = msgspec.msgpack.decode(replayed[0][2])
     assert rank is None
-    presence = [e for e in running.snapshots.mirror.events() if not getattr(e, "reused", False)]  # each block once
+    presence = [
+        e for e in snapshot_events(running.snapshots.mirror) if not getattr(e, "reused", False)
+    ]  # each block once
     assert len(presence) == 1 + 100  # AllBlocksCleared, then one BlockStored per request's chain
     assert events == msgspec.msgpack.decode(encode_event_batch(KVEventBatch(0.0, presence, None)))[1]
     subscriber.apply(replayed[0])
@@ -525,13 +528,13 @@ def test_settings_are_checked():
         },
         zmq_replay_endpoint="tcp://*:5558",
     )
-    assert (config.zmq_endpoint, config.zmq_replay_endpoint, config.zmq_topic, config.zmq_hwm) == (
+    assert (config.zmq.endpoint, config.zmq.replay_endpoint, config.zmq.topic, config.zmq.hwm) == (
         "tcp://*:5557",
         "tcp://*:5558",
         "kv@a@b",
         10,
     )
-    assert ServerConfig().zmq_topic == "" and ServerConfig().zmq_endpoint is None
+    assert ServerConfig().zmq.topic == "" and ServerConfig().zmq.endpoint is None
 
 
 # -- exposure: ZMQ has no authentication, so a bind off loopback needs allow_insecure_bind ----------
@@ -557,7 +560,7 @@ def test_a_pub_bind_off_loopback_is_refused_without_the_flag(endpoint):
         ValueError, match=OPEN_BIND_REFUSED.format(setting="zmq_endpoint", endpoint=re.escape(endpoint))
     ):
         ServerConfig(zmq_endpoint=endpoint)
-    assert ServerConfig(zmq_endpoint=endpoint, allow_insecure_bind=True).zmq_endpoint == endpoint
+    assert ServerConfig(zmq_endpoint=endpoint, allow_insecure_bind=True).zmq.endpoint == endpoint
 
 
 @pytest.mark.parametrize(
@@ -596,7 +599,7 @@ def test_a_replay_bind_off_loopback_is_refused_without_the_flag(endpoint):
 )
 def test_loopback_ipc_and_connect_endpoints_need_no_flag(endpoint, replay_endpoint):
     config = ServerConfig(zmq_endpoint=endpoint, zmq_replay_endpoint=replay_endpoint)
-    assert (config.zmq_endpoint, config.zmq_replay_endpoint) == (endpoint, replay_endpoint)
+    assert (config.zmq.endpoint, config.zmq.replay_endpoint) == (endpoint, replay_endpoint)
     assert check_endpoint_exposure(endpoint, replay_endpoint, allow_insecure_bind=False) == []
     assert check_endpoint_exposure(endpoint, replay_endpoint, allow_insecure_bind=True) == []
 
@@ -761,3 +764,89 @@ async def test_a_replay_asked_for_in_the_turn_a_batch_was_appended_includes_it(
     assert stored == {h for _, h in cached_pairs(running)} and len(stored) == len(cached_pairs(running))
     within = await replay_in_this_turn(base + log.head_seq + 1, 2)  # from the batch this turn appends
     assert within[:-1] == [[b"", (base + log.head_seq).to_bytes(8, "big"), log.entries_from(log.head_seq)[0].msgpack]]
+
+
+async def test_a_snapshot_replay_keeps_the_batches_published_while_its_events_are_made(
+    start_kv_server, connect, zctx, monkeypatch
+):
+    """The replay's snapshot comes from the server's SnapshotSource, and its events are made in
+    steps that yield to the loop, so batches are published meanwhile: they follow the snapshot in
+    the answer even when retention (3 batches) has dropped them by the time it is sent."""
+    from kvservice.server.snapshot import Snapshot
+
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=3
+    )
+    client = await connect(running)
+    await workload(client, num_requests=12)
+    log, publisher, source = running.event_log, running.zmq_publisher, running.snapshots
+    assert log.oldest_seq > 1
+    cuts_before = source.num_cuts
+    presence_events = Snapshot.presence_events
+    seqs = []
+
+    async def churning(snap: Snapshot) -> list:
+        seqs.append(snap.seq)
+        for n in range(4):  # one more batch than retention holds
+            running.engine.get_computed_blocks(f"churn{n}", [9000 + 100 * n + t for t in range(16)])
+            assert running.engine.allocate_slots(f"churn{n}", 16).allocated
+            running.engine.free(f"churn{n}")
+            running.servicer.publish()
+            log.settle()
+        assert log.oldest_seq > seqs[0] + 1
+        return await presence_events(snap)
+
+    monkeypatch.setattr(Snapshot, "presence_events", churning)
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    replayed = await subscriber.replay(0)
+    base = publisher.seq_base
+    assert seqs == [log.head_seq - 4] and source.num_cuts == cuts_before + 1
+    assert [m[1] for m in replayed] == [(base + s).to_bytes(8, "big") for s in range(seqs[0], log.head_seq + 1)] + [
+        VLLM_END_SEQ
+    ]
+    for message in replayed[:-1]:
+        subscriber.apply(message)
+    assert subscriber.cached == cached_pairs(running) and subscriber.cached
+    assert publisher.num_snapshot_replays == 1 and publisher.num_replays_abandoned == 0
+
+
+async def test_a_snapshot_joined_in_production_is_followed_by_the_batches_the_source_holds_back(
+    start_kv_server, connect, zctx, monkeypatch
+):
+    """A cut in production holds back from the mirror every batch after its watermark: when the
+    log's retention (3 batches) drops them before the snapshot is handed over, the replay takes
+    them from the source (SnapshotSource.batches_after), and the answer is still the snapshot at
+    its watermark, then every batch after it."""
+    running = await start_kv_server(
+        zmq_endpoint="tcp://127.0.0.1:*", zmq_replay_endpoint="tcp://127.0.0.1:*", event_max_batches=3
+    )
+    client = await connect(running)
+    await workload(client, num_requests=12)
+    log, publisher, source = running.event_log, running.zmq_publisher, running.snapshots
+    get = source.get
+    handed: list[int] = []
+
+    async def late(group_idxs=None):
+        snap = await get(group_idxs)  # its production has just started
+        handed.append(snap.seq)
+        for n in range(4):  # four batches past it before it is handed over
+            running.engine.get_computed_blocks(f"late{n}", [9000 + 100 * n + t for t in range(16)])
+            assert running.engine.allocate_slots(f"late{n}", 16).allocated
+            running.engine.free(f"late{n}")
+            running.servicer.publish()
+            log.settle()
+        assert log.oldest_seq > snap.seq + 1 and not snap.done
+        return snap
+
+    monkeypatch.setattr(source, "get", late)
+    subscriber = VllmSubscriber(zctx, publisher.endpoint, publisher.replay_endpoint)
+    replayed = await subscriber.replay(0)
+    base = publisher.seq_base
+    assert handed == [log.head_seq - 4]
+    assert [m[1] for m in replayed] == [(base + s).to_bytes(8, "big") for s in range(handed[0], log.head_seq + 1)] + [
+        VLLM_END_SEQ
+    ]
+    for message in replayed[:-1]:
+        subscriber.apply(message)
+    assert subscriber.cached == cached_pairs(running) and subscriber.cached
+    assert publisher.num_snapshot_replays == 1 and publisher.num_replays_abandoned == 0

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from kvservice.server.snapshot import (
+from kvservice.server.snapshot import YIELD_EVERY_TOKENS, MirroredBlock
+from kvservice.server.snapshot.mirror import (
     BLOCK_SIZE,
     EXTRA_KEYS,
     HAS_EXTRA_KEYS,
@@ -22,8 +23,6 @@ from kvservice.server.snapshot import (
     MEDIUM,
     PARENT,
     TOKEN_IDS,
-    YIELD_EVERY_TOKENS,
-    MirroredBlock,
 )
 from kvservice_client.events import AllBlocksCleared, BlockStored, KVEvent
 

@@ -273,3 +273,47 @@ def test_the_router_imports_neither_the_run_nor_its_report():
         if _internal(i.imported) in ("kvservice.replay.multi", "kvservice.replay.multi_report")
     ]
     assert bad == []
+
+
+_SNAPSHOT = "kvservice.server.snapshot"
+_SNAPSHOT_ARROWS = {
+    # each module of the snapshot package: the package's modules it may import (docs/ARCHITECTURE.md §4)
+    f"{_SNAPSHOT}.budget": set(),
+    f"{_SNAPSHOT}.mirror": set(),
+    f"{_SNAPSHOT}.cut": {f"{_SNAPSHOT}.budget", f"{_SNAPSHOT}.mirror"},
+    f"{_SNAPSHOT}.source": {f"{_SNAPSHOT}.budget", f"{_SNAPSHOT}.cut", f"{_SNAPSHOT}.mirror"},
+}
+
+
+def test_the_snapshot_package_is_cut_by_job_with_its_arrows_down():
+    """mirror and budget import nothing of the package, the cut reads the mirror (and the budget's
+    step), the source uses all three; the package's ``__init__`` only re-exports."""
+    assert {m for m in MODULES if _is_under(m, _SNAPSHOT)} == {_SNAPSHOT, *_SNAPSHOT_ARROWS}
+    for module, allowed in _SNAPSHOT_ARROWS.items():
+        inside = {t for t in EDGES[module] if _is_under(t, _SNAPSHOT)}
+        assert inside == allowed, module
+
+
+def test_outside_the_snapshot_package_only_the_package_is_imported():
+    """Its modules are its own business: everything else imports from ``kvservice.server.snapshot``."""
+    bad = [
+        _where(i)
+        for i in IMPORTS
+        if not _is_under(i.importer, _SNAPSHOT)
+        and _is_under(_internal(i.imported), _SNAPSHOT)
+        and _internal(i.imported) != _SNAPSHOT
+    ]
+    assert bad == []
+
+
+def test_the_server_reads_snapshots_through_the_source_alone():
+    """No server module outside the snapshot package reads a source's mirror or its held batches
+    (``.mirror``, ``.pending``): every snapshot (gRPC and ZMQ) comes from ``SnapshotSource.get``."""
+    bad = []
+    for name, path in MODULES.items():
+        if not _is_under(name, "kvservice.server") or _is_under(name, _SNAPSHOT):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("mirror", "pending"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert bad == []

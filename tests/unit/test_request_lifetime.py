@@ -206,16 +206,16 @@ def test_limit_settings_come_from_flags_env_and_files(tmp_path):
     env = {"KVSERVICE_REQUEST_IDLE_TIMEOUT_S": "30", "KVSERVICE_MAX_STEP_TOKENS": "4096"}
     config = load_config(path, env, max_streams=16)
     assert (
-        config.max_streams,
-        config.consumer_idle_timeout_s,
-        config.request_idle_timeout_s,
-        config.max_step_tokens,
+        config.events.max_streams,
+        config.events.consumer_idle_timeout_s,
+        config.limits.request_idle_timeout_s,
+        config.limits.max_step_tokens,
     ) == (16, 60.0, 30.0, 4096)
     assert (
-        ServerConfig().request_idle_timeout_s,
-        ServerConfig().consumer_idle_timeout_s,
-        ServerConfig().max_streams,
-        ServerConfig().max_step_tokens,
+        ServerConfig().limits.request_idle_timeout_s,
+        ServerConfig().events.consumer_idle_timeout_s,
+        ServerConfig().events.max_streams,
+        ServerConfig().limits.max_step_tokens,
     ) == (600.0, 3600.0, 1024, 1 << 18)  # the requests of a scheduler that stopped are freed by default
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
     for flag in (

@@ -13,15 +13,15 @@ def test_precedence_file_env_flags(tmp_path):
     env = {"KVSERVICE_PORT": "7000", "KVSERVICE_HASH_SEED": "from-env", "OTHER": "x"}
     config = load_config(path, env, port=8000, device=None)
     assert config == ServerConfig(preset="gemma-3-27b", port=8000, kv_cache_memory=512 * 2**20, hash_seed="from-env")
-    assert load_config(path, env).port == 7000
-    assert load_config(path, {}).port == 6000
+    assert load_config(path, env).bind.port == 7000
+    assert load_config(path, {}).bind.port == 6000
     assert load_config(None, {}) == ServerConfig()
 
 
 def test_a_kvservice_table_is_accepted(tmp_path):
     path = tmp_path / "kvservice.toml"
     path.write_text("[kvservice]\nnum_blocks = 64\n")
-    assert load_config(path, {}).num_blocks == 64
+    assert load_config(path, {}).cache.num_blocks == 64
 
 
 @pytest.mark.parametrize(
@@ -63,14 +63,14 @@ def test_unknown_override_and_byte_units():
     [("true", True), ("TRUE", True), ("1", True), ("false", False), ("False", False), ("0", False)],
 )
 def test_bool_settings_from_the_environment(source, expected):
-    assert load_config(None, {"KVSERVICE_ALLOW_INSECURE_BIND": source}).allow_insecure_bind is expected
+    assert load_config(None, {"KVSERVICE_ALLOW_INSECURE_BIND": source}).auth.allow_insecure_bind is expected
 
 
 def test_bool_settings_from_toml_and_bad_values(tmp_path):
     path = tmp_path / "kvservice.toml"
     path.write_text("allow_insecure_bind = true\n")
-    assert load_config(path, {}).allow_insecure_bind is True
-    assert load_config(path, {"KVSERVICE_ALLOW_INSECURE_BIND": "0"}).allow_insecure_bind is False
+    assert load_config(path, {}).auth.allow_insecure_bind is True
+    assert load_config(path, {"KVSERVICE_ALLOW_INSECURE_BIND": "0"}).auth.allow_insecure_bind is False
     with pytest.raises(ValueError, match="KVSERVICE_ALLOW_INSECURE_BIND: allow_insecure_bind: not a boolean: 'maybe'"):
         load_config(None, {"KVSERVICE_ALLOW_INSECURE_BIND": "maybe"})
 
@@ -108,12 +108,12 @@ def test_auth_flags_reach_the_config(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     config = seen[0]
     assert (
-        config.host,
-        config.tls_cert_file,
-        config.tls_key_file,
-        config.tls_client_ca_file,
-        config.auth_tokens_file,
-        config.allow_insecure_bind,
+        config.bind.host,
+        config.auth.tls_cert_file,
+        config.auth.tls_key_file,
+        config.auth.tls_client_ca_file,
+        config.auth.auth_tokens_file,
+        config.auth.allow_insecure_bind,
     ) == (
         "0.0.0.0",
         str(files["cert.pem"]),
@@ -123,7 +123,7 @@ def test_auth_flags_reach_the_config(tmp_path, monkeypatch):
         True,
     )
     result = CliRunner().invoke(main, ["serve"], env={"KVSERVICE_ALLOW_INSECURE_BIND": "1"})
-    assert result.exit_code == 0 and seen[1].allow_insecure_bind is True  # no flag: the environment's
+    assert result.exit_code == 0 and seen[1].auth.allow_insecure_bind is True  # no flag: the environment's
 
 
 def test_serve_refuses_an_open_bind_without_auth():
@@ -157,6 +157,6 @@ def test_relative_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monk
     (conf_dir / "c.toml").write_text('auth_tokens_file = "tokens.toml"\ntls_cert_file = "/abs/server.pem"\n')
     monkeypatch.chdir(tmp_path)
     config = load_config(conf_dir / "c.toml", environ={"KVSERVICE_TLS_KEY_FILE": "rel.key"})
-    assert config.auth_tokens_file == str(conf_dir.resolve() / "tokens.toml")
-    assert config.tls_cert_file == "/abs/server.pem"
-    assert config.tls_key_file == "rel.key"  # the environment's paths stay relative to the working directory
+    assert config.auth.auth_tokens_file == str(conf_dir.resolve() / "tokens.toml")
+    assert config.auth.tls_cert_file == "/abs/server.pem"
+    assert config.auth.tls_key_file == "rel.key"  # the environment's paths stay relative to the working directory

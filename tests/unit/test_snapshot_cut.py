@@ -8,15 +8,16 @@ import random
 
 import pytest
 
-from kvservice.server import snapshot
 from kvservice.server.snapshot import (
-    UNPACKED_TOKENS,
     YIELD_EVERY_TOKENS,
     CachedSetMirror,
+    cut,
     materialize,
     run_tokens,
+    snapshot_events,
     snapshot_runs,
 )
+from kvservice.server.snapshot.mirror import UNPACKED_TOKENS
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tests.unit.snapshot_reference import reference_events
 
@@ -123,12 +124,12 @@ def _filters(num_groups: int) -> list:
     ("unpacked_tokens", "num_groups", "digests", "window"),
     [
         (0, 1, False, 7),
-        (0, 2, True, snapshot._WINDOW),
+        (0, 2, True, cut._WINDOW),
         (3000, 1, True, 7),
-        (3000, 1, False, snapshot._WINDOW),
+        (3000, 1, False, cut._WINDOW),
         (3000, 2, False, 7),
-        (3000, 2, False, snapshot._WINDOW),
-        (UNPACKED_TOKENS, 1, False, snapshot._WINDOW),
+        (3000, 2, False, cut._WINDOW),
+        (UNPACKED_TOKENS, 1, False, cut._WINDOW),
         (UNPACKED_TOKENS, 2, True, 7),
     ],
 )
@@ -139,7 +140,7 @@ def test_the_segment_cut_gives_exactly_the_events_of_the_block_by_block_cut(
     packed at once, soon or never, compacted or not, int and digest hashes, the table read in
     windows of 7 entries or the default), after every batch: each value of each axis meets
     several of the others (the whole product takes three times as long, and passes too)."""
-    monkeypatch.setattr(snapshot, "_WINDOW", window)
+    monkeypatch.setattr(cut, "_WINDOW", window)
     rng = random.Random(f"{unpacked_tokens}-{num_groups}-{digests}-{window}")
     kinds = ["full_attention", "sliding_window"][:num_groups]
     windows = [None, 8][:num_groups]
@@ -149,7 +150,11 @@ def test_the_segment_cut_gives_exactly_the_events_of_the_block_by_block_cut(
         for seq in range(1, 31):
             mirror.apply(seq, [source.event() for _ in range(rng.randrange(1, 6))])
             for group_idxs in _filters(num_groups):
-                assert mirror.events(group_idxs) == reference_events(mirror, group_idxs), (trial, seq, group_idxs)
+                assert snapshot_events(mirror, group_idxs) == reference_events(mirror, group_idxs), (
+                    trial,
+                    seq,
+                    group_idxs,
+                )
 
 
 @pytest.mark.parametrize("num_groups", [1, 2])
@@ -213,8 +218,8 @@ def test_records_announced_in_one_go_are_cut_one_segment_per_event_with_no_looku
     def no(*args):
         raise AssertionError("a per-block lookup in the fast shape")
 
-    monkeypatch.setattr(snapshot._Records, "position", no)
-    monkeypatch.setattr(snapshot._Records, "distinct", no)
+    monkeypatch.setattr(cut._Records, "position", no)
+    monkeypatch.setattr(cut._Records, "distinct", no)
     mirror = CachedSetMirror(1, ["full_attention"], [None], unpacked_tokens=16 * 130)
     mirror.apply(1, [prompt(1000, 130), prompt(2000, 130), prompt(3000, 3)])
     first, second, third = mirror.table.records[1000], mirror.table.records[2000], mirror.table.records[3000]
@@ -228,7 +233,7 @@ def test_records_announced_in_one_go_are_cut_one_segment_per_event_with_no_looku
         (0, False, ((third, 0, 3),), 48),
     ]
     assert runs == [None, *half, *[(g, True, segments, n) for g, _, segments, n in half]]
-    events = mirror.events()
+    events = snapshot_events(mirror)
     assert events[2] == BlockStored(
         block_hashes=list(range(1064, 1128)),
         parent_block_hash=1063,
@@ -275,7 +280,7 @@ def test_a_chain_across_records_is_one_run_in_both_halves():
         (0, True, ((first, 0, 3),), 12),  # the extension (older than the refresh) is met before it
         (0, True, ((extension, 0, 2),), 8),
     ]
-    assert mirror.events()[2] == BlockStored(
+    assert snapshot_events(mirror)[2] == BlockStored(
         block_hashes=[10, 11, 12, 13, 14],
         parent_block_hash=None,
         token_ids=list(range(40, 60)),
@@ -307,7 +312,7 @@ def test_two_requests_branching_off_one_prompt_at_different_depths_send_each_anc
         (0, True, ((first, 0, 2),), 8),
         (0, True, ((base, 0, 10), (second, 0, 2)), 48),
     ]
-    events = mirror.events()
+    events = snapshot_events(mirror)
     assert events == reference_events(mirror)
     assert (events[2].block_hashes, events[2].parent_block_hash) == ([6, 7, 8, 9, 200, 201], 5)
     assert events[2].token_ids == [*range(24, 40), *range(800, 808)]
@@ -343,7 +348,7 @@ def test_a_walked_chain_whose_kind_changes_is_split_and_keeps_the_child_s_extra_
     ]
     common = {"block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
     kind = {"kv_cache_spec_kind": "full_attention"}
-    assert mirror.events()[1:3] == [
+    assert snapshot_events(mirror)[1:3] == [
         BlockStored(block_hashes=[10, 11], parent_block_hash=None, token_ids=list(range(40, 48)), **common, **kind),
         BlockStored(
             block_hashes=[12],
@@ -354,4 +359,4 @@ def test_a_walked_chain_whose_kind_changes_is_split_and_keeps_the_child_s_extra_
             **kind,
         ),
     ]
-    assert reference_events(mirror) == mirror.events()
+    assert reference_events(mirror) == snapshot_events(mirror)

@@ -8,7 +8,8 @@ from array import array
 
 import pytest
 
-from kvservice.server.snapshot import BLOCK_SIZE, UNPACKED_TOKENS, CachedSetMirror
+from kvservice.server.snapshot import CachedSetMirror
+from kvservice.server.snapshot.mirror import BLOCK_SIZE, UNPACKED_TOKENS
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 

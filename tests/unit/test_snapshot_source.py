@@ -11,13 +11,13 @@ import pytest
 
 from kvservice.server.event_log import EventLog
 from kvservice.server.snapshot import (
-    PARENT,
-    TOKEN_IDS,
     YIELD_EVERY_TOKENS,
     ByteBudget,
     CachedSetMirror,
     SnapshotSource,
+    snapshot_events,
 )
+from kvservice.server.snapshot.mirror import PARENT, TOKEN_IDS
 from kvservice_client.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -47,7 +47,7 @@ def test_the_mirror_keeps_each_block_s_own_tokens_not_the_announcing_event():
     refs_before = sys.getrefcount(event.token_ids)
     del event  # nothing in the mirror refers to the event or its token list
     assert refs_before == 2  # the local name and getrefcount's argument
-    assert mirror.events() == [
+    assert snapshot_events(mirror) == [
         AllBlocksCleared(),
         BlockStored(
             block_hashes=[11],
@@ -134,7 +134,7 @@ async def test_batches_appended_while_a_cut_is_produced_are_held_back_then_appli
     log, source = log_with_source(part_tokens=64)
     log.append([stored([c], None, 4 * c) for c in range(400)])  # 1,600 tokens
     log.settle()  # on a running loop the batch reaches the mirror after this callback, or now
-    expected = source.mirror.events()
+    expected = snapshot_events(source.mirror)
     snap = await source.get()
     assert not snap.done
     log.append([BlockRemoved(block_hashes=list(range(200)), medium="CPU", group_idx=0)])  # seq 2
@@ -184,6 +184,19 @@ async def test_the_byte_budget_s_rate_makes_a_writer_wait_while_its_bucket_is_in
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert not budget._waiters and budget.num_bytes == 1100
+
+
+async def test_a_write_above_the_budget_is_charged_for_its_one_long_hold():
+    """A write of 3x ``max_bytes`` (one write start: a whole TakeEvents answer) costs the rate 3x its
+    size; writes within the budget cost their size."""
+    budget = ByteBudget(100, bytes_per_s=1)  # 1 byte a second: a refill of a few bytes at most meanwhile
+    await budget.acquire(60)
+    budget.release(60)
+    assert budget._credit == pytest.approx(40, abs=5)
+    await asyncio.sleep(0)  # the next turn
+    await budget.acquire(300)  # goes alone (nothing in flight), into debt by 3 x 300
+    budget.release(300)
+    assert budget._credit == pytest.approx(40 - 900, abs=10) and budget.num_bytes == 360  # not 40 - 300
 
 
 async def test_a_write_that_does_not_complete_stops_holding_the_budget_after_hold_s():

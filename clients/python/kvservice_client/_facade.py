@@ -144,7 +144,8 @@ class _RPC:
         annotation = self.annotation(asynchronous)
         function.__doc__ = build.__doc__
         function.__annotations__ = {**build.__annotations__, "return": annotation}
-        function.__signature__ = signature.replace(return_annotation=annotation)  # type: ignore[union-attr]  # inspect reads a function's __signature__; functions do not declare it
+        # inspect.signature reads a function's __signature__ from its __dict__ (typed as a dict of Any)
+        function.__dict__["__signature__"] = signature.replace(return_annotation=annotation)
         return function
 
 

@@ -35,7 +35,7 @@ This module imports gRPC's protobuf stubs but not ``grpc`` itself, and never the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union, cast
 
 from kvservice_client import events as ev
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
@@ -56,7 +56,7 @@ __all__ = [
     "proto_to_event",
 ]
 
-KV_CACHE_SPEC_KIND_TO_PROTO: dict[str, int] = {
+KV_CACHE_SPEC_KIND_TO_PROTO: dict[str, pb.KVCacheSpecKind.ValueType] = {
     "full_attention": pb.KV_CACHE_SPEC_KIND_FULL_ATTENTION,
     "mla_attention": pb.KV_CACHE_SPEC_KIND_MLA_ATTENTION,
     "sliding_window": pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW,
@@ -77,13 +77,13 @@ KV_CACHE_SPEC_KIND_FROM_PROTO: dict[int, str] = {v: k for k, v in KV_CACHE_SPEC_
 PayloadFormatLike = Union[Literal["protobuf", "msgpack"], int]
 """A payload format: ``"protobuf"``, ``"msgpack"`` or a ``PayloadFormat`` enum value."""
 
-_PAYLOAD_FORMATS: dict[str, int] = {
+_PAYLOAD_FORMATS: dict[str, pb.PayloadFormat.ValueType] = {
     "protobuf": pb.PAYLOAD_FORMAT_PROTOBUF,
     "msgpack": pb.PAYLOAD_FORMAT_MSGPACK,
 }
 
 
-def payload_format_value(payload_format: PayloadFormatLike) -> int:
+def payload_format_value(payload_format: PayloadFormatLike) -> pb.PayloadFormat.ValueType:
     """The ``PayloadFormat`` enum value of ``payload_format``.
 
     Raises:
@@ -96,10 +96,10 @@ def payload_format_value(payload_format: PayloadFormatLike) -> int:
             raise ValueError(f"payload_format must be 'protobuf' or 'msgpack'; got {payload_format!r}") from None
     if payload_format not in pb.PayloadFormat.values():
         raise ValueError(f"payload_format: unknown PayloadFormat value {payload_format!r}")
-    return payload_format
+    return pb.PayloadFormat.ValueType(payload_format)
 
 
-def kv_cache_spec_kind_to_proto(kind: str | None) -> int:
+def kv_cache_spec_kind_to_proto(kind: str | None) -> pb.KVCacheSpecKind.ValueType:
     """The proto ``KVCacheSpecKind`` of an event's kind string (None -> UNSPECIFIED).
 
     Raises:
@@ -269,7 +269,7 @@ def _fill_block_stored(out: pb.BlockStored, event: ev.BlockStored) -> None:
         _fill_extra_keys(out.extra_keys, event.extra_keys, event.lora_name)
     if event.group_idx is not None:
         out.group_idx = event.group_idx
-    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)  # type: ignore[assignment]  # the stub wants the enum's ValueType; the converter returns its int
+    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)
     if event.kv_cache_spec_sliding_window is not None:
         out.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
     if event.session_id is not None:
@@ -284,7 +284,7 @@ def _fill_block_removed(out: pb.BlockRemoved, event: ev.BlockRemoved) -> None:
         out.medium = event.medium
     if event.group_idx is not None:
         out.group_idx = event.group_idx
-    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)  # type: ignore[assignment]  # the stub wants the enum's ValueType; the converter returns its int
+    out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)
     if event.kv_cache_spec_sliding_window is not None:
         out.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
 
@@ -311,11 +311,11 @@ def _fill_hashes(out: pb.BlockStored | pb.BlockRemoved, hashes: Sequence[ev.Exte
     # message half-filled, which is fine since the caller discards it with the error.
     try:
         if isinstance(hashes[0], bytes):
-            out.block_hash_digests.extend(hashes)  # type: ignore[arg-type]  # the hashes are ints or bytes by the batch's hash form, checked above
+            out.block_hash_digests.extend(cast("Sequence[bytes]", hashes))  # all bytes, or protobuf refuses one (below)
         else:
             if any(type(h) is bool for h in hashes):
                 raise TypeError("bool")
-            out.block_hashes.extend(hashes)  # type: ignore[arg-type]  # the hashes are ints or bytes by the batch's hash form, checked above
+            out.block_hashes.extend(cast("Sequence[int]", hashes))  # all ints, or protobuf refuses one (below)
     except (TypeError, ValueError):
         bad = next((h for h in hashes if not _is_hash_like(h, hashes[0])), hashes[0])
         if isinstance(hashes[0], bytes):

@@ -306,7 +306,7 @@ def _named(helper: Callable[..., Any], plan: Callable[..., Any], prefix: str, cl
     client, *rest = signature.parameters.values()
     helper.__name__ = helper.__qualname__ = prefix + plan.__name__.lstrip("_")
     helper.__doc__ = plan.__doc__
-    helper.__signature__ = signature.replace(  # type: ignore[attr-defined]  # inspect reads a function's __signature__; functions do not declare it
+    helper.__dict__["__signature__"] = signature.replace(  # what inspect.signature reads (a function's __dict__)
         parameters=[client.replace(annotation=client_type), *rest], return_annotation=returns[len("_Plan[") : -1]
     )
 

@@ -273,11 +273,12 @@ class BlockHasher:
         token id, a length that is not a multiple of 4 or a buffer that is not contiguous: then hash
         through :meth:`extend`, which gives the rule's answer or its error."""
         layout = _COMPILED_LAYOUTS.get(self.algorithm)
-        chain_packed = getattr(_hashchain, "chain_packed", None)  # None too for a build older than it
+        # None too for a build older than it (then the .pyi's signature is not there to trust)
+        chain_packed: Callable[[Any, int, bytes, int], list[bytes]] | None = getattr(_hashchain, "chain_packed", None)
         if layout is None or chain_packed is None:
             return None
         try:
-            return chain_packed(data, self.block_size, self.root_hash, layout)  # type: ignore[no-any-return]  # getattr on the module is untyped
+            return chain_packed(data, self.block_size, self.root_hash, layout)
         except (ValueError, BufferError):  # BufferError: a non-contiguous buffer (read in place only)
             return None
 
@@ -312,7 +313,7 @@ def unpack_token_ids(data: bytes | bytearray | memoryview) -> array:
 try:  # the compiled chain (setup.py builds it when a compiler and OpenSSL's headers are there)
     import kvservice_client._hashchain as _hashchain  # typed by _hashchain.pyi beside the .c
 except ImportError:  # no compiler at install time: the pure-Python rule is used throughout
-    _hashchain = None  # type: ignore[assignment]  # None stands for "not built"; every use checks it first
+    _hashchain = None  # type: ignore[assignment]  # mypy types an imported name as its module, never None; None stands for "not built", every use checks it first
 
 _COMPILED_LAYOUTS: dict[str, int] = {"sha256_cbor": 0}
 if pickle.HIGHEST_PROTOCOL == 5:  # the compiled pickle layout is protocol 5's

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 from google.protobuf.message import Message
 
@@ -74,7 +74,10 @@ def _mm_feature_proto(feature: pb.MultiModalFeature | HashingMultiModalFeature) 
     return pb.MultiModalFeature(identifier=feature.identifier, offset=feature.offset, length=feature.length)
 
 
-def _build(message_type: Any, **fields: Any) -> Any:
+_Message = TypeVar("_Message", bound=Message)
+
+
+def _build(message_type: type[_Message], **fields: object) -> _Message:
     """``message_type(**fields)``, but a value protobuf refuses (out of range, wrong type) raises
     ValueError naming the field, before any call is made."""
     message = message_type()
@@ -160,7 +163,7 @@ def get_computed_blocks_request(
         request.lora.CopyFrom(_lora_proto(lora))
     if cache_salt is not None:
         request.cache_salt = cache_salt
-    return request  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+    return request
 
 
 def allocate_slots_request(
@@ -180,7 +183,7 @@ def allocate_slots_request(
         return request_id
     if num_new_tokens is None:
         raise TypeError("allocate_slots() needs num_new_tokens (tokens to compute this step)")
-    return _build(  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+    return _build(
         pb.AllocateSlotsRequest,
         request_id=request_id,
         num_new_tokens=num_new_tokens,
@@ -292,7 +295,7 @@ def stream_events_request(
         start = pb.EVENT_START_SEQ
     else:
         start = pb.EVENT_START_LIVE
-    return _build(  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+    return _build(
         pb.StreamEventsRequest,
         start=start,
         start_seq=start_seq or 0,
@@ -323,7 +326,7 @@ def take_events_request(
             payload_format=payload_format,
         )
         return consumer
-    return _build(  # type: ignore[no-any-return]  # _build returns the message it was given the type of (typed Any)
+    return _build(
         pb.TakeEventsRequest,
         consumer=consumer,
         max_batches=max_batches,

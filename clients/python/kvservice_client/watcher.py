@@ -532,7 +532,7 @@ class EventWatcher:
             return pb.StreamEventsRequest(
                 start=pb.EVENT_START_SNAPSHOT,
                 group_idxs=self._group_idxs,
-                payload_format=self._payload_format,  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
+                payload_format=self._payload_format,
             )
         assert self._cursor_seq is not None
         return pb.StreamEventsRequest(
@@ -540,7 +540,7 @@ class EventWatcher:
             start_seq=self._cursor_seq + 1,
             epoch=self._cursor_epoch or "",
             group_idxs=self._group_idxs,
-            payload_format=self._payload_format,  # type: ignore[arg-type]  # payload_format_value gives the enum's int, which the stub types as its ValueType
+            payload_format=self._payload_format,
         )
 
     def _check(self, msg: pb.EventBatch, *, expect_snapshot: bool) -> ResyncReason | None:

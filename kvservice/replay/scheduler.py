@@ -464,6 +464,8 @@ class ReplayScheduler:
         """Look up and allocate one waiting request in its own round trip, after the predictor
         has seen every batch so far, so the prediction and the server's hit describe one state."""
         predictions = tuple(await self.predictor(r, self.head_seq)) if self.predictor is not None else ()
+        if self.max_model_len is not None:  # a chunk is at most a request (the server's bound)
+            budget = min(budget, self.max_model_len)
         results = await self._call(
             [
                 pb.StepOp(get_computed_blocks=self._lookup_request(r)),

@@ -108,6 +108,34 @@ def test_cli_replay_writes_report(tmp_path):
     assert (out / "agreement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_pool_below_the_step_budget_replays(tmp_path):
+    """512 blocks of 16 tokens lower max_model_len below the 8,192-token step budget: an
+    admission's chunk is capped at max_model_len (it was refused INVALID_ARGUMENT, num_new_tokens
+    8192 outside 1..8176)."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvservice.cli",
+            "replay",
+            "--limit",
+            "12",
+            "--num-blocks",
+            "512",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads((out / "report.json").read_text())
+    assert all(m["num_requests"] > 0 and m["num_prefill_tokens"] > 0 for m in data["modes"]), data["modes"]
+
+
 @pytest.mark.slow
 async def test_no_run_beats_the_ideal_even_when_a_small_pool_thrashes():
     """A pool too small for the trace preempts (recompute): readmissions hit their own recomputed

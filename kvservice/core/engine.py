@@ -43,6 +43,7 @@ __all__ = [
     "EngineLimits",
     "KVCacheEngine",
     "OwnedAllocateResult",
+    "OwnedBatchResult",
     "PoolClaim",
     "Usage",
 ]
@@ -151,6 +152,27 @@ class OwnedAllocateResult:
     block_ids: tuple[list[int], ...] | None
     num_null_blocks: tuple[int, ...]
     refused_full_sequence: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class OwnedBatchResult:
+    """What one :meth:`KVCacheEngine.allocate_running` did (indices into its ``request_ids``).
+
+    Attributes:
+        num_run: requests run: all, unless one was refused (then it is the last run).
+        refused: whether the last one run was refused (too few free blocks; nothing changed for it).
+        changed_indices: requests that got new blocks, ascending.
+        new_block_ids: per changed request (same order), per group, the block ids appended.
+        num_null_blocks: per changed request, per group, the table's leading null blocks now.
+        num_cached_tokens: per request allocated, its tokens in cached blocks now.
+    """
+
+    num_run: int
+    refused: bool
+    changed_indices: list[int]
+    new_block_ids: list[tuple[list[int], ...]]
+    num_null_blocks: list[tuple[int, ...]]
+    num_cached_tokens: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -977,6 +999,131 @@ class KVCacheEngine:
             None if has_table else tuple([b.block_id for b in table] for table in tables),
             tuple(_num_null_head(table) for table in tables),
         )
+
+    def allocate_running(
+        self,
+        request_ids: Sequence[str],
+        *,
+        num_computed_tokens: Sequence[int],
+        num_new_tokens: Sequence[int],
+        num_in_flight_tokens: Sequence[int] = (),
+        num_lookahead_tokens: Sequence[int] = (),
+        num_new_token_ids: Sequence[int] = (),
+        token_ids: Sequence[int] | np.ndarray = (),
+        num_new_block_hashes: Sequence[int] = (),
+        block_hashes: Sequence[bytes] = (),
+    ) -> OwnedBatchResult:
+        """Many running scheduler-owned requests' ``allocate_slots`` (vLLM 0.33), as
+        :meth:`update_request` (appending ``num_new_token_ids[i]`` tokens and
+        ``num_new_block_hashes[i]`` hashes) then :meth:`allocate_owned` of each would run, request
+        after request (a scheduler step's running requests, packed). A per-request list left empty
+        is 0 for every request. The first request refused (too few free blocks) ends the batch;
+        the ones before it stay allocated, as their own calls would have been.
+
+        Raises:
+            InvalidArgumentError: lists of other lengths, counts that do not add up, a request
+                twice, a request holding no blocks, a count outside its bound (as
+                :meth:`allocate_owned`), a token id outside 0..2^31-1, a request above max_model_len
+                or with more hashes than full blocks. Checked for every request before any runs:
+                then nothing changed.
+            RequestNotFoundError: an unknown id (nothing changed).
+        """
+        num = len(request_ids)
+        max_len = self.max_model_len
+
+        def per_request(field: str, values: Sequence[int], low: int, high: int) -> list[int]:
+            if not len(values):
+                if low > 0:
+                    raise InvalidArgumentError(field, f"empty; one per request is needed (>= {low})")
+                return [0] * num
+            if len(values) != num:
+                raise InvalidArgumentError(field, f"{len(values)} entries for {num} request_ids (one each, or none)")
+            out = list(values)
+            if min(out) < low or max(out) > high:
+                bad = next(v for v in out if not low <= v <= high)
+                raise InvalidArgumentError(field, f"{bad} outside {low}..{high}")
+            return out
+
+        computed = per_request("num_computed_tokens", num_computed_tokens, 0, max_len)
+        new = per_request("num_new_tokens", num_new_tokens, 1, max_len)
+        in_flight = per_request("num_in_flight_tokens", num_in_flight_tokens, 0, max_len)
+        lookahead = per_request("num_lookahead_tokens", num_lookahead_tokens, 0, max_len)
+        token_counts = per_request("num_new_token_ids", num_new_token_ids, 0, max_len)
+        hash_counts = per_request("num_new_block_hashes", num_new_block_hashes, 0, max_len)
+        if sum(token_counts) != len(token_ids):
+            raise InvalidArgumentError(
+                "packed_token_ids", f"{len(token_ids)} ids, but num_new_token_ids adds up to {sum(token_counts)}"
+            )
+        if sum(hash_counts) != len(block_hashes):
+            raise InvalidArgumentError(
+                "block_hashes", f"{len(block_hashes)} hashes, but num_new_block_hashes adds up to {sum(hash_counts)}"
+            )
+        tokens = check_token_ids("packed_token_ids", token_ids)
+        if len(set(request_ids)) != num:
+            raise InvalidArgumentError("request_ids", "a request is named twice")
+        hash_size = self.manager.hash_digest_size
+        for digest in block_hashes:
+            if len(digest) != hash_size:
+                raise InvalidArgumentError(
+                    "block_hashes", f"a hash of {len(digest)} bytes; the hash algorithm's digests are {hash_size}"
+                )
+        hash_block_size = self.manager.hash_block_size
+        requests = []
+        for i, request_id in enumerate(request_ids):
+            request = self._owned_request(request_id)
+            if request_id not in self.running:
+                raise InvalidArgumentError(
+                    "request_ids", f"request {request_id!r} holds no blocks: allocate it with AllocateSlots first"
+                )
+            if in_flight[i] > computed[i]:
+                raise InvalidArgumentError(
+                    "num_in_flight_tokens", f"{in_flight[i]} above num_computed_tokens {computed[i]} of {request_id!r}"
+                )
+            num_tokens = request.num_tokens + token_counts[i]
+            if num_tokens > max_len:
+                raise InvalidArgumentError(
+                    "packed_token_ids", f"{request_id!r} would hold {num_tokens} tokens, above max_model_len {max_len}"
+                )
+            if len(request.block_hashes) + hash_counts[i] > num_tokens // hash_block_size:
+                raise InvalidArgumentError(
+                    "block_hashes", f"{request_id!r}: more hashes than full blocks of {hash_block_size} tokens"
+                )
+            requests.append(request)
+        manager = self.manager
+        coordinator = manager.coordinator
+        changed: list[int] = []
+        changed_ids: list[tuple[list[int], ...]] = []
+        null_heads: list[tuple[int, ...]] = []
+        cached: list[int] = []
+        windowed = manager._has_skip_rule
+        token_at = hash_at = 0
+        for i, request in enumerate(requests):
+            k = token_counts[i]
+            if k:
+                request.all_token_ids.extend(tokens[token_at : token_at + k])
+                token_at += k
+            h = hash_counts[i]
+            if h:
+                request.block_hashes.extend(block_hashes[hash_at : hash_at + h])
+                hash_at += h
+            before = request.num_computed_tokens, request.num_in_flight_tokens
+            request.num_computed_tokens = computed[i]
+            request.num_in_flight_tokens = in_flight[i]
+            new_blocks = manager.allocate_slots(request, new[i], 0, None, lookahead[i])
+            if new_blocks is None:
+                request.num_computed_tokens, request.num_in_flight_tokens = before
+                self.num_failed_allocations += 1
+                return OwnedBatchResult(i + 1, True, changed, changed_ids, null_heads, cached)
+            if any(new_blocks.blocks) or windowed:
+                changed.append(i)
+                changed_ids.append(new_blocks.get_block_ids())
+                null_heads.append(
+                    tuple(_num_null_head(t) for t in coordinator.get_blocks(request.request_id))
+                    if windowed
+                    else tuple(0 for _ in new_blocks.blocks)
+                )
+            cached.append(manager.estimate_cached_tokens(request.request_id))
+        return OwnedBatchResult(num, False, changed, changed_ids, null_heads, cached)
 
     def cache_blocks(self, request_id: str, num_tokens: int) -> None:
         """Cache the request's full blocks among its first ``num_tokens`` tokens (vLLM 0.33:

@@ -680,6 +680,46 @@ class KVCacheServicer:
         if self.data_plane is not None:  # who may write the new blocks
             self.data_plane.note_allocated(call.request_id, result.block_ids or result.new_block_ids)
 
+    def _manager_allocate_slots_batch(self, call: pb.ManagerCall.AllocateSlotsBatch, out: pb.ManagerResult) -> None:
+        packed = call.packed_token_ids
+        if len(packed) % 4:
+            raise InvalidArgumentError(
+                "packed_token_ids", f"{len(packed)} bytes, not a multiple of 4 (little-endian int32 token ids)"
+            )
+        digests = call.block_hashes
+        size = self.engine.manager.hash_digest_size
+        if len(digests) % size:
+            raise InvalidArgumentError(
+                "block_hashes", f"{len(digests)} bytes, not a multiple of the {size}-byte digests of the hash algorithm"
+            )
+        result = self.engine.allocate_running(
+            call.request_ids,
+            num_computed_tokens=call.num_computed_tokens,
+            num_new_tokens=call.num_new_tokens,
+            num_in_flight_tokens=call.num_in_flight_tokens,
+            num_lookahead_tokens=call.num_lookahead_tokens,
+            num_new_token_ids=call.num_new_token_ids,
+            token_ids=np.frombuffer(packed, dtype="<i4"),
+            num_new_block_hashes=call.num_new_block_hashes,
+            block_hashes=[digests[i : i + size] for i in range(0, len(digests), size)],
+        )
+        answer = out.allocated_batch
+        answer.SetInParent()
+        answer.num_run = result.num_run
+        answer.refused = result.refused
+        answer.changed_indices.extend(result.changed_indices)
+        for ids in result.new_block_ids:
+            for group in ids:
+                answer.new_block_ids.extend(group)
+                answer.num_new_block_ids.append(len(group))
+        for heads in result.num_null_blocks:
+            answer.num_null_blocks.extend(heads)
+        answer.num_cached_tokens.extend(result.num_cached_tokens)
+        data_plane = self.data_plane
+        if data_plane is not None:  # who may write the new blocks
+            for index, new_block_ids in zip(result.changed_indices, result.new_block_ids):
+                data_plane.note_allocated(call.request_ids[index], new_block_ids)
+
     def _manager_cache_blocks(self, call: pb.ManagerCall.CacheBlocks, out: pb.ManagerResult) -> None:
         engine = self.engine
         engine.cache_blocks(call.request_id, call.num_tokens)

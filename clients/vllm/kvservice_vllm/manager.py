@@ -22,6 +22,8 @@ reuse reports go out at admission, not at lookup; events report presence.
 
 from __future__ import annotations
 
+import array
+import functools
 import itertools
 import logging
 import weakref
@@ -199,6 +201,45 @@ class _Lookup:
         self.last_hash = request.block_hashes[-1] if request.block_hashes else None
 
 
+class _RunningBatch:
+    """Running requests' allocations answered ahead, packed into one ``AllocateSlotsBatch`` call
+    (a step's running loop: one call, not two messages a request)."""
+
+    __slots__ = (
+        "request_ids", "computed", "in_flight", "new", "lookahead", "token_counts", "tokens",
+        "hash_counts", "hashes", "results", "needs",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.computed: list[int] = []
+        self.in_flight: list[int] = []
+        self.new: list[int] = []
+        self.lookahead: list[int] = []
+        self.token_counts: list[int] = []
+        self.tokens: list[bytes] = []
+        self.hash_counts: list[int] = []
+        self.hashes: list[bytes] = []
+        self.results: list[_PendingBlocks] = []
+        self.needs: list[int] = []
+
+    def call(self) -> pb.ManagerCall:
+        batch = pb.ManagerCall.AllocateSlotsBatch(
+            request_ids=self.request_ids,
+            num_computed_tokens=self.computed,
+            num_new_tokens=self.new,
+            num_new_token_ids=self.token_counts,
+            packed_token_ids=b"".join(self.tokens),
+            num_new_block_hashes=self.hash_counts,
+            block_hashes=b"".join(self.hashes),
+        )
+        if any(self.in_flight):
+            batch.num_in_flight_tokens.extend(self.in_flight)
+        if any(self.lookahead):
+            batch.num_lookahead_tokens.extend(self.lookahead)
+        return pb.ManagerCall(allocate_slots_batch=batch)
+
+
 class _Synced:
     """What the server holds of one request: its first ``num_tokens`` tokens, ``num_hashes`` hashes."""
 
@@ -295,6 +336,7 @@ class RemoteKVCacheManager:
         self._after_flush: list[Callable[[], None]] = []
         self._lookups_sent: list[_Lookup] = []
         self._queue_claim = False
+        self._open_batch: _RunningBatch | None = None
         """Requests whose table the queued calls change in ways known only from the answer."""
         self._lookups: dict[str, _Lookup] = {}
         """Request id -> its last lookup (made ahead of the scheduler's call, or by it)."""
@@ -344,6 +386,8 @@ class RemoteKVCacheManager:
             self._look_ahead()
         calls, handlers = self._pending, self._on_result
         self._pending, self._on_result = [], []
+        self._open_batch = None
+        calls = [c.call() if isinstance(c, _RunningBatch) else c for c in calls]
         request = pb.ManagerStepRequest(
             owner=self.owner,
             claim_ttl_s=self.claim_ttl_s,
@@ -404,7 +448,8 @@ class RemoteKVCacheManager:
         """Run ``resolve`` once the next round trip has been answered."""
         self._after_flush.append(resolve)
 
-    def _queue(self, call: pb.ManagerCall, on_result: Callable[[pb.ManagerResult], None] | None = None) -> None:
+    def _queue(self, call: Any, on_result: Callable[[pb.ManagerResult], None] | None = None) -> None:
+        self._open_batch = None  # calls keep their order: a later allocation starts a new batch
         if self._closed:
             raise RemoteManagerError("the remote KV cache manager stopped after an error; restart the engine")
         self._pending.append(call)
@@ -666,6 +711,25 @@ class RemoteKVCacheManager:
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
+        table = self._tables.get(request_id)
+        if (
+            table is not None
+            and self._certain_ok
+            and not (num_new_computed_tokens or num_external_computed_tokens or num_encoder_tokens)
+            and not (full_sequence_must_fit or delay_cache_blocks)
+            and (new_computed_blocks is None or not any(new_computed_blocks.blocks))
+            and request_id not in self._tables_pending
+        ):
+            need_slot = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+            need = 0
+            for ids, bs in zip(table, self._block_sizes):
+                n = -(-need_slot // bs) - len(ids)
+                if n > 0:
+                    need += n
+            if need + watermark_blocks + reserved_blocks <= self._free_lower:
+                batched = self._batch_ahead(request, table, num_new_tokens, num_lookahead_tokens, need_slot, need)
+                if batched is not None:
+                    return batched
         self._sync(request)
         call = pb.ManagerCall.AllocateSlots(
             request_id=request_id,
@@ -824,6 +888,104 @@ class RemoteKVCacheManager:
         full_tokens = min(request.num_tokens, self.max_model_len)
         full_new = [max(0, _cdiv(full_tokens, bs) - h) for bs, h in zip(self._block_sizes, held)]
         return sum(new) + sum(free_hit), sum(new), sum(full_new) + sum(free_hit), sum(full_new)
+
+    def _batch_ahead(
+        self,
+        request: Request,
+        table: list[list[int]],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        need_slot: int,
+        need: int,
+    ) -> KVCacheBlocks | None:
+        """Answer a running request's allocation certain to succeed, into the open batch (its new
+        tokens and hashes with it); None when its tokens or hashes changed otherwise than by
+        appending (then the call goes on its own)."""
+        request_id = request.request_id
+        synced = self._synced.get(request_id)
+        if synced is None or synced.request() is not request:
+            return None
+        tokens = request.all_token_ids
+        hashes = request.block_hashes if self.enable_caching else ()
+        kept = synced.num_hashes
+        if len(tokens) < synced.num_tokens or len(hashes) < kept or (kept and hashes[kept - 1] != synced.last_hash):
+            return None
+        batch = self._open_batch
+        if batch is None:
+            batch = _RunningBatch()
+            self._queue(batch, functools.partial(self._apply_batch, batch))
+            self._open_batch = batch
+        num_new_ids = len(tokens) - synced.num_tokens
+        batch.request_ids.append(request_id)
+        batch.computed.append(request.num_computed_tokens)
+        batch.in_flight.append(request.num_in_flight_tokens)
+        batch.new.append(num_new_tokens)
+        batch.lookahead.append(num_lookahead_tokens)
+        batch.token_counts.append(num_new_ids)
+        if num_new_ids:
+            batch.tokens.append(array.array("i", tokens[synced.num_tokens :]).tobytes())
+        num_new_hashes = len(hashes) - kept
+        batch.hash_counts.append(num_new_hashes)
+        if num_new_hashes:
+            batch.hashes.append(b"".join(hashes[kept:]))
+            synced.last_hash = hashes[-1]
+        synced.num_tokens = len(tokens)
+        synced.num_hashes = len(hashes)
+        for ids, bs in zip(table, self._block_sizes):
+            n = -(-need_slot // bs) - len(ids)
+            if n > 0:
+                ids.extend([None] * n)  # type: ignore[list-item]  # ids to come with the round trip
+        result = _PendingBlocks(self)
+        batch.results.append(result)
+        batch.needs.append(need)
+        self._free_lower -= need
+        self._free_upper -= need
+        cached_from = self._cached_tokens.get(request_id, 0) // self._block_sizes[0]
+        self._log_allocation(
+            request, need, cached_from, min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+        )
+        self.num_answered_ahead += 1
+        return result
+
+    def _apply_batch(self, batch: _RunningBatch, result: pb.ManagerResult) -> None:
+        answer = result.allocated_batch
+        if answer.refused or answer.num_run != len(batch.request_ids):
+            request_id = batch.request_ids[answer.num_run - 1] if answer.num_run else "?"
+            raise RemoteManagerError(
+                f"kvservice refused allocate_slots of {request_id!r} answered ahead as certain: the server's pool "
+                "is not what this scheduler's calls made it"
+            )
+        num_groups = self.num_kv_cache_groups
+        changed = dict(zip(answer.changed_indices, range(len(answer.changed_indices))))
+        ids_at = 0
+        empty = self.empty_kv_cache_blocks.blocks
+        new_ids_flat = answer.new_block_ids
+        counts = answer.num_new_block_ids
+        heads = answer.num_null_blocks
+        for i, request_id in enumerate(batch.request_ids):
+            self._cached_tokens[request_id] = answer.num_cached_tokens[i]
+            k = changed.get(i)
+            if k is None:
+                batch.results[i]._blocks = empty
+                continue
+            groups = []
+            for g in range(num_groups):
+                n = counts[k * num_groups + g]
+                groups.append(list(new_ids_flat[ids_at : ids_at + n]))
+                ids_at += n
+            table = self._tables.get(request_id)
+            if table is not None:
+                for ids, new in zip(table, groups):
+                    pending = 0
+                    while pending < len(ids) and ids[len(ids) - 1 - pending] is None:
+                        pending += 1
+                    if pending:
+                        ids[len(ids) - pending :] = new
+                if self._windowed:
+                    self._apply_null_heads(request_id, heads[k * num_groups : (k + 1) * num_groups])
+            if self._zeroing:
+                self.new_block_ids.extend(itertools.chain.from_iterable(groups))
+            batch.results[i]._blocks = tuple([self._block(b) for b in ids] for ids in groups)
 
     def _allocate_ahead(
         self,

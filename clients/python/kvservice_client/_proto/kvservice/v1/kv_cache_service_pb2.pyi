@@ -1360,6 +1360,78 @@ class ManagerCall(_message.Message):
         _WhichOneofArgType__max_in_flight_tokens: _TypeAlias = _typing.Literal["_max_in_flight_tokens", b"_max_in_flight_tokens"]  # noqa: Y015
         def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight_tokens) -> _WhichOneofReturnType__max_in_flight_tokens | None: ...
 
+    @_typing.final
+    class AllocateSlotsBatch(_message.Message):
+        """Many running requests' allocate_slots in one call, as the UpdateRequest (appending tokens and
+        hashes) and AllocateSlots of each, request after request, would run: a scheduler step's
+        running requests, packed. Each request holds blocks already and takes no hit or external
+        tokens. Every list is one entry per request, or empty for all zeros. The first request that
+        fails or is refused ends the call (the requests before it stay allocated, as their own calls
+        would have been): the answer names it.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        REQUEST_IDS_FIELD_NUMBER: _builtins.int
+        NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+        PACKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+        NUM_NEW_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+        BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+        packed_token_ids: _builtins.bytes
+        """The appended token ids, request after request, little-endian int32."""
+        block_hashes: _builtins.bytes
+        """The appended hashes, request after request, concatenated digests."""
+        @_builtins.property
+        def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+            """The requests, in the order they run."""
+
+        @_builtins.property
+        def num_computed_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per request, the scheduler's num_computed_tokens."""
+
+        @_builtins.property
+        def num_in_flight_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per request, num_in_flight_tokens (empty: 0 each)."""
+
+        @_builtins.property
+        def num_new_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per request, num_new_tokens (>= 1)."""
+
+        @_builtins.property
+        def num_lookahead_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per request, num_lookahead_tokens (empty: 0 each)."""
+
+        @_builtins.property
+        def num_new_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per request, how many of packed_token_ids it appends (empty: none)."""
+
+        @_builtins.property
+        def num_new_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per request, how many of block_hashes it appends (empty: none)."""
+
+        def __init__(
+            self,
+            *,
+            request_ids: _abc.Iterable[_builtins.str] | None = ...,
+            num_computed_tokens: _abc.Iterable[_builtins.int] | None = ...,
+            num_in_flight_tokens: _abc.Iterable[_builtins.int] | None = ...,
+            num_new_tokens: _abc.Iterable[_builtins.int] | None = ...,
+            num_lookahead_tokens: _abc.Iterable[_builtins.int] | None = ...,
+            num_new_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+            packed_token_ids: _builtins.bytes = ...,
+            num_new_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+            block_hashes: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "num_computed_tokens", b"num_computed_tokens", "num_in_flight_tokens", b"num_in_flight_tokens", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_block_hashes", b"num_new_block_hashes", "num_new_token_ids", b"num_new_token_ids", "num_new_tokens", b"num_new_tokens", "packed_token_ids", b"packed_token_ids", "request_ids", b"request_ids"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     UPDATE_REQUEST_FIELD_NUMBER: _builtins.int
     GET_COMPUTED_BLOCKS_FIELD_NUMBER: _builtins.int
     ALLOCATE_SLOTS_FIELD_NUMBER: _builtins.int
@@ -1372,6 +1444,7 @@ class ManagerCall(_message.Message):
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     ESTIMATE_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     GET_NUM_BLOCKS_TO_ALLOCATE_FIELD_NUMBER: _builtins.int
+    ALLOCATE_SLOTS_BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def update_request(self) -> Global___ManagerCall.UpdateRequest: ...
     @_builtins.property
@@ -1396,6 +1469,8 @@ class ManagerCall(_message.Message):
     def estimate_cached_tokens(self) -> Global___ManagerCall.EstimateCachedTokens: ...
     @_builtins.property
     def get_num_blocks_to_allocate(self) -> Global___ManagerCall.GetNumBlocksToAllocate: ...
+    @_builtins.property
+    def allocate_slots_batch(self) -> Global___ManagerCall.AllocateSlotsBatch: ...
     def __init__(
         self,
         *,
@@ -1411,12 +1486,13 @@ class ManagerCall(_message.Message):
         reset_prefix_cache: Global___ResetPrefixCacheRequest | None = ...,
         estimate_cached_tokens: Global___ManagerCall.EstimateCachedTokens | None = ...,
         get_num_blocks_to_allocate: Global___ManagerCall.GetNumBlocksToAllocate | None = ...,
+        allocate_slots_batch: Global___ManagerCall.AllocateSlotsBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "cache_blocks", b"cache_blocks", "call", b"call", "estimate_cached_tokens", b"estimate_cached_tokens", "evict_blocks", b"evict_blocks", "free", b"free", "free_blocks", b"free_blocks", "get_computed_blocks", b"get_computed_blocks", "get_num_blocks_to_allocate", b"get_num_blocks_to_allocate", "pop_blocks_for_free", b"pop_blocks_for_free", "remove_skipped_blocks", b"remove_skipped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "update_request", b"update_request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "cache_blocks", b"cache_blocks", "call", b"call", "estimate_cached_tokens", b"estimate_cached_tokens", "evict_blocks", b"evict_blocks", "free", b"free", "free_blocks", b"free_blocks", "get_computed_blocks", b"get_computed_blocks", "get_num_blocks_to_allocate", b"get_num_blocks_to_allocate", "pop_blocks_for_free", b"pop_blocks_for_free", "remove_skipped_blocks", b"remove_skipped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "update_request", b"update_request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "cache_blocks", b"cache_blocks", "call", b"call", "estimate_cached_tokens", b"estimate_cached_tokens", "evict_blocks", b"evict_blocks", "free", b"free", "free_blocks", b"free_blocks", "get_computed_blocks", b"get_computed_blocks", "get_num_blocks_to_allocate", b"get_num_blocks_to_allocate", "pop_blocks_for_free", b"pop_blocks_for_free", "remove_skipped_blocks", b"remove_skipped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "update_request", b"update_request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "cache_blocks", b"cache_blocks", "call", b"call", "estimate_cached_tokens", b"estimate_cached_tokens", "evict_blocks", b"evict_blocks", "free", b"free", "free_blocks", b"free_blocks", "get_computed_blocks", b"get_computed_blocks", "get_num_blocks_to_allocate", b"get_num_blocks_to_allocate", "pop_blocks_for_free", b"pop_blocks_for_free", "remove_skipped_blocks", b"remove_skipped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "update_request", b"update_request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["update_request", "get_computed_blocks", "allocate_slots", "cache_blocks", "remove_skipped_blocks", "free", "pop_blocks_for_free", "free_blocks", "evict_blocks", "reset_prefix_cache", "estimate_cached_tokens", "get_num_blocks_to_allocate"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["update_request", "get_computed_blocks", "allocate_slots", "cache_blocks", "remove_skipped_blocks", "free", "pop_blocks_for_free", "free_blocks", "evict_blocks", "reset_prefix_cache", "estimate_cached_tokens", "get_num_blocks_to_allocate", "allocate_slots_batch"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -1607,6 +1683,60 @@ class ManagerResult(_message.Message):
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     @_typing.final
+    class AllocatedBatch(_message.Message):
+        """AllocateSlotsBatch."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NUM_RUN_FIELD_NUMBER: _builtins.int
+        REFUSED_FIELD_NUMBER: _builtins.int
+        CHANGED_INDICES_FIELD_NUMBER: _builtins.int
+        NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        NUM_NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        NUM_NULL_BLOCKS_FIELD_NUMBER: _builtins.int
+        NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+        num_run: _builtins.int
+        """Requests run (all, unless one failed or was refused: then it is the last, see refused)."""
+        refused: _builtins.bool
+        """Whether the last request run was refused (too few free blocks; nothing changed for it)."""
+        @_builtins.property
+        def changed_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Indices (into request_ids) of the requests that got new blocks, ascending."""
+
+        @_builtins.property
+        def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Their new block ids, request after request, group after group."""
+
+        @_builtins.property
+        def num_new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per changed request, one count per group: how many of new_block_ids that group appended."""
+
+        @_builtins.property
+        def num_null_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per changed request, per group, the table's leading null blocks now."""
+
+        @_builtins.property
+        def num_cached_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per request run (and allocated), its tokens in cached blocks now."""
+
+        def __init__(
+            self,
+            *,
+            num_run: _builtins.int = ...,
+            refused: _builtins.bool = ...,
+            changed_indices: _abc.Iterable[_builtins.int] | None = ...,
+            new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+            num_new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+            num_null_blocks: _abc.Iterable[_builtins.int] | None = ...,
+            num_cached_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_indices", b"changed_indices", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_new_block_ids", b"num_new_block_ids", "num_null_blocks", b"num_null_blocks", "num_run", b"num_run", "refused", b"refused"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
     class CachedTokens(_message.Message):
         """EstimateCachedTokens."""
 
@@ -1634,6 +1764,7 @@ class ManagerResult(_message.Message):
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    ALLOCATED_BATCH_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def done(self) -> Global___ManagerResult.Done: ...
@@ -1652,6 +1783,8 @@ class ManagerResult(_message.Message):
     @_builtins.property
     def num_blocks(self) -> Global___ManagerResult.NumBlocks: ...
     @_builtins.property
+    def allocated_batch(self) -> Global___ManagerResult.AllocatedBatch: ...
+    @_builtins.property
     def error(self) -> Global___OpStatus:
         """The call failed (nothing of it changed); the calls after it were not run."""
 
@@ -1666,13 +1799,14 @@ class ManagerResult(_message.Message):
         reset_prefix_cache: Global___ResetPrefixCacheResponse | None = ...,
         cached_tokens: Global___ManagerResult.CachedTokens | None = ...,
         num_blocks: Global___ManagerResult.NumBlocks | None = ...,
+        allocated_batch: Global___ManagerResult.AllocatedBatch | None = ...,
         error: Global___OpStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "cached_tokens", b"cached_tokens", "computed_blocks", b"computed_blocks", "done", b"done", "error", b"error", "num_blocks", b"num_blocks", "popped_blocks", b"popped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result", "table", b"table"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "allocated_batch", b"allocated_batch", "cached_tokens", b"cached_tokens", "computed_blocks", b"computed_blocks", "done", b"done", "error", b"error", "num_blocks", b"num_blocks", "popped_blocks", b"popped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result", "table", b"table"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "cached_tokens", b"cached_tokens", "computed_blocks", b"computed_blocks", "done", b"done", "error", b"error", "num_blocks", b"num_blocks", "popped_blocks", b"popped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "allocated_batch", b"allocated_batch", "cached_tokens", b"cached_tokens", "computed_blocks", b"computed_blocks", "done", b"done", "error", b"error", "num_blocks", b"num_blocks", "popped_blocks", b"popped_blocks", "reset_prefix_cache", b"reset_prefix_cache", "result", b"result", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["done", "computed_blocks", "allocated", "table", "popped_blocks", "reset_prefix_cache", "cached_tokens", "num_blocks", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["done", "computed_blocks", "allocated", "table", "popped_blocks", "reset_prefix_cache", "cached_tokens", "num_blocks", "allocated_batch", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

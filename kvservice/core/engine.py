@@ -1258,7 +1258,8 @@ class KVCacheEngine:
 
     def check_invariants(self) -> None:
         """The manager's invariants (pool consistency; every block's ref count equals the number of
-        (request, group) tables holding it), plus what only the request table can tell:
+        (request, group) tables holding it, plus its references taken off tables by
+        :meth:`pop_blocks_for_free` and not freed yet), plus what only the request table can tell:
 
         * every running request is registered, and only running requests hold blocks;
         * a block is held in one group only;
@@ -1275,7 +1276,7 @@ class KVCacheEngine:
             AssertionError: naming the broken invariant.
         """
         manager = self.manager
-        manager.check_invariants()
+        manager.check_invariants(references_off_tables=self._detached)
         assert self.running <= self.requests.keys(), (
             f"running but not registered: {sorted(self.running - self.requests.keys())}"
         )

@@ -999,3 +999,54 @@ def test_free_owned_errors_change_nothing(forget):
     refused(engine, lambda: engine.free_owned("L", forget=forget), InvalidArgumentError, "request_id")
     refused(engine, lambda: engine.pop_blocks_for_free("N", forget=forget), RequestNotFoundError)
     refused(engine, lambda: engine.pop_blocks_for_free("L", forget=forget), InvalidArgumentError, "request_id")
+
+
+def test_pop_blocks_for_free_keeps_the_blocks_held_until_free_blocks():
+    engine = make_engine()
+    register(engine, "A", range(1, 11))
+    admit(engine, "A")
+    engine.take_events()
+    assert engine.pop_blocks_for_free("A", forget=False) == [1, 2, 3]
+    assert [b.ref_cnt for b in engine.manager.block_pool.blocks[1:4]] == [1, 1, 1]
+    assert free_ids(engine.manager) == [4, 5, 6, 7, 8, 9, 10]
+    engine.check_invariants()  # popped blocks count as held
+    assert (engine.running, engine.num_waiting_tokens, engine.manager.get_block_ids("A")) == (set(), 10, ([],))
+    # A block popped is not A's: a refused free_blocks frees none of the list.
+    for bad in ([3, 2, 1, 4], [3, 3], [0]):
+        error = refused(engine, lambda b=bad: engine.free_blocks(b), InvalidArgumentError, "block_ids")
+        assert "was not taken off a table by PopBlocksForFree" in str(error)
+    assert engine.free_blocks([3, 2]) == 2
+    assert free_ids(engine.manager) == [3, 4, 5, 6, 7, 8, 9, 10, 2]
+    refused(engine, lambda: engine.free_blocks([2]), InvalidArgumentError, "block_ids")  # freed already
+    assert engine.free_blocks([1]) == 1
+    assert (engine._detached, free_ids(engine.manager)) == ({}, [3, 4, 5, 6, 7, 8, 9, 10, 2, 1])
+    assert engine.take_events() == []
+    engine.check_invariants()
+
+
+def test_pop_blocks_for_free_of_a_shared_block_counts_each_reference():
+    engine = make_engine()
+    register(engine, "A", range(1, 11))
+    admit(engine, "A")
+    register(engine, "B", [*range(1, 9), 20])
+    admit(engine, "B")  # shares 1, 2
+    assert engine.pop_blocks_for_free("A", forget=True) == [1, 2, 3]
+    assert engine.pop_blocks_for_free("B", forget=True) == [1, 2, 4]
+    assert engine._detached == {1: 2, 2: 2, 3: 1, 4: 1}
+    assert (engine.requests, engine.owned) == ({}, {})
+    engine.check_invariants()  # popped blocks count as held
+    assert engine.free_blocks([4, 2, 1, 3, 2, 1]) == 6
+    # 4 and 3 (uncached) to the head in that order; 2, 1 reach 0 at their second free.
+    assert free_ids(engine.manager) == [4, 3, 5, 6, 7, 8, 9, 10, 2, 1]
+    engine.check_invariants()
+
+
+def test_pop_blocks_for_free_leaves_out_a_window_s_null_head():
+    engine = make_engine(specs=[SW8])
+    register(engine, "A", range(1, 17))
+    admit(engine, "A")
+    engine.remove_skipped_blocks("A", 16)
+    assert engine.pop_blocks_for_free("A", forget=True) == [3, 4]
+    assert engine.free_blocks([4, 3]) == 2
+    assert free_ids(engine.manager) == [5, 6, 7, 8, 9, 10, 2, 1, 4, 3]
+    engine.check_invariants()

@@ -668,10 +668,12 @@ class KVCacheEngine:
         freed = list(self.owned)
         for request_id in freed:
             self.free(request_id)
+        # The popped blocks, deepest first as a request's are freed (docs/ARCHITECTURE.md §2.3): each
+        # pop added its blocks in table order.
         pool = self.manager.block_pool
-        for block_id, count in self._detached.items():
-            pool.free_blocks([pool.blocks[block_id]] * count)
-        self._detached.clear()
+        detached = self._detached
+        pool.free_blocks([pool.blocks[block_id] for block_id in reversed(detached) for _ in range(detached[block_id])])
+        detached.clear()
         return freed
 
     def expire_claim(self) -> list[str]:

@@ -9,12 +9,13 @@ Unless a test says otherwise: block size 4, 11 blocks (the null block and 10 usa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
-from kvservice.core.engine import ComputedBlocksResult, EngineLimits, KVCacheEngine, OwnedAllocateResult
+from kvservice.core.engine import ComputedBlocksResult, EngineLimits, KVCacheEngine, OwnedAllocateResult, PoolClaim
 from kvservice.core.errors import (
     CapacityExceededError,
     InvalidArgumentError,
@@ -1049,4 +1050,117 @@ def test_pop_blocks_for_free_leaves_out_a_window_s_null_head():
     assert engine.pop_blocks_for_free("A", forget=True) == [3, 4]
     assert engine.free_blocks([4, 3]) == 2
     assert free_ids(engine.manager) == [5, 6, 7, 8, 9, 10, 2, 1, 4, 3]
+    engine.check_invariants()
+
+
+# -- the claim --------------------------------------------------------------------------------
+
+
+def test_one_scheduler_owns_the_pool_and_others_are_refused_naming_it():
+    clock = FakeClock()
+    engine = make_engine(clock=clock)
+    engine.claim_pool("sched-1", 30.0)
+    error = refused(engine, lambda: engine.claim_pool("sched-2", 30.0), PreconditionFailedError)
+    assert str(error) == (
+        "owner: the pool is owned by scheduler 'sched-1' (its claim lapses in 30.0 s unless renewed); "
+        "one scheduler owns a pool at a time"
+    )
+    error = refused(engine, lambda: engine.check_claim(None), PreconditionFailedError)
+    assert "'sched-1'" in str(error)
+    refused(engine, lambda: engine.check_claim("sched-2"), PreconditionFailedError)
+    engine.check_claim("sched-1")
+    clock.now = 20.0
+    engine.claim_pool("sched-1", 30.0)  # renewed: lapses at 50
+    assert engine.claim == PoolClaim("sched-1", 50.0)
+    clock.now = 49.9
+    refused(engine, lambda: engine.claim_pool("sched-2", 30.0), PreconditionFailedError)
+    assert engine.expire_claim() == []
+
+
+@pytest.mark.parametrize(
+    "owner, ttl, field",
+    [
+        ("", 30.0, "owner"),
+        ("o" * 257, 30.0, "owner"),
+        ("s", 0.0, "claim_ttl_s"),
+        ("s", -1.0, "claim_ttl_s"),
+        ("s", 3600.5, "claim_ttl_s"),
+        ("s", math.nan, "claim_ttl_s"),
+        ("s", math.inf, "claim_ttl_s"),
+    ],
+)
+def test_claim_pool_errors_change_nothing(owner, ttl, field):
+    engine = make_engine()
+    engine.claim_pool("sched-1", 30.0)
+    refused(engine, lambda: engine.claim_pool(owner, ttl), InvalidArgumentError, field)
+
+
+def _claimed_with_requests(clock: FakeClock) -> KVCacheEngine:
+    """L (60..67: blocks 1, 2) is a legacy request, allocated before sched-1 claims at t=0 for 30 s.
+    A (1..10: 3, 4, 5) runs, P (20..27: 6, 7) was popped and its blocks not freed yet, W (40..47)
+    waits."""
+    engine = make_engine(clock=clock)
+    engine.get_computed_blocks("L", range(60, 68))
+    assert engine.allocate_slots("L", 8).allocated
+    engine.claim_pool("sched-1", 30.0)
+    register(engine, "A", range(1, 11))
+    admit(engine, "A")
+    register(engine, "P", range(20, 28))
+    admit(engine, "P")
+    assert engine.pop_blocks_for_free("P", forget=True) == [6, 7]
+    register(engine, "W", range(40, 48))
+    engine.take_events()
+    assert free_ids(engine.manager) == [8, 9, 10]
+    return engine
+
+
+def test_release_claim_frees_every_owned_request_and_every_popped_block():
+    engine = _claimed_with_requests(FakeClock())
+    assert engine.release_claim("sched-2") == []  # not the owner: nothing
+    assert engine.claim is not None and free_ids(engine.manager) == [8, 9, 10]
+    assert engine.release_claim("sched-1") == ["A", "W"]
+    assert engine.claim is None
+    # A freed tail first (5 uncached to the head, 4, 3 at the tail), then P's popped blocks, deepest
+    # first as a request's blocks are (docs/ARCHITECTURE.md §2.3): 7, 6.
+    assert free_ids(engine.manager) == [5, 8, 9, 10, 4, 3, 7, 6]
+    assert (list(engine.requests), engine.owned, engine._detached) == (["L"], {}, {})
+    assert engine.manager.get_block_ids("L") == ([1, 2],)
+    assert engine.take_events() == []  # freed blocks stay cached
+    engine.check_invariants()
+    engine.claim_pool("sched-2", 30.0)  # the pool is free to claim
+
+
+def test_a_lapsed_claim_is_released_when_another_scheduler_claims():
+    clock = FakeClock()
+    engine = _claimed_with_requests(clock)
+    clock.now = 29.9
+    assert engine.expire_claim() == []
+    refused(engine, lambda: engine.claim_pool("sched-2", 30.0), PreconditionFailedError)
+    clock.now = 30.0  # lapsed: other callers pass, and the next claim takes the pool
+    engine.check_claim(None)
+    engine.claim_pool("sched-2", 10.0)
+    assert engine.claim == PoolClaim("sched-2", 40.0)
+    assert (list(engine.requests), engine.owned, engine._detached) == (["L"], {}, {})
+    assert free_ids(engine.manager) == [5, 8, 9, 10, 4, 3, 7, 6]
+    engine.check_invariants()
+
+
+def test_expire_claim_releases_a_lapsed_claim():
+    clock = FakeClock()
+    engine = _claimed_with_requests(clock)
+    clock.now = 31.0
+    assert engine.expire_claim() == ["A", "W"]
+    assert engine.claim is None and free_ids(engine.manager) == [5, 8, 9, 10, 4, 3, 7, 6]
+
+
+def test_the_idle_reaper_leaves_owned_requests_alone():
+    clock = FakeClock()
+    engine = _claimed_with_requests(clock)
+    assert engine.idle_request_ids(5.0) == []
+    clock.now = 100.0
+    assert engine.idle_request_ids(5.0) == ["L"]
+    assert engine.free_idle_requests(5.0) == ["L"]
+    assert sorted(engine.requests) == ["A", "W"]
+    assert engine.next_idle_deadline(5.0) is None  # only owned requests left
+    assert engine.manager.get_block_ids("A") == ([3, 4, 5],)
     engine.check_invariants()

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from kvservice.server.app import RunningServer, start_server
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError, StatusCode, StepBuilder
+from kvservice_client.data import awrite_blocks
 from kvservice_client.events import KVEventBatch
 from kvservice_client.hashing import BlockHasher
 from tests.service.conftest import SMALL_SERVER
@@ -362,6 +363,35 @@ async def test_evicting_a_shared_block_is_not_an_invariant_failure(start_kv_serv
     )
     assert response.results[4].done.num_blocks == 1
     assert running.servicer.invariant_failures == []
+
+
+# -- who may write the blocks (docs/ARCHITECTURE.md §5.3) ---------------------------------------------
+
+
+async def test_an_admitted_request_writes_its_new_and_external_blocks_never_its_hit(start_kv_server, connect):
+    running = await start_kv_server(device="cpu")  # memory: the data plane answers
+    client = await connect(running)
+    block = bytes(running.engine.manager.metadata.groups[0].block_bytes)
+    response = await manager_step(
+        client,
+        [
+            update("A", range(1, 11)),
+            allocate("A", num_new_tokens=10),
+            free("A"),  # 1, 2 cached and free; 3 free
+            update("B", range(1, 21)),
+            allocate("B", [[1, 2]], num_new_computed_tokens=8, num_external_computed_tokens=8, num_new_tokens=4),
+        ],
+    )
+    answer = response.results[4].allocated
+    assert (ids(answer.block_ids), ids(answer.new_block_ids)) == ([[1, 2, 3, 4, 5]], [[5]])
+    # The connector's blocks (3, 4) and the new one (5) are B's to write.
+    assert (await awrite_blocks(client, "B", [(0, 3, block), (0, 4, block), (0, 5, block)])).num_blocks_written == 3
+    # The hit's blocks hold what their hashes name: B alone holds them, but may not write them.
+    for hit_block in (1, 2):
+        with pytest.raises(KVServiceError) as err:
+            await awrite_blocks(client, "B", [(0, hit_block, block)])
+        assert err.value.code is StatusCode.FAILED_PRECONDITION
+        assert err.value.message.startswith(f"block {hit_block} (group 0): it was not allocated to request 'B'")
 
 
 # -- the claim ----------------------------------------------------------------------------------------

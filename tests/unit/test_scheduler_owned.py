@@ -847,6 +847,31 @@ def test_allocate_owned_a_hit_for_a_group_that_is_never_hit():
     )
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a hit may name the null block (0) at any position of a windowed group, so a hit vLLM's "
+    "lookup never answers is taken: a null block inside the window the request attends (docs/ARCHITECTURE.md "
+    "§9.3: each block must carry the request's hash at its position)",
+)
+@pytest.mark.parametrize("hit_ids", [[0, 2, 0, 4], [0, 0, 0, 4]], ids=["null after a block", "too many nulls"])
+def test_allocate_owned_refuses_a_null_block_the_window_needs(hit_ids):
+    engine = make_engine(specs=[SW8])
+    register(engine, "A", range(1, 17))
+    admit(engine, "A")
+    engine.free_owned("A", forget=True)
+    register(engine, "B", [*range(1, 17), 90])
+    # The lookup's hit is [0, 0, 3, 4]: at 16 tokens a window of 8 skips the first two positions only.
+    assert hit_of(engine.find_cache_hit("B")) == (16, ([0, 0, 3, 4],))
+    refused(
+        engine,
+        lambda: engine.allocate_owned(
+            "B", num_computed_tokens=0, num_new_tokens=1, num_new_computed_tokens=16, computed_block_ids=[hit_ids]
+        ),
+        InvalidArgumentError,
+        "computed_block_ids",
+    )
+
+
 def test_a_stale_hit_is_refused_and_a_fresh_lookup_is_not():
     engine = make_engine()
     cached_and_freed(engine)

@@ -690,10 +690,12 @@ class KVCacheEngine:
         freed = list(self.owned)
         for request_id in freed:
             self.free(request_id)
+        # The popped blocks, deepest first as a request's are freed (docs/ARCHITECTURE.md §2.3): each
+        # pop added its blocks in table order.
         pool = self.manager.block_pool
-        for block_id, count in self._detached.items():
-            pool.free_blocks([pool.blocks[block_id]] * count)
-        self._detached.clear()
+        detached = self._detached
+        pool.free_blocks([pool.blocks[block_id] for block_id in reversed(detached) for _ in range(detached[block_id])])
+        detached.clear()
         return freed
 
     def expire_claim(self) -> list[str]:
@@ -1405,7 +1407,8 @@ class KVCacheEngine:
 
     def check_invariants(self) -> None:
         """The manager's invariants (pool consistency; every block's ref count equals the number of
-        (request, group) tables holding it), plus what only the request table can tell:
+        (request, group) tables holding it, plus its references taken off tables by
+        :meth:`pop_blocks_for_free` and not freed yet), plus what only the request table can tell:
 
         * every running request is registered, and only running requests hold blocks;
         * a block is held in one group only;
@@ -1422,7 +1425,7 @@ class KVCacheEngine:
             AssertionError: naming the broken invariant.
         """
         manager = self.manager
-        manager.check_invariants()
+        manager.check_invariants(references_off_tables=self._detached)
         assert self.running <= self.requests.keys(), (
             f"running but not registered: {sorted(self.running - self.requests.keys())}"
         )

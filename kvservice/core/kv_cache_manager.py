@@ -12,7 +12,7 @@ Mirrors vLLM's ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
@@ -594,17 +594,21 @@ class KVCacheManager:
 
     # -- checks -----------------------------------------------------------------------------
 
-    def check_invariants(self, request_ids: Sequence[str] | None = None) -> None:
+    def check_invariants(
+        self, request_ids: Sequence[str] | None = None, *, references_off_tables: Mapping[int, int] | None = None
+    ) -> None:
         """Assert the pool's consistency and that ref counts equal the number of holders.
 
         Every non-null block's ref count equals the number of (request, group) tables holding it
-        (a block appears at most once per table).
+        (a block appears at most once per table), plus ``references_off_tables[block_id]``: the
+        references taken off tables by :meth:`pop_blocks_for_free` and not freed yet (the engine
+        keeps that count).
 
         Raises:
             AssertionError: naming the broken invariant.
         """
         self.block_pool.check_invariants()
-        holders: dict[int, int] = {}
+        holders: dict[int, int] = dict(references_off_tables or {})
         for manager in self.coordinator.managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 seen = set()

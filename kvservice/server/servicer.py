@@ -677,8 +677,15 @@ class KVCacheServicer:
             _fill_groups(answer.block_ids, result.block_ids)
         answer.num_null_blocks.extend(result.num_null_blocks)
         answer.num_cached_tokens = engine.estimate_cached_tokens(call.request_id)
-        if self.data_plane is not None:  # who may write the new blocks
-            self.data_plane.note_allocated(call.request_id, result.block_ids or result.new_block_ids)
+        if self.data_plane is not None:  # who may write: the blocks taken for computing, never the hit's
+            written = result.new_block_ids
+            if result.block_ids is not None:  # an admission: the connector's blocks too, after the hit
+                hit = call.computed_block_ids
+                written = tuple(
+                    ids[max(len(hit[g].block_ids) if g < len(hit) else 0, num_null) :]
+                    for g, (ids, num_null) in enumerate(zip(result.block_ids, result.num_null_blocks))
+                )
+            self.data_plane.note_allocated(call.request_id, written)
 
     def _manager_allocate_slots_batch(self, call: pb.ManagerCall.AllocateSlotsBatch, out: pb.ManagerResult) -> None:
         packed = call.packed_token_ids

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+from kvservice.core.engine import KVCacheEngine
 from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig
 from kvservice.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvservice.core.request import Request
@@ -57,3 +61,53 @@ def step(
         return None
     request.num_computed_tokens += num_new_tokens
     return new.get_block_ids()
+
+
+def engine_state(engine: KVCacheEngine) -> dict[str, Any]:
+    """Everything a refused engine call must leave as it was: the free-queue order, every block's ref
+    count, hash and group, the hash index, the block tables and their cached counts, the request
+    table (tokens, hashes, counts, options), who runs, who is scheduler-owned, the blocks popped and
+    not freed, the claim, the waiting-token count, the prefix-cache counters and the queued events."""
+    manager = engine.manager
+    pool = manager.block_pool
+    return {
+        "free_queue": free_ids(manager),
+        "blocks": [(b.ref_cnt, b.block_hash, b.group_idx) for b in pool.blocks],
+        "index": [
+            {h: sorted(b.block_id for b in _copies(index, h)) for h in index.hashes()}
+            for index in pool.cached_block_hash_to_block
+        ],
+        "tables": [
+            {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()}
+            for m in manager.coordinator.managers
+        ],
+        "num_cached_block": [dict(m.num_cached_block) for m in manager.coordinator.managers],
+        "requests": {
+            rid: (
+                list(r.all_token_ids),
+                list(r.block_hashes),
+                r.num_prompt_tokens,
+                r.num_computed_tokens,
+                r.num_in_flight_tokens,
+                r.session_id,
+                r.kv_cache_report_mode,
+                r.lora,
+                r.cache_salt,
+                r.mm_features,
+            )
+            for rid, r in engine.requests.items()
+        },
+        "running": sorted(engine.running),
+        "owned": list(engine.owned),
+        "detached": dict(engine._detached),
+        "claim": engine.claim,
+        "num_waiting_tokens": engine.num_waiting_tokens,
+        "stats": dataclasses.astuple(manager.prefix_cache_stats),
+        "last_call": dict(engine._last_call),
+        "events": copy.deepcopy(pool.kv_event_queue),
+    }
+
+
+def _copies(index: Any, block_hash: bytes) -> list[Any]:
+    value = index._map[block_hash]
+    return list(value.values()) if isinstance(value, dict) else [value]

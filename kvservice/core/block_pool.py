@@ -317,6 +317,9 @@ class BlockPool:
         self.kv_event_queue: list[KVEvent] = []
         self.num_evictions = 0
         """Cached blocks reused for new content since start (blocks)."""
+        self.evicted_while_held: set[int] = set()
+        """Ids of held blocks whose hash :meth:`evict_blocks` dropped (their KV was invalid), until
+        freed: the only held blocks two requests may share uncached."""
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -409,6 +412,8 @@ class BlockPool:
             assert ref_cnt >= 0, f"{block} freed more often than held"
             block.ref_cnt = ref_cnt
             if ref_cnt == 0:
+                if self.evicted_while_held:
+                    self.evicted_while_held.discard(block.block_id)
                 if block.block_hash is None:
                     uncached.append(block)
                 else:
@@ -511,8 +516,9 @@ class BlockPool:
     def evict_blocks(self, block_ids: Iterable[int]) -> int:
         """Drop the cached hashes of these blocks (e.g. their KV was found invalid).
 
-        The blocks stay where they are (held or free); a free one moves to the head of the free
-        queue. Ids that are not cached are ignored.
+        The blocks stay where they are, held or free (a free one keeps its place in the free queue,
+        as vLLM 0.33's ``evict_blocks`` leaves it). Ids that are not cached are ignored. A held
+        block that loses its hash is remembered in :attr:`evicted_while_held` until it is freed.
 
         Returns:
             Blocks whose hash was dropped.
@@ -532,9 +538,8 @@ class BlockPool:
                 removed.setdefault(block.group_idx, []).append(block.block_hash)
             block.block_hash = None
             num_evicted += 1
-            if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
-                self.free_block_queue.appendleft(block)
+            if block.ref_cnt:
+                self.evicted_while_held.add(block.block_id)
         if removed and self.enable_kv_cache_events:
             self._emit_removed(removed)
         return num_evicted

@@ -782,6 +782,12 @@ class KVCacheEngine:
                     f"keeps {num_block_hashes_kept} hashes and {num_tokens_kept} tokens; {request_id!r} has "
                     f"{num_cached_tokens} tokens in cached blocks, whose hashes and tokens cannot change",
                 )
+            if 0 < num_tokens_kept < request.num_prompt_tokens:
+                raise InvalidArgumentError(
+                    "num_tokens_kept",
+                    f"{num_tokens_kept} cuts into the prompt of {request_id!r} ({request.num_prompt_tokens} tokens): "
+                    "keep the prompt, or send the request whole (num_tokens_kept 0)",
+                )
             num_tokens = num_tokens_kept + len(token_ids)
             num_hashes = num_block_hashes_kept + len(block_hashes)
         if num_tokens > self.max_model_len:
@@ -1328,10 +1334,19 @@ class KVCacheEngine:
                     "computed_block_ids", f"group {g}: a hit of {len(ids)} blocks; the request has {len(hashes)} hashes"
                 )
             group_blocks = []
+            # Null only where the group's skip rule drops the position at the hit's end (vLLM's
+            # lookup pads exactly those); every later position must be a real cached block.
+            num_skippable = m.get_num_skipped_tokens(num_new_computed_tokens) // m.block_size
             for i, block_id in enumerate(ids):
-                if block_id == 0 and m.has_skip_rule:
+                if block_id == 0 and i < num_skippable:
                     group_blocks.append(m.null_block)
                     continue
+                if block_id == 0:
+                    raise InvalidArgumentError(
+                        "computed_block_ids",
+                        f"group {g}: the null block at position {i}, where the group needs the block "
+                        f"(at {num_new_computed_tokens} tokens it skips positions 0..{num_skippable - 1} only)",
+                    )
                 if not 0 < block_id < pool.num_blocks:
                     raise InvalidArgumentError(
                         "computed_block_ids", f"group {g}: block id {block_id} outside 1..{pool.num_blocks - 1}"
@@ -1362,11 +1377,17 @@ class KVCacheEngine:
 
     def next_idle_deadline(self, idle_timeout_s: float) -> float | None:
         """The clock time at which the least recently called request will have been idle for
-        ``idle_timeout_s`` seconds (None when no request is registered). No request can become idle
-        earlier: a call only moves its request's time later."""
+        ``idle_timeout_s`` seconds, or the pool's claim lapses, whichever is first (None when
+        neither can happen). Nothing can become idle earlier: a call only moves its request's time
+        (or its claim's) later."""
+        deadline = None
         for last_call in self._last_call.values():
-            return last_call + idle_timeout_s
-        return None
+            deadline = last_call + idle_timeout_s
+            break
+        claim = self.claim
+        if claim is not None and (deadline is None or claim.expires_at < deadline):
+            deadline = claim.expires_at
+        return deadline
 
     def free_idle_requests(self, idle_timeout_s: float) -> list[str]:
         """Free every request not called for ``idle_timeout_s`` seconds or more, least recently
@@ -1418,8 +1439,9 @@ class KVCacheEngine:
           ref count was matched to its holders above);
         * ``num_waiting_tokens`` is the prompt tokens of the requests not running.
 
-        A held block loses its hash only through ``KVCacheManager.evict_blocks``, which no RPC
-        reaches; after such a direct call a shared block may fail the last check.
+        A held block loses its hash only through ``KVCacheManager.evict_blocks`` (ManagerStep's
+        EvictBlocks: a connector found its KV invalid); such blocks (``evicted_while_held``) may be
+        shared uncached until freed.
 
         Raises:
             AssertionError: naming the broken invariant.
@@ -1455,8 +1477,9 @@ class KVCacheEngine:
                             f"block {block.block_id} (cached in group {block.group_idx}) sits at position {position} "
                             f"of {request_id}'s group {group_idx} table, whose hash there differs"
                         )
+        evicted = manager.block_pool.evicted_while_held
         for block_id, request_ids in holders.items():
-            if len(request_ids) > 1:
+            if len(request_ids) > 1 and block_id not in evicted:
                 assert manager.block_pool.blocks[block_id].block_hash is not None, (
                     f"block {block_id} held by {sorted(request_ids)} at once but not cached"
                 )

@@ -7,8 +7,12 @@ freed by the engine's ``free``, exactly as a ``Free`` call would free it: same e
 free-queue order. The events of one pass are published as one batch. A later call for a reaped
 request gets NOT_FOUND.
 
-The reaper sleeps until the least recently called request's deadline (no request can become idle
-sooner: a call only moves its request's time later), so it wakes only when there may be work.
+The reaper also ends a scheduler's claim on the pool once it lapsed (``claim_ttl_s`` after the
+owner's last ManagerStep): its requests and the blocks it popped are freed, as ``release`` would.
+
+The reaper sleeps until the least recently called request's deadline or the claim's, whichever is
+first (nothing can become idle sooner: a call only moves its time later), so it wakes only when
+there may be work.
 """
 
 from __future__ import annotations
@@ -60,8 +64,16 @@ class RequestReaper:
         Returns:
             The ids freed, least recently called first (empty when none was idle).
         """
-        request_ids = self.engine.free_idle_requests(self.idle_timeout_s)
+        owner = self.engine.claim.owner if self.engine.claim is not None else None
+        released = self.engine.expire_claim()
+        if released or (owner is not None and self.engine.claim is None):
+            logger.info(
+                "released the pool's claim of scheduler %r, which lapsed: freed its %d request(s)", owner, len(released)
+            )
+        request_ids = released + self.engine.free_idle_requests(self.idle_timeout_s)
         if not request_ids:
+            if owner is not None and self.engine.claim is None:
+                self.publish()  # its popped blocks were freed
             return request_ids
         self.publish()
         self.num_reaped_requests += len(request_ids)

@@ -342,12 +342,6 @@ async def test_a_server_checking_its_invariants_passes_a_step_of_every_call(star
     assert (running.servicer.num_invariant_checks, running.servicer.num_invariant_failures) == (2, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: evict_blocks is reachable through ManagerStep (EvictBlocks, vLLM's connector reporting "
-    "invalid KV), but the engine's invariant check still assumes no call drops the hash of a held block: "
-    "a block two requests hold is asserted cached, so a server run with check_invariants counts a failure",
-)
 async def test_evicting_a_shared_block_is_not_an_invariant_failure(start_kv_server, connect):
     running = await start_kv_server(check_invariants=True)
     client = await connect(running)
@@ -457,12 +451,6 @@ async def test_a_lapsed_claim_is_taken_over(kv_server, connect):
     kv_server.engine.check_invariants()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: KVCacheEngine.expire_claim is documented as the reaper's call, but nothing calls it: a "
-    "scheduler that died keeps its blocks held until another scheduler claims the pool, and callers of the "
-    "other RPCs (which never claim) never get them back",
-)
 async def test_the_reaper_releases_a_lapsed_claim(start_kv_server, connect):
     running = await start_kv_server(request_idle_timeout_s=3600.0)
     clock = FakeClock()

@@ -72,7 +72,9 @@ def test_hash_map_copies():
         m.pop(b"x", 3)
 
 
-def test_evict_blocks_drops_hash_and_moves_free_block_to_head():
+def test_evict_blocks_drops_hash_and_leaves_a_free_block_in_place():
+    """As vLLM 0.33's evict_blocks: the block keeps its place in the free queue (measured with
+    vLLM's own manager side by side: clients/vllm/tests/test_core_equivalence.py)."""
     pool = BlockPool(6, enable_kv_cache_events=True, medium="CPU")
     b = pool.get_new_blocks(2)
     for blk, h in zip(b, (b"a" * 8, b"b" * 8)):
@@ -81,7 +83,8 @@ def test_evict_blocks_drops_hash_and_moves_free_block_to_head():
     pool.free_blocks(reversed(b))  # queue: 3 4 5 2 1
     assert ids(pool.free_block_queue.get_all_free_blocks()) == [3, 4, 5, 2, 1]
     assert pool.evict_blocks([1, 4]) == 1  # 4 is not cached
-    assert ids(pool.free_block_queue.get_all_free_blocks()) == [1, 3, 4, 5, 2]
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [3, 4, 5, 2, 1]
+    assert pool.evicted_while_held == set()  # 1 was free
     assert pool.take_events() == [BlockRemoved([int.from_bytes(b"a" * 8, "big")], "CPU", group_idx=0)]
     with pytest.raises(IndexError, match="block id 9 outside 0..5"):
         pool.evict_blocks([9])

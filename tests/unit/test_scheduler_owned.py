@@ -228,12 +228,18 @@ def test_update_request_hashes_of_cached_blocks_cannot_be_replaced_until_the_blo
             "num_block_hashes_kept",
         )
     # Preempted (its blocks freed, the request kept): nothing of it is cached any more.
+    # (A kept count inside the prompt is refused: the request is sent whole instead.)
     engine.free_owned("A", forget=False)
-    other = digests([1, 2, 3, 4, 90, 91, 92, 93])[1]
+    other = digests([1, 2, 3, 4, 90, 91, 92, 93])
     engine.update_request(
-        "A", num_tokens_kept=4, token_ids=[90, 91, 92, 93], num_block_hashes_kept=1, block_hashes=[other]
+        "A",
+        num_tokens_kept=0,
+        token_ids=[1, 2, 3, 4, 90, 91, 92, 93],
+        num_block_hashes_kept=0,
+        block_hashes=other,
+        num_prompt_tokens=8,
     )
-    assert engine.requests["A"].block_hashes == [H[0], other]
+    assert engine.requests["A"].block_hashes == [H[0], other[1]]
     engine.check_invariants()
 
 
@@ -369,11 +375,6 @@ def test_update_request_a_running_request_without_cached_blocks_cannot_be_sent_w
     refused(engine, lambda: register(engine, "A", range(5, 9)), InvalidArgumentError, "num_tokens_kept")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: update_request documents INVALID_ARGUMENT for a kept count that cuts into the prompt, "
-    "but accepts it (the request then holds fewer tokens than its num_prompt_tokens)",
-)
 def test_update_request_refuses_to_cut_into_the_prompt():
     engine = _update_setup()
     refused(
@@ -847,12 +848,6 @@ def test_allocate_owned_a_hit_for_a_group_that_is_never_hit():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a hit may name the null block (0) at any position of a windowed group, so a hit vLLM's "
-    "lookup never answers is taken: a null block inside the window the request attends (docs/ARCHITECTURE.md "
-    "§9.3: each block must carry the request's hash at its position)",
-)
 @pytest.mark.parametrize("hit_ids", [[0, 2, 0, 4], [0, 0, 0, 4]], ids=["null after a block", "too many nulls"])
 def test_allocate_owned_refuses_a_null_block_the_window_needs(hit_ids):
     engine = make_engine(specs=[SW8])
@@ -1186,6 +1181,8 @@ def test_the_idle_reaper_leaves_owned_requests_alone():
     assert engine.idle_request_ids(5.0) == ["L"]
     assert engine.free_idle_requests(5.0) == ["L"]
     assert sorted(engine.requests) == ["A", "W"]
-    assert engine.next_idle_deadline(5.0) is None  # only owned requests left
+    # Only owned requests are left: they wait for their claim, which lapses at 30 s (the reaper's
+    # next deadline; a lapsed claim is the reaper's to release).
+    assert engine.next_idle_deadline(5.0) == engine.claim.expires_at == 30.0
     assert engine.manager.get_block_ids("A") == ([3, 4, 5],)
     engine.check_invariants()

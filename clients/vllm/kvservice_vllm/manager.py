@@ -887,7 +887,18 @@ class RemoteKVCacheManager:
         new = [max(0, _cdiv(need_slot, bs) - h) for bs, h in zip(self._block_sizes, held)]
         full_tokens = min(request.num_tokens, self.max_model_len)
         full_new = [max(0, _cdiv(full_tokens, bs) - h) for bs, h in zip(self._block_sizes, held)]
-        return sum(new) + sum(free_hit), sum(new), sum(full_new) + sum(free_hit), sum(full_new)
+        most, most_full = sum(new) + sum(free_hit), sum(full_new) + sum(free_hit)
+        if (
+            lookup is not None
+            and lookup.removed_at == self._num_removed
+            and lookup.frees_at == self._num_frees
+            and lookup.evictions_at == self._num_evictions
+            and lookup.block_ids == [list(ids) for ids in hit_ids] + [[]] * (len(lookup.block_ids) - len(hit_ids))
+        ):
+            # Nothing queued since the lookup could have taken or freed a block: the hit's free
+            # blocks are exactly as it counted them, so the bounds meet.
+            return most, most, most_full, most_full
+        return most, sum(new), most_full, sum(full_new)
 
     def _batch_ahead(
         self,

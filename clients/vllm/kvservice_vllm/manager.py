@@ -332,6 +332,10 @@ class RemoteKVCacheManager:
         self._synced: dict[str, _Synced] = {}
         self._tables_stale: set[str] = set()
         self._cached_tokens: dict[str, int] = {}
+        self._predicted_cached: dict[str, int] = {}
+        """Request id -> its cached tokens once its queued cache_blocks call has run (see cache_blocks)."""
+        self.num_cached_estimate_misses = 0
+        """Answers whose cached tokens differed from the estimate given before them (stays 0)."""
         self._tables_pending: set[str] = set()
         self._after_flush: list[Callable[[], None]] = []
         self._lookups_sent: list[_Lookup] = []
@@ -514,6 +518,7 @@ class RemoteKVCacheManager:
         self._tables.pop(request_id, None)
         self._tables_stale.discard(request_id)
         self._cached_tokens.pop(request_id, None)
+        self._predicted_cached.pop(request_id, None)
 
     def _block(self, block_id: int) -> KVCacheBlock:
         block = self._blocks.get(block_id)
@@ -1065,6 +1070,7 @@ class RemoteKVCacheManager:
         else:
             self._tables.pop(request_id, None)
             self._cached_tokens.pop(request_id, None)
+            self._predicted_cached.pop(request_id, None)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Take the request's blocks off its tables without freeing them (queued); the blocks in
@@ -1130,12 +1136,36 @@ class RemoteKVCacheManager:
         request_id = request.request_id
         self._sync(request)
 
-        def done(result: pb.ManagerResult) -> None:
-            self._cached_tokens[request_id] = result.table.num_cached_tokens
+        before = self._cached_tokens.pop(request_id, None)
+        if before is None:
+            before = self._predicted_cached.get(request_id)
+        predicted = None
+        if before is not None and self._certain_ok and len(set(self._block_sizes)) == 1:
+            # vLLM 0.33's estimate_cached_tokens is the request's deepest cached block's
+            # block_hash_num_tokens; caching its full hashed blocks up to num_computed_tokens sets it
+            # to those blocks' end (single_type_kv_cache_manager.cache_blocks). Checked on the answer.
+            bs = self._block_sizes[0]
+            predicted = max(before, min(max(0, num_computed_tokens), len(request.block_hashes) * bs) // bs * bs)
+            self._predicted_cached[request_id] = predicted
+        else:
+            self._predicted_cached.pop(request_id, None)
 
-        self._log_allocation(
-            request, 0, self._cached_tokens.pop(request_id, 0) // self._block_sizes[0], num_computed_tokens
-        )
+        def done(result: pb.ManagerResult) -> None:
+            cached = result.table.num_cached_tokens
+            self._cached_tokens[request_id] = cached
+            if predicted is not None:
+                if self._predicted_cached.get(request_id) == predicted:
+                    del self._predicted_cached[request_id]
+                if cached != predicted:
+                    self.num_cached_estimate_misses += 1
+                    logger.warning(
+                        "kvservice: request %s has %d cached tokens, %d were estimated before the answer",
+                        request_id,
+                        cached,
+                        predicted,
+                    )
+
+        self._log_allocation(request, 0, (before or 0) // self._block_sizes[0], num_computed_tokens)
         self._queue(
             pb.ManagerCall(
                 cache_blocks=pb.ManagerCall.CacheBlocks(request_id=request_id, num_tokens=max(0, num_computed_tokens))
@@ -1148,6 +1178,7 @@ class RemoteKVCacheManager:
         ids = sorted(i for i in block_ids if i)
         if ids:
             self._cached_tokens.clear()  # a held block may lose its hash
+            self._predicted_cached.clear()
             self._num_evictions += 1
             self._queue(pb.ManagerCall(evict_blocks=pb.ManagerCall.EvictBlocks(block_ids=ids)))
 
@@ -1214,6 +1245,11 @@ class RemoteKVCacheManager:
         if request_id not in self._synced:
             return 0
         if self._pending:
+            predicted = self._predicted_cached.get(request_id)
+            if predicted is not None and self._queued_for(request_id) <= {"cache_blocks", "update_request"}:
+                # Only this request's caching and token updates are queued: their effect on its cached
+                # tokens is known without the round trip (verified when the answer comes).
+                return predicted
             self.flush()
         cached = self._cached_tokens.get(request_id)
         if cached is None:
@@ -1221,6 +1257,19 @@ class RemoteKVCacheManager:
             cached = self._ask(pb.ManagerCall(estimate_cached_tokens=call)).cached_tokens.num_cached_tokens
             self._cached_tokens[request_id] = cached
         return cached
+
+    def _queued_for(self, request_id: str) -> set[str]:
+        """The kinds of the queued calls that name ``request_id``."""
+        kinds = set()
+        for call in self._pending:
+            if isinstance(call, _RunningBatch):
+                if request_id in call.request_ids:
+                    kinds.add("allocate_slots_batch")
+                continue
+            kind = call.WhichOneof("call")
+            if getattr(getattr(call, kind), "request_id", None) == request_id:
+                kinds.add(kind)
+        return kinds
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Blocks as a result (the shared empty one when there are none)."""

@@ -35,9 +35,21 @@ def test_the_same_scheduler_output_step_by_step_on_the_mooncake_sample(cls, monk
     native = make_scheduler(**POOL, async_scheduling=is_async)
     remote = make_scheduler(**POOL, async_scheduling=is_async, scheduler_cls=cls)
     assert isinstance(remote.kv_cache_manager, kvservice_vllm.RemoteKVCacheManager)
+    estimates: dict[str, list] = {"native": [], "remote": []}
+    for name, scheduler in (("native", native), ("remote", remote)):
+        manager = scheduler.kv_cache_manager
+        estimate = manager.estimate_cached_tokens
+        monkeypatch.setattr(
+            manager,
+            "estimate_cached_tokens",
+            lambda request, _e=estimate, _l=estimates[name]: _l.append((request.request_id, _e(request))) or _l[-1][1],
+        )
     expected = run_trace(native, ITEMS)
     got = run_trace(remote, ITEMS)
     try:
+        # The prefill stats' cached tokens (estimate_cached_tokens, asked in update_from_output) too.
+        assert estimates["remote"] == estimates["native"] and estimates["native"]
+        assert remote.kv_cache_manager.num_cached_estimate_misses == 0
         for step, (want, have) in enumerate(zip(expected.records, got.records)):
             assert have == want, f"step {step}"
         assert got.num_steps == expected.num_steps

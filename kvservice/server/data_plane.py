@@ -59,6 +59,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -391,15 +392,29 @@ class _BlockBytes:
             base += size
 
 
+def _write_block(tensors: KVCacheTensors, group_idx: int, block_id: int, data: memoryview) -> None:
+    """Overwrite a whole block with ``data`` (a worker thread)."""
+    _BlockBytes(tensors.block_view(group_idx, block_id)).write(data)
+
+
+def _lower_priority() -> None:
+    """A data-plane worker thread yields the CPU to the event loop's thread (Linux nice is per
+    thread); nothing where that is not supported."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 def _stage(staging: bytearray, offset: int, data: bytes, hasher: Any) -> None:
     """Copy a write chunk into the block being assembled and feed its checksum (a worker thread)."""
     memoryview(staging)[offset : offset + len(data)] = data
     hasher.update(data)
 
 
-def _read_chunk(block: _BlockBytes, start: int, end: int, hasher: Any, fields: dict[str, Any]) -> bytes:
-    """Bytes ``[start, end)`` of a block as a serialized ReadBlocksChunk with ``fields``, the checksum
-    on the block's last chunk (a worker thread: the copy, hash and serialization release the loop)."""
+def _read_chunk(tensors: KVCacheTensors, start: int, end: int, hasher: Any, fields: dict[str, Any]) -> bytes:
+    """Bytes ``[start, end)`` of block ``fields["block_id"]`` of group ``fields["group_idx"]`` as a
+    serialized ReadBlocksChunk with ``fields``, the checksum on the block's last chunk (a worker
+    thread: the views, copy, hash and serialization release the loop)."""
+    block = _BlockBytes(tensors.block_view(fields["group_idx"], fields["block_id"]))
     data = block.read(start, end)
     hasher.update(data)
     message = pb.ReadBlocksChunk(offset_bytes=start, data=data, **fields)
@@ -511,7 +526,9 @@ class DataPlane:
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="kvservice-data")
+            self._executor = ThreadPoolExecutor(
+                DATA_THREADS, thread_name_prefix="kvservice-data", initializer=_lower_priority
+            )
         return self._executor.submit(fn, *args)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -540,7 +557,6 @@ class DataPlane:
         done: asyncio.Future[None] = loop.create_future()
         self._copying[block_id] = done
         self._copy_gen[block_id] += 1
-        block = _BlockBytes(self.tensors.block_view(group_idx, block_id))
 
         def ended() -> None:
             self._copy_gen[block_id] += 1
@@ -551,7 +567,7 @@ class DataPlane:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing waits
                 loop.call_soon_threadsafe(ended)
 
-        copy = self._submit(block.write, data)
+        copy = self._submit(_write_block, self.tensors, group_idx, block_id, data)
         copy.add_done_callback(on_done)
         await asyncio.shield(asyncio.wrap_future(copy))
 
@@ -892,14 +908,14 @@ class DataPlane:
             timer = _StallTimer(self.stalled_timeout_s)
             chunk_bytes = self.chunk_bytes
             for index, (group_idx, block_id, block_hash, token) in enumerate(resolved):
-                block = _BlockBytes(self.tensors.block_view(group_idx, block_id))
+                total = self.tensors.bytes_per_block(group_idx)
                 hasher = xxhash.xxh3_64()
                 fields = {"block_index": index, "group_idx": group_idx, "block_id": block_id}
                 offset = 0
                 while True:
-                    end = min(offset + chunk_bytes, block.total)
+                    end = min(offset + chunk_bytes, total)
                     with self._holding(2 * (end - offset)):  # the copy, and its serialized message
-                        data = await self._read_checked(block, offset, end, hasher, fields, block_hash, token)
+                        data = await self._read_checked(offset, end, hasher, fields, block_hash, token)
                         if data is None:
                             evicted = pb.ReadBlocksChunk(offset_bytes=offset, evicted=True, **fields)
                             await self._send(write, timer, evicted.SerializeToString())
@@ -907,13 +923,12 @@ class DataPlane:
                         self.num_bytes_read += end - offset
                         offset = end
                         await self._send(write, timer, data)
-                    if offset == block.total:
+                    if offset == total:
                         self.num_blocks_read += 1
                         break
 
     async def _read_checked(
         self,
-        block: _BlockBytes,
         start: int,
         end: int,
         hasher: Any,
@@ -927,15 +942,15 @@ class DataPlane:
         block_id, group_idx = fields["block_id"], fields["group_idx"]
         if block_hash is None:  # by id: no promise about what the block holds
             if end - start <= INLINE_BYTES:
-                return _read_chunk(block, start, end, hasher, fields)
-            data: bytes = await self._off_loop(_read_chunk, block, start, end, hasher, fields)
+                return _read_chunk(self.tensors, start, end, hasher, fields)
+            data: bytes = await self._off_loop(_read_chunk, self.tensors, start, end, hasher, fields)
             return data
         if block_id in self._copying or not self._still_resident(group_idx, block_id, block_hash, token):
             return None
         gen = self._copy_gen[block_id]
         if end - start <= INLINE_BYTES:  # no await between the check and the copy
-            return _read_chunk(block, start, end, hasher, fields)
-        data = await self._off_loop(_read_chunk, block, start, end, hasher, fields)
+            return _read_chunk(self.tensors, start, end, hasher, fields)
+        data = await self._off_loop(_read_chunk, self.tensors, start, end, hasher, fields)
         if self._copy_gen[block_id] != gen or not self._still_resident(group_idx, block_id, block_hash, token):
             return None
         return data

@@ -487,6 +487,7 @@ def _start_metrics(
     from kvservice.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(core.engine, core.event_log, snapshots=core.snapshots)
+    metrics.data_plane = core.servicer.data_plane
     core.metrics = metrics
     # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
     interceptors.insert(0, metrics.interceptor)

@@ -541,7 +541,9 @@ class DataPlane:
         if executor is not None:
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
 
-    async def _copy_into_block(self, group_idx: int, block_id: int, data: memoryview, check: Callable[[], None]) -> None:
+    async def _copy_into_block(
+        self, group_idx: int, block_id: int, data: memoryview, check: Callable[[], None]
+    ) -> None:
         """Copy a whole block's bytes into ``block_view(group_idx, block_id)`` on a worker thread,
         the block marked as being copied into until the copy ended (even if the caller is
         cancelled meanwhile). A copy of the same block already in flight is waited for first;
@@ -579,7 +581,9 @@ class DataPlane:
             with self._holding(len(data)):
                 await self._off_loop(_stage, staging, offset, data, hasher)
 
-    async def _chunks_until_stalled(self, chunks: AsyncIterator[pb.WriteBlocksChunk]) -> AsyncIterator[pb.WriteBlocksChunk]:
+    async def _chunks_until_stalled(
+        self, chunks: AsyncIterator[pb.WriteBlocksChunk]
+    ) -> AsyncIterator[pb.WriteBlocksChunk]:
         """``chunks``, cut with :class:`DataStreamStalled` when the next one takes over ``stalled_timeout_s``."""
         timer = _StallTimer(self.stalled_timeout_s)
         iterator = chunks.__aiter__()
@@ -718,7 +722,9 @@ class DataPlane:
             finally:
                 self.buffered_bytes -= held[0]
 
-    async def _write_blocks(self, chunks: AsyncIterator[pb.WriteBlocksChunk], held: list[int]) -> pb.WriteBlocksResponse:
+    async def _write_blocks(
+        self, chunks: AsyncIterator[pb.WriteBlocksChunk], held: list[int]
+    ) -> pb.WriteBlocksResponse:
         num_blocks = num_bytes = 0
         staging: bytearray | None = None
         current: tuple[str, int, int] | None = None  # (request_id, group_idx, block_id) being received
@@ -917,7 +923,13 @@ class DataPlane:
                     with self._holding(2 * (end - offset)):  # the copy, and its serialized message
                         data = await self._read_checked(offset, end, hasher, fields, block_hash, token)
                         if data is None:
-                            evicted = pb.ReadBlocksChunk(offset_bytes=offset, evicted=True, **fields)
+                            evicted = pb.ReadBlocksChunk(
+                                block_index=index,
+                                group_idx=group_idx,
+                                block_id=block_id,
+                                offset_bytes=offset,
+                                evicted=True,
+                            )
                             await self._send(write, timer, evicted.SerializeToString())
                             break
                         self.num_bytes_read += end - offset

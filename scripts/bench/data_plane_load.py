@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -111,7 +110,7 @@ async def _load(address: str, plan: dict) -> dict:
 
         t0 = time.perf_counter()
         moved = await asyncio.gather(
-            *(write(rid, ids) for rid, ids in plan["writes"] if os.environ.get("LOAD_ONLY") != "reads"), *(read(ids) for ids in plan["reads"] if os.environ.get("LOAD_ONLY") != "writes")
+            *(write(rid, ids) for rid, ids in plan["writes"]), *(read(ids) for ids in plan["reads"])
         )
         return {"bytes": sum(moved), "seconds": time.perf_counter() - t0}
 
@@ -208,8 +207,6 @@ def run_once(args: argparse.Namespace) -> dict:
         )
         assert load.stdin is not None and load.stdout is not None
         load_usage, load_step = [], []
-        if os.environ.get("PYSPY"):
-            spy = subprocess.Popen(["/tmp/pyspy/bin/py-spy", "record", "--pid", str(pid), "--duration", "4", "--format", "raw", "-o", os.environ["PYSPY"], "--nonblocking", "-t"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with PeakSampler(pid) as sampler:
             load.stdin.write(json.dumps({"writes": writes, "reads": reads}))
             load.stdin.close()
@@ -219,7 +216,7 @@ def run_once(args: argparse.Namespace) -> dict:
         result = json.loads(load.stdout.read())
         assert load.returncode == 0
         expected = 2 * args.streams * blocks_per_stream * BYTES_PER_BLOCK
-        #assert result["bytes"] == expected, (result, expected)
+        assert result["bytes"] == expected, (result, expected)
         client.close()
         return {
             "streams": f"{args.streams} WriteBlocks + {args.streams} ReadBlocks of {args.mib} MiB",
@@ -252,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         rows.append(row)
     print()
-    print("| run | GetUsage p99 idle / loaded (ms) | ratio | Step p99 idle / loaded (ms) | ratio | RssAnon growth (MiB) |")
+    print(
+        "| run | GetUsage p99 idle / loaded (ms) | ratio | Step p99 idle / loaded (ms) | ratio | RssAnon growth (MiB) |"
+    )
     print("|---|---|---|---|---|---|")
     for i, r in enumerate(rows, 1):
         u = r["get_usage_p99_loaded_ms"] / r["get_usage_p99_idle_ms"]

@@ -445,7 +445,10 @@ def _add_data_plane(core: _Core, auth: AuthSetup, closers: list[Callable[[], Awa
         shm=shm,
         chunk_bytes=core.config.limits.chunk_bytes,
         attach_requires_local=auth.interceptor is None and core.config.auth.tls_client_ca_file is None,
+        max_streams=core.config.limits.max_data_streams,
+        stalled_timeout_s=core.config.events.stalled_write_timeout_s,
     )
+    closers.append(core.servicer.data_plane.close)
 
 
 def _add_observability(
@@ -484,6 +487,7 @@ def _start_metrics(
     from kvservice.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(core.engine, core.event_log, snapshots=core.snapshots)
+    metrics.data_plane = core.servicer.data_plane
     core.metrics = metrics
     # First, so calls that another interceptor refuses (UNAUTHENTICATED ...) are counted too.
     interceptors.insert(0, metrics.interceptor)
@@ -523,6 +527,10 @@ async def _bind(
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive.keepalive_min_client_interval_s * 1000)),
+        # No BDP probing: it grows a stream's receive window to many MiB, so 16 WriteBlocks streams
+        # of 64 MiB left about 400 MiB queued in gRPC (and WriteBlocks ran slower); without it a
+        # stream's window stays at HTTP/2's 64 KiB beside the message being received (issue 24).
+        ("grpc.http2.bdp_probe", 0),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((core.servicer.generic_handler(),))

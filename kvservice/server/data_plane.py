@@ -31,15 +31,37 @@ block of that group carries it) and checked again before every chunk is copied (
 the check and the copy): when it left the cache, or was reused, meanwhile, the stream says
 ``evicted`` for it and sends no more of it.
 
+Off the loop (issue 24): a chunk's bytes (the staging copy and checksum of a write, the block copy,
+the read's copy, checksum and serialization) are handled on a few worker threads
+(:data:`DATA_THREADS`; torch copies and xxhash release the GIL), so the event loop that answers the
+schedulers only routes messages. Because a copy then runs while the loop serves other calls, a
+block being copied into is marked: a read by hash of it is refused (FAILED_PRECONDITION) when the
+call starts, and a read by hash checks before *and after* each chunk's copy that the block still
+carries its hash, was not reallocated and had no copy into it meanwhile (else ``evicted``); a second
+write of the same block waits for the first. By-hash reads of many blocks are resolved in slices of
+:data:`RESOLVE_SLICE` blocks that yield to the loop in between.
+
+Bounds: at most ``max_data_streams`` data streams (WriteBlocks and ReadBlocks together) are open
+at once (one more: RESOURCE_EXHAUSTED naming the setting); a stream holds at most one chunk being
+copied plus one being written (a read), or one block being assembled plus one chunk (a write):
+:attr:`DataPlane.buffered_bytes` counts them. A stream whose client stops reading (a ReadBlocks
+write not taken) or stops sending (no next WriteBlocks chunk) for ``stalled_write_timeout_s`` is
+cut with DEADLINE_EXCEEDED naming the setting (:class:`DataStreamStalled`).
+
 The data plane never touches the event log and changes no cache state. It imports torch only
 where it touches memory, so a ``meta`` server (no memory: every call is refused) never loads it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,10 +78,29 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataPlane", "DataPlaneError", "MAX_READ_BLOCKS", "block_checksum", "describe_memory"]
+__all__ = [
+    "DATA_THREADS",
+    "DataPlane",
+    "DataPlaneError",
+    "DataStreamStalled",
+    "MAX_READ_BLOCKS",
+    "RESOLVE_SLICE",
+    "block_checksum",
+    "describe_memory",
+]
 
 MAX_READ_BLOCKS = 65536
 """Most blocks one ReadBlocks may name."""
+
+RESOLVE_SLICE = 4096
+"""Blocks of a ReadBlocks resolved between two yields to the loop (65,536 by-hash refs: 16 slices
+of about 5 ms each here, instead of one hold of about 90 ms)."""
+
+DATA_THREADS = min(4, os.cpu_count() or 1)
+"""Worker threads copying and hashing data-plane bytes (shared by every stream)."""
+
+INLINE_BYTES = 16384
+"""Chunks up to this many bytes are handled on the loop (a thread hop costs more than they do)."""
 
 NO_MEMORY = "no memory behind a meta device"
 
@@ -70,6 +111,44 @@ class DataPlaneError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class DataStreamStalled(DataPlaneError):
+    """A data stream cut because its client stopped reading or sending for ``stalled_write_timeout_s``
+    (DEADLINE_EXCEEDED). The handler ends the call with a bounded wait (a message in flight to a
+    client that does not read holds the status back)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+
+
+class _StallTimer:
+    """Cancels the current task if one await takes over ``timeout_s``; :meth:`stalled` tells that
+    cancellation apart from the client's (Python 3.10 has no ``asyncio.timeout``)."""
+
+    __slots__ = ("_loop", "_task", "_timeout_s", "_handle", "fired")
+
+    def __init__(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._timeout_s = timeout_s
+        self._handle: asyncio.TimerHandle | None = None
+        self.fired = False
+
+    def _fire(self) -> None:
+        self.fired = True
+        if self._task is not None:
+            self._task.cancel()
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """One await under the timer; raises ``asyncio.CancelledError`` when it fired (check
+        :attr:`fired`)."""
+        self._handle = self._loop.call_later(self._timeout_s, self._fire)
+        try:
+            yield
+        finally:
+            self._handle.cancel()
 
 
 def block_checksum(data: bytes | bytearray | memoryview) -> int:
@@ -313,6 +392,37 @@ class _BlockBytes:
             base += size
 
 
+def _write_block(tensors: KVCacheTensors, group_idx: int, block_id: int, data: memoryview) -> None:
+    """Overwrite a whole block with ``data`` (a worker thread)."""
+    _BlockBytes(tensors.block_view(group_idx, block_id)).write(data)
+
+
+def _lower_priority() -> None:
+    """A data-plane worker thread yields the CPU to the event loop's thread (Linux nice is per
+    thread); nothing where that is not supported."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+def _stage(staging: bytearray, offset: int, data: bytes, hasher: Any) -> None:
+    """Copy a write chunk into the block being assembled and feed its checksum (a worker thread)."""
+    memoryview(staging)[offset : offset + len(data)] = data
+    hasher.update(data)
+
+
+def _read_chunk(tensors: KVCacheTensors, start: int, end: int, hasher: Any, fields: dict[str, Any]) -> bytes:
+    """Bytes ``[start, end)`` of block ``fields["block_id"]`` of group ``fields["group_idx"]`` as a
+    serialized ReadBlocksChunk with ``fields``, the checksum on the block's last chunk (a worker
+    thread: the views, copy, hash and serialization release the loop)."""
+    block = _BlockBytes(tensors.block_view(fields["group_idx"], fields["block_id"]))
+    data = block.read(start, end)
+    hasher.update(data)
+    message = pb.ReadBlocksChunk(offset_bytes=start, data=data, **fields)
+    if end == block.total:
+        message.checksum = hasher.intdigest()
+    return message.SerializeToString()
+
+
 # -- the service ---------------------------------------------------------------------------------
 
 
@@ -327,9 +437,18 @@ class DataPlane:
         chunk_bytes: the largest data chunk, in bytes (the ``data_chunk_bytes`` setting).
         attach_requires_local: refuse AttachKVCache to peers other than loopback or the Unix
             socket (auth off).
+        max_streams: data streams (WriteBlocks and ReadBlocks) open at once (the
+            ``max_data_streams`` setting).
+        stalled_timeout_s: how long a stream may wait on its client (a read not taken, a next
+            chunk not sent) before it is cut, seconds (the ``stalled_write_timeout_s`` setting).
 
     Attributes:
         num_blocks_written, num_bytes_written, num_blocks_read, num_bytes_read: totals since start.
+        num_open_streams: data streams open now.
+        buffered_bytes: bytes the open streams hold in the server now (blocks being assembled,
+            chunks being copied or written), beyond what gRPC holds for them.
+        num_streams_refused: streams refused at ``max_streams``.
+        num_streams_cut: streams cut by ``stalled_timeout_s``, by direction (``read``, ``write``).
     """
 
     def __init__(
@@ -341,6 +460,8 @@ class DataPlane:
         shm: Any | None,
         chunk_bytes: int,
         attach_requires_local: bool,
+        max_streams: int = 64,
+        stalled_timeout_s: float = 30.0,
     ) -> None:
         self.engine = engine
         self.tensors = tensors
@@ -360,6 +481,141 @@ class DataPlane:
         self.num_bytes_written = 0
         self.num_blocks_read = 0
         self.num_bytes_read = 0
+        self.max_streams = max_streams
+        self.stalled_timeout_s = stalled_timeout_s
+        self.num_open_streams = 0
+        self.buffered_bytes = 0
+        self.num_streams_refused = 0
+        self.num_streams_cut = {"read": 0, "write": 0}
+        self._executor: ThreadPoolExecutor | None = None
+        # Copies into blocks in flight (block id -> done when the copy ended), and per block a count
+        # bumped when such a copy starts and ends (a read by hash compares it around its copy).
+        self._copying: dict[int, asyncio.Future[None]] = {}
+        self._copy_gen = [0] * self._num_blocks
+
+    # -- streams, threads, bounds ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _stream(self) -> Iterator[None]:
+        """One open data stream, counted against ``max_streams``.
+
+        Raises:
+            DataPlaneError: RESOURCE_EXHAUSTED naming ``max_data_streams`` at the bound.
+        """
+        if self.num_open_streams >= self.max_streams:
+            self.num_streams_refused += 1
+            raise DataPlaneError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"max_data_streams: {self.max_streams} data streams (WriteBlocks, ReadBlocks) are open already; "
+                "wait for one to end or raise max_data_streams",
+            )
+        self.num_open_streams += 1
+        try:
+            yield
+        finally:
+            self.num_open_streams -= 1
+
+    @contextlib.contextmanager
+    def _holding(self, num_bytes: int) -> Iterator[None]:
+        """Count ``num_bytes`` in :attr:`buffered_bytes` while the block runs."""
+        self.buffered_bytes += num_bytes
+        try:
+            yield
+        finally:
+            self.buffered_bytes -= num_bytes
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                DATA_THREADS, thread_name_prefix="kvservice-data", initializer=_lower_priority
+            )
+        return self._executor.submit(fn, *args)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a data-plane worker thread (a cancelled caller leaves it to finish)."""
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    async def close(self) -> None:
+        """Stop the worker threads (copies in progress finish first)."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+
+    async def _copy_into_block(
+        self, group_idx: int, block_id: int, data: memoryview, check: Callable[[], None]
+    ) -> None:
+        """Copy a whole block's bytes into ``block_view(group_idx, block_id)`` on a worker thread,
+        the block marked as being copied into until the copy ended (even if the caller is
+        cancelled meanwhile). A copy of the same block already in flight is waited for first;
+        ``check`` (the write rule) runs on the loop right before the copy starts.
+
+        Raises:
+            DataPlaneError: as ``check``.
+        """
+        while (pending := self._copying.get(block_id)) is not None:
+            await asyncio.shield(pending)
+        check()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._copying[block_id] = done
+        self._copy_gen[block_id] += 1
+
+        def ended() -> None:
+            self._copy_gen[block_id] += 1
+            del self._copying[block_id]
+            done.set_result(None)
+
+        def on_done(_: Future[Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing waits
+                loop.call_soon_threadsafe(ended)
+
+        copy = self._submit(_write_block, self.tensors, group_idx, block_id, data)
+        copy.add_done_callback(on_done)
+        await asyncio.shield(asyncio.wrap_future(copy))
+
+    async def _stage(self, staging: bytearray, offset: int, data: bytes, hasher: Any) -> None:
+        """:func:`_stage`, on a worker thread unless ``data`` is small."""
+        if len(data) <= INLINE_BYTES:
+            _stage(staging, offset, data, hasher)
+        else:
+            with self._holding(len(data)):
+                await self._off_loop(_stage, staging, offset, data, hasher)
+
+    async def _chunks_until_stalled(
+        self, chunks: AsyncIterator[pb.WriteBlocksChunk]
+    ) -> AsyncIterator[pb.WriteBlocksChunk]:
+        """``chunks``, cut with :class:`DataStreamStalled` when the next one takes over ``stalled_timeout_s``."""
+        timer = _StallTimer(self.stalled_timeout_s)
+        iterator = chunks.__aiter__()
+        while True:
+            try:
+                with timer.armed():
+                    chunk = await iterator.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not timer.fired:
+                    raise
+                self.num_streams_cut["write"] += 1
+                raise DataStreamStalled(
+                    f"stream cut: no chunk within stalled_write_timeout_s {self.stalled_timeout_s:g} s (the client "
+                    "stopped sending); blocks completed before it stay written, nothing of the block in progress is"
+                ) from None
+            yield chunk
+
+    async def _send(self, write: Callable[[bytes], Any], timer: _StallTimer, data: bytes) -> None:
+        """``write(data)``, cut with :class:`DataStreamStalled` when it takes over ``stalled_timeout_s``."""
+        try:
+            with timer.armed():
+                await write(data)
+        except asyncio.CancelledError:
+            if not timer.fired:
+                raise
+            self.num_streams_cut["read"] += 1
+            raise DataStreamStalled(
+                f"stream cut: a chunk was not taken within stalled_write_timeout_s {self.stalled_timeout_s:g} s (the "
+                "client is not reading)"
+            ) from None
 
     # -- bookkeeping (called by the servicer) ----------------------------------------------------
 
@@ -449,13 +705,26 @@ class DataPlane:
     # -- WriteBlocks ------------------------------------------------------------------------------
 
     async def write_blocks(self, chunks: AsyncIterator[pb.WriteBlocksChunk]) -> pb.WriteBlocksResponse:
-        """Apply a WriteBlocks stream (see the proto's WriteBlocksChunk for the rules).
+        """Apply a WriteBlocks stream (see the proto's WriteBlocksChunk for the rules); the stream
+        holds one block being assembled (counted in :attr:`buffered_bytes`) and one chunk.
 
         Raises:
             DataPlaneError: INVALID_ARGUMENT naming the field of a bad chunk; FAILED_PRECONDITION
-                naming a block its request may not write; blocks completed before stay written.
+                naming a block its request may not write; RESOURCE_EXHAUSTED at
+                ``max_data_streams``; DEADLINE_EXCEEDED (:class:`DataStreamStalled`) when the next
+                chunk takes over ``stalled_write_timeout_s``; blocks completed before stay written.
         """
         self._check_memory()
+        with self._stream():
+            held = [0]  # bytes of the block being assembled, counted in buffered_bytes
+            try:
+                return await self._write_blocks(self._chunks_until_stalled(chunks), held)
+            finally:
+                self.buffered_bytes -= held[0]
+
+    async def _write_blocks(
+        self, chunks: AsyncIterator[pb.WriteBlocksChunk], held: list[int]
+    ) -> pb.WriteBlocksResponse:
         num_blocks = num_bytes = 0
         staging: bytearray | None = None
         current: tuple[str, int, int] | None = None  # (request_id, group_idx, block_id) being received
@@ -485,6 +754,8 @@ class DataPlane:
                 size = self.tensors.bytes_per_block(chunk.group_idx)
                 if staging is None or len(staging) < size:
                     staging = bytearray(size)
+                    self.buffered_bytes += size - held[0]
+                    held[0] = size
                 received = 0
                 hasher.reset()
             else:
@@ -514,8 +785,7 @@ class DataPlane:
                     f"(bytes_per_block of group {current[1]})",
                 )
             assert staging is not None
-            staging[received : received + len(data)] = data
-            hasher.update(data)
+            await self._stage(staging, received, data, hasher)
             received += len(data)
             if received < size:
                 if chunk.HasField("checksum"):
@@ -537,9 +807,14 @@ class DataPlane:
                     f"(xxh3_64 {hasher.intdigest():#018x}); nothing of it was written",
                 )
             # The request may have been freed, or another request may have hit the block, while
-            # chunks streamed: check again, then copy with no await in between.
-            self._check_writable(request_id, group_idx, block_id)
-            _BlockBytes(self.tensors.block_view(group_idx, block_id)).write(memoryview(staging)[:size])
+            # chunks streamed: check again right before the copy starts (the block is marked as
+            # being copied into until it ended: see the module docstring).
+            await self._copy_into_block(
+                group_idx,
+                block_id,
+                memoryview(staging)[:size],
+                lambda: self._check_writable(request_id, group_idx, block_id),  # noqa: B023 (awaited here)
+            )
             num_blocks += 1
             num_bytes += size
             current = None
@@ -555,19 +830,33 @@ class DataPlane:
 
     # -- ReadBlocks -------------------------------------------------------------------------------
 
-    def _resolve(self, request: pb.ReadBlocksRequest) -> list[tuple[int, int, bytes | None, Any]]:
-        """Per requested block: (group_idx, block_id, block hash or None, residency token).
+    async def _resolve_in_slices(self, request: pb.ReadBlocksRequest) -> list[tuple[int, int, bytes | None, Any]]:
+        """:meth:`_resolve` of every block, :data:`RESOLVE_SLICE` at a time with a yield to the loop
+        between two slices (each chunk checks its block again, so a block that changes meanwhile is
+        caught as it would be mid-stream)."""
+        resolved = self._resolve(request, 0, RESOLVE_SLICE)
+        for start in range(RESOLVE_SLICE, len(request.blocks), RESOLVE_SLICE):
+            await asyncio.sleep(0)
+            resolved += self._resolve(request, start, start + RESOLVE_SLICE)
+        return resolved
+
+    def _resolve(
+        self, request: pb.ReadBlocksRequest, start: int = 0, stop: int | None = None
+    ) -> list[tuple[int, int, bytes | None, Any]]:
+        """Per requested block of ``blocks[start:stop]``: (group_idx, block_id, block hash or None,
+        residency token).
 
         Raises:
             DataPlaneError: INVALID_ARGUMENT (a field out of range), NOT_FOUND (a hash not cached),
-                FAILED_PRECONDITION (a block read by hash that its computing request may still write).
+                FAILED_PRECONDITION (a block read by hash that its computing request may still write,
+                or that a WriteBlocks copy is writing now).
         """
         if len(request.blocks) > MAX_READ_BLOCKS:
             raise DataPlaneError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"blocks: {len(request.blocks)} blocks, above {MAX_READ_BLOCKS}"
             )
         resolved: list[tuple[int, int, bytes | None, Any]] = []
-        for i, ref in enumerate(request.blocks):
+        for i, ref in enumerate(request.blocks[start:stop], start):
             where = f"blocks[{i}]"
             self._check_group(f"{where}.group_idx", ref.group_idx)
             which = ref.WhichOneof("block")
@@ -592,6 +881,12 @@ class DataPlane:
                         f"{where}.block_hash: {ref.block_hash.hex()} is block {block.block_id}, which request "
                         f"{writer.request_id!r} is still computing (it may still write it)",
                     )
+                if block.block_id in self._copying:
+                    raise DataPlaneError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{where}.block_hash: {ref.block_hash.hex()} is block {block.block_id}, which a WriteBlocks is "
+                        "copying into now",
+                    )
                 resolved.append((ref.group_idx, block.block_id, ref.block_hash, self._allocated_to[block.block_id]))
             else:
                 raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: set block_id or block_hash")
@@ -603,39 +898,71 @@ class DataPlane:
         block = self._pool.blocks[block_id]
         return block.block_hash == block_hash and block.group_idx == group_idx and self._allocated_to[block_id] is token
 
-    async def read_blocks(self, request: pb.ReadBlocksRequest, write: Any) -> None:
-        """Stream the blocks of ``request`` through ``write`` (an async callable taking a
-        ReadBlocksChunk), one chunk in memory at a time.
+    async def read_blocks(self, request: pb.ReadBlocksRequest, write: Callable[[bytes], Any]) -> None:
+        """Stream the blocks of ``request`` through ``write`` (an async callable taking a serialized
+        ReadBlocksChunk), at most one chunk being copied and one being written at a time (both
+        counted in :attr:`buffered_bytes`).
 
         Raises:
-            DataPlaneError: as :meth:`_resolve`, before anything is sent.
+            DataPlaneError: as :meth:`_resolve`, before anything is sent; RESOURCE_EXHAUSTED at
+                ``max_data_streams``; DEADLINE_EXCEEDED (:class:`DataStreamStalled`) when a chunk is
+                not taken within ``stalled_write_timeout_s``.
         """
         self._check_memory()
-        resolved = self._resolve(request)
-        chunk_bytes = self.chunk_bytes
-        for index, (group_idx, block_id, block_hash, token) in enumerate(resolved):
-            block = _BlockBytes(self.tensors.block_view(group_idx, block_id))
-            hasher = xxhash.xxh3_64()
-            offset = 0
-            while True:
-                if block_hash is not None and not self._still_resident(group_idx, block_id, block_hash, token):
-                    await write(
-                        pb.ReadBlocksChunk(
-                            block_index=index, group_idx=group_idx, block_id=block_id, offset_bytes=offset, evicted=True
-                        )
-                    )
-                    break
-                end = min(offset + chunk_bytes, block.total)
-                data = block.read(offset, end)  # copied right after the check: no await between
-                hasher.update(data)
-                message = pb.ReadBlocksChunk(
-                    block_index=index, group_idx=group_idx, block_id=block_id, offset_bytes=offset, data=data
-                )
-                if end == block.total:
-                    message.checksum = hasher.intdigest()
-                offset = end
-                self.num_bytes_read += len(data)
-                await write(message)
-                if offset == block.total:
-                    self.num_blocks_read += 1
-                    break
+        with self._stream():
+            resolved = await self._resolve_in_slices(request)
+            timer = _StallTimer(self.stalled_timeout_s)
+            chunk_bytes = self.chunk_bytes
+            for index, (group_idx, block_id, block_hash, token) in enumerate(resolved):
+                total = self.tensors.bytes_per_block(group_idx)
+                hasher = xxhash.xxh3_64()
+                fields = {"block_index": index, "group_idx": group_idx, "block_id": block_id}
+                offset = 0
+                while True:
+                    end = min(offset + chunk_bytes, total)
+                    with self._holding(2 * (end - offset)):  # the copy, and its serialized message
+                        data = await self._read_checked(offset, end, hasher, fields, block_hash, token)
+                        if data is None:
+                            evicted = pb.ReadBlocksChunk(
+                                block_index=index,
+                                group_idx=group_idx,
+                                block_id=block_id,
+                                offset_bytes=offset,
+                                evicted=True,
+                            )
+                            await self._send(write, timer, evicted.SerializeToString())
+                            break
+                        self.num_bytes_read += end - offset
+                        offset = end
+                        await self._send(write, timer, data)
+                    if offset == total:
+                        self.num_blocks_read += 1
+                        break
+
+    async def _read_checked(
+        self,
+        start: int,
+        end: int,
+        hasher: Any,
+        fields: dict[str, Any],
+        block_hash: bytes | None,
+        token: Any,
+    ) -> bytes | None:
+        """The serialized chunk of bytes ``[start, end)`` (:func:`_read_chunk`, on a worker thread
+        unless small), or None when a block read by hash no longer holds what was resolved: checked
+        before the copy and after it (evicted, reallocated, or copied into meanwhile)."""
+        block_id, group_idx = fields["block_id"], fields["group_idx"]
+        if block_hash is None:  # by id: no promise about what the block holds
+            if end - start <= INLINE_BYTES:
+                return _read_chunk(self.tensors, start, end, hasher, fields)
+            data: bytes = await self._off_loop(_read_chunk, self.tensors, start, end, hasher, fields)
+            return data
+        if block_id in self._copying or not self._still_resident(group_idx, block_id, block_hash, token):
+            return None
+        gen = self._copy_gen[block_id]
+        if end - start <= INLINE_BYTES:  # no await between the check and the copy
+            return _read_chunk(self.tensors, start, end, hasher, fields)
+        data = await self._off_loop(_read_chunk, self.tensors, start, end, hasher, fields)
+        if self._copy_gen[block_id] != gen or not self._still_resident(group_idx, block_id, block_hash, token):
+            return None
+        return data

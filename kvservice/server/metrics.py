@@ -154,6 +154,9 @@ class ServerMetrics:
         self.sinks: Mapping[str, EventSink] = {}
         """The server's event sinks by kind (set once they started; read at scrape)."""
         self.registry.register(_SinkCollector(self))
+        self.data_plane: Any = None
+        """The server's :class:`kvservice.server.data_plane.DataPlane` (None: no data-plane metrics)."""
+        self.registry.register(_DataPlaneCollector(self))
         Info(
             "kvservice_build", "The server's version and build (labels; the value is 1).", registry=self.registry
         ).info(build_info())
@@ -313,6 +316,47 @@ class _SinkCollector(Collector):
                 if value is not None:
                     family.add_metric([sink_name], value)
             yield family
+
+
+class _DataPlaneCollector(Collector):
+    """The data plane's streams and bytes (``kvservice.server.data_plane``), read when scraped
+    (plain integers the loop updates; a scrape may see one chunk's update late)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        """The data-plane families (none when the server has no data plane)."""
+        dp = self._metrics.data_plane
+        if dp is None:
+            return
+        yield GaugeMetricFamily(
+            "kvservice_data_streams_open", "WriteBlocks and ReadBlocks streams open.", value=dp.num_open_streams
+        )
+        yield GaugeMetricFamily(
+            "kvservice_data_buffered_bytes",
+            "Bytes the open data streams hold in the server (blocks being assembled, chunks being copied or sent).",
+            value=dp.buffered_bytes,
+        )
+        yield CounterMetricFamily(
+            "kvservice_data_streams_refused",
+            "Data streams refused at max_data_streams (RESOURCE_EXHAUSTED).",
+            value=dp.num_streams_refused,
+        )
+        cut = CounterMetricFamily(
+            "kvservice_data_streams_cut",
+            "Data streams cut after stalled_write_timeout_s (DEADLINE_EXCEEDED), by direction: read (a chunk not "
+            "taken), write (no next chunk).",
+            labels=["direction"],
+        )
+        for direction, n in sorted(dp.num_streams_cut.items()):
+            cut.add_metric([direction], n)
+        yield cut
+        for name, doc, value in (
+            ("kvservice_data_bytes_written", "Block bytes written by WriteBlocks.", dp.num_bytes_written),
+            ("kvservice_data_bytes_read", "Block bytes sent by ReadBlocks.", dp.num_bytes_read),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class _StateCollector(Collector):

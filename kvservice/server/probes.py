@@ -10,6 +10,11 @@ it over HTTP for probes that speak HTTP:
 * ``GET /readyz`` (readiness): 200 ``ready`` while SERVING, 503 ``draining`` from the moment a
   stop began (SIGTERM), so the Service stops sending traffic during the drain delay.
 
+The HTTP port is bounded (issue 24): at most :data:`HTTP_MAX_CONNECTIONS` connections are served
+at once (one more is closed at once, unanswered) and a connection that sends no whole request
+within :data:`HTTP_READ_TIMEOUT_S` is closed, so idle connections (the port has no token) cost a
+bounded number of threads and never starve the main port.
+
 Both close last, after the main port stopped, so a probe during the drain sees NOT_SERVING rather
 than a refused connection.
 """
@@ -24,11 +29,46 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-__all__ = ["ProbePort"]
+__all__ = ["HTTP_MAX_CONNECTIONS", "HTTP_READ_TIMEOUT_S", "ProbePort"]
+
+HTTP_MAX_CONNECTIONS = 32
+"""HTTP probe connections served at once (a thread each); more are closed unanswered."""
+
+HTTP_READ_TIMEOUT_S = 5.0
+"""Seconds an HTTP probe connection may take to send its request (then it is closed)."""
+
+
+class _BoundedHTTPServer(http.server.ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` serving at most :data:`HTTP_MAX_CONNECTIONS` connections at once."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+        self.num_refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.num_refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     probe: ProbePort
+    timeout = HTTP_READ_TIMEOUT_S  # socketserver sets it on the connection: a silent client is closed
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0]
@@ -90,7 +130,7 @@ class ProbePort:
             if http_port is not None:
                 handler = type("ProbeHandler", (_Handler,), {"probe": probe})
                 try:
-                    httpd = http.server.ThreadingHTTPServer((host.strip("[]"), http_port), handler)
+                    httpd = _BoundedHTTPServer((host.strip("[]"), http_port), handler)
                 except OSError as e:
                     raise RuntimeError(f"health_http_port: cannot bind {host}:{http_port}: {e}") from None
                 httpd.daemon_threads = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -1074,12 +1074,17 @@ class KVCacheServicer:
     async def _data_plane_call(
         self, context: grpc.aio.ServicerContext, call: Callable[[DataPlane], Awaitable[_Result]]
     ) -> _Result:
-        from kvservice.server.data_plane import NO_MEMORY, DataPlaneError
+        from kvservice.server.data_plane import NO_MEMORY, DataPlaneError, DataStreamStalled
 
         if self.data_plane is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_MEMORY)
         try:
             return await call(self.data_plane)
+        except DataStreamStalled as exc:  # a message in flight to a client not reading holds the status back
+            try:
+                await asyncio.wait_for(context.abort(exc.code, str(exc)), self.data_plane.stalled_timeout_s)
+            except asyncio.TimeoutError:
+                raise asyncio.CancelledError from None
         except DataPlaneError as exc:
             await context.abort(exc.code, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -1099,11 +1104,14 @@ class KVCacheServicer:
         return await self._data_plane_call(context, call)
 
     async def WriteBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.WriteBlocksResponse:
-        """Write whole blocks' contents (client streaming)."""
-        return await self._data_plane_call(context, lambda dp: dp.write_blocks(request_iterator))
+        """Write whole blocks' contents (client streaming; the chunks arrive as bytes, parsed by
+        :func:`_parsed_stream`: one that does not parse is INVALID_ARGUMENT)."""
+        chunks = _parsed_stream(request_iterator, pb.WriteBlocksChunk, "chunks")
+        return await self._data_plane_call(context, lambda dp: dp.write_blocks(chunks))
 
+    @_sends_serialized
     async def ReadBlocks(self, request: pb.ReadBlocksRequest, context: grpc.aio.ServicerContext) -> None:
-        """Read blocks' contents (server streaming)."""
+        """Read blocks' contents (server streaming; chunks serialized on the data plane's threads)."""
         await self._data_plane_call(context, lambda dp: dp.read_blocks(request, context.write))
 
     # -- registration ---------------------------------------------------------------------
@@ -1137,10 +1145,8 @@ class KVCacheServicer:
                 raise TypeError(f"{type(self).__name__} has no handler {rpc.name} for {rpc.method}")
             response_serializer = None if getattr(method, _SENDS_SERIALIZED, False) else rpc.response.SerializeToString
             make = getattr(grpc, f"{rpc.kind}_rpc_method_handler")
-            if rpc.request_streaming:  # the handler reads the parsed messages from the stream
-                handlers[rpc.name] = make(
-                    method, request_deserializer=rpc.request.FromString, response_serializer=response_serializer
-                )
+            if rpc.request_streaming:  # the handler parses the messages of the stream (_parsed_stream)
+                handlers[rpc.name] = make(method, request_deserializer=None, response_serializer=response_serializer)
             else:
                 handlers[rpc.name] = make(
                     _parsed(method, rpc.request), request_deserializer=None, response_serializer=response_serializer
@@ -1186,6 +1192,30 @@ def _parsed(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type
         return await method(request, context)
 
     return handler
+
+
+async def _parsed_stream(messages: AsyncIterator[bytes], request_type: Any, field: str) -> AsyncIterator[Any]:
+    """The messages of a client stream (raw bytes: registered without a deserializer), parsed; one
+    that does not parse raises InvalidArgumentError naming it (``{field}[i]``) and the string field
+    that is not UTF-8, as :func:`_parsed` does for unary requests (gRPC's own deserializer failure
+    is INTERNAL with a traceback).
+
+    Raises:
+        InvalidArgumentError: (INVALID_ARGUMENT) a message that is not a ``request_type``.
+    """
+    index = 0
+    async for data in messages:
+        try:
+            message = request_type.FromString(data)
+        except DecodeError as e:
+            name = request_type.DESCRIPTOR.full_name
+            bad = invalid_utf8_field(request_type.DESCRIPTOR, data)
+            raise InvalidArgumentError(
+                f"{field}[{index}]" + (f".{bad}" if bad else ""),
+                f"not valid UTF-8 (a string of {name})" if bad else f"not a valid {name} ({e})",
+            ) from None
+        index += 1
+        yield message
 
 
 def build_metadata_response(

@@ -408,6 +408,11 @@ class LimitsSettings(_Section):
             max_message_bytes - 64 KiB; None: 1 MiB, or half of max_message_bytes when that is
             smaller: :attr:`chunk_bytes`). A read or write holds about one chunk (and one block
             being written) per call in server memory.
+        max_data_streams: WriteBlocks and ReadBlocks streams open at once; one more is
+            RESOURCE_EXHAUSTED naming max_data_streams. Each holds at most about two chunks (a read:
+            one being copied, one being written; a write: one block being assembled and one chunk)
+            in server memory, so the data plane holds at most about ``2 * max_data_streams *
+            chunk_bytes`` (128 MiB at the defaults) beyond gRPC's per-stream 64 KiB windows.
     """
 
     name: ClassVar[str] = "limits"
@@ -440,6 +445,9 @@ class LimitsSettings(_Section):
         "Largest data chunk of WriteBlocks/ReadBlocks, e.g. 1MiB.",
         parse="bytes",
         default_text="1MiB, at most half of --max-message-bytes",
+    )
+    max_data_streams: int = setting(
+        64, "WriteBlocks and ReadBlocks streams open at once (one more: RESOURCE_EXHAUSTED).", check=at_least(1)
     )
 
     @property
@@ -475,7 +483,8 @@ class EventsSettings(_Section):
         stalled_write_timeout_s: the longest one stream write may take, seconds (the client stopped
             reading, or its connection died silently), behind or not: then the stream is ended with
             DEADLINE_EXCEEDED naming the bound; also how long an ended subscriber's handler may stay
-            blocked in a write.
+            blocked in a write. The data plane's streams use it too: a ReadBlocks chunk not taken,
+            or a WriteBlocks next chunk not sent, within it cuts the stream (DEADLINE_EXCEEDED).
         consumer_idle_timeout_s: a named consumer that has not taken for this long is dropped
             (lazily, at the next take or cursor lookup), seconds.
         max_streams: open StreamEvents subscriptions at once; one more is RESOURCE_EXHAUSTED.
@@ -526,7 +535,8 @@ class EventsSettings(_Section):
     snapshot_part_tokens: int = setting(32_768, "Token ids per snapshot message, about.", check=at_least(1))
     stalled_write_timeout_s: float = setting(
         30.0,
-        "The longest one stream write may take, seconds (a client that stopped reading is cut off).",
+        "The longest one stream write may take, seconds (a client that stopped reading is cut off); "
+        "also how long a WriteBlocks may wait for its next chunk.",
         check=positive("seconds"),
     )
     consumer_idle_timeout_s: float = setting(

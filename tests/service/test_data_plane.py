@@ -376,8 +376,8 @@ async def test_a_block_evicted_and_reused_while_its_read_streams_is_reported_evi
     servicer = running.servicer
     sent: list[pb.ReadBlocksChunk] = []
 
-    async def write(chunk: pb.ReadBlocksChunk) -> None:
-        sent.append(chunk)
+    async def write(data: bytes) -> None:  # the data plane hands over serialized chunks
+        sent.append(pb.ReadBlocksChunk.FromString(data))
         if len(sent) == 1:  # evict every cached block: "b" takes the whole pool (60 tokens = 15 blocks)
             servicer._get_computed_blocks(pb.GetComputedBlocksRequest(request_id="b", prompt_token_ids=range(100, 160)))
             servicer._allocate_slots(pb.AllocateSlotsRequest(request_id="b", num_new_tokens=60))

@@ -97,3 +97,35 @@ def test_drain_and_probe_settings_are_checked():
     assert ServerConfig(grace_seconds=1.5).bind.shutdown_grace_s == 1.5  # the alias builds
     assert load_config(None, {"KVSERVICE_GRACE_SECONDS": "2"}).bind.shutdown_grace_s == 2.0
     assert load_config(None, {}, grace_seconds=3).bind.shutdown_grace_s == 3.0
+
+
+@pytest.mark.slow  # about 55 s here: connects past the listen backlog wait out TCP's SYN retries
+async def test_300_idle_http_probe_connections_leave_the_main_port_and_the_grpc_probe_answering(
+    start_kv_server, connect
+):
+    """The HTTP probe port has no token: 300 connections that send nothing hold at most
+    HTTP_MAX_CONNECTIONS threads (the rest are closed at once); the main port and the gRPC probe
+    still answer, and the HTTP port answers again once the idle ones time out or close."""
+    import socket
+
+    running = await start_kv_server(health_port=0, health_http_port=0)
+    socks = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", running.probes.http_port))
+            socks.append(s)
+        client = await connect(running)
+        for _ in range(3):
+            await client.ping(b"x", timeout=5)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.probes.grpc_port}") as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        # a connection past the bound is closed unanswered (reading it gives EOF), or after the read timeout
+        late = socks[-1]
+        late.settimeout(30)
+        assert late.recv(1) == b""
+        assert running.probes._httpd.num_refused > 0
+    finally:
+        for s in socks:
+            s.close()
+    assert await http_get(running.probes.http_port, "/healthz") == (200, "ok\n")

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""A scheduler beside heavy data-plane traffic: its GetUsage and Step latency, and the server's memory.
+
+    python scripts/bench/data_plane_load.py [--streams 16] [--mib 64] [--idle-calls 400]
+
+One server process (``kvservice serve --device cpu --preset qwen-2.5-0.5b``, blocks of 16 tokens,
+196,608 bytes a block), a scheduler in this process (a blocking client calling ``GetUsage`` and a
+small ``Step`` in turn: ``allocate_slots`` of one token for each of 8 running requests, freed and
+admitted again when full), and a load process (an asyncio client) opening ``--streams``
+``WriteBlocks`` and ``--streams`` ``ReadBlocks`` streams at once, each moving ``--mib`` MiB (the
+writes into blocks allocated to one running request per stream, the reads by block id of the same
+blocks).
+
+The scheduler first makes ``--idle-calls`` calls of each kind with nothing else running (the idle
+p99), then calls for as long as the load process runs (the loaded p99). The server's anonymous
+resident memory (``RssAnon`` of /proc/PID/status; the KV memory itself is shared memory, not
+counted there) is read every 5 ms during the load: its peak against the value just before it.
+
+Targets (issue 24): loaded p99 within 3x of idle for both calls; RssAnon peak within 160 MiB of
+before. Prints one JSON line per run and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_proc import serve  # noqa: E402
+
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb  # noqa: E402
+from kvservice_client.client import KVCacheClient, StepBuilder, step_results  # noqa: E402
+
+BLOCK_SIZE = 16
+BYTES_PER_BLOCK = 24 * 2 * BLOCK_SIZE * 2 * 64 * 2  # qwen-2.5-0.5b: 196,608 bytes
+SCHEDULER_REQUESTS = 8
+SCHEDULER_PROMPT = 4 * BLOCK_SIZE
+SCHEDULER_MAX_TOKENS = 32 * BLOCK_SIZE
+
+
+def rss_anon_bytes(pid: int) -> int:
+    """A process's anonymous resident memory (heap, stacks), from /proc/PID/status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon")
+
+
+class PeakSampler:
+    """Samples a process's RssAnon every 5 ms in a thread; ``peak`` is the highest seen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = rss_anon_bytes(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_anon_bytes(self.pid))
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# -- the load process -------------------------------------------------------------------------------
+
+
+async def _load(address: str, plan: dict) -> dict:
+    """Open every stream of ``plan`` at once; answer bytes moved and seconds."""
+    import grpc
+
+    from kvservice_client._proto.kvservice.v1.kv_cache_service_pb2_grpc import KVCacheServiceStub
+    from kvservice_client.data import block_checksum
+
+    payload = bytes(range(256)) * (BYTES_PER_BLOCK // 256)
+    checksum = block_checksum(payload)
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = KVCacheServiceStub(channel)
+
+        def chunks(request_id: str, block_ids: list[int]):
+            for block_id in block_ids:
+                yield pb.WriteBlocksChunk(
+                    request_id=request_id, group_idx=0, block_id=block_id, data=payload, checksum=checksum
+                )
+
+        async def write(request_id: str, block_ids: list[int]) -> int:
+            response = await stub.WriteBlocks(chunks(request_id, block_ids), timeout=600)
+            return int(response.num_bytes_written)
+
+        async def read(block_ids: list[int]) -> int:
+            request = pb.ReadBlocksRequest(blocks=[pb.BlockRef(group_idx=0, block_id=b) for b in block_ids])
+            n = 0
+            async for chunk in stub.ReadBlocks(request, timeout=600):
+                n += len(chunk.data)
+            return n
+
+        t0 = time.perf_counter()
+        moved = await asyncio.gather(
+            *(write(rid, ids) for rid, ids in plan["writes"]), *(read(ids) for ids in plan["reads"])
+        )
+        return {"bytes": sum(moved), "seconds": time.perf_counter() - t0}
+
+
+def load_main(address: str) -> int:
+    plan = json.loads(sys.stdin.read())
+    print(json.dumps(asyncio.run(_load(address, plan))), flush=True)
+    return 0
+
+
+# -- the scheduler --------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """8 running requests; a Step allocates one token for each (freed and admitted again when full)."""
+
+    def __init__(self, client: KVCacheClient) -> None:
+        self.client = client
+        self.generation = 0
+        self.tokens = 0
+        self._admit()
+
+    def _ids(self) -> list[str]:
+        return [f"s{self.generation}-{i}" for i in range(SCHEDULER_REQUESTS)]
+
+    def _admit(self) -> None:
+        ops = StepBuilder()
+        for i, rid in enumerate(self._ids()):
+            prompt = [(self.generation * 131 + i * 17 + t) % 30000 + 1 for t in range(SCHEDULER_PROMPT)]
+            ops.get_computed_blocks(rid, prompt).allocate_slots(rid, SCHEDULER_PROMPT)
+        for result in step_results(self.client.step(ops)):
+            assert not isinstance(result, Exception), result
+        self.tokens = SCHEDULER_PROMPT
+
+    def step(self) -> float:
+        """One Step (timed, seconds); frees and admits the next generation when the requests are full."""
+        if self.tokens >= SCHEDULER_MAX_TOKENS:
+            ops = StepBuilder()
+            for rid in self._ids():
+                ops.free(rid)
+            self.client.step(ops)
+            self.generation += 1
+            self._admit()
+        ops = StepBuilder()
+        for rid in self._ids():
+            ops.allocate_slots(rid, 1, new_token_ids=(self.tokens % 30000 + 1,))
+        t0 = time.perf_counter()
+        results = step_results(self.client.step(ops))
+        elapsed = time.perf_counter() - t0
+        assert all(isinstance(r, pb.AllocateSlotsResponse) and r.allocated for r in results), results
+        self.tokens += 1
+        return elapsed
+
+    def get_usage(self) -> float:
+        t0 = time.perf_counter()
+        self.client.get_usage()
+        return time.perf_counter() - t0
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+def run_once(args: argparse.Namespace) -> dict:
+    blocks_per_stream = -(-(args.mib << 20) // BYTES_PER_BLOCK)
+    scheduler_blocks = 2 * SCHEDULER_REQUESTS * (SCHEDULER_MAX_TOKENS // BLOCK_SIZE + 1)
+    pool = args.streams * blocks_per_stream + scheduler_blocks + 2
+    flags = ["--device", "cpu", "--preset", "qwen-2.5-0.5b", "--num-blocks", str(pool), *args.server_flag]
+    with serve(*flags, with_pid=True) as (address, pid):
+        client = KVCacheClient(address, timeout=600.0)
+        writes = []
+        for i in range(args.streams):
+            rid = f"w{i}"
+            prompt = [(i * 7919 + t) % 30000 + 1 for t in range(blocks_per_stream * BLOCK_SIZE)]
+            client.get_computed_blocks(rid, prompt)
+            response = client.allocate_slots(rid, len(prompt))
+            assert response.allocated
+            writes.append((rid, list(response.new_block_ids[0].block_ids)))
+        reads = [ids for _rid, ids in writes]
+        scheduler = Scheduler(client)
+        for _ in range(50):  # warm the channel and the handlers
+            scheduler.get_usage()
+            scheduler.step()
+        idle_usage, idle_step = [], []
+        for _ in range(args.idle_calls):
+            idle_usage.append(scheduler.get_usage())
+            idle_step.append(scheduler.step())
+        before = rss_anon_bytes(pid)
+        load = subprocess.Popen(
+            [sys.executable, __file__, "--load-worker", address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert load.stdin is not None and load.stdout is not None
+        load_usage, load_step = [], []
+        with PeakSampler(pid) as sampler:
+            load.stdin.write(json.dumps({"writes": writes, "reads": reads}))
+            load.stdin.close()
+            while load.poll() is None:
+                load_usage.append(scheduler.get_usage())
+                load_step.append(scheduler.step())
+        result = json.loads(load.stdout.read())
+        assert load.returncode == 0
+        expected = 2 * args.streams * blocks_per_stream * BYTES_PER_BLOCK
+        assert result["bytes"] == expected, (result, expected)
+        client.close()
+        return {
+            "streams": f"{args.streams} WriteBlocks + {args.streams} ReadBlocks of {args.mib} MiB",
+            "idle_calls": args.idle_calls,
+            "loaded_calls": len(load_usage),
+            "load_seconds": round(result["seconds"], 2),
+            "get_usage_p99_idle_ms": p99(idle_usage) * 1e3,
+            "get_usage_p99_loaded_ms": p99(load_usage) * 1e3,
+            "step_p99_idle_ms": p99(idle_step) * 1e3,
+            "step_p99_loaded_ms": p99(load_step) * 1e3,
+            "rss_anon_before_mib": before / 2**20,
+            "rss_anon_peak_growth_mib": (sampler.peak - before) / 2**20,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--load-worker"]:
+        return load_main(argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=16, help="WriteBlocks streams, and as many ReadBlocks [16]")
+    parser.add_argument("--mib", type=int, default=64, help="MiB each stream moves [64]")
+    parser.add_argument("--idle-calls", type=int, default=400, help="idle calls of each kind [400]")
+    parser.add_argument("--runs", type=int, default=1, help="runs, each with its own server [1]")
+    parser.add_argument("--server-flag", action="append", default=[], help="passed to kvservice serve (repeat)")
+    args = parser.parse_args(argv)
+    rows = []
+    for _ in range(args.runs):
+        row = run_once(args)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print()
+    print(
+        "| run | GetUsage p99 idle / loaded (ms) | ratio | Step p99 idle / loaded (ms) | ratio | RssAnon growth (MiB) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for i, r in enumerate(rows, 1):
+        u = r["get_usage_p99_loaded_ms"] / r["get_usage_p99_idle_ms"]
+        s = r["step_p99_loaded_ms"] / r["step_p99_idle_ms"]
+        print(
+            f"| {i} | {r['get_usage_p99_idle_ms']:.2f} / {r['get_usage_p99_loaded_ms']:.2f} | {u:.1f}x "
+            f"(target <= 3x) | {r['step_p99_idle_ms']:.2f} / {r['step_p99_loaded_ms']:.2f} | {s:.1f}x (target <= 3x) "
+            f"| {r['rss_anon_peak_growth_mib']:.0f} (target <= 160) |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

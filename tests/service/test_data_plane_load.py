@@ -1,0 +1,124 @@
+"""The data plane under hostile load (issue 24): stalled streams cut after
+``stalled_write_timeout_s``, the ``max_data_streams`` bound, a malformed WriteBlocks message.
+
+The servers keep their KV tensors on the CPU (shared memory): qwen-2.5-0.5b at block size 4,
+49,152 bytes per block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvservice.server.app import ServerConfig
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.client import AsyncKVCacheClient
+
+BLOCK_BYTES = 24 * 2 * 4 * 2 * 64 * 2
+CPU = {"device": "cpu"}
+PROMPT = list(range(1, 13))  # 12 tokens: 3 full blocks of 4
+NO_BDP = [("grpc.http2.bdp_probe", 0)]  # the client's receive window stays small: a stall is a stall
+WRITE_BLOCKS = "/kvservice.v1.KVCacheService/WriteBlocks"
+
+
+async def admit(client: AsyncKVCacheClient, request_id: str, prompt: list[int]) -> list[int]:
+    await client.get_computed_blocks(request_id, prompt)
+    response = await client.allocate_slots(request_id, len(prompt))
+    assert response.allocated
+    return list(response.new_block_ids[0].block_ids)
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until ``predicate()`` holds; the server runs on this loop, so each turn lets it
+    move."""
+    async with asyncio.timeout(timeout_s) if hasattr(asyncio, "timeout") else _nullcontext():
+        while not predicate():  # noqa: ASYNC110 (the server's counters have no event to wait on)
+            await asyncio.sleep(0.01)
+
+
+class _nullcontext:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+async def test_a_write_whose_client_stops_sending_mid_block_is_cut_after_the_timeout(start_kv_server, connect):
+    running = await start_kv_server(**CPU, stalled_write_timeout_s=0.5, data_chunk_bytes=16384)
+    client = await connect(running)
+    [block_id, *_] = await admit(client, "w", PROMPT)
+    dp = running.servicer.data_plane
+    never = asyncio.Event()
+
+    async def chunks():
+        yield pb.WriteBlocksChunk(request_id="w", group_idx=0, block_id=block_id, data=b"\1" * 16384)
+        await never.wait()  # the client stops sending inside the block
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.stub.WriteBlocks(chunks())
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "stream cut: no chunk within stalled_write_timeout_s 0.5 s (the client stopped sending); blocks completed "
+        "before it stay written, nothing of the block in progress is",
+    )
+    assert (dp.num_streams_cut, dp.num_open_streams, dp.buffered_bytes) == ({"read": 0, "write": 1}, 0, 0)
+
+
+async def test_a_read_whose_client_does_not_read_is_cut_after_the_timeout(start_kv_server, connect):
+    running = await start_kv_server(**CPU, stalled_write_timeout_s=0.5, data_chunk_bytes=4096)
+    client = await connect(running, options=NO_BDP)
+    dp = running.servicer.data_plane
+    # 4,000 refs to block 1 (196 MB): far beyond what the windows and buffers on the way hold.
+    call = client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=[pb.BlockRef(group_idx=0, block_id=1)] * 4000))
+    await until(lambda: dp.num_streams_cut["read"] == 1)  # the client reads nothing
+    await until(lambda: dp.num_open_streams == 0)
+    assert (dp.num_streams_cut, dp.buffered_bytes) == ({"read": 1, "write": 0}, 0)
+    call.cancel()
+
+
+async def test_max_data_streams_refuses_one_more_naming_the_setting(start_kv_server, connect):
+    running = await start_kv_server(**CPU, max_data_streams=1, data_chunk_bytes=16384)
+    client = await connect(running)
+    [block_id, *_] = await admit(client, "w", PROMPT)
+    dp = running.servicer.data_plane
+    release = asyncio.Event()
+
+    async def chunks():
+        yield pb.WriteBlocksChunk(request_id="w", group_idx=0, block_id=block_id, data=b"\1" * 16384)
+        await release.wait()
+
+    first = client.stub.WriteBlocks(chunks())
+    await until(lambda: dp.num_open_streams == 1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=[pb.BlockRef(group_idx=0, block_id=1)])):
+            pass
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "max_data_streams: 1 data streams (WriteBlocks, ReadBlocks) are open already; wait for one to end or raise "
+        "max_data_streams",
+    )
+    assert dp.num_streams_refused == 1
+    first.cancel()
+
+
+async def test_a_malformed_write_blocks_message_is_invalid_argument(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    call = client.channel.stream_unary(WRITE_BLOCKS, request_serializer=None, response_deserializer=None)
+
+    async def messages():
+        yield b"\x0a\x05ab"  # field 1 (request_id) says 5 bytes, 2 follow
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(messages())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("chunks[0]: not a valid kvservice.v1.WriteBlocksChunk (")
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_max_data_streams_is_checked(value):
+    with pytest.raises(ValueError, match="max_data_streams"):
+        ServerConfig(max_data_streams=value)

@@ -125,12 +125,16 @@ async def test_attach_over_a_unix_socket(start_kv_server, tmp_path):
 
 
 async def test_a_second_process_attaches_writes_and_read_blocks_returns_those_bytes(start_kv_server, connect):
+    """The worker stores through the attached memory, then marks the block written (no bytes sent):
+    before that a read of it is refused, the server cannot see stores into mapped memory."""
     running = await start_kv_server(**CPU)
     client = await connect(running)
-    block_id = (await admit(client, "w", PROMPT)).new_block_ids[0].block_ids[1]
+    slots = await admit(client, "w", PROMPT)
+    block_id = slots.new_block_ids[0].block_ids[1]
     script = textwrap.dedent(f"""
         import torch
         from kvservice_client.client import KVCacheClient
+        from kvservice_client.data import mark_blocks_written
         from kvservice_client.torch_view import attach
         with KVCacheClient({running.address!r}, timeout=10.0) as client:
             view = attach(client)
@@ -138,14 +142,24 @@ async def test_a_second_process_attaches_writes_and_read_blocks_returns_those_by
             data = torch.frombuffer(bytearray((unit * 200)[:{BLOCK_BYTES}]), dtype=torch.uint8)
             [tensor] = view.block_view(0, {block_id})
             tensor.copy_(data.view(torch.bfloat16).view(tensor.shape))
-            print(view.epoch)
+            print(view.epoch, flush=True)
+            assert input() == "mark"
+            allocation = ({slots.allocation_id}, {slots.epoch!r})
+            print(mark_blocks_written(client, "w", [(0, {block_id})], allocation=allocation).num_blocks_written)
     """)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        sys.executable, "-c", script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.stdout is not None
+    assert (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip() == running.event_log.epoch
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_id=block_id)])) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"blocks[0].block_id: block {block_id} is not written yet (nobody wrote it since it was allocated): its "
+        "memory holds no bytes of its own",
+    )
+    out, err = await asyncio.wait_for(proc.communicate(b"mark\n"), 60)
     assert proc.returncode == 0, err.decode()
-    assert out.decode().strip() == running.event_log.epoch
+    assert out.decode().strip() == "1"
     [block] = await aread_blocks(client, [block_ref(0, block_id=block_id)])
     assert (block.block_index, block.group_idx, block.block_id, block.evicted) == (0, 0, block_id, False)
     assert block.data == pattern(7) and block.checksum == block_checksum(pattern(7))
@@ -243,13 +257,13 @@ async def test_writes_go_only_to_blocks_a_running_request_computes(start_kv_serv
             message,
         )
         assert torch.equal(running.tensors.block_view(0, block_id)[0], before)
-    assert (await awrite_blocks(client, "b", [(0, 4, pattern(4))])).num_blocks_written == 1
-    # Once another request holds block 4 (a hit), its computer may no longer write it.
-    await admit(client, "c", PROMPT[:8] + [90, 91, 92, 93, 94])
-    assert await code_and_message(awrite_blocks(client, "b", [(0, 4, pattern(5))])) == (
+    assert (await awrite_blocks(client, "b", [(0, 4, pattern(4))], allocation=b)).num_blocks_written == 1
+    # Block 4 is written (it carries its hash): final, though only its computer holds it.
+    digest = BlockHasher(4).hash_prompt(PROMPT[:8] + [90, 91, 92, 93])[2]
+    assert await code_and_message(awrite_blocks(client, "b", [(0, 4, pattern(5))], allocation=b)) == (
         grpc.StatusCode.FAILED_PRECONDITION,
-        "block 4 (group 0): another request holds it too (a prefix-cache hit): its content is named by its hash and "
-        "never changes; nothing was written",
+        f"block 4 (group 0): already written (block hash {digest.hex()}): a written block's bytes are final; "
+        "nothing was written",
     )
     assert running.tensors.block_view(0, 4)[0].view(torch.uint8).flatten().numpy().tobytes() == pattern(4)
 
@@ -336,19 +350,24 @@ def _fields(chunk: pb.WriteBlocksChunk) -> dict:
 async def test_read_by_hash_of_an_uncached_block_is_not_found_naming_the_hash(start_kv_server, connect):
     client = await connect(await start_kv_server(**CPU))
     digest = BlockHasher(4).hash_prompt([5, 6, 7, 8])[0]
-    assert await code_and_message(
-        aread_blocks(client, [block_ref(0, block_id=1), block_ref(0, block_hash=digest)])
-    ) == (grpc.StatusCode.NOT_FOUND, f"blocks[1].block_hash: {digest.hex()} is not cached in group 0")
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_hash=digest)])) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"blocks[0].block_hash: {digest.hex()} is not cached in group 0",
+    )
 
 
-async def test_read_by_hash_of_a_block_still_being_computed_is_refused(start_kv_server, connect):
+async def test_read_by_hash_of_a_block_still_being_computed_is_refused_until_written(start_kv_server, connect):
     client = await connect(await start_kv_server(**CPU))
-    await admit(client, "w", PROMPT)
+    w = await admit(client, "w", PROMPT)
     digest = BlockHasher(4).hash_prompt(PROMPT)[0]
     assert await code_and_message(aread_blocks(client, [block_ref(0, block_hash=digest)])) == (
         grpc.StatusCode.FAILED_PRECONDITION,
-        f"blocks[0].block_hash: {digest.hex()} is block 1, which request 'w' is still computing (it may still write it)",
+        f"blocks[0].block_hash: {digest.hex()} is block 1, not written yet: request 'w' computes it (retry once its "
+        "worker wrote it)",
     )
+    await awrite_blocks(client, "w", [(0, 1, pattern(1))], allocation=w)  # written: final, readable while w runs
+    [block] = await aread_blocks(client, [block_ref(0, block_hash=digest)])
+    assert (block.block_id, block.data) == (1, pattern(1))
 
 
 @pytest.mark.parametrize(

@@ -616,3 +616,177 @@ async def test_a_request_freed_while_its_block_streams_in_gets_nothing_written(s
         "block 1 (group 0): request 'w' is not running (unknown, waiting or freed); nothing was written",
     )
     assert torch.equal(running.tensors.block_view(0, 1)[0], before)
+
+
+# -- byte state: hits before the bytes, frees before the bytes, stale write streams ----------------
+
+
+def _memory(running, block_id: int) -> bytes:
+    return running.tensors.block_view(0, block_id)[0].view(torch.uint8).flatten().numpy().tobytes()
+
+
+async def _old_tenant(client: AsyncKVCacheClient, running) -> None:
+    """Blocks 1..3 hold an old tenant's bytes (pattern(100 + b)) under hashes that are then evicted:
+    "old" computes and frees them, "filler" takes the whole pool (15 blocks) and frees, so the next
+    allocation reuses them under new hashes."""
+    old = await admit(client, "old", [7000 + i for i in range(12)])
+    await awrite_blocks(client, "old", [(0, b, pattern(100 + b)) for b in (1, 2, 3)], allocation=old)
+    await client.free("old")
+    await admit(client, "filler", [8000 + i for i in range(60)])
+    await client.free("filler")
+
+
+async def test_a_hit_before_its_bytes_are_written_reads_no_old_bytes_and_the_computer_still_writes(
+    start_kv_server, connect
+):
+    """vLLM registers a block's hash at allocation: "b" hits "a"'s blocks before a's worker wrote
+    them. Reads (by hash and by id) are refused, never the previous tenant's bytes; a's worker then
+    writes them though b shares them, and they read back exactly; a second write is refused."""
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await _old_tenant(client, running)
+    a = await admit(client, "a", PROMPT)
+    ids = list(a.new_block_ids[0].block_ids)
+    assert [_memory(running, b) == pattern(100 + b) for b in ids] == [True, True, True]  # the old tenant's bytes
+    b = await admit(client, "b", PROMPT[:8] + [90, 91, 92, 93])
+    assert [list(g.block_ids) for g in b.computed_block_ids] == [ids[:2]]
+    digests = BlockHasher(4).hash_prompt(PROMPT)
+    for ref, message in [
+        (
+            block_ref(0, block_hash=digests[0]),
+            f"blocks[0].block_hash: {digests[0].hex()} is block {ids[0]}, not written yet: request 'a' computes it "
+            "(retry once its worker wrote it)",
+        ),
+        (
+            block_ref(0, block_id=ids[1]),
+            f"blocks[0].block_id: block {ids[1]} is not written yet (nobody wrote it since it was allocated): its "
+            "memory holds no bytes of its own",
+        ),
+    ]:
+        assert await code_and_message(aread_blocks(client, [ref])) == (grpc.StatusCode.FAILED_PRECONDITION, message)
+    # b's worker may not write a's blocks (they are its hit); a's may, though b shares them.
+    assert (await code_and_message(awrite_blocks(client, "b", [(0, ids[0], pattern(9))], allocation=b)))[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    written = await awrite_blocks(client, "a", [(0, x, pattern(x)) for x in ids], allocation=a)
+    assert written.num_blocks_written == 3
+    blocks = await aread_blocks(client, [block_ref(0, block_hash=d) for d in digests] + [block_ref(0, block_id=ids[1])])
+    assert [(blk.block_id, blk.data) for blk in blocks] == [(x, pattern(x)) for x in ids] + [(ids[1], pattern(ids[1]))]
+    assert await code_and_message(awrite_blocks(client, "a", [(0, ids[0], pattern(9))], allocation=a)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"block {ids[0]} (group 0): already written (block hash {digests[0].hex()}): a written block's bytes are "
+        "final; nothing was written",
+    )
+    assert _memory(running, ids[0]) == pattern(ids[0])
+
+
+async def test_a_block_freed_before_its_bytes_are_written_is_never_readable(start_kv_server, connect):
+    """Its request is freed before its worker wrote it: the hash stays cached (and announced: events
+    are vLLM's), but reads of it answer FAILED_PRECONDITION, a later hit's too, never the old bytes;
+    once evicted and reused, the new owner's bytes read back."""
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await _old_tenant(client, running)
+    a = await admit(client, "a", PROMPT)
+    ids = list(a.new_block_ids[0].block_ids)
+    await client.free("a")
+    digests = BlockHasher(4).hash_prompt(PROMPT)
+    c = await admit(client, "c", PROMPT + [5])  # hits all three
+    assert [list(g.block_ids) for g in c.computed_block_ids] == [ids]
+    never = (
+        f"blocks[0].block_hash: {digests[2].hex()} is block {ids[2]}, not written yet: the request that computed it "
+        "was freed before its bytes were written, so they never will be (the hash stays cached, unreadable, until "
+        "evicted)"
+    )
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_hash=digests[2])])) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        never,
+    )
+    assert (await code_and_message(aread_blocks(client, [block_ref(0, block_id=ids[2])])))[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert (await code_and_message(awrite_blocks(client, "a", [(0, ids[2], pattern(9))], allocation=a)))[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert [_memory(running, b) == pattern(100 + b) for b in ids] == [True, True, True]  # untouched, unread
+
+
+async def test_a_stale_write_stream_is_refused(start_kv_server, connect):
+    """A stream for an earlier admission of the same request id (freed and admitted again), one
+    from before a restart (another epoch), and an epoch without an allocation id: refused, naming
+    the field; the blocks keep their bytes. Without allocation_id and epoch a write is still bound
+    to the request id alone (older clients)."""
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    first = await admit(client, "r", PROMPT)
+    assert first.allocation_id >= 1 and first.epoch == running.event_log.epoch
+    await client.free("r")
+    second = await admit(client, "r", [4000 + i for i in range(12)])
+    assert second.allocation_id == first.allocation_id + 1
+    block = second.new_block_ids[0].block_ids[0]
+    before = _memory(running, block)
+    cases = [
+        (
+            (first.allocation_id, first.epoch),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"chunks[0].allocation_id: {first.allocation_id} is not request 'r''s current allocation (its allocation "
+            f"is {second.allocation_id}): the stream was begun for an earlier admission of that request id; nothing "
+            "was written",
+        ),
+        (
+            (second.allocation_id, "an-old-epoch"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"chunks[0].epoch: 'an-old-epoch' is not this server's epoch {running.event_log.epoch!r} (the server "
+            f"restarted: allocation {second.allocation_id} is gone); nothing was written",
+        ),
+    ]
+    for allocation, code, message in cases:
+        assert await code_and_message(awrite_blocks(client, "r", [(0, block, pattern(9))], allocation=allocation)) == (
+            code,
+            message,
+        )
+    chunks = _chunks("r", block, pattern(9))
+    chunks[0].epoch = running.event_log.epoch  # an epoch and no allocation id
+    assert await code_and_message(_raw_write(client, chunks)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "chunks[0].allocation_id: must be set with epoch (both or neither)",
+    )
+    assert _memory(running, block) == before
+    assert (await awrite_blocks(client, "r", [(0, block, pattern(block))])).num_blocks_written == 1  # legacy
+    assert _memory(running, block) == pattern(block)
+
+
+async def test_a_stream_from_before_a_restart_is_refused_by_the_new_server(start_kv_server, connect):
+    first = await start_kv_server(**CPU)
+    old = await admit(await connect(first), "r", PROMPT)
+    port = first.port
+    await first.stop(0)
+    second = await start_kv_server(port=port, **CPU)
+    client = await connect(second)
+    new = await admit(client, "r", PROMPT)
+    assert new.allocation_id == old.allocation_id and new.epoch != old.epoch  # same id, same request id: only the epoch tells
+    assert await code_and_message(awrite_blocks(client, "r", [(0, 1, pattern(1))], allocation=old)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"chunks[0].epoch: {old.epoch!r} is not this server's epoch {new.epoch!r} (the server restarted: allocation "
+        f"{old.allocation_id} is gone); nothing was written",
+    )
+    assert (await awrite_blocks(client, "r", [(0, 1, pattern(1))], allocation=new)).num_blocks_written == 1
+
+
+async def test_an_in_memory_mark_with_a_wrong_checksum_marks_nothing(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    w = await admit(client, "w", PROMPT)
+    chunk = pb.WriteBlocksChunk(
+        request_id="w", group_idx=0, block_id=1, allocation_id=w.allocation_id, epoch=w.epoch, in_memory=True
+    )
+    chunk.checksum = block_checksum(pattern(1))  # the memory holds zeros
+    code, message = await code_and_message(_raw_write(client, [chunk]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(
+        f"chunks[0].checksum: {block_checksum(pattern(1)):#018x} does not match block 1's bytes in memory"
+    )
+    assert running.servicer.data_plane.byte_state[1] == 0
+    chunk.checksum = block_checksum(bytes(BLOCK_BYTES))
+    assert (await _raw_write(client, [chunk])).num_blocks_written == 1
+    [block] = await aread_blocks(client, [block_ref(0, block_id=1)])
+    assert block.data == bytes(BLOCK_BYTES)

@@ -16,6 +16,16 @@ After every Step RPC the scheduler hands the worker what it learned (:meth:`KVDa
   read back (``shm``: from the attached memory; ``grpc``: ``ReadBlocks`` by block id) and
   compared with the content their hashes name: a block id that does not hold its hash's data
   (a block-id bug that keeps the events consistent) is a mismatch.
+- a hit can come before its block's bytes are written (vLLM registers a block's hash at
+  allocation: a request admitted in the same step as the one computing its prefix hits blocks
+  this worker writes only at the flush). Such a read is counted (``reads_before_written``):
+  ``grpc`` reads it first and expects the server to refuse it (FAILED_PRECONDITION, "not written
+  yet"; bytes served instead are a mismatch when they are not the hash's); both modes check it
+  again after the flush's writes. A hit on a block whose bytes will never be written (its request
+  was freed before this worker wrote it) is refused by the server too and counted
+  (``reads_never_written``), never compared with old bytes.
+- writes name the request's allocation (``allocation_id`` and epoch of its admission), so a write
+  the server took for another admission of the same request id would be refused.
 
 ``sample`` N moves only blocks whose hash's last 8 bytes are 0 mod N (a hash decides, so a block
 is either always moved and checked or never).
@@ -32,7 +42,7 @@ import torch
 import xxhash
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.client import AsyncKVCacheClient
+from kvservice_client.client import AsyncKVCacheClient, KVServiceError, StatusCode
 from kvservice_client.data import aread_blocks, awrite_blocks, block_ref
 from kvservice_client.hashing import BlockHasher, resolve_block_hashes
 
@@ -66,6 +76,8 @@ class KVDataStats:
     blocks_written: int = 0
     blocks_checked: int = 0
     mismatches: int = 0
+    reads_before_written: int = 0
+    reads_never_written: int = 0
     sample: int = 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,6 +91,8 @@ class KVDataStats:
             "blocks_written": self.blocks_written,
             "blocks_checked": self.blocks_checked,
             "mismatches": self.mismatches,
+            "reads_before_written": self.reads_before_written,
+            "reads_never_written": self.reads_never_written,
             "sample": self.sample,
         }
 
@@ -86,11 +100,12 @@ class KVDataStats:
 class _Tracked:
     """A request as the worker follows it: its block table per group and its block hashes."""
 
-    __slots__ = ("tables", "digests")
+    __slots__ = ("tables", "digests", "allocation")
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self, num_groups: int, allocation: tuple[int, str]) -> None:
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.digests: list[bytes] = []
+        self.allocation = allocation  # (allocation_id, epoch) of its admission
 
 
 class KVDataWorker:
@@ -132,6 +147,7 @@ class KVDataWorker:
         self.chunk_bytes = metadata.max_data_chunk_bytes
         self._requests: dict[str, _Tracked] = {}
         self._writes: list[tuple[str, int, int, bytes]] = []  # (request_id, group, block_id, block hash)
+        self._allocations: dict[str, tuple[int, str]] = {}  # request_id -> its admission's allocation
         self._checks: list[tuple[int, int, bytes]] = []  # (group, block_id, block hash)
         self._layer_shapes: dict[int, list[Any]] = {}
 
@@ -140,7 +156,8 @@ class KVDataWorker:
     def admitted(self, request_id: str, token_ids: Sequence[int], response: pb.AllocateSlotsResponse) -> None:
         """A request was admitted with this allocation: check its hit, then (like :meth:`allocated`)
         write what it computed."""
-        tracked = self._requests[request_id] = _Tracked(len(self.block_sizes))
+        allocation = (response.allocation_id, response.epoch) if response.allocation_id else (0, "")
+        tracked = self._requests[request_id] = _Tracked(len(self.block_sizes), allocation)
         self.hasher.extend(tracked.digests, token_ids)
         for g, (hit, new) in enumerate(zip(response.computed_block_ids, response.new_block_ids)):
             tracked.tables[g].extend(hit.block_ids)
@@ -170,13 +187,22 @@ class KVDataWorker:
 
     async def flush(self) -> None:
         """Do the queued checks and writes (checks first: they read blocks of the cache as the
-        admission found it)."""
+        admission found it). A check of a block this flush writes is a hit before its bytes: it is
+        counted, tried first over gRPC (the server must refuse it), and checked after the writes."""
         checks, self._checks = self._checks, []
         writes, self._writes = self._writes, []
-        if checks:
-            await (self._check_shm(checks) if self.mode == "shm" else self._check_grpc(checks))
+        pending = {(g, block_id) for _r, g, block_id, _h in writes}
+        early = [c for c in checks if (c[0], c[1]) in pending]
+        ready = [c for c in checks if (c[0], c[1]) not in pending]
+        self.stats.reads_before_written += len(early)
+        if ready:
+            await (self._check_shm(ready) if self.mode == "shm" else self._check_grpc(ready))
+        if early and self.mode == "grpc":
+            await self._read_before_written(early)
         if writes:
             await (self._write_shm(writes) if self.mode == "shm" else self._write_grpc(writes))
+        if early:
+            await (self._check_shm(early) if self.mode == "shm" else self._check_grpc(early))
 
     def _sampled(self, block_hash: bytes) -> bool:
         return self.sample == 1 or int.from_bytes(block_hash[-8:], "big") % self.sample == 0
@@ -260,10 +286,13 @@ class KVDataWorker:
         for request_id, g, block_id, block_hash in writes:
             by_request.setdefault(request_id, []).append((g, block_id, block_hash))
         for request_id, blocks in by_request.items():
+            tracked = self._requests.get(request_id)
+            allocation = tracked.allocation if tracked is not None and tracked.allocation[0] else None
             response = await awrite_blocks(
                 self.client,
                 request_id,
                 ((g, b, self.expected_bytes(g, h)) for g, b, h in blocks),
+                allocation=allocation,
                 chunk_bytes=self.chunk_bytes,
             )
             self.stats.bytes_written += response.num_bytes_written
@@ -272,10 +301,40 @@ class KVDataWorker:
 
     async def _check_grpc(self, checks: list[tuple[int, int, bytes]]) -> None:
         t0 = time.perf_counter()
-        blocks = await aread_blocks(self.client, [block_ref(g, block_id=b) for g, b, _h in checks])
-        for block, (g, _b, block_hash) in zip(blocks, checks, strict=True):
-            assert block.data is not None  # read by id: never evicted
-            self.stats.bytes_read += len(block.data)
-            self.stats.blocks_checked += 1
-            self.stats.mismatches += block.data != self.expected_bytes(g, block_hash)
+        try:
+            blocks = await aread_blocks(self.client, [block_ref(g, block_id=b) for g, b, _h in checks])
+        except KVServiceError as err:
+            if err.code != StatusCode.FAILED_PRECONDITION:
+                raise
+            # A block not written (its computer was freed first): read one by one, count those.
+            for check in checks:
+                try:
+                    [block] = await aread_blocks(self.client, [block_ref(check[0], block_id=check[1])])
+                except KVServiceError as one:
+                    if one.code != StatusCode.FAILED_PRECONDITION:
+                        raise
+                    self.stats.reads_never_written += 1
+                    continue
+                self._compare(block, check)
+        else:
+            for block, check in zip(blocks, checks, strict=True):
+                self._compare(block, check)
         self.stats.read_s += time.perf_counter() - t0
+
+    def _compare(self, block: Any, check: tuple[int, int, bytes]) -> None:
+        assert block.data is not None  # read by id: never evicted
+        self.stats.bytes_read += len(block.data)
+        self.stats.blocks_checked += 1
+        self.stats.mismatches += block.data != self.expected_bytes(check[0], check[2])
+
+    async def _read_before_written(self, checks: list[tuple[int, int, bytes]]) -> None:
+        """Read blocks nobody wrote yet: the server must refuse each (FAILED_PRECONDITION); bytes
+        it serves instead count as a mismatch unless they are the hash's."""
+        for g, block_id, block_hash in checks:
+            try:
+                [block] = await aread_blocks(self.client, [block_ref(g, block_id=block_id)])
+            except KVServiceError as err:
+                if err.code != StatusCode.FAILED_PRECONDITION:
+                    raise
+                continue
+            self.stats.mismatches += block.data != self.expected_bytes(g, block_hash)

@@ -10,8 +10,10 @@ After every Step RPC the scheduler hands the worker what it learned (:meth:`KVDa
 :meth:`KVDataWorker.allocated`) and awaits :meth:`KVDataWorker.flush` before its next RPC:
 
 - every block a request's allocation made full (``num_computed_tokens`` crossed its end) is
-  written: ``shm`` through the attached memory (``kvservice_client.torch_view``), ``grpc`` by
-  ``WriteBlocks`` naming the request (which the server checks against its write rule);
+  written: ``shm`` through the attached memory (``kvservice_client.torch_view``), then marked
+  written (``WriteBlocks`` chunks ``in_memory``, no bytes: the server cannot see stores into
+  mapped memory), ``grpc`` by ``WriteBlocks`` naming the request (which the server checks against
+  its write rule);
 - at every admission, the blocks of the hit (``AllocateSlotsResponse.computed_block_ids``) are
   read back (``shm``: from the attached memory; ``grpc``: ``ReadBlocks`` by block id) and
   compared with the content their hashes name: a block id that does not hold its hash's data
@@ -43,7 +45,7 @@ import xxhash
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError, StatusCode
-from kvservice_client.data import aread_blocks, awrite_blocks, block_ref
+from kvservice_client.data import amark_blocks_written, aread_blocks, awrite_blocks, block_ref
 from kvservice_client.hashing import BlockHasher, resolve_block_hashes
 
 __all__ = ["KVDataStats", "KVDataWorker", "layer_word"]
@@ -254,7 +256,9 @@ class KVDataWorker:
 
     async def _write_shm(self, writes: list[tuple[str, int, int, bytes]]) -> None:
         t0 = time.perf_counter()
-        for _request_id, g, block_id, block_hash in writes:
+        by_request: dict[str, list[tuple[int, int]]] = {}
+        for request_id, g, block_id, block_hash in writes:
+            by_request.setdefault(request_id, []).append((g, block_id))
             words = self._words(g, block_hash)
             for v64, first, n in self._layer_views(g, block_id):
                 if n == 1:
@@ -262,8 +266,14 @@ class KVDataWorker:
                 else:
                     v64.copy_(self._expected_tensor(v64, words[first : first + n]))
             self.stats.bytes_written += self.bytes_per_block[g]
+        for request_id, blocks in by_request.items():
+            await amark_blocks_written(self.client, request_id, blocks, allocation=self._allocation(request_id))
         self.stats.blocks_written += len(writes)
         self.stats.write_s += time.perf_counter() - t0
+
+    def _allocation(self, request_id: str) -> tuple[int, str] | None:
+        tracked = self._requests.get(request_id)
+        return tracked.allocation if tracked is not None and tracked.allocation[0] else None
 
     async def _check_shm(self, checks: list[tuple[int, int, bytes]]) -> None:
         t0 = time.perf_counter()
@@ -286,8 +296,7 @@ class KVDataWorker:
         for request_id, g, block_id, block_hash in writes:
             by_request.setdefault(request_id, []).append((g, block_id, block_hash))
         for request_id, blocks in by_request.items():
-            tracked = self._requests.get(request_id)
-            allocation = tracked.allocation if tracked is not None and tracked.allocation[0] else None
+            allocation = self._allocation(request_id)
             response = await awrite_blocks(
                 self.client,
                 request_id,

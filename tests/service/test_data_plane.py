@@ -292,6 +292,11 @@ async def _raw_write(client: AsyncKVCacheClient, chunks: list[pb.WriteBlocksChun
         "gap",
         "interleaved",
         "no request id",
+        "epoch without allocation id",
+        "allocation id without epoch",
+        "allocation changes inside a block",
+        "in-memory mark with data",
+        "in-memory mark inside a block",
     ],
 )
 async def test_a_bad_chunk_is_invalid_argument_naming_the_field_and_writes_nothing_of_its_block(
@@ -331,6 +336,26 @@ async def test_a_bad_chunk_is_invalid_argument_naming_the_field_and_writes_nothi
             "chunks[4]: block 3 (group 0) starts before block 2",
         ),
         "no request id": (_chunks("", 2, pattern(2)), "chunks[3].request_id: must be set"),
+        "epoch without allocation id": (
+            [pb.WriteBlocksChunk(**{**_fields(c), "epoch": running.event_log.epoch}) for c in chunks],
+            "chunks[3].allocation_id: must be set with epoch (both or neither)",
+        ),
+        "allocation id without epoch": (
+            [pb.WriteBlocksChunk(**{**_fields(c), "allocation_id": 1}) for c in chunks],
+            "chunks[3].epoch: must be set with allocation_id (both or neither)",
+        ),
+        "allocation changes inside a block": (
+            [chunks[0], pb.WriteBlocksChunk(**{**_fields(chunks[1]), "allocation_id": 1, "epoch": "e"}), *chunks[2:]],
+            "chunks[4].allocation_id: 1 (epoch 'e') differs from block 2's first chunk (0, epoch '')",
+        ),
+        "in-memory mark with data": (
+            [pb.WriteBlocksChunk(request_id="w", block_id=2, data=b"x", in_memory=True)],
+            "chunks[3].data: 1 bytes with in_memory set (the bytes are in the memory already)",
+        ),
+        "in-memory mark inside a block": (
+            [chunks[0], pb.WriteBlocksChunk(request_id="w", block_id=2, in_memory=True)],
+            "chunks[4].in_memory: set inside block 2's chunks (an in-memory mark is a block's only chunk)",
+        ),
     }[case]
     before = {b: running.tensors.block_view(0, b)[0].clone() for b in (2, 3)}
     code, message = await code_and_message(_raw_write(client, good + expected[0]))

@@ -62,8 +62,8 @@ async def test_a_hit_before_its_blocks_are_written_is_counted_and_checked_after_
         "reads_before_written": 2,
     }
     assert stats["reads_never_written"] == 0
-    # grpc wrote through WriteBlocks (the blocks are final); shm through the memory (unknown to the server).
-    assert [state[x] for x in written] == ([2, 2, 2, 2] if mode == "grpc" else [0, 0, 0, 0])
+    # grpc wrote through WriteBlocks, shm through the memory and then marked them: final either way.
+    assert [state[x] for x in written] == [2, 2, 2, 2]
     # A later admission hitting all three reads them as written: checked, matched.
     c = await _admit(client, "c", PROMPT + [5])
     worker.admitted("c", PROMPT + [5], c)

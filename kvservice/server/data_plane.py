@@ -491,7 +491,9 @@ class DataPlane:
     def _mark_written(self, block_id: int) -> None:
         """The block's bytes were just written whole: *written* (final) when it carries its hash,
         else *partial*."""
-        self.byte_state[block_id] = BLOCK_WRITTEN if self._pool.blocks[block_id].block_hash is not None else BLOCK_PARTIAL
+        self.byte_state[block_id] = (
+            BLOCK_WRITTEN if self._pool.blocks[block_id].block_hash is not None else BLOCK_PARTIAL
+        )
 
     def _check_group(self, field: str, group_idx: int) -> None:
         if not 0 <= group_idx < self._num_groups:

@@ -789,7 +789,9 @@ async def test_a_stream_from_before_a_restart_is_refused_by_the_new_server(start
     second = await start_kv_server(port=port, **CPU)
     client = await connect(second)
     new = await admit(client, "r", PROMPT)
-    assert new.allocation_id == old.allocation_id and new.epoch != old.epoch  # same id, same request id: only the epoch tells
+    assert (
+        new.allocation_id == old.allocation_id and new.epoch != old.epoch
+    )  # same id, same request id: only the epoch tells
     assert await code_and_message(awrite_blocks(client, "r", [(0, 1, pattern(1))], allocation=old)) == (
         grpc.StatusCode.FAILED_PRECONDITION,
         f"chunks[0].epoch: {old.epoch!r} is not this server's epoch {new.epoch!r} (the server restarted: allocation "

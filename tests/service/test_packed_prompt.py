@@ -51,7 +51,9 @@ async def test_packed_prompts_give_the_same_answers_state_and_events(start_kv_se
             assert b.error.message.startswith("prompt_token_ids: length 0 outside 1..64")
         if a.WhichOneof("result") == "allocate_slots":  # each server answers its own epoch
             assert (a.allocate_slots.epoch, b.allocate_slots.epoch) == (
-                (plain_server.event_log.epoch, packed_server.event_log.epoch) if a.allocate_slots.allocated else ("", "")
+                (plain_server.event_log.epoch, packed_server.event_log.epoch)
+                if a.allocate_slots.allocated
+                else ("", "")
             )
             a.allocate_slots.ClearField("epoch")
             b.allocate_slots.ClearField("epoch")

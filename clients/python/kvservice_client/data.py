@@ -218,7 +218,9 @@ def allocation_of(allocation: Allocation | None) -> tuple[int, str]:
     elif hasattr(allocation, "allocation_id") and hasattr(allocation, "epoch"):
         allocation_id, epoch = allocation.allocation_id, allocation.epoch
     else:
-        raise TypeError(f"allocation: (allocation_id, epoch) or an AllocateSlotsResponse; got {type(allocation).__name__}")
+        raise TypeError(
+            f"allocation: (allocation_id, epoch) or an AllocateSlotsResponse; got {type(allocation).__name__}"
+        )
     if not isinstance(allocation_id, int) or isinstance(allocation_id, bool) or not isinstance(epoch, str):
         raise TypeError(f"allocation: (int, str); got ({type(allocation_id).__name__}, {type(epoch).__name__})")
     if not 1 <= allocation_id < 1 << 64 or not epoch:

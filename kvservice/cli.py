@@ -351,6 +351,13 @@ def watch(
     help="Move and check only blocks whose hash is 0 mod N (the same blocks every time: a hash decides).",
 )
 @click.option(
+    "--kv-data-lag",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="The worker writes a step's blocks N steps later, as an asynchronous worker can: hits come before their bytes (the server refuses those reads) and requests are freed before theirs are written.",
+)
+@click.option(
     "--report-mode",
     type=click.Choice(["incremental", "full", "both"]),
     help="kv_cache_report_mode to replay (both: two fresh servers, same trace) [both; full with --instances].",
@@ -517,6 +524,7 @@ def _replay_one_instance(options: dict[str, Any], plots: PlotProcess) -> None:
         device=device,
         kv_data=kv_data,
         kv_data_sample=options["kv_data_sample"],
+        kv_data_lag=options["kv_data_lag"],
         kv_cache_memory=_parse_kv_cache_memory(options["kv_cache_memory"]),
         report_modes=modes,
         watchers=options["watchers"],

@@ -56,23 +56,30 @@ _PROC_MEMINFO = "/proc/meminfo"
 
 
 class KVCacheAllocationError(MemoryError):
-    """The KV cache does not fit on its device.
+    """The KV cache does not fit on its device (or in the memory its allocator draws from).
 
-    The message gives the bytes asked, the bytes available and the device.
+    The message gives the bytes asked, the bytes available and where: the device, or the folder a
+    shared-memory allocator reserves in (``/dev/shm``, whose free bytes are not the host's free RAM).
 
     Attributes:
         bytes_asked: bytes the KV cache tensors need.
-        bytes_available: bytes the device had free (None when unknown).
+        bytes_available: bytes the device (or ``where``) had free (None when unknown).
         device: the device the tensors were to live on.
+        where: what ran out when it is not the device itself (e.g. ``"/dev/shm (shared memory)"``),
+            else None.
     """
 
-    def __init__(self, bytes_asked: int, bytes_available: int | None, device: torch.device) -> None:
+    def __init__(
+        self, bytes_asked: int, bytes_available: int | None, device: torch.device, *, where: str | None = None
+    ) -> None:
         self.bytes_asked = bytes_asked
         self.bytes_available = bytes_available
         self.device = device
+        self.where = where
         available = "unknown" if bytes_available is None else _format_bytes(bytes_available)
+        place = str(device) if where is None else f"{device}: {where}"
         super().__init__(
-            f"KV cache does not fit on {device}: asked {_format_bytes(bytes_asked)}, "
+            f"KV cache does not fit on {place}: asked {_format_bytes(bytes_asked)}, "
             f"available {available}; lower num_blocks or the memory budget"
         )
 
@@ -648,6 +655,8 @@ def allocate_kv_cache_tensors(
         raise KVCacheAllocationError(bytes_asked, bytes_available, resolved)
     try:
         raw = allocator(bytes_asked, resolved)
+    except KVCacheAllocationError:
+        raise  # the allocator said what ran out (a shared-memory folder names itself)
     except Exception as exc:  # torch raises OutOfMemoryError on CUDA, RuntimeError on CPU
         if not _is_out_of_memory(exc):
             raise

@@ -7,25 +7,44 @@ tensors *are* the shared memory and a worker that maps the segment sees the same
 
 Segments:
 
-- names are ``kvservice-<pid>-<32 random hex digits>`` (:func:`secrets.token_hex`): not guessable,
-  and the owner's pid tells a later start whether the owner is still alive;
+- names are ``kvservice-<pid>-<32 random hex digits>-<n>`` (:func:`secrets.token_hex`): not
+  guessable; the pid is the creator's as its own PID namespace sees it, for people reading
+  ``ls /dev/shm``, never trusted (in a container the server is PID 1 after every restart, and a
+  process in another PID namespace sharing ``/dev/shm`` sees other pids or none);
 - created with ``O_CREAT | O_EXCL`` and mode 0600: only the server's user can map them;
+- **owned by a lock**: the live allocator holds an exclusive ``flock`` on its control segment (the
+  ``-ctl`` one, created first) for as long as it lives. The kernel drops the lock when the last
+  descriptor of that open file closes, however the process ends (SIGKILL and the OOM killer
+  included), and the lock is on the inode, so every process sharing the tmpfs sees it whatever
+  its PID namespace. ``flock``, not POSIX ``fcntl`` locks: those belong to the process, so a second
+  allocator in the same process (an embedded replay runs two servers) could not tell a live one,
+  and closing any descriptor of the file (the epoch write, a view in the same process) drops them;
 - removed (unlinked) by :meth:`SharedMemoryAllocator.close` at shutdown, and by an ``atexit`` hook
   when the process exits without it; mappings already made stay valid until unmapped, so a worker
   never touches freed memory, but it sees a dead server's bytes;
-- after a crash (SIGKILL, OOM killer) nothing runs: :func:`remove_stale_segments`, called at every
-  start, removes the segments of our name whose pid is no longer alive and that this user owns,
-  after marking their control segment closed.
+- after a crash nothing runs: :func:`remove_stale_segments`, called at every start, removes exactly
+  the segments of this user whose control segment nobody holds locked (it takes the lock itself,
+  marks the control segment closed, unlinks the data segments and then the control one, and only
+  then lets go), and data segments whose control segment is gone. A live server's segments are
+  never removed.
 
-One extra small *control* segment per allocator holds a state byte (1 = open, 2 = closed) and the
-server epoch. :meth:`SharedMemoryAllocator.close` (and stale removal) sets it to closed before
-unlinking, and a worker's view checks it before every use (``kvservice_client.torch_view``), so a
-view of a stopped or restarted server refuses to be used instead of reading memory nobody owns.
+One extra small *control* segment per allocator holds a state byte (1 = open, 2 = closed), a format
+byte (1 = its owner holds the flock) and the server epoch. :meth:`SharedMemoryAllocator.close` (and
+stale removal) sets it to closed before unlinking, and a worker's view checks it before every use
+(``kvservice_client.torch_view``), so a view of a stopped or restarted server refuses to be used
+instead of reading memory nobody owns. A control segment of format 0 was made by a kvservice from
+before the lock (it holds none): for those alone the old rule applies (stale when no process has
+the pid of its name), so an upgrade never removes a running older server's memory.
+
+A process forked (without exec) from the server shares the locked open file, so the segments stay
+held until it exits too: the descriptor is close-on-exec, so a spawned process never holds it.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import logging
 import os
 import re
@@ -36,11 +55,14 @@ from pathlib import Path
 
 import torch
 
+from kvservice.memory import KVCacheAllocationError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONTROL_BYTES",
     "CONTROL_CLOSED",
+    "CONTROL_FORMAT_LOCKED",
     "CONTROL_OPEN",
     "SEGMENT_PREFIX",
     "SHM_DIR",
@@ -54,10 +76,15 @@ SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "kvservice-"
 """Every segment this module creates starts with it."""
 
-_SEGMENT_RE = re.compile(r"kvservice-(\d+)-[0-9a-f]{32}-(?:ctl|\d+)")
+_SEGMENT_RE = re.compile(r"(kvservice-(\d+)-[0-9a-f]{32})-(ctl|\d+)")
 
 CONTROL_BYTES = 64
-"""Size of a control segment: byte 0 is the state, bytes 8..63 the epoch (ASCII, NUL-padded)."""
+"""Size of a control segment: byte 0 is the state, byte 1 the format, bytes 8..63 the epoch (ASCII,
+NUL-padded)."""
+
+CONTROL_FORMAT_LOCKED = 1
+"""Control format byte: the owner holds an exclusive flock on the control segment while it lives
+(0: a kvservice from before the lock, judged by the pid of its name)."""
 
 CONTROL_OPEN = 1
 """Control state: the server that owns the memory runs."""
@@ -66,23 +93,41 @@ CONTROL_CLOSED = 2
 """Control state: the server stopped (or crashed and a later start found it); the memory is gone."""
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (any owner)."""
+def _free_bytes(shm_dir: Path) -> int | None:
+    """Bytes an unprivileged user may still reserve in ``shm_dir`` (``statvfs``: ``f_bavail *
+    f_frsize``), or None when it cannot be asked."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
-def _create_segment(path: Path, num_bytes: int) -> None:
+def _shm_full_error(shm_dir: Path, num_bytes: int, device: torch.device, cause: str) -> KVCacheAllocationError:
+    """The error of a shared-memory folder too full for ``num_bytes``: it names the folder and its
+    free bytes, never the host's free RAM (a full tmpfs is not a full host)."""
+    return KVCacheAllocationError(
+        num_bytes,
+        _free_bytes(shm_dir),
+        device,
+        where=f"{shm_dir} (shared memory: {cause}; give it more room, e.g. docker run --shm-size)",
+    )
+
+
+def _create_segment(path: Path, num_bytes: int, device: torch.device) -> None:
     """Create ``path`` (exclusive, mode 0600) with ``num_bytes`` zero bytes reserved.
 
-    ``posix_fallocate`` reserves the pages now: a full tmpfs fails here with ENOSPC (raised as
-    MemoryError) instead of killing the process with SIGBUS at the first write to a sparse page.
+    ``posix_fallocate`` reserves the pages now: a full tmpfs fails here with ENOSPC instead of
+    killing the process with SIGBUS at the first write to a sparse page.
+
+    Raises:
+        KVCacheAllocationError: the folder has fewer than ``num_bytes`` free (checked with
+            ``statvfs`` first, then ENOSPC from the reservation); the message names the folder and
+            its free bytes.
     """
+    free = _free_bytes(path.parent)
+    if free is not None and num_bytes > free:
+        raise _shm_full_error(path.parent, num_bytes, device, "not enough free bytes")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)  # the umask cannot widen it, but be explicit about the mode
@@ -92,6 +137,8 @@ def _create_segment(path: Path, num_bytes: int) -> None:
             os.close(fd)
             fd = -1
             os.unlink(path)
+            if e.errno == errno.ENOSPC:
+                raise _shm_full_error(path.parent, num_bytes, device, e.strerror or "ENOSPC") from e
             raise MemoryError(
                 f"cannot reserve {num_bytes} bytes of shared memory in {path.parent}: {e.strerror}"
             ) from e
@@ -100,27 +147,57 @@ def _create_segment(path: Path, num_bytes: int) -> None:
             os.close(fd)
 
 
-def _mark_closed(control_path: Path) -> None:
-    """Set a control segment's state byte to closed (no-op when it is gone)."""
+def _try_lock(fd: int) -> bool:
+    """Take the exclusive flock on ``fd`` without waiting; False when another open file holds it."""
     try:
-        fd = os.open(control_path, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (any owner) in this PID namespace (only for control
+    segments of format 0, which carry no lock)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owned_by_us(path: Path, uid: int) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
     except OSError:
-        return
+        return False
+    return st.st_uid == uid and stat.S_ISREG(st.st_mode)
+
+
+def _unlink(path: Path) -> bool:
     try:
-        os.pwrite(fd, bytes([CONTROL_CLOSED]), 0)
-    finally:
-        os.close(fd)
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Remove the segments a crashed kvservice process of this user left behind.
+    """Remove the segments a kvservice process of this user that is gone left behind.
 
-    A segment is stale when its name is ours (``kvservice-<pid>-<hex>``, control segments
-    included), this user owns it, and no process with that pid exists. Control segments are marked
-    closed first, so a worker still mapping them refuses further use.
+    Segments are taken by allocator (the ``kvservice-<pid>-<hex>`` part of the name). One is stale
+    when this user owns it and either its control segment nobody holds locked (this call takes the
+    lock, so no live allocator can be mistaken for a dead one, whatever the PID namespaces), or its
+    control segment is gone. A control segment of format 0 (a kvservice from before the lock) is
+    judged by the pid of its name instead. The control segment is marked closed first (so a worker
+    still mapping it refuses further use), then the data segments are unlinked, then the control
+    segment, and only then the lock is let go: an allocator that locks a control segment after
+    this has unlinked it finds the name gone (see :class:`SharedMemoryAllocator`).
 
     Returns:
-        The names removed.
+        The names removed: per allocator its control segment first, then its data segments.
     """
     removed: list[str] = []
     try:
@@ -128,40 +205,86 @@ def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     uid = os.getuid()
-    stale = []
+    by_token: dict[str, list[str]] = {}
     for name in entries:
         match = _SEGMENT_RE.fullmatch(name)
-        if match is None:
-            continue
+        if match is not None and match.group(3) != "ctl":
+            by_token.setdefault(match.group(1), []).append(name)
+        elif match is not None:
+            by_token.setdefault(match.group(1), [])
+    for token, data_names in by_token.items():
+        control = shm_dir / f"{token}-ctl"
         try:
-            st = os.stat(shm_dir / name, follow_symlinks=False)
+            fd = os.open(control, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = -1  # data segments without their control segment: nobody can own them
         except OSError:
             continue
-        if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or _pid_alive(int(match.group(1))):
-            continue
-        stale.append(name)
-    for name in sorted(stale, key=lambda n: not n.endswith("-ctl")):  # control segments first
-        if name.endswith("-ctl"):
-            _mark_closed(shm_dir / name)
         try:
-            os.unlink(shm_dir / name)
-        except OSError:
-            continue
-        removed.append(name)
+            if fd >= 0:
+                if not _owned_by_us(control, uid) or not _try_lock(fd):
+                    continue  # another user's, or a live allocator holds it
+                header = os.pread(fd, 2, 0)
+                legacy = len(header) < 2 or header[1] != CONTROL_FORMAT_LOCKED
+                if legacy and _pid_alive(int(token.split("-")[1])):
+                    continue
+                os.pwrite(fd, bytes([CONTROL_CLOSED]), 0)
+                if _unlink(control):
+                    removed.append(control.name)
+            for name in sorted(data_names, key=lambda n: int(n.rsplit("-", 1)[1])):
+                if _owned_by_us(shm_dir / name, uid) and _unlink(shm_dir / name):
+                    removed.append(name)
+        finally:
+            if fd >= 0:
+                os.close(fd)  # lets go of the lock, after everything of this allocator is gone
     if removed:
         logger.warning("removed %d shared-memory segments of a kvservice process that is gone", len(removed))
     return removed
+
+
+def _create_control(shm_dir: Path, epoch: str) -> tuple[str, int]:
+    """Create and lock a control segment: ``(token, descriptor holding the lock)``.
+
+    The name is created exclusively, then locked; a :func:`remove_stale_segments` running in
+    between may take the lock first (then this one unlinks what it made) or unlink the name before
+    this one locks it (then the name no longer names the locked file): both retry with a new token.
+    """
+    for _attempt in range(8):
+        token = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        path = shm_dir / f"{token}-ctl"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if not _try_lock(fd):
+            os.close(fd)
+            _unlink(path)
+            continue
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, CONTROL_BYTES)
+        os.pwrite(fd, bytes([CONTROL_OPEN, CONTROL_FORMAT_LOCKED]) + bytes(6) + _epoch_bytes(epoch), 0)
+        return token, fd
+    raise OSError(errno.EAGAIN, f"could not create a control segment in {shm_dir}: removed 8 times while created")
+
+
+def _epoch_bytes(epoch: str) -> bytes:
+    data = epoch.encode("ascii")[: CONTROL_BYTES - 8]
+    return data + bytes(CONTROL_BYTES - 8 - len(data))
 
 
 class SharedMemoryAllocator:
     """Allocates KV cache memory as POSIX shared-memory segments (see the module docstring).
 
     Call it as the ``allocator`` of :func:`kvservice.memory.allocate_kv_cache_tensors`. Only
-    ``cpu`` devices are served.
+    ``cpu`` devices are served. It holds the flock on its control segment (an open descriptor)
+    until :meth:`close`.
 
     Args:
         epoch: the server epoch, written into the control segment (or later, :meth:`set_epoch`).
-        shm_dir: the shared-memory directory (``/dev/shm``; tests may pass another tmpfs folder).
+        shm_dir: the shared-memory directory (``/dev/shm``; tests may pass another folder).
 
     Attributes:
         segments: ``(name, size in bytes, tensor)`` of every segment, in allocation order.
@@ -173,28 +296,16 @@ class SharedMemoryAllocator:
 
     def __init__(self, epoch: str = "", *, shm_dir: Path = SHM_DIR) -> None:
         self.shm_dir = Path(shm_dir)
-        self._token = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        self._token, self._control_fd = _create_control(self.shm_dir, epoch)
         self.segments: list[tuple[str, int, torch.Tensor]] = []
         self.control_name = f"{self._token}-ctl"
         self._lock = threading.Lock()
         self._closed = False
-        path = self.shm_dir / self.control_name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, CONTROL_BYTES)
-            os.pwrite(fd, bytes([CONTROL_OPEN]) + bytes(7) + epoch.encode("ascii")[: CONTROL_BYTES - 8], 0)
-        finally:
-            os.close(fd)
         atexit.register(self.close)
 
     def set_epoch(self, epoch: str) -> None:
         """Write the server epoch (ASCII, at most 56 characters kept) into the control segment."""
-        data = epoch.encode("ascii")[: CONTROL_BYTES - 8]
-        fd = os.open(self.shm_dir / self.control_name, os.O_RDWR)
-        try:
-            os.pwrite(fd, data + bytes(CONTROL_BYTES - 8 - len(data)), 8)
-        finally:
-            os.close(fd)
+        os.pwrite(self._control_fd, _epoch_bytes(epoch), 8)
 
     def __call__(self, num_bytes: int, device: torch.device) -> torch.Tensor:
         """A flat ``uint8`` tensor of ``num_bytes`` bytes in a new segment (zero-filled, not yet
@@ -202,7 +313,8 @@ class SharedMemoryAllocator:
 
         Raises:
             ValueError: ``device`` is not a CPU device, or ``num_bytes < 1``.
-            MemoryError: the shared-memory folder has no room for it (ENOSPC).
+            KVCacheAllocationError: the shared-memory folder has no room for it (its free bytes,
+                from ``statvfs``, are in the message).
             OSError: the segment cannot be created otherwise.
         """
         if device.type != "cpu":
@@ -215,7 +327,7 @@ class SharedMemoryAllocator:
             name = f"{self._token}-{len(self.segments)}"
             # The index suffix keeps every name unique; stale removal matches the token part.
             path = self.shm_dir / name
-            _create_segment(path, num_bytes)
+            _create_segment(path, num_bytes, device)
             tensor = torch.from_file(str(path), shared=True, size=num_bytes, dtype=torch.uint8)
             self.segments.append((name, num_bytes, tensor))
         return tensor
@@ -230,20 +342,16 @@ class SharedMemoryAllocator:
         return None
 
     def close(self) -> None:
-        """Mark the control segment closed and unlink every segment (idempotent). Tensors mapped
-        here or in workers stay valid until dropped; the names are gone."""
+        """Mark the control segment closed, unlink every segment, then let go of the lock
+        (idempotent). Tensors mapped here or in workers stay valid until dropped; the names are
+        gone."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        _mark_closed(self.shm_dir / self.control_name)
+        os.pwrite(self._control_fd, bytes([CONTROL_CLOSED]), 0)
         for name, _size, _tensor in self.segments:
-            try:
-                os.unlink(self.shm_dir / name)
-            except FileNotFoundError:
-                pass
-        try:
-            os.unlink(self.shm_dir / self.control_name)
-        except FileNotFoundError:
-            pass
+            _unlink(self.shm_dir / name)
+        _unlink(self.shm_dir / self.control_name)
+        os.close(self._control_fd)
         atexit.unregister(self.close)

@@ -220,6 +220,14 @@ class BlockHashToBlockMap:
             return value
         return next(iter(value.values()))
 
+    def get_all_blocks(self, block_hash: bytes) -> tuple[KVCacheBlock, ...]:
+        """Every block carrying ``block_hash`` (vLLM does not dedup: a hash may have two copies),
+        in the order they were indexed; () when none."""
+        value = self._map.get(block_hash)
+        if value is None:
+            return ()
+        return (value,) if type(value) is KVCacheBlock else tuple(value.values())
+
     def insert(self, block_hash: bytes, block: KVCacheBlock) -> bool:
         """Index ``block`` under ``block_hash``; True when the hash was not present before."""
         value = self._map.get(block_hash)
@@ -326,6 +334,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes, group_idx: int) -> KVCacheBlock | None:
         """A cached block of ``group_idx`` carrying ``block_hash``, or None."""
         return self.cached_block_hash_to_block[group_idx].get_one_block(block_hash)
+
+    def get_cached_blocks(self, block_hash: bytes, group_idx: int) -> tuple[KVCacheBlock, ...]:
+        """Every cached block of ``group_idx`` carrying ``block_hash`` (usually one), or ()."""
+        return self.cached_block_hash_to_block[group_idx].get_all_blocks(block_hash)
 
     def get_num_free_blocks(self) -> int:
         """Free blocks (cached-but-unreferenced included), null block excluded."""

@@ -295,6 +295,7 @@ class KVCacheEngine:
         self.limits = limits
         self.requests: dict[str, Request] = {}
         self.running: set[str] = set()
+        self._num_admissions = 0  # the last allocation id issued (Request.allocation_id)
         self._no_blocks: tuple[list[int], ...] = tuple([] for _ in range(manager.num_groups))
         self._max_tokens_in_pool = max_tokens_in_pool(manager.kv_cache_config)
         self.num_failed_allocations = 0
@@ -473,6 +474,7 @@ class KVCacheEngine:
         request.num_computed_tokens += hit_tokens + num_scheduled
         if not admitted:
             self.num_waiting_tokens -= request.num_prompt_tokens
+            self._admit(request)
         self.running.add(request_id)
         return AllocateResult(
             True,
@@ -994,6 +996,7 @@ class KVCacheEngine:
             return OwnedAllocateResult(False, self._no_blocks, None, (), manager.last_refusal_full_sequence)
         if request_id not in self.running:
             self.running.add(request_id)
+            self._admit(request)
             self.num_waiting_tokens -= request.num_prompt_tokens
             if manager.enable_caching:  # counted at admission, as vLLM records its stats
                 stats = manager.prefix_cache_stats
@@ -1532,6 +1535,12 @@ class KVCacheEngine:
             return KVCacheReportMode.parse(kv_cache_report_mode)
         except ValueError as e:
             raise InvalidArgumentError("kv_cache_report_mode", str(e).split("; ", 1)[-1]) from None
+
+    def _admit(self, request: Request) -> None:
+        """Issue ``request`` its allocation id for this admission (the next one; see
+        :attr:`Request.allocation_id`)."""
+        self._num_admissions += 1
+        request.allocation_id = self._num_admissions
 
     def _touch(self, request_id: str) -> None:
         """Record a call of ``request_id`` now (it becomes the most recently called); a

@@ -68,6 +68,9 @@ class Request:
         num_in_flight_tokens: of ``num_computed_tokens``, tokens scheduled but not yet processed
             (vLLM 0.33's async scheduling); a group frees skipped positions only below
             ``num_computed_tokens - num_in_flight_tokens``. 0 unless a scheduler says so.
+        allocation_id: the admission it runs under (set by the engine each time it is admitted:
+            >= 1, unique within the server's life; 0 while it has not been). Writes of its blocks
+            name it, so a stream for an earlier admission of the same request id is told apart.
     """
 
     __slots__ = (
@@ -82,6 +85,7 @@ class Request:
         "session_id",
         "kv_cache_report_mode",
         "num_in_flight_tokens",
+        "allocation_id",
         "_block_hasher",
     )
 
@@ -108,6 +112,7 @@ class Request:
         self.session_id = session_id
         self.num_computed_tokens = 0
         self.num_in_flight_tokens = 0
+        self.allocation_id = 0
         self._block_hasher = block_hasher
         if block_hashes is not None and block_hasher is not None:
             if len(block_hashes) != self.num_prompt_tokens // block_hasher.block_size:

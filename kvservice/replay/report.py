@@ -505,6 +505,11 @@ def _kv_data_rows(kv: dict[str, Any] | None) -> list[tuple[str, str]]:
             "kv data: hit blocks checked / mismatches",
             f"{_fmt_int(kv.get('blocks_checked', 0))} / {_fmt_int(kv.get('mismatches', 0))}",
         ),
+        (
+            "kv data: hits before written / never written / writes after free",
+            f"{_fmt_int(kv.get('reads_before_written', 0))} / {_fmt_int(kv.get('reads_never_written', 0))} / "
+            f"{_fmt_int(kv.get('writes_after_free', 0))}",
+        ),
     ]
 
 

@@ -82,6 +82,8 @@ class ReplayConfig:
             and checks every hit's blocks at admission), "grpc" (the same over WriteBlocks /
             ReadBlocks) or "off"; see ``kvservice.replay.kv_data``. Needs a device with memory.
         kv_data_sample: move and check 1 in N blocks (chosen by hash).
+        kv_data_lag: the worker writes a step's blocks this many steps later (0: at once), so hits
+            come before their bytes and requests are freed before theirs are written.
     """
 
     trace: str | None = None
@@ -103,6 +105,7 @@ class ReplayConfig:
     show_progress: bool | None = None
     kv_data: str = "off"
     kv_data_sample: int = 1
+    kv_data_lag: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_data not in ("shm", "grpc", "off"):
@@ -113,6 +116,8 @@ class ReplayConfig:
             )
         if self.kv_data_sample < 1:
             raise ValueError(f"kv_data_sample must be >= 1; got {self.kv_data_sample}")
+        if self.kv_data_lag < 0:
+            raise ValueError(f"kv_data_lag must be >= 0; got {self.kv_data_lag}")
         if self.watchers < 1:
             raise ValueError(f"watchers must be >= 1; got {self.watchers}")
         if not self.report_modes or any(m not in ("incremental", "full") for m in self.report_modes):
@@ -277,7 +282,9 @@ async def run_mode(
                 from kvservice_client.torch_view import aattach
 
                 view = await aattach(client)
-            kv_worker = KVDataWorker(config.kv_data, client, metadata, view=view, sample=config.kv_data_sample)
+            kv_worker = KVDataWorker(
+                config.kv_data, client, metadata, view=view, sample=config.kv_data_sample, lag=config.kv_data_lag
+            )
         scheduler = ReplayScheduler(
             client,
             requests,

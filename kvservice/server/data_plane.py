@@ -16,20 +16,30 @@ they name. This module lets workers reach that memory:
   Python, and 64 bits make an undetected corruption far less likely than crc32c's 32; crc32c would
   need another native package on both sides.
 
-Write rule (a cached block's content is named by its hash and never changes): a block may be
-written only by the running request it was newly allocated to (by ``AllocateSlots``, not taken
-from the prefix cache as part of a hit), while that request still holds it at the position it was
-allocated at, and while no other request holds it. vLLM registers a block's hash when it is
-allocated, before the forward pass that computes it, so "not yet cached" cannot mean "no hash
-yet" here; it means "not yet readable by anyone but its computer": once another request holds it
-(a prefix-cache hit) or its request frees it, its bytes are fixed until it is evicted. A read by
-hash of a block its computer may still write is refused (FAILED_PRECONDITION), so a read by hash
-never returns bytes that may still change.
+Byte state (a block's bytes exist only once written): vLLM registers a block's hash when it
+allocates the block, before the forward pass that computes it, so a second request can hit a block
+whose bytes nobody wrote yet. Each block therefore has a state, reset when it is allocated for
+computing: *not written*; *partial* (written before it had a hash: a block still filling); or
+*written* (written while carrying its hash: final). The state lives here, beside the memory; the
+cache, its hits and its events are those of vLLM (the data plane changes no cache state and never
+touches the event log).
 
-Read rule: a block read by hash is resolved when the call starts (NOT_FOUND naming the hash when no
-block of that group carries it) and checked again before every chunk is copied (no await between
-the check and the copy): when it left the cache, or was reused, meanwhile, the stream says
-``evicted`` for it and sends no more of it.
+Write rule: a block may be written only by the running request it was allocated to for computing
+(not taken from the prefix cache as part of a hit), in the allocation (``allocation_id``, the
+admission, and the epoch) the write names, while that request holds it at the position it was
+allocated at, and until it is written. Other requests may hold it already (a hit before the
+bytes): its computer still writes it, as its content is the one its hash names. Once written it is
+immutable: a second write is refused (FAILED_PRECONDITION "already written").
+
+Read rule: a read by hash answers FAILED_PRECONDITION naming the hash unless the block is
+*written* (a hit before its computer wrote it: retry; a block freed before it was written stays
+cached and announced, as in vLLM, but is never readable until evicted); a read by id answers
+FAILED_PRECONDITION naming the block while it is *not written* (allocated and nobody wrote it, or
+never allocated), so no read ever returns a previous tenant's bytes. A block read by hash is
+resolved when the call starts (NOT_FOUND naming the hash when no block of that group carries it)
+and checked again before every chunk is copied (no await between the check and the copy): when it
+left the cache, or was reused, meanwhile, the stream says ``evicted`` for it and sends no more of
+it.
 
 Off the loop (issue 24): a chunk's bytes (the staging copy and checksum of a write, the block copy,
 the read's copy, checksum and serialization) are handled on a few worker threads
@@ -79,6 +89,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BLOCK_NOT_WRITTEN",
+    "BLOCK_PARTIAL",
+    "BLOCK_WRITTEN",
     "DATA_THREADS",
     "DataPlane",
     "DataPlaneError",
@@ -103,6 +116,14 @@ INLINE_BYTES = 16384
 """Chunks up to this many bytes are handled on the loop (a thread hop costs more than they do)."""
 
 NO_MEMORY = "no memory behind a meta device"
+
+BLOCK_NOT_WRITTEN = 0
+"""Byte state: nobody wrote the block since it was allocated for computing (or ever)."""
+BLOCK_PARTIAL = 1
+"""Byte state: written before it carried a block hash (a block still filling); its computer may
+write it again; readable by id, not by hash."""
+BLOCK_WRITTEN = 2
+"""Byte state: written while carrying its block hash: final, immutable until reallocated."""
 
 
 class DataPlaneError(Exception):
@@ -474,8 +495,11 @@ class DataPlane:
         self._coordinator = engine.manager.coordinator
         self._num_groups = tensors.num_groups
         self._num_blocks = tensors.num_blocks
-        # block id -> (request it was newly allocated to, group_idx, position in its block table).
-        self._allocated_to: list[tuple[Request, int, int] | None] = [None] * self._num_blocks
+        # block id -> (request it was allocated to for computing, that admission's allocation id,
+        # group_idx, position in its block table).
+        self._allocated_to: list[tuple[Request, int, int, int] | None] = [None] * self._num_blocks
+        # block id -> BLOCK_NOT_WRITTEN / BLOCK_PARTIAL / BLOCK_WRITTEN since that allocation.
+        self.byte_state = bytearray(self._num_blocks)
         self._attach: pb.AttachKVCacheResponse | None = None
         self.num_blocks_written = 0
         self.num_bytes_written = 0
@@ -620,17 +644,20 @@ class DataPlane:
     # -- bookkeeping (called by the servicer) ----------------------------------------------------
 
     def note_allocated(self, request_id: str, new_block_ids: Sequence[Sequence[int]]) -> None:
-        """Record the blocks ``AllocateSlots`` just gave ``request_id`` (per group, appended to its
-        block table): these, and only these, it may write. Nothing on meta, where no block is ever
-        written or read (every data-plane call is refused there before it asks)."""
+        """Record the blocks ``AllocateSlots`` just gave ``request_id`` for computing (per group,
+        appended to its block table): these, and only these, it may write, in its current
+        allocation; their bytes are *not written* from now on. Nothing on meta, where no block is
+        ever written or read (every data-plane call is refused there before it asks)."""
         if not self.has_memory or not any(new_block_ids):
             return
         request = self.engine.requests[request_id]
+        allocation_id = request.allocation_id
         tables = self._coordinator.get_blocks(request_id)
-        allocated_to = self._allocated_to
+        allocated_to, byte_state = self._allocated_to, self.byte_state
         for g, ids in enumerate(new_block_ids):
             for position, block_id in enumerate(ids, len(tables[g]) - len(ids)):
-                allocated_to[block_id] = (request, g, position)
+                allocated_to[block_id] = (request, allocation_id, g, position)
+                byte_state[block_id] = BLOCK_NOT_WRITTEN
 
     # -- rules -------------------------------------------------------------------------------------
 
@@ -639,39 +666,84 @@ class DataPlane:
         entry = self._allocated_to[block_id]
         if entry is None:
             return None
-        request, g, position = entry
+        request, allocation_id, g, position = entry
         if g != group_idx or self.engine.requests.get(request.request_id) is not request:
             return None
-        if request.request_id not in self.engine.running:
+        if request.allocation_id != allocation_id or request.request_id not in self.engine.running:
             return None
         table = self._coordinator.get_blocks(request.request_id)[g]
-        block = self._pool.blocks[block_id]
-        if position >= len(table) or table[position] is not block or block.ref_cnt != 1:
+        if position >= len(table) or table[position] is not self._pool.blocks[block_id]:
             return None
         return request
+
+    def _check_allocation(self, where: str, request_id: str, allocation_id: int, epoch: str) -> None:
+        """Raise unless a write naming ``allocation_id`` and ``epoch`` (both or neither) is for the
+        current allocation of ``request_id`` in this epoch (nothing to check without them).
+
+        Raises:
+            DataPlaneError: INVALID_ARGUMENT naming the field when only one of the two is set;
+                FAILED_PRECONDITION naming the epoch or the allocation id that is stale.
+        """
+        if not allocation_id and not epoch:
+            return
+        if not allocation_id or not epoch:
+            field, other = ("allocation_id", "epoch") if epoch else ("epoch", "allocation_id")
+            raise DataPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{where}.{field}: must be set with {other} (both or neither)"
+            )
+        if epoch != self.epoch:
+            raise DataPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}.epoch: {epoch!r} is not this server's epoch {self.epoch!r} (the server restarted: "
+                f"allocation {allocation_id} is gone); nothing was written",
+            )
+        request = self.engine.requests.get(request_id)
+        current = request.allocation_id if request is not None and request_id in self.engine.running else 0
+        if allocation_id != current:
+            now = f"its allocation is {current}" if current else "it is not running"
+            raise DataPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}.allocation_id: {allocation_id} is not request {request_id!r}'s current allocation ({now}): "
+                "the stream was begun for an earlier admission of that request id; nothing was written",
+            )
 
     def _check_writable(self, request_id: str, group_idx: int, block_id: int) -> None:
         """Raise FAILED_PRECONDITION naming the block unless ``request_id`` may write it now."""
         writer = self._writer(group_idx, block_id)
-        if writer is not None and writer.request_id == request_id:
-            return
         where = f"block {block_id} (group {group_idx})"
-        if request_id not in self.engine.running:
+        if writer is not None and writer.request_id == request_id:
+            if self.byte_state[block_id] != BLOCK_WRITTEN:
+                return
+            block_hash = self._pool.blocks[block_id].block_hash
+            named = f" (block hash {block_hash.hex()})" if block_hash is not None else ""
+            reason = f"already written{named}: a written block's bytes are final"
+        elif request_id not in self.engine.running:
             reason = f"request {request_id!r} is not running (unknown, waiting or freed)"
         else:
-            block = self._pool.blocks[block_id]
             entry = self._allocated_to[block_id]
-            owned = entry is not None and entry[0] is self.engine.requests.get(request_id) and entry[1] == group_idx
+            request = self.engine.requests.get(request_id)
+            owned = (
+                entry is not None
+                and request is not None
+                and entry[0] is request
+                and entry[1] == request.allocation_id
+                and entry[2] == group_idx
+            )
             if not owned:
                 reason = (
                     f"it was not allocated to request {request_id!r} for computing (not its block, or part of its "
                     "prefix-cache hit)"
                 )
-            elif block.ref_cnt != 1:
-                reason = "another request holds it too (a prefix-cache hit): its content is named by its hash and never changes"
             else:
                 reason = f"request {request_id!r} no longer holds it at the position it was allocated at"
         raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {reason}; nothing was written")
+
+    def _mark_written(self, block_id: int) -> None:
+        """The block's bytes were just written whole: *written* (final) when it carries its hash,
+        else *partial*."""
+        self.byte_state[block_id] = (
+            BLOCK_WRITTEN if self._pool.blocks[block_id].block_hash is not None else BLOCK_PARTIAL
+        )
 
     def _check_group(self, field: str, group_idx: int) -> None:
         if not 0 <= group_idx < self._num_groups:
@@ -728,6 +800,7 @@ class DataPlane:
         num_blocks = num_bytes = 0
         staging: bytearray | None = None
         current: tuple[str, int, int] | None = None  # (request_id, group_idx, block_id) being received
+        allocation: tuple[int, str] = (0, "")  # (allocation_id, epoch) of the block being received
         received = 0
         hasher = xxhash.xxh3_64()
         size = 0
@@ -749,8 +822,13 @@ class DataPlane:
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"{where}.offset_bytes: {chunk.offset_bytes}; a block's first chunk starts at 0",
                     )
+                self._check_allocation(where, chunk.request_id, chunk.allocation_id, chunk.epoch)
                 self._check_writable(chunk.request_id, chunk.group_idx, chunk.block_id)
+                if chunk.in_memory:
+                    num_blocks += self._commit_in_memory(where, chunk)
+                    continue
                 current = (chunk.request_id, chunk.group_idx, chunk.block_id)
+                allocation = (chunk.allocation_id, chunk.epoch)
                 size = self.tensors.bytes_per_block(chunk.group_idx)
                 if staging is None or len(staging) < size:
                     staging = bytearray(size)
@@ -765,6 +843,18 @@ class DataPlane:
                         f"{where}: block {chunk.block_id} (group {chunk.group_idx}) starts before block {current[2]} "
                         f"(group {current[1]}) is complete ({received} of {size} bytes); nothing of block {current[2]} "
                         "was written",
+                    )
+                if chunk.in_memory:
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.in_memory: set inside block {current[2]}'s chunks (an in-memory mark is a block's "
+                        "only chunk); nothing of it was written",
+                    )
+                if (chunk.allocation_id, chunk.epoch) != allocation:
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.allocation_id: {chunk.allocation_id} (epoch {chunk.epoch!r}) differs from block "
+                        f"{current[2]}'s first chunk ({allocation[0]}, epoch {allocation[1]!r}); nothing of it was written",
                     )
                 if chunk.offset_bytes != received:
                     raise DataPlaneError(
@@ -806,15 +896,24 @@ class DataPlane:
                     f"{where}.checksum: {chunk.checksum:#018x} does not match block {block_id}'s bytes "
                     f"(xxh3_64 {hasher.intdigest():#018x}); nothing of it was written",
                 )
-            # The request may have been freed, or another request may have hit the block, while
-            # chunks streamed: check again right before the copy starts (the block is marked as
-            # being copied into until it ended: see the module docstring).
-            await self._copy_into_block(
-                group_idx,
-                block_id,
-                memoryview(staging)[:size],
-                lambda: self._check_writable(request_id, group_idx, block_id),  # noqa: B023 (awaited here)
-            )
+
+            # The request may have been freed (or freed and admitted again), or the block written,
+            # while chunks streamed: check again right before the copy starts (the block is marked as
+            # being copied into until it ended: see the module docstring), and after it before the
+            # block is marked written (a free during the copy leaves the block unwritten).
+            def check(
+                where: str = where,
+                allocation: tuple[int, str] = allocation,
+                group_idx: int = group_idx,
+                block_id: int = block_id,
+                request_id: str = request_id,
+            ) -> None:
+                self._check_allocation(where, request_id, *allocation)
+                self._check_writable(request_id, group_idx, block_id)
+
+            await self._copy_into_block(group_idx, block_id, memoryview(staging)[:size], check)
+            check()
+            self._mark_written(block_id)
             num_blocks += 1
             num_bytes += size
             current = None
@@ -827,6 +926,31 @@ class DataPlane:
         self.num_blocks_written += num_blocks
         self.num_bytes_written += num_bytes
         return pb.WriteBlocksResponse(num_blocks_written=num_blocks, num_bytes_written=num_bytes)
+
+    def _commit_in_memory(self, where: str, chunk: pb.WriteBlocksChunk) -> int:
+        """Mark a block stored through the attached memory written (its write rule already checked):
+        1, the block counted.
+
+        Raises:
+            DataPlaneError: INVALID_ARGUMENT when the chunk carries data, or its checksum does not
+                match the memory (nothing marked).
+        """
+        if chunk.data:
+            raise DataPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}.data: {len(chunk.data)} bytes with in_memory set (the bytes are in the memory already)",
+            )
+        if chunk.HasField("checksum"):
+            block = _BlockBytes(self.tensors.block_view(chunk.group_idx, chunk.block_id))
+            actual = block_checksum(block.read(0, block.total))
+            if actual != chunk.checksum:
+                raise DataPlaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}.checksum: {chunk.checksum:#018x} does not match block {chunk.block_id}'s bytes in memory "
+                    f"(xxh3_64 {actual:#018x}); nothing was marked written",
+                )
+        self._mark_written(chunk.block_id)
+        return 1
 
     # -- ReadBlocks -------------------------------------------------------------------------------
 
@@ -866,21 +990,23 @@ class DataPlane:
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"{where}.block_id: {ref.block_id} is out of range [0, {self._num_blocks})",
                     )
+                if self.byte_state[ref.block_id] == BLOCK_NOT_WRITTEN:
+                    raise DataPlaneError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{where}.block_id: block {ref.block_id} is not written yet (nobody wrote it since it was "
+                        "allocated): its memory holds no bytes of its own",
+                    )
                 resolved.append((ref.group_idx, ref.block_id, None, None))
             elif which == "block_hash":
-                block = self._pool.get_cached_block(ref.block_hash, ref.group_idx)
-                if block is None:
+                copies = self._pool.get_cached_blocks(ref.block_hash, ref.group_idx)
+                if not copies:
                     raise DataPlaneError(
                         grpc.StatusCode.NOT_FOUND,
                         f"{where}.block_hash: {ref.block_hash.hex()} is not cached in group {ref.group_idx}",
                     )
-                writer = self._writer(ref.group_idx, block.block_id)
-                if writer is not None:
-                    raise DataPlaneError(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{where}.block_hash: {ref.block_hash.hex()} is block {block.block_id}, which request "
-                        f"{writer.request_id!r} is still computing (it may still write it)",
-                    )
+                block = next((b for b in copies if self.byte_state[b.block_id] == BLOCK_WRITTEN), None)
+                if block is None:
+                    raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, self._not_written(where, ref, copies[0]))
                 if block.block_id in self._copying:
                     raise DataPlaneError(
                         grpc.StatusCode.FAILED_PRECONDITION,
@@ -891,6 +1017,17 @@ class DataPlane:
             else:
                 raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: set block_id or block_hash")
         return resolved
+
+    def _not_written(self, where: str, ref: pb.BlockRef, block: Any) -> str:
+        """Why a cached block read by hash has no bytes yet (the FAILED_PRECONDITION message)."""
+        writer = self._writer(ref.group_idx, block.block_id)
+        head = f"{where}.block_hash: {ref.block_hash.hex()} is block {block.block_id}, not written yet"
+        if writer is not None:
+            return f"{head}: request {writer.request_id!r} computes it (retry once its worker wrote it)"
+        return (
+            f"{head}: the request that computed it was freed before its bytes were written, so they never will be "
+            "(the hash stays cached, unreadable, until evicted)"
+        )
 
     def _still_resident(self, group_idx: int, block_id: int, block_hash: bytes, token: Any) -> bool:
         """Whether the block still carries ``block_hash`` in ``group_idx`` and was not reallocated

@@ -314,6 +314,7 @@ class KVCacheServicer:
         out.num_computed_tokens = result.num_computed_tokens
         out.num_tokens = result.num_tokens
         _fill_groups(out.computed_block_ids, result.computed_block_ids)
+        self._fill_allocation(request.request_id, out)
 
     def _run_get_computed_blocks(
         self, request: pb.GetComputedBlocksRequest, hashed: Any = None
@@ -408,7 +409,16 @@ class KVCacheServicer:
             await asyncio.get_running_loop().run_in_executor(None, thread.shutdown)
 
     def _allocate_slots(self, request: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
-        return _allocate_response(self._run_allocate_slots(request))
+        response = _allocate_response(self._run_allocate_slots(request))
+        self._fill_allocation(request.request_id, response)
+        return response
+
+    def _fill_allocation(self, request_id: str, out: pb.AllocateSlotsResponse) -> None:
+        """An allocated answer's allocation: the request's allocation id and this epoch (what its
+        WriteBlocks streams name)."""
+        if out.allocated:
+            out.allocation_id = self.engine.requests[request_id].allocation_id
+            out.epoch = self.event_log.epoch
 
     def _run_allocate_slots(self, request: pb.AllocateSlotsRequest) -> AllocateResult:
         self.engine.check_claim(None)
@@ -677,6 +687,7 @@ class KVCacheServicer:
             _fill_groups(answer.block_ids, result.block_ids)
         answer.num_null_blocks.extend(result.num_null_blocks)
         answer.num_cached_tokens = engine.estimate_cached_tokens(call.request_id)
+        answer.allocation_id = engine.requests[call.request_id].allocation_id
         if self.data_plane is not None:  # who may write: the blocks taken for computing, never the hit's
             written = result.new_block_ids
             if result.block_ids is not None:  # an admission: the connector's blocks too, after the hit

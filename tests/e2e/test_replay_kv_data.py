@@ -66,3 +66,28 @@ async def test_a_hit_answered_with_a_wrong_block_id_is_caught(monkeypatch):
     stats, _run = await _replay(kv_data="shm")
     assert num_corrupted > 0
     assert stats["mismatches"] == num_corrupted
+
+
+_COUNTS = ("blocks_written", "blocks_checked", "mismatches", "reads_before_written", "reads_never_written")
+
+
+async def test_a_worker_behind_its_scheduler_reads_no_bytes_that_were_never_written():
+    """``kv_data_lag``: the worker writes a step's blocks one (three) steps late, as an asynchronous
+    worker can. Hits then come before their bytes: over gRPC the server refuses those reads (a read
+    it served would have to be the hash's bytes, else a mismatch), and both modes check them once
+    written; with three steps some requests are freed before their blocks are written: shm drops
+    those writes, gRPC sends them and the server refuses every one (naming their old allocation),
+    and hits on those blocks are never compared with old bytes. Both modes count the same."""
+    by_mode = {}
+    for kv_data in ("shm", "grpc"):
+        one, _run = await _replay(kv_data=kv_data, kv_data_lag=1)
+        three, _run = await _replay(kv_data=kv_data, kv_data_lag=3)
+        by_mode[kv_data] = (one, three)
+        assert one["mismatches"] == three["mismatches"] == 0
+        assert one["reads_before_written"] > 0 and one["writes_after_free"] == 0
+        assert three["writes_after_free"] > 0 and three["reads_never_written"] > 0
+    for lag in (0, 1):
+        shm, grpc = by_mode["shm"][lag], by_mode["grpc"][lag]
+        assert {k: shm[k] for k in (*_COUNTS, "writes_after_free")} == {
+            k: grpc[k] for k in (*_COUNTS, "writes_after_free")
+        }

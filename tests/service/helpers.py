@@ -224,3 +224,17 @@ class Mirror:
                 assert isinstance(event, BlockRemoved)
                 assert set(event.block_hashes) <= self.groups[event.group_idx], "removal of an absent hash"
                 self.groups[event.group_idx].difference_update(event.block_hashes)
+
+
+def without_epoch(results: Iterable[pb.StepOpResult], epoch: str) -> list[pb.StepOpResult]:
+    """Step results with each allocated answer's epoch (asserted to be ``epoch``, its server's)
+    cleared, so the answers of two servers compare equal where all else is."""
+    out = []
+    for result in results:
+        result = pb.StepOpResult.FromString(result.SerializeToString())
+        if result.WhichOneof("result") == "allocate_slots":
+            answer = result.allocate_slots
+            assert answer.epoch == (epoch if answer.allocated else ""), (answer.epoch, epoch)
+            answer.ClearField("epoch")
+        out.append(result)
+    return out

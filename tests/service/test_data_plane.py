@@ -125,12 +125,16 @@ async def test_attach_over_a_unix_socket(start_kv_server, tmp_path):
 
 
 async def test_a_second_process_attaches_writes_and_read_blocks_returns_those_bytes(start_kv_server, connect):
+    """The worker stores through the attached memory, then marks the block written (no bytes sent):
+    before that a read of it is refused, the server cannot see stores into mapped memory."""
     running = await start_kv_server(**CPU)
     client = await connect(running)
-    block_id = (await admit(client, "w", PROMPT)).new_block_ids[0].block_ids[1]
+    slots = await admit(client, "w", PROMPT)
+    block_id = slots.new_block_ids[0].block_ids[1]
     script = textwrap.dedent(f"""
         import torch
         from kvservice_client.client import KVCacheClient
+        from kvservice_client.data import mark_blocks_written
         from kvservice_client.torch_view import attach
         with KVCacheClient({running.address!r}, timeout=10.0) as client:
             view = attach(client)
@@ -138,14 +142,24 @@ async def test_a_second_process_attaches_writes_and_read_blocks_returns_those_by
             data = torch.frombuffer(bytearray((unit * 200)[:{BLOCK_BYTES}]), dtype=torch.uint8)
             [tensor] = view.block_view(0, {block_id})
             tensor.copy_(data.view(torch.bfloat16).view(tensor.shape))
-            print(view.epoch)
+            print(view.epoch, flush=True)
+            assert input() == "mark"
+            allocation = ({slots.allocation_id}, {slots.epoch!r})
+            print(mark_blocks_written(client, "w", [(0, {block_id})], allocation=allocation).num_blocks_written)
     """)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        sys.executable, "-c", script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.stdout is not None
+    assert (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip() == running.event_log.epoch
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_id=block_id)])) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"blocks[0].block_id: block {block_id} is not written yet (nobody wrote it since it was allocated): its "
+        "memory holds no bytes of its own",
+    )
+    out, err = await asyncio.wait_for(proc.communicate(b"mark\n"), 60)
     assert proc.returncode == 0, err.decode()
-    assert out.decode().strip() == running.event_log.epoch
+    assert out.decode().strip() == "1"
     [block] = await aread_blocks(client, [block_ref(0, block_id=block_id)])
     assert (block.block_index, block.group_idx, block.block_id, block.evicted) == (0, 0, block_id, False)
     assert block.data == pattern(7) and block.checksum == block_checksum(pattern(7))
@@ -243,13 +257,13 @@ async def test_writes_go_only_to_blocks_a_running_request_computes(start_kv_serv
             message,
         )
         assert torch.equal(running.tensors.block_view(0, block_id)[0], before)
-    assert (await awrite_blocks(client, "b", [(0, 4, pattern(4))])).num_blocks_written == 1
-    # Once another request holds block 4 (a hit), its computer may no longer write it.
-    await admit(client, "c", PROMPT[:8] + [90, 91, 92, 93, 94])
-    assert await code_and_message(awrite_blocks(client, "b", [(0, 4, pattern(5))])) == (
+    assert (await awrite_blocks(client, "b", [(0, 4, pattern(4))], allocation=b)).num_blocks_written == 1
+    # Block 4 is written (it carries its hash): final, though only its computer holds it.
+    digest = BlockHasher(4).hash_prompt(PROMPT[:8] + [90, 91, 92, 93])[2]
+    assert await code_and_message(awrite_blocks(client, "b", [(0, 4, pattern(5))], allocation=b)) == (
         grpc.StatusCode.FAILED_PRECONDITION,
-        "block 4 (group 0): another request holds it too (a prefix-cache hit): its content is named by its hash and "
-        "never changes; nothing was written",
+        f"block 4 (group 0): already written (block hash {digest.hex()}): a written block's bytes are final; "
+        "nothing was written",
     )
     assert running.tensors.block_view(0, 4)[0].view(torch.uint8).flatten().numpy().tobytes() == pattern(4)
 
@@ -278,6 +292,11 @@ async def _raw_write(client: AsyncKVCacheClient, chunks: list[pb.WriteBlocksChun
         "gap",
         "interleaved",
         "no request id",
+        "epoch without allocation id",
+        "allocation id without epoch",
+        "allocation changes inside a block",
+        "in-memory mark with data",
+        "in-memory mark inside a block",
     ],
 )
 async def test_a_bad_chunk_is_invalid_argument_naming_the_field_and_writes_nothing_of_its_block(
@@ -317,6 +336,26 @@ async def test_a_bad_chunk_is_invalid_argument_naming_the_field_and_writes_nothi
             "chunks[4]: block 3 (group 0) starts before block 2",
         ),
         "no request id": (_chunks("", 2, pattern(2)), "chunks[3].request_id: must be set"),
+        "epoch without allocation id": (
+            [pb.WriteBlocksChunk(**{**_fields(c), "epoch": running.event_log.epoch}) for c in chunks],
+            "chunks[3].allocation_id: must be set with epoch (both or neither)",
+        ),
+        "allocation id without epoch": (
+            [pb.WriteBlocksChunk(**{**_fields(c), "allocation_id": 1}) for c in chunks],
+            "chunks[3].epoch: must be set with allocation_id (both or neither)",
+        ),
+        "allocation changes inside a block": (
+            [chunks[0], pb.WriteBlocksChunk(**{**_fields(chunks[1]), "allocation_id": 1, "epoch": "e"}), *chunks[2:]],
+            "chunks[4].allocation_id: 1 (epoch 'e') differs from block 2's first chunk (0, epoch '')",
+        ),
+        "in-memory mark with data": (
+            [pb.WriteBlocksChunk(request_id="w", block_id=2, data=b"x", in_memory=True)],
+            "chunks[3].data: 1 bytes with in_memory set (the bytes are in the memory already)",
+        ),
+        "in-memory mark inside a block": (
+            [chunks[0], pb.WriteBlocksChunk(request_id="w", block_id=2, in_memory=True)],
+            "chunks[4].in_memory: set inside block 2's chunks (an in-memory mark is a block's only chunk)",
+        ),
     }[case]
     before = {b: running.tensors.block_view(0, b)[0].clone() for b in (2, 3)}
     code, message = await code_and_message(_raw_write(client, good + expected[0]))
@@ -336,19 +375,24 @@ def _fields(chunk: pb.WriteBlocksChunk) -> dict:
 async def test_read_by_hash_of_an_uncached_block_is_not_found_naming_the_hash(start_kv_server, connect):
     client = await connect(await start_kv_server(**CPU))
     digest = BlockHasher(4).hash_prompt([5, 6, 7, 8])[0]
-    assert await code_and_message(
-        aread_blocks(client, [block_ref(0, block_id=1), block_ref(0, block_hash=digest)])
-    ) == (grpc.StatusCode.NOT_FOUND, f"blocks[1].block_hash: {digest.hex()} is not cached in group 0")
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_hash=digest)])) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"blocks[0].block_hash: {digest.hex()} is not cached in group 0",
+    )
 
 
-async def test_read_by_hash_of_a_block_still_being_computed_is_refused(start_kv_server, connect):
+async def test_read_by_hash_of_a_block_still_being_computed_is_refused_until_written(start_kv_server, connect):
     client = await connect(await start_kv_server(**CPU))
-    await admit(client, "w", PROMPT)
+    w = await admit(client, "w", PROMPT)
     digest = BlockHasher(4).hash_prompt(PROMPT)[0]
     assert await code_and_message(aread_blocks(client, [block_ref(0, block_hash=digest)])) == (
         grpc.StatusCode.FAILED_PRECONDITION,
-        f"blocks[0].block_hash: {digest.hex()} is block 1, which request 'w' is still computing (it may still write it)",
+        f"blocks[0].block_hash: {digest.hex()} is block 1, not written yet: request 'w' computes it (retry once its "
+        "worker wrote it)",
     )
+    await awrite_blocks(client, "w", [(0, 1, pattern(1))], allocation=w)  # written: final, readable while w runs
+    [block] = await aread_blocks(client, [block_ref(0, block_hash=digest)])
+    assert (block.block_id, block.data) == (1, pattern(1))
 
 
 @pytest.mark.parametrize(
@@ -597,3 +641,179 @@ async def test_a_request_freed_while_its_block_streams_in_gets_nothing_written(s
         "block 1 (group 0): request 'w' is not running (unknown, waiting or freed); nothing was written",
     )
     assert torch.equal(running.tensors.block_view(0, 1)[0], before)
+
+
+# -- byte state: hits before the bytes, frees before the bytes, stale write streams ----------------
+
+
+def _memory(running, block_id: int) -> bytes:
+    return running.tensors.block_view(0, block_id)[0].view(torch.uint8).flatten().numpy().tobytes()
+
+
+async def _old_tenant(client: AsyncKVCacheClient, running) -> None:
+    """Blocks 1..3 hold an old tenant's bytes (pattern(100 + b)) under hashes that are then evicted:
+    "old" computes and frees them, "filler" takes the whole pool (15 blocks) and frees, so the next
+    allocation reuses them under new hashes."""
+    old = await admit(client, "old", [7000 + i for i in range(12)])
+    await awrite_blocks(client, "old", [(0, b, pattern(100 + b)) for b in (1, 2, 3)], allocation=old)
+    await client.free("old")
+    await admit(client, "filler", [8000 + i for i in range(60)])
+    await client.free("filler")
+
+
+async def test_a_hit_before_its_bytes_are_written_reads_no_old_bytes_and_the_computer_still_writes(
+    start_kv_server, connect
+):
+    """vLLM registers a block's hash at allocation: "b" hits "a"'s blocks before a's worker wrote
+    them. Reads (by hash and by id) are refused, never the previous tenant's bytes; a's worker then
+    writes them though b shares them, and they read back exactly; a second write is refused."""
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await _old_tenant(client, running)
+    a = await admit(client, "a", PROMPT)
+    ids = list(a.new_block_ids[0].block_ids)
+    assert [_memory(running, b) == pattern(100 + b) for b in ids] == [True, True, True]  # the old tenant's bytes
+    b = await admit(client, "b", PROMPT[:8] + [90, 91, 92, 93])
+    assert [list(g.block_ids) for g in b.computed_block_ids] == [ids[:2]]
+    digests = BlockHasher(4).hash_prompt(PROMPT)
+    for ref, message in [
+        (
+            block_ref(0, block_hash=digests[0]),
+            f"blocks[0].block_hash: {digests[0].hex()} is block {ids[0]}, not written yet: request 'a' computes it "
+            "(retry once its worker wrote it)",
+        ),
+        (
+            block_ref(0, block_id=ids[1]),
+            f"blocks[0].block_id: block {ids[1]} is not written yet (nobody wrote it since it was allocated): its "
+            "memory holds no bytes of its own",
+        ),
+    ]:
+        assert await code_and_message(aread_blocks(client, [ref])) == (grpc.StatusCode.FAILED_PRECONDITION, message)
+    # b's worker may not write a's blocks (they are its hit); a's may, though b shares them.
+    assert (await code_and_message(awrite_blocks(client, "b", [(0, ids[0], pattern(9))], allocation=b)))[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    written = await awrite_blocks(client, "a", [(0, x, pattern(x)) for x in ids], allocation=a)
+    assert written.num_blocks_written == 3
+    blocks = await aread_blocks(client, [block_ref(0, block_hash=d) for d in digests] + [block_ref(0, block_id=ids[1])])
+    assert [(blk.block_id, blk.data) for blk in blocks] == [(x, pattern(x)) for x in ids] + [(ids[1], pattern(ids[1]))]
+    assert await code_and_message(awrite_blocks(client, "a", [(0, ids[0], pattern(9))], allocation=a)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"block {ids[0]} (group 0): already written (block hash {digests[0].hex()}): a written block's bytes are "
+        "final; nothing was written",
+    )
+    assert _memory(running, ids[0]) == pattern(ids[0])
+
+
+async def test_a_block_freed_before_its_bytes_are_written_is_never_readable(start_kv_server, connect):
+    """Its request is freed before its worker wrote it: the hash stays cached (and announced: events
+    are vLLM's), but reads of it answer FAILED_PRECONDITION, a later hit's too, never the old bytes;
+    once evicted and reused, the new owner's bytes read back."""
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await _old_tenant(client, running)
+    a = await admit(client, "a", PROMPT)
+    ids = list(a.new_block_ids[0].block_ids)
+    await client.free("a")
+    digests = BlockHasher(4).hash_prompt(PROMPT)
+    c = await admit(client, "c", PROMPT + [5])  # hits all three
+    assert [list(g.block_ids) for g in c.computed_block_ids] == [ids]
+    never = (
+        f"blocks[0].block_hash: {digests[2].hex()} is block {ids[2]}, not written yet: the request that computed it "
+        "was freed before its bytes were written, so they never will be (the hash stays cached, unreadable, until "
+        "evicted)"
+    )
+    assert await code_and_message(aread_blocks(client, [block_ref(0, block_hash=digests[2])])) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        never,
+    )
+    assert (await code_and_message(aread_blocks(client, [block_ref(0, block_id=ids[2])])))[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert (await code_and_message(awrite_blocks(client, "a", [(0, ids[2], pattern(9))], allocation=a)))[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert [_memory(running, b) == pattern(100 + b) for b in ids] == [True, True, True]  # untouched, unread
+
+
+async def test_a_stale_write_stream_is_refused(start_kv_server, connect):
+    """A stream for an earlier admission of the same request id (freed and admitted again), one
+    from before a restart (another epoch), and an epoch without an allocation id: refused, naming
+    the field; the blocks keep their bytes. Without allocation_id and epoch a write is still bound
+    to the request id alone (older clients)."""
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    first = await admit(client, "r", PROMPT)
+    assert first.allocation_id >= 1 and first.epoch == running.event_log.epoch
+    await client.free("r")
+    second = await admit(client, "r", [4000 + i for i in range(12)])
+    assert second.allocation_id == first.allocation_id + 1
+    block = second.new_block_ids[0].block_ids[0]
+    before = _memory(running, block)
+    cases = [
+        (
+            (first.allocation_id, first.epoch),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"chunks[0].allocation_id: {first.allocation_id} is not request 'r''s current allocation (its allocation "
+            f"is {second.allocation_id}): the stream was begun for an earlier admission of that request id; nothing "
+            "was written",
+        ),
+        (
+            (second.allocation_id, "an-old-epoch"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"chunks[0].epoch: 'an-old-epoch' is not this server's epoch {running.event_log.epoch!r} (the server "
+            f"restarted: allocation {second.allocation_id} is gone); nothing was written",
+        ),
+    ]
+    for allocation, code, message in cases:
+        assert await code_and_message(awrite_blocks(client, "r", [(0, block, pattern(9))], allocation=allocation)) == (
+            code,
+            message,
+        )
+    chunks = _chunks("r", block, pattern(9))
+    chunks[0].epoch = running.event_log.epoch  # an epoch and no allocation id
+    assert await code_and_message(_raw_write(client, chunks)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "chunks[0].allocation_id: must be set with epoch (both or neither)",
+    )
+    assert _memory(running, block) == before
+    assert (await awrite_blocks(client, "r", [(0, block, pattern(block))])).num_blocks_written == 1  # legacy
+    assert _memory(running, block) == pattern(block)
+
+
+async def test_a_stream_from_before_a_restart_is_refused_by_the_new_server(start_kv_server, connect):
+    first = await start_kv_server(**CPU)
+    old = await admit(await connect(first), "r", PROMPT)
+    port = first.port
+    await first.stop(0)
+    second = await start_kv_server(port=port, **CPU)
+    client = await connect(second)
+    new = await admit(client, "r", PROMPT)
+    assert (
+        new.allocation_id == old.allocation_id and new.epoch != old.epoch
+    )  # same id, same request id: only the epoch tells
+    assert await code_and_message(awrite_blocks(client, "r", [(0, 1, pattern(1))], allocation=old)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"chunks[0].epoch: {old.epoch!r} is not this server's epoch {new.epoch!r} (the server restarted: allocation "
+        f"{old.allocation_id} is gone); nothing was written",
+    )
+    assert (await awrite_blocks(client, "r", [(0, 1, pattern(1))], allocation=new)).num_blocks_written == 1
+
+
+async def test_an_in_memory_mark_with_a_wrong_checksum_marks_nothing(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    w = await admit(client, "w", PROMPT)
+    chunk = pb.WriteBlocksChunk(
+        request_id="w", group_idx=0, block_id=1, allocation_id=w.allocation_id, epoch=w.epoch, in_memory=True
+    )
+    chunk.checksum = block_checksum(pattern(1))  # the memory holds zeros
+    code, message = await code_and_message(_raw_write(client, [chunk]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(
+        f"chunks[0].checksum: {block_checksum(pattern(1)):#018x} does not match block 1's bytes in memory"
+    )
+    assert running.servicer.data_plane.byte_state[1] == 0
+    chunk.checksum = block_checksum(bytes(BLOCK_BYTES))
+    assert (await _raw_write(client, [chunk])).num_blocks_written == 1
+    [block] = await aread_blocks(client, [block_ref(0, block_id=1)])
+    assert block.data == bytes(BLOCK_BYTES)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
-from kvservice_client.client import KVCacheClient
+from kvservice_client.client import KVCacheClient, KVServiceError
 from kvservice_client.hashing import BlockHasher
 
 BLOCK_BYTES = 49_152
@@ -85,7 +86,9 @@ async def test_a_block_of_the_wrong_size_is_named_and_nothing_is_sent(
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         await client.write_blocks("w", [(0, 2, pattern(2)), (group_idx, 1, pattern(1, num_bytes))])
     assert [b.data == pattern(7) for b in await client.read_blocks([(0, 1)])] == [True]  # block 1 unchanged
-    assert [b.data == bytes(BLOCK_BYTES) for b in await client.read_blocks([(0, 2)])] == [True]  # nor block 2
+    with pytest.raises(KVServiceError, match=r"^FAILED_PRECONDITION: blocks\[0\].block_id: block 2 is not written yet"):
+        await client.read_blocks([(0, 2)])  # nor block 2: still not written
+    assert running.tensors.block_view(0, 2)[0].view(torch.uint8).flatten().numpy().tobytes() == bytes(BLOCK_BYTES)
 
 
 async def test_a_ref_of_another_shape_is_named(start_kv_server, connect):

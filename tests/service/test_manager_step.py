@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from kvservice.server.app import RunningServer, start_server
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient, KVServiceError, StatusCode, StepBuilder
-from kvservice_client.data import awrite_blocks
+from kvservice_client.data import aread_blocks, awrite_blocks
 from kvservice_client.events import KVEventBatch
 from kvservice_client.hashing import BlockHasher
 from tests.service.conftest import SMALL_SERVER
@@ -378,14 +378,31 @@ async def test_an_admitted_request_writes_its_new_and_external_blocks_never_its_
     )
     answer = response.results[4].allocated
     assert (ids(answer.block_ids), ids(answer.new_block_ids)) == ([[1, 2, 3, 4, 5]], [[5]])
+    # A's admission was allocation 1, B's is 2 (its writes name it, with the step's epoch).
+    assert (response.results[1].allocated.allocation_id, answer.allocation_id) == (1, 2)
+    allocation = (answer.allocation_id, response.epoch)
     # The connector's blocks (3, 4) and the new one (5) are B's to write.
-    assert (await awrite_blocks(client, "B", [(0, 3, block), (0, 4, block), (0, 5, block)])).num_blocks_written == 3
+    written = await awrite_blocks(client, "B", [(0, 3, block), (0, 4, block), (0, 5, block)], allocation=allocation)
+    assert written.num_blocks_written == 3
     # The hit's blocks hold what their hashes name: B alone holds them, but may not write them.
     for hit_block in (1, 2):
         with pytest.raises(KVServiceError) as err:
-            await awrite_blocks(client, "B", [(0, hit_block, block)])
+            await awrite_blocks(client, "B", [(0, hit_block, block)], allocation=allocation)
         assert err.value.code is StatusCode.FAILED_PRECONDITION
         assert err.value.message.startswith(f"block {hit_block} (group 0): it was not allocated to request 'B'")
+    # A (freed) computed 1 and 2 but never wrote them: by hash and by id they are not readable.
+    with pytest.raises(KVServiceError) as err:
+        await aread_blocks(client, [(0, 1)])
+    assert (err.value.code, err.value.message) == (
+        StatusCode.FAILED_PRECONDITION,
+        "blocks[0].block_id: block 1 is not written yet (nobody wrote it since it was allocated): its memory holds no "
+        "bytes of its own",
+    )
+    # B written: 3 and 4 read back; the allocation of a stale admission of B is refused.
+    assert [b.data == block for b in await aread_blocks(client, [(0, 3), (0, 4)])] == [True, True]
+    with pytest.raises(KVServiceError) as err:
+        await awrite_blocks(client, "B", [(0, 5, block)], allocation=(1, response.epoch))
+    assert err.value.message.startswith("chunks[0].allocation_id: 1 is not request 'B''s current allocation")
 
 
 # -- the claim ----------------------------------------------------------------------------------------

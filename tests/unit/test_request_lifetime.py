@@ -229,3 +229,25 @@ def test_limit_settings_come_from_flags_env_and_files(tmp_path):
         "--max-message-bytes",
     ):
         assert flag in help_text, flag
+
+
+def test_each_admission_gets_the_next_allocation_id_and_keeps_it_while_running():
+    """Request.allocation_id: 0 until admitted; the next id at each admission (a request id freed
+    and registered again is a new admission); unchanged by its later allocations; a refused
+    admission issues none."""
+    engine = KVCacheEngine(make_manager(8))
+    engine.get_computed_blocks("A", range(1, 9))
+    assert engine.requests["A"].allocation_id == 0
+    assert engine.allocate_slots("A", 8).allocated
+    engine.get_computed_blocks("B", range(20, 24))
+    assert engine.allocate_slots("B", 4).allocated
+    assert (engine.requests["A"].allocation_id, engine.requests["B"].allocation_id) == (1, 2)
+    assert engine.allocate_slots("A", 1, new_token_ids=[9]).allocated  # a decode: the same admission
+    assert engine.requests["A"].allocation_id == 1
+    engine.get_computed_blocks("C", range(100, 128))  # 7 blocks: more than are free
+    assert not engine.allocate_slots("C", 28).allocated
+    assert engine.requests["C"].allocation_id == 0
+    engine.free("A")
+    engine.get_computed_blocks("A", range(1, 9))
+    assert engine.allocate_slots("A", 8).allocated
+    assert engine.requests["A"].allocation_id == 3

@@ -15,7 +15,7 @@ Example::
     with KVCacheClient("127.0.0.1:50051", token=worker_token) as client:
         slots = client.allocate_slots("req-1", num_new_tokens=64)
         block_id = slots.new_block_ids[0].block_ids[0]
-        client.write_blocks("req-1", [(0, block_id, block_bytes)])
+        client.write_blocks("req-1", [(0, block_id, block_bytes)], allocation=slots)
         for block in client.read_blocks([(0, block_id)]):
             assert block.data == block_bytes
 
@@ -69,6 +69,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 __all__ = [
+    "Allocation",
     "AsyncDataPlaneMethods",
     "BlockRefLike",
     "BlockingDataPlaneMethods",
@@ -76,13 +77,16 @@ __all__ = [
     "Metadata",
     "ReadBlock",
     "aattach_kv_cache",
+    "allocation_of",
     "attach_kv_cache",
     "aiter_read_blocks",
+    "amark_blocks_written",
     "aread_blocks",
     "awrite_blocks",
     "block_checksum",
     "block_ref",
     "iter_read_blocks",
+    "mark_blocks_written",
     "read_blocks",
     "Timeout",
     "write_block_chunks",
@@ -194,19 +198,55 @@ def _checked_blocks(
     return checked
 
 
+Allocation = Union[tuple[int, str], Any]
+"""The allocation a write names: ``(allocation_id, epoch)``, or an answer carrying both as
+attributes (``AllocateSlotsResponse``)."""
+
+
+def allocation_of(allocation: Allocation | None) -> tuple[int, str]:
+    """``(allocation_id, epoch)`` of ``allocation`` (``(0, "")`` for None: a write bound to the
+    request id alone, which cannot tell a stream for an earlier admission of that id apart).
+
+    Raises:
+        TypeError: neither a pair nor an object with ``allocation_id`` and ``epoch``.
+        ValueError: an allocation id of 0 (a refused allocation has none) or an empty epoch.
+    """
+    if allocation is None:
+        return 0, ""
+    if isinstance(allocation, tuple):
+        allocation_id, epoch = allocation
+    elif hasattr(allocation, "allocation_id") and hasattr(allocation, "epoch"):
+        allocation_id, epoch = allocation.allocation_id, allocation.epoch
+    else:
+        raise TypeError(
+            f"allocation: (allocation_id, epoch) or an AllocateSlotsResponse; got {type(allocation).__name__}"
+        )
+    if not isinstance(allocation_id, int) or isinstance(allocation_id, bool) or not isinstance(epoch, str):
+        raise TypeError(f"allocation: (int, str); got ({type(allocation_id).__name__}, {type(epoch).__name__})")
+    if not 1 <= allocation_id < 1 << 64 or not epoch:
+        raise ValueError(
+            f"allocation: ({allocation_id}, {epoch!r}); the id is >= 1 and the epoch set (a refused allocation has none)"
+        )
+    return allocation_id, epoch
+
+
 def write_block_chunks(
-    request_id: str, blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]], chunk_bytes: int
+    request_id: str,
+    blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
+    chunk_bytes: int,
+    *,
+    allocation: Allocation | None = None,
 ) -> Iterator[pb.WriteBlocksChunk]:
     """The WriteBlocks chunks of ``blocks`` ((group_idx, block_id, bytes) each): every block is
     checked at once (before the first chunk, so nothing raises while gRPC iterates the chunks),
-    the chunks are made lazily.
+    the chunks are made lazily. ``allocation`` (see :func:`allocation_of`) goes on every chunk.
 
     Raises:
-        ValueError: ``chunk_bytes < 1``, a group_idx or block_id outside the uint32 range, or an
-            empty block.
+        ValueError: ``chunk_bytes < 1``, a group_idx or block_id outside the uint32 range, an
+            empty block, or a bad allocation.
         TypeError: an id that is not an integer, or a block's data that is not bytes-like.
     """
-    return _block_chunks(request_id, _checked_blocks(blocks, chunk_bytes), chunk_bytes)
+    return _block_chunks(request_id, _checked_blocks(blocks, chunk_bytes), chunk_bytes, allocation_of(allocation))
 
 
 def _check_block_sizes(blocks: list[tuple[int, int, memoryview]], bytes_per_block: list[int]) -> None:
@@ -229,15 +269,22 @@ def _check_block_sizes(blocks: list[tuple[int, int, memoryview]], bytes_per_bloc
 
 
 def _block_chunks(
-    request_id: str, blocks: list[tuple[int, int, memoryview]], chunk_bytes: int
+    request_id: str, blocks: list[tuple[int, int, memoryview]], chunk_bytes: int, allocation: tuple[int, str]
 ) -> Iterator[pb.WriteBlocksChunk]:
+    allocation_id, epoch = allocation
     for group_idx, block_id, view in blocks:
         hasher = xxhash.xxh3_64()
         for offset in range(0, len(view), chunk_bytes):
             piece = view[offset : offset + chunk_bytes]
             hasher.update(piece)
             chunk = pb.WriteBlocksChunk(
-                request_id=request_id, group_idx=group_idx, block_id=block_id, offset_bytes=offset, data=bytes(piece)
+                request_id=request_id,
+                group_idx=group_idx,
+                block_id=block_id,
+                offset_bytes=offset,
+                data=bytes(piece),
+                allocation_id=allocation_id,
+                epoch=epoch,
             )
             if offset + len(piece) == len(view):
                 chunk.checksum = hasher.intdigest()
@@ -364,6 +411,7 @@ def _write_blocks(
     request_id: str,
     blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
     *,
+    allocation: Allocation | None = None,
     chunk_bytes: int | None = None,
     timeout: Timeout = None,
     metadata: Metadata = None,
@@ -375,6 +423,9 @@ def _write_blocks(
         request_id: the running request the blocks were allocated to.
         blocks: (group_idx, block_id, the block's bytes) each: block ids as the allocation answered
             them (``new_block_ids[g].block_ids``), the bytes exactly the group's ``bytes_per_block``.
+        allocation: the allocation that gave them: the ``AllocateSlotsResponse`` (or
+            ``(allocation_id, epoch)``), so the server refuses the write once that admission is
+            over (freed, readmitted, or the server restarted). None: bound to ``request_id`` alone.
         chunk_bytes: chunk size (at most the server's ``max_data_chunk_bytes``; None: that).
 
     The layout is asked first (GetKVCacheGroupMetadata), so a block of the wrong size is refused
@@ -384,22 +435,65 @@ def _write_blocks(
         ValueError, TypeError: a bad block or ``chunk_bytes`` (see :func:`write_block_chunks`),
             before any call; ValueError: a block whose bytes are not its group's
             ``bytes_per_block`` long, or a group the server does not have, before WriteBlocks.
-        KVServiceError: FAILED_PRECONDITION (a block the request may not write, named),
-            INVALID_ARGUMENT (a bad chunk: the field is named), PERMISSION_DENIED ...
+        KVServiceError: FAILED_PRECONDITION (a block the request may not write, or one already
+            written, named; a stale allocation id or epoch), INVALID_ARGUMENT (a bad chunk: the
+            field is named), PERMISSION_DENIED ...
     """
     checked = _checked_blocks(blocks, 1 if chunk_bytes is None else chunk_bytes)  # before any call
+    pair = allocation_of(allocation)
     layout = yield client._rpc("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataRequest(), timeout, metadata)
     _check_block_sizes(checked, [group.bytes_per_block for group in layout.groups])
     if chunk_bytes is None:
         chunk_bytes = layout.max_data_chunk_bytes or 1
-    chunks = _block_chunks(request_id, checked, chunk_bytes)
+    chunks = _block_chunks(request_id, checked, chunk_bytes, pair)
     response: pb.WriteBlocksResponse = yield client._rpc("WriteBlocks", chunks, timeout, metadata)
+    return response
+
+
+def _mark_blocks_written(
+    client: Any,
+    request_id: str,
+    blocks: Iterable[tuple[int, int]],
+    *,
+    allocation: Allocation | None = None,
+    timeout: Timeout = None,
+    metadata: Metadata = None,
+) -> _Plan[pb.WriteBlocksResponse]:
+    """Tell the server blocks stored through the attached memory are written (WriteBlocks chunks
+    ``in_memory``, no bytes sent): until then it answers reads of them FAILED_PRECONDITION ("not
+    written yet"), as it cannot see stores into mapped memory.
+
+    Args:
+        client: the service.
+        request_id: the running request the blocks were allocated to.
+        blocks: (group_idx, block_id) each.
+        allocation: as :func:`write_blocks`.
+
+    Raises:
+        KVServiceError: FAILED_PRECONDITION / INVALID_ARGUMENT under the write rules of
+            :func:`write_blocks`.
+    """
+    allocation_id, epoch = allocation_of(allocation)
+    chunks = [
+        pb.WriteBlocksChunk(
+            request_id=request_id,
+            group_idx=group_idx,
+            block_id=block_id,
+            allocation_id=allocation_id,
+            epoch=epoch,
+            in_memory=True,
+        )
+        for group_idx, block_id in blocks
+    ]
+    response: pb.WriteBlocksResponse = yield client._rpc("WriteBlocks", iter(chunks), timeout, metadata)
     return response
 
 
 attach_kv_cache = _blocking(_attach_kv_cache)
 aattach_kv_cache = _awaiting(_attach_kv_cache)
 write_blocks = _blocking(_write_blocks)
+mark_blocks_written = _blocking(_mark_blocks_written)
+amark_blocks_written = _awaiting(_mark_blocks_written)
 awrite_blocks = _awaiting(_write_blocks)
 
 
@@ -491,6 +585,8 @@ Args:
     request_id: the running request the blocks were allocated to.
     blocks: (group_idx, block_id, the block's bytes) each, the bytes exactly the group's
         ``bytes_per_block`` long.
+    allocation: the ``AllocateSlotsResponse`` that gave them (or ``(allocation_id, epoch)``): a
+        stream for an admission that is over is refused; None: bound to ``request_id`` alone.
     chunk_bytes: chunk size (None: the server's ``max_data_chunk_bytes``).
     timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
     metadata: extra metadata for this call.
@@ -536,12 +632,19 @@ class BlockingDataPlaneMethods:
         request_id: str,
         blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
         *,
+        allocation: Allocation | None = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = None,
         metadata: Metadata = None,
     ) -> pb.WriteBlocksResponse:
         return write_blocks(
-            cast(DataPlaneClient, self), request_id, blocks, chunk_bytes=chunk_bytes, timeout=timeout, metadata=metadata
+            cast(DataPlaneClient, self),
+            request_id,
+            blocks,
+            allocation=allocation,
+            chunk_bytes=chunk_bytes,
+            timeout=timeout,
+            metadata=metadata,
         )
 
     def read_blocks(
@@ -572,6 +675,7 @@ class AsyncDataPlaneMethods:
         request_id: str,
         blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
         *,
+        allocation: Allocation | None = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = None,
         metadata: Metadata = None,
@@ -580,6 +684,7 @@ class AsyncDataPlaneMethods:
             cast(DataPlaneClient, self),
             request_id,
             blocks,
+            allocation=allocation,
             chunk_bytes=chunk_bytes,
             timeout=timeout,
             metadata=metadata,

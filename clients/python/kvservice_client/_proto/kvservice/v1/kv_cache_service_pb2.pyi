@@ -451,6 +451,8 @@ class AllocateSlotsResponse(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     COMPUTED_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    ALLOCATION_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     allocated: _builtins.bool
     """False when the pool has too few free blocks; then nothing changed (retry or preempt)."""
     num_new_computed_tokens: _builtins.int
@@ -461,6 +463,15 @@ class AllocateSlotsResponse(_message.Message):
     """The request's computed tokens once this step has run (hit + everything scheduled so far)."""
     num_tokens: _builtins.int
     """The request's tokens (prompt + appended outputs)."""
+    allocation_id: _builtins.int
+    """When allocated: the request's allocation, issued by the server at its admission (>= 1,
+    unique within the epoch; the same on every later call until the request is freed or
+    preempted, a new one when it is admitted again). A WriteBlocks of its blocks carries it with
+    `epoch`, so a stream begun for an earlier request of the same id, or before a restart, is
+    refused. 0 when not allocated.
+    """
+    epoch: _builtins.str
+    """When allocated: the server epoch the allocation belongs to."""
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
         """Per group (index = group_idx), the block ids newly appended to the request's block table."""
@@ -479,10 +490,12 @@ class AllocateSlotsResponse(_message.Message):
         num_computed_tokens: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         computed_block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
+        allocation_id: _builtins.int = ...,
+        epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "computed_block_ids", b"computed_block_ids", "new_block_ids", b"new_block_ids", "num_computed_tokens", b"num_computed_tokens", "num_new_computed_tokens", b"num_new_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "allocation_id", b"allocation_id", "computed_block_ids", b"computed_block_ids", "epoch", b"epoch", "new_block_ids", b"new_block_ids", "num_computed_tokens", b"num_computed_tokens", "num_new_computed_tokens", b"num_new_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "num_tokens", b"num_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1576,6 +1589,7 @@ class ManagerResult(_message.Message):
         BLOCK_IDS_FIELD_NUMBER: _builtins.int
         NUM_NULL_BLOCKS_FIELD_NUMBER: _builtins.int
         NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+        ALLOCATION_ID_FIELD_NUMBER: _builtins.int
         allocated: _builtins.bool
         """False when the pool has too few free blocks; then nothing changed."""
         refused_full_sequence: _builtins.bool
@@ -1584,6 +1598,11 @@ class ManagerResult(_message.Message):
         """
         num_cached_tokens: _builtins.int
         """The request's tokens in cached blocks now (estimate_cached_tokens)."""
+        allocation_id: _builtins.int
+        """When allocated: the request's allocation (as AllocateSlotsResponse.allocation_id; the
+        epoch is ManagerStepResponse.epoch). AllocateSlotsBatch runs requests already admitted, whose
+        allocation ids do not change.
+        """
         @_builtins.property
         def new_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
             """Per group, the block ids appended for the new tokens (vLLM's result)."""
@@ -1607,10 +1626,11 @@ class ManagerResult(_message.Message):
             block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
             num_null_blocks: _abc.Iterable[_builtins.int] | None = ...,
             num_cached_tokens: _builtins.int = ...,
+            allocation_id: _builtins.int = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "block_ids", b"block_ids", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_null_blocks", b"num_null_blocks", "refused_full_sequence", b"refused_full_sequence"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "allocation_id", b"allocation_id", "block_ids", b"block_ids", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_null_blocks", b"num_null_blocks", "refused_full_sequence", b"refused_full_sequence"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2945,13 +2965,25 @@ class WriteBlocksChunk(_message.Message):
     end); the chunk that completes the block carries its checksum. Chunks of different blocks do not
     interleave. Nothing of a block is written until it is complete and its checksum matches.
 
-    Rules: the block must be held by `request_id`, a running request, at a position it computes
-    itself (allocated to it by AllocateSlots, not part of its prefix-cache hit), and by no other
-    request; else FAILED_PRECONDITION naming the block (a block another request reads from the
-    prefix cache, or one that was freed, is named by its hash and never changes). A bad chunk
-    (group_idx out of range, block_id out of range or 0, an offset or size that does not fit the
-    block, a wrong checksum, a missing request_id) is INVALID_ARGUMENT naming the field; blocks
-    completed before it stay written, nothing of the bad block is.
+    Rules (a block's bytes have a state: not written, or written since its block hash was assigned,
+    tracked per block from its allocation; docs/data-plane.md):
+    - the block must be held by `request_id`, a running request, at a position it computes itself
+      (allocated to it for computing, not part of its prefix-cache hit), in the allocation named by
+      allocation_id and epoch; else FAILED_PRECONDITION naming the block (or the allocation_id /
+      epoch that is not the request's current one). Other requests may hold it already (vLLM
+      registers a block's hash at allocation, so a hit can come before the bytes): its computer
+      still writes it, its content being the one its hash names.
+    - once written while it carries its block hash, a block is final: a second write is
+      FAILED_PRECONDITION ("already written"). Before it has a hash (a partial block being filled)
+      its computer may write it again.
+    - a bad chunk (group_idx out of range, block_id out of range or 0, an offset or size that does
+      not fit the block, a wrong checksum, a missing request_id, an epoch without allocation_id or
+      the reverse) is INVALID_ARGUMENT naming the field; blocks completed before it stay written,
+      nothing of the bad block is.
+    A worker that stores a block through the attached memory marks it written with one chunk
+    `in_memory = true` (no data): until then the service cannot know the bytes are there.
+    A write without allocation_id (0) is still accepted, bound to request_id alone (clients from
+    before allocation ids): it cannot tell a stream for an earlier request of the same id apart.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2962,6 +2994,9 @@ class WriteBlocksChunk(_message.Message):
     OFFSET_BYTES_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CHECKSUM_FIELD_NUMBER: _builtins.int
+    ALLOCATION_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    IN_MEMORY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The running request the block belongs to (on every chunk)."""
     group_idx: _builtins.int
@@ -2974,6 +3009,19 @@ class WriteBlocksChunk(_message.Message):
     """Up to max_data_chunk_bytes of the block's bytes."""
     checksum: _builtins.int
     """xxh3_64 of the whole block's bytes: required on the chunk that completes the block."""
+    allocation_id: _builtins.int
+    """The allocation that gave the block (AllocateSlotsResponse.allocation_id,
+    ManagerResult.Allocated.allocation_id), on every chunk; 0 = none given (see the rules above).
+    """
+    epoch: _builtins.str
+    """The server epoch of allocation_id (AllocateSlotsResponse.epoch, StepResponse.epoch,
+    ManagerStepResponse.epoch): required with allocation_id; another epoch is FAILED_PRECONDITION.
+    """
+    in_memory: _builtins.bool
+    """The block's bytes were stored through the attached memory (AttachKVCache): mark them written
+    under the same rules, sending none. The chunk is the block's only one: offset_bytes 0, no
+    data; its checksum, when set, is checked against the memory (a mismatch marks nothing).
+    """
     def __init__(
         self,
         *,
@@ -2983,10 +3031,13 @@ class WriteBlocksChunk(_message.Message):
         offset_bytes: _builtins.int = ...,
         data: _builtins.bytes = ...,
         checksum: _builtins.int | None = ...,
+        allocation_id: _builtins.int = ...,
+        epoch: _builtins.str = ...,
+        in_memory: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "checksum", b"checksum"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "block_id", b"block_id", "checksum", b"checksum", "data", b"data", "group_idx", b"group_idx", "offset_bytes", b"offset_bytes", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "allocation_id", b"allocation_id", "block_id", b"block_id", "checksum", b"checksum", "data", b"data", "epoch", b"epoch", "group_idx", b"group_idx", "in_memory", b"in_memory", "offset_bytes", b"offset_bytes", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__checksum: _TypeAlias = _typing.Literal["checksum"]  # noqa: Y015
     _WhichOneofArgType__checksum: _TypeAlias = _typing.Literal["_checksum", b"_checksum"]  # noqa: Y015
@@ -3032,10 +3083,16 @@ class BlockRef(_message.Message):
     group_idx: _builtins.int
     """The KV cache group."""
     block_id: _builtins.int
-    """By block id (0..num_blocks-1): whatever the block holds now."""
+    """By block id (0..num_blocks-1): what the block holds now, once written since its
+    allocation; a block not written since it was allocated (or never allocated) is
+    FAILED_PRECONDITION naming the block ("not written yet"), never a previous tenant's bytes.
+    """
     block_hash: _builtins.bytes
     """By block hash (the full digest, as kvservice_client.hashing computes it): the cached block
-    carrying it in this group; NOT_FOUND naming the hash when none does.
+    carrying it in this group; NOT_FOUND naming the hash when none does; FAILED_PRECONDITION
+    naming the hash when its bytes were not written since the hash was assigned (a hit before
+    its computer wrote it: retry later; or a block freed before it was written: its hash stays
+    cached, and announced, but never readable, until evicted).
     """
     def __init__(
         self,
@@ -3083,8 +3140,8 @@ class ReadBlocksChunk(_message.Message):
     """One chunk of ReadBlocks. Each block's bytes arrive as consecutive chunks (offset_bytes rising);
     the last one carries the checksum. A block read by hash that is evicted (and maybe reused) while
     its chunks stream ends with a chunk `evicted = true` and no data: discard what came of it; its
-    bytes are never sent under the old hash after it left. A block read by hash that its computing
-    request may still write is FAILED_PRECONDITION naming the block, before anything is sent.
+    bytes are never sent under the old hash after it left. A block whose bytes are not written
+    (see BlockRef) is FAILED_PRECONDITION naming it, before anything is sent.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

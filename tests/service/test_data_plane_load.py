@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from kvservice.server.app import ServerConfig
+from kvservice.server.data_plane import block_checksum
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient
 
@@ -71,8 +72,16 @@ async def test_a_read_whose_client_does_not_read_is_cut_after_the_timeout(start_
     running = await start_kv_server(**CPU, stalled_write_timeout_s=0.5, data_chunk_bytes=4096)
     client = await connect(running, options=NO_BDP)
     dp = running.servicer.data_plane
-    # 4,000 refs to block 1 (196 MB): far beyond what the windows and buffers on the way hold.
-    call = client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=[pb.BlockRef(group_idx=0, block_id=1)] * 4000))
+    [block_id, *_] = await admit(client, "w", PROMPT)
+    # Written first: a block nobody wrote is refused before any byte (its byte state).
+    chunks = [
+        pb.WriteBlocksChunk(request_id="w", group_idx=0, block_id=block_id, offset_bytes=at, data=b"\1" * 4096)
+        for at in range(0, BLOCK_BYTES, 4096)
+    ]
+    chunks[-1].checksum = block_checksum(b"\1" * BLOCK_BYTES)
+    assert (await client.stub.WriteBlocks(iter(chunks))).num_blocks_written == 1
+    # 4,000 refs to that block (196 MB): far beyond what the windows and buffers on the way hold.
+    call = client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=[pb.BlockRef(group_idx=0, block_id=block_id)] * 4000))
     await until(lambda: dp.num_streams_cut["read"] == 1)  # the client reads nothing
     await until(lambda: dp.num_open_streams == 0)
     assert (dp.num_streams_cut, dp.buffered_bytes) == ({"read": 1, "write": 0}, 0)

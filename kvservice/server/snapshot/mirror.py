@@ -191,9 +191,8 @@ class BlockView(Mapping):
     def __init__(self, records: dict[Any, StoredRecord], by_hash: bool = False) -> None:
         self.records = records
         self.by_hash = by_hash
-        self._made: dict[
-            StoredRecord, dict[ExternalBlockHash, MirroredBlock]
-        ] = {}  # per record read, its blocks by hash
+        # per record read, its blocks by hash
+        self._made: dict[StoredRecord, dict[ExternalBlockHash, MirroredBlock]] = {}
 
     def _record(self, key: Any) -> StoredRecord | None:
         if not self.by_hash:

@@ -8,7 +8,8 @@ import gc
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -16,8 +17,11 @@ from kvservice.core.model_config import PRESETS
 
 if TYPE_CHECKING:
     from kvservice.replay.plot_process import PlotProcess
+    from kvservice.server.settings import SettingInfo
 
 __all__ = ["main"]
+
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
 def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -77,7 +81,7 @@ def main(ctx: click.Context, log_level: str | None) -> None:
     )
 
 
-def _log_level_option(func: Any) -> Any:
+def _log_level_option(func: _F) -> _F:
     """``--log-level`` after the subcommand too (``kvservice watch --log-level DEBUG``)."""
 
     def apply(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -101,7 +105,7 @@ def _positive_finite(param: click.Parameter, value: float) -> float:
     return value
 
 
-def _server_option(row: Any) -> Any:
+def _server_option(row: SettingInfo) -> Callable[[_F], _F]:
     """The ``kvservice serve`` option of one setting (a row of ``settings_table()``)."""
     kwargs: dict[str, Any] = {"help": row.help, "default": None}
     if row.type == "bool":
@@ -116,7 +120,7 @@ def _server_option(row: Any) -> Any:
     return click.option(*names, **kwargs)
 
 
-def _server_options(func: Any) -> Any:
+def _server_options(func: _F) -> _F:
     """Every setting of ``kvservice.server.settings`` as an option (generated from the table, so
     a setting added there is an option here), and ``--config``."""
     from kvservice.server.settings import settings_table

@@ -35,7 +35,8 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, cast
+from types import TracebackType
+from typing import Any, TextIO, cast
 
 import grpc
 
@@ -63,7 +64,7 @@ current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 """The request id of the RPC being handled (its ``request_id`` field), or None."""
 
 
-def note_request(request: Any) -> None:
+def note_request(request: object) -> None:
     """Called by the servicer with each parsed request (the interceptors see only its bytes):
     records its request id for the log lines of the call and annotates the call's span."""
     request_id = _request_id(request)
@@ -135,7 +136,9 @@ class _StdoutHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def configure_logging(level: str, log_format: str = "text", stream: Any = None, out: Any = None) -> logging.Handler:
+def configure_logging(
+    level: str, log_format: str = "text", stream: TextIO | None = None, out: TextIO | None = None
+) -> logging.Handler:
     """Set the root logger to ``level`` with one handler writing ``log_format`` to ``stream``
     (default stderr), replacing the handlers it had; and the :data:`banner` logger to write its
     lines (at any level) to ``out`` (default: stdout as it is at each line), as plain text or as
@@ -165,7 +168,7 @@ def configure_logging(level: str, log_format: str = "text", stream: Any = None, 
     return handler
 
 
-def announce(message: str, event: str, **fields: Any) -> None:
+def announce(message: str, event: str, **fields: object) -> None:
     """Write one start-up or stop line through :data:`banner` (``event`` and ``fields`` are the
     JSON object's extra keys). Printed as it is where :func:`configure_logging` was not called."""
     if not banner.handlers:
@@ -176,7 +179,7 @@ def announce(message: str, event: str, **fields: Any) -> None:
         handler.flush()
 
 
-def json_line(level: str, logger_name: str, message: str, **fields: Any) -> str:
+def json_line(level: str, logger_name: str, message: str, **fields: object) -> str:
     """One JSON log line (as ``--log-format json`` writes them) for output that does not come
     from a logger (a command-line error)."""
     record = logging.makeLogRecord(
@@ -190,7 +193,7 @@ def log_uncaught_exceptions_and_warnings() -> None:
     CRITICAL with its traceback in ``exc_info``) and ``warnings`` (logger ``py.warnings``)."""
     crash = logging.getLogger("kvservice")
 
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if issubclass(kind, KeyboardInterrupt):
             sys.__excepthook__(kind, value, tb)
             return
@@ -293,7 +296,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
 
-def _request_id(request: Any) -> str | None:
+def _request_id(request: object) -> str | None:
     value = getattr(request, "request_id", None)
     return value if isinstance(value, str) and value else None
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, Union, overload
 
 from google.protobuf.message import Message
@@ -68,8 +68,23 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _R2 = TypeVar("_R2")
 _Q = TypeVar("_Q", bound=Message)
+_C = TypeVar("_C")
 
 _CALL_PARAMETERS = ("timeout", "metadata")
+
+
+class _SyncCaller(Protocol):
+    """The blocking client as its methods use it: ``_rpc`` answers the response (or an iterator
+    of them)."""
+
+    def _rpc(self, method: str, request: object, timeout: Timeout, metadata: Metadata) -> object: ...
+
+
+class _AsyncCaller(Protocol):
+    """The ``grpc.aio`` client as its unary methods use it: ``_rpc`` answers an awaitable of the
+    response."""
+
+    def _rpc(self, method: str, request: object, timeout: Timeout, metadata: Metadata) -> Awaitable[object]: ...
 
 
 class _RPC:
@@ -85,8 +100,8 @@ class _RPC:
         self,
         method: str,
         build: Callable[..., object],
-        returns: type[Any],
-        convert: Callable[[Any], Any] | None,
+        returns: type[object],
+        convert: Callable[[Any], object] | None,
     ) -> None:
         parameters = inspect.signature(build).parameters
         for name in _CALL_PARAMETERS:
@@ -102,7 +117,7 @@ class _RPC:
         self.returns = returns
         self.convert = convert
 
-    def __get__(self, client: Any, owner: Any = None) -> Any:
+    def __get__(self, client: object, owner: type | None = None) -> object:
         # Reached only through a table class itself: each client class holds its own function
         # under the entry's name (_install_rpcs), which shadows the entry.
         return self
@@ -112,13 +127,13 @@ class _RPC:
         value)."""
         return f"pb.{self.returns.__name__}"
 
-    def function(self, asynchronous: bool) -> Callable[..., Any]:
+    def function(self, asynchronous: bool) -> Callable[..., object]:
         """The client method: the request from ``build``, sent through the client's ``_rpc``
         (awaited by the async client's unary methods)."""
         method, build, convert = self.method, self.build, self.convert
         signature = inspect.signature(build)
 
-        def request_of(client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def request_of(client: object, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
             try:
                 return build(client, *args, **kwargs)
             except TypeError as exc:
@@ -130,12 +145,12 @@ class _RPC:
                     ) from None
                 raise
 
-        def call(client: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(client: _SyncCaller, *args: object, **kwargs: Any) -> object:
             request = request_of(client, args, kwargs)
             response = client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
             return response if convert is None else convert(response)
 
-        async def call_async(client: Any, *args: Any, **kwargs: Any) -> Any:
+        async def call_async(client: _AsyncCaller, *args: object, **kwargs: Any) -> object:
             request = request_of(client, args, kwargs)
             response = await client._rpc(method, request, kwargs.get("timeout"), kwargs.get("metadata"))
             return response if convert is None else convert(response)
@@ -158,12 +173,16 @@ class _UnaryRPC(_RPC, Generic[_P, _R]):
     @overload
     def __get__(
         self, client: None, owner: type[AsyncClientBase]
-    ) -> Callable[Concatenate[AsyncClientBase, _P], Coroutine[Any, Any, _R]]: ...
+    ) -> Callable[Concatenate[AsyncClientBase, _P], Coroutine[object, None, _R]]: ...
     @overload
-    def __get__(self, client: SyncClientBase, owner: Any = None) -> Callable[_P, _R]: ...
+    def __get__(self, client: SyncClientBase, owner: type | None = None) -> Callable[_P, _R]: ...
     @overload
-    def __get__(self, client: AsyncClientBase, owner: Any = None) -> Callable[_P, Coroutine[Any, Any, _R]]: ...
-    def __get__(self, client: Any, owner: Any = None) -> Any:
+    def __get__(
+        self, client: AsyncClientBase, owner: type | None = None
+    ) -> Callable[_P, Coroutine[object, None, _R]]: ...
+    @overload
+    def __get__(self, client: object, owner: type | None = None) -> object: ...  # through a table class: the entry
+    def __get__(self, client: object, owner: type | None = None) -> object:
         return super().__get__(client, owner)
 
 
@@ -182,10 +201,12 @@ class _StreamRPC(_RPC, Generic[_P, _R]):
         self, client: None, owner: type[AsyncClientBase]
     ) -> Callable[Concatenate[AsyncClientBase, _P], AsyncIterator[_R]]: ...
     @overload
-    def __get__(self, client: SyncClientBase, owner: Any = None) -> Callable[_P, Iterator[_R]]: ...
+    def __get__(self, client: SyncClientBase, owner: type | None = None) -> Callable[_P, Iterator[_R]]: ...
     @overload
-    def __get__(self, client: AsyncClientBase, owner: Any = None) -> Callable[_P, AsyncIterator[_R]]: ...
-    def __get__(self, client: Any, owner: Any = None) -> Any:
+    def __get__(self, client: AsyncClientBase, owner: type | None = None) -> Callable[_P, AsyncIterator[_R]]: ...
+    @overload
+    def __get__(self, client: object, owner: type | None = None) -> object: ...  # through a table class: the entry
+    def __get__(self, client: object, owner: type | None = None) -> object:
         return super().__get__(client, owner)
 
     def annotation(self, asynchronous: bool) -> str:
@@ -194,10 +215,10 @@ class _StreamRPC(_RPC, Generic[_P, _R]):
 
 def unary(
     method: str, returns: type[_R], convert: Callable[[Any], _R] | None = None
-) -> Callable[[Callable[Concatenate[Any, _P], object]], _UnaryRPC[_P, _R]]:
+) -> Callable[[Callable[Concatenate[_C, _P], object]], _UnaryRPC[_P, _R]]:
     """Makes a builder the entry of the unary-response RPC ``method`` (generated code's use)."""
 
-    def entry(build: Callable[Concatenate[Any, _P], object]) -> _UnaryRPC[_P, _R]:
+    def entry(build: Callable[Concatenate[_C, _P], object]) -> _UnaryRPC[_P, _R]:
         return _UnaryRPC(method, build, returns, convert)
 
     return entry
@@ -205,25 +226,25 @@ def unary(
 
 def server_stream(
     method: str, returns: type[_R]
-) -> Callable[[Callable[Concatenate[Any, _P], object]], _StreamRPC[_P, _R]]:
+) -> Callable[[Callable[Concatenate[_C, _P], object]], _StreamRPC[_P, _R]]:
     """Makes a builder the entry of the server-streaming RPC ``method`` (generated code's use)."""
 
-    def entry(build: Callable[Concatenate[Any, _P], object]) -> _StreamRPC[_P, _R]:
+    def entry(build: Callable[Concatenate[_C, _P], object]) -> _StreamRPC[_P, _R]:
         return _StreamRPC(method, build, returns, None)
 
     return entry
 
 
 @overload
-def facade(default: _UnaryRPC[..., _R]) -> Callable[[Callable[Concatenate[Any, _P], object]], _UnaryRPC[_P, _R]]: ...
+def facade(default: _UnaryRPC[..., _R]) -> Callable[[Callable[Concatenate[_C, _P], object]], _UnaryRPC[_P, _R]]: ...
 @overload
 def facade(
     default: _UnaryRPC[..., _R], *, returns: type[_R2], convert: Callable[[_R], _R2]
-) -> Callable[[Callable[Concatenate[Any, _P], object]], _UnaryRPC[_P, _R2]]: ...
+) -> Callable[[Callable[Concatenate[_C, _P], object]], _UnaryRPC[_P, _R2]]: ...
 @overload
-def facade(default: _StreamRPC[..., _R]) -> Callable[[Callable[Concatenate[Any, _P], object]], _StreamRPC[_P, _R]]: ...
+def facade(default: _StreamRPC[..., _R]) -> Callable[[Callable[Concatenate[_C, _P], object]], _StreamRPC[_P, _R]]: ...
 def facade(
-    default: _RPC, *, returns: type[Any] | None = None, convert: Callable[[Any], Any] | None = None
+    default: _RPC, *, returns: type[object] | None = None, convert: Callable[[Any], object] | None = None
 ) -> Callable[[Callable[..., object]], _RPC]:
     """Makes a builder the client's method of ``default``'s RPC, in place of ``default`` (the same
     RPC, kind and response type; with ``convert``, the method returns ``convert(response)``, a
@@ -250,7 +271,7 @@ class _MessageBuild(Protocol[_Q]):
     """The default builder of an RPC whose client sends one message (see :func:`request_message`)."""
 
     def __call__(
-        self, client: Any, request: _Q | None = None, *, timeout: Timeout = None, metadata: Metadata = None
+        self, client: object, request: _Q | None = None, *, timeout: Timeout = None, metadata: Metadata = None
     ) -> _Q: ...
 
 
@@ -258,16 +279,16 @@ class _StreamBuild(Protocol[_Q]):
     """The default builder of a client-streaming RPC (see :func:`request_stream`)."""
 
     def __call__(
-        self, client: Any, requests: Iterable[_Q], *, timeout: Timeout = None, metadata: Metadata = None
+        self, client: object, requests: Iterable[_Q], *, timeout: Timeout = None, metadata: Metadata = None
     ) -> Iterable[_Q]: ...
 
 
-def _documented(build: Any, first: str, annotation: str, returns: str, doc: str) -> None:
+def _documented(build: Callable[..., object], first: str, annotation: str, returns: str, doc: str) -> None:
     """Gives ``build`` the client method's signature (``self``, then ``first`` annotated
     ``annotation``, then the call's parameters), its annotations and ``doc``."""
     signature = inspect.signature(build)
     client, request, *call = signature.parameters.values()
-    build.__signature__ = signature.replace(
+    build.__dict__["__signature__"] = signature.replace(
         parameters=[
             client.replace(name="self", annotation=inspect.Parameter.empty),
             request.replace(name=first, annotation=annotation),
@@ -283,7 +304,7 @@ def request_message(request_type: type[_Q], doc: str) -> _MessageBuild[_Q]:
     """The builder, with ``doc`` as its method's docstring, of an RPC whose client sends one
     ``request_type`` message: the method takes that message, or nothing (an empty one)."""
 
-    def build(client: Any, request: Any = None, *, timeout: Timeout = None, metadata: Metadata = None) -> Any:
+    def build(client: object, request: _Q | None = None, *, timeout: Timeout = None, metadata: Metadata = None) -> _Q:
         return request if request is not None else request_type()
 
     message = f"pb.{request_type.__name__}"
@@ -295,7 +316,9 @@ def request_stream(request_type: type[_Q], doc: str) -> _StreamBuild[_Q]:
     """The builder, with ``doc`` as its method's docstring, of a client-streaming RPC: the method
     takes the ``request_type`` messages to send, in order, as any iterable (read while sending)."""
 
-    def build(client: Any, requests: Any, *, timeout: Timeout = None, metadata: Metadata = None) -> Any:
+    def build(
+        client: object, requests: Iterable[_Q], *, timeout: Timeout = None, metadata: Metadata = None
+    ) -> Iterable[_Q]:
         return requests
 
     message = f"pb.{request_type.__name__}"

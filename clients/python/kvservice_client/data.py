@@ -60,9 +60,9 @@ class DataPlaneClient(Protocol):
     @property
     def stub(self) -> Any: ...
 
-    def _rpc(self, method: str, request: Any, timeout: Any, metadata: Any) -> Any: ...
+    def _rpc(self, method: str, request: object, timeout: Timeout, metadata: Metadata) -> Any: ...
 
-    def _call_options(self, streaming: bool, timeout: Any, metadata: Any) -> dict[str, Any]: ...
+    def _call_options(self, streaming: bool, timeout: Timeout, metadata: Metadata) -> dict[str, Any]: ...
 
 
 _P = ParamSpec("_P")
@@ -336,7 +336,7 @@ class _Assembler:
 _Plan = Generator[Any, Any, _R]
 
 
-def _advance(steps: Generator[Any, Any, Any], answer: Any) -> tuple[bool, Any]:
+def _advance(steps: Generator[object, object, object], answer: object) -> tuple[bool, Any]:
     """Sends ``answer`` into a running plan: ``(True, its result)`` once it returns, else
     ``(False, the next call it makes)``."""
     try:
@@ -345,7 +345,7 @@ def _advance(steps: Generator[Any, Any, Any], answer: Any) -> tuple[bool, Any]:
         return True, done.value
 
 
-def _named(helper: Callable[..., Any], plan: Callable[..., Any], prefix: str, client_type: str) -> None:
+def _named(helper: Callable[..., object], plan: Callable[..., object], prefix: str, client_type: str) -> None:
     returns = plan.__annotations__["return"]
     if not (returns.startswith("_Plan[") and returns.endswith("]")):
         raise TypeError(f"{plan.__qualname__}: annotate its return as _Plan[<what the helper returns>]")
@@ -358,7 +358,9 @@ def _named(helper: Callable[..., Any], plan: Callable[..., Any], prefix: str, cl
     )
 
 
-def _blocking(plan: Callable[Concatenate[Any, _P], _Plan[_R]]) -> Callable[Concatenate[DataPlaneClient, _P], _R]:
+def _blocking(
+    plan: Callable[Concatenate[DataPlaneClient, _P], _Plan[_R]],
+) -> Callable[Concatenate[DataPlaneClient, _P], _R]:
     """The helper that runs ``plan`` on a :class:`KVCacheClient`."""
 
     def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -374,8 +376,8 @@ def _blocking(plan: Callable[Concatenate[Any, _P], _Plan[_R]]) -> Callable[Conca
 
 
 def _awaiting(
-    plan: Callable[Concatenate[Any, _P], _Plan[_R]],
-) -> Callable[Concatenate[DataPlaneClient, _P], Coroutine[Any, Any, _R]]:
+    plan: Callable[Concatenate[DataPlaneClient, _P], _Plan[_R]],
+) -> Callable[Concatenate[DataPlaneClient, _P], Coroutine[object, None, _R]]:
     """The helper (a coroutine function) that runs ``plan`` on an :class:`AsyncKVCacheClient`."""
 
     async def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -391,7 +393,7 @@ def _awaiting(
 
 
 def _attach_kv_cache(
-    client: Any, *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient, *, timeout: Timeout = None, metadata: Metadata = None
 ) -> _Plan[pb.AttachKVCacheResponse]:
     """The server's description of its KV memory (``AttachKVCache``); map it with
     ``kvservice_client.torch_view.KVCacheView`` (or :func:`kvservice_client.torch_view.attach`).
@@ -407,7 +409,7 @@ def _attach_kv_cache(
 
 
 def _write_blocks(
-    client: Any,
+    client: DataPlaneClient,
     request_id: str,
     blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
     *,
@@ -516,7 +518,9 @@ async def _aiterate_stream(call: Any) -> AsyncGenerator[Any, None]:
         call.cancel()
 
 
-def _read_blocks_call(client: Any, refs: Iterable[BlockRefLike], timeout: Timeout, metadata: Metadata) -> Any:
+def _read_blocks_call(
+    client: DataPlaneClient, refs: Iterable[BlockRefLike], timeout: Timeout, metadata: Metadata
+) -> Any:
     request = pb.ReadBlocksRequest(blocks=_block_refs(refs))
     options = client._call_options(False, timeout, metadata)  # a read has the client's default deadline
     return client.stub.ReadBlocks(request, **options)

@@ -21,7 +21,7 @@ from typing import Any, Union
 
 from kvservice.server.snapshot.budget import YIELD_EVERY_TOKENS, HalfShare
 from kvservice.server.snapshot.mirror import BlockView, CachedSetMirror, StoredRecord
-from kvservice_client.events import AllBlocksCleared, BlockStored, KVEvent
+from kvservice_client.events import AllBlocksCleared, BlockStored, ExternalBlockHash, KVEvent
 
 __all__ = [
     "Run",
@@ -71,11 +71,11 @@ class _Records:
     __slots__ = ("_index", "_distinct", "_breaks")
 
     def __init__(self) -> None:
-        self._index: dict[StoredRecord, dict[Any, int]] = {}
+        self._index: dict[StoredRecord, dict[ExternalBlockHash, int]] = {}
         self._distinct: dict[StoredRecord, bool] = {}
         self._breaks: dict[StoredRecord, tuple[int, ...]] = {}
 
-    def position(self, record: StoredRecord, block_hash: Any) -> int:
+    def position(self, record: StoredRecord, block_hash: ExternalBlockHash) -> int:
         """:meth:`StoredRecord.position` (the smallest index of a hash named twice), without keeping an
         index on the record."""
         hashes = record.hashes
@@ -633,7 +633,7 @@ class Snapshot:
         return data
 
     async def encoded_in_steps(
-        self, i: int, key: Hashable, encode: Callable[[Snapshot, int], Coroutine[Any, Any, bytes]]
+        self, i: int, key: Hashable, encode: Callable[[Snapshot, int], Coroutine[object, None, bytes]]
     ) -> bytes:
         """:meth:`encoded` with an encoding that awaits (yields to the loop between steps): made
         once per ``key`` by a task of its own (a caller that leaves does not cancel it), every

@@ -33,7 +33,7 @@ __all__ = [
     "StoredRecord",
 ]
 
-_Key = tuple[int, Any]  # (group_idx, block hash)
+_Key = tuple[int, ExternalBlockHash]  # (group_idx, block hash)
 
 _held: Callable[[Any], Any] = itemgetter(1)
 """A (key, record or None) pair's record: true where the block was held."""
@@ -191,7 +191,8 @@ class BlockView(Mapping):
     def __init__(self, records: dict[Any, StoredRecord], by_hash: bool = False) -> None:
         self.records = records
         self.by_hash = by_hash
-        self._made: dict[StoredRecord, dict[Any, MirroredBlock]] = {}  # per record read, its blocks by hash
+        # per record read, its blocks by hash
+        self._made: dict[StoredRecord, dict[ExternalBlockHash, MirroredBlock]] = {}
 
     def _record(self, key: Any) -> StoredRecord | None:
         if not self.by_hash:

@@ -1106,6 +1106,42 @@ class KVCacheServicer:
         """Read blocks' contents (server streaming)."""
         await self._data_plane_call(context, lambda dp: dp.read_blocks(request, context.write))
 
+    # -- tier (kvservice.server.tier): blocks named by hash alone ---------------------------
+
+    async def LookupBlocks(
+        self, request: pb.LookupBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupBlocksResponse:
+        """Which keys are cached and readable (docs/tier.md)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LookupBlocks: not yet")
+
+    async def ReserveBlocks(
+        self, request: pb.ReserveBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReserveBlocksResponse:
+        """Reserve blocks for keys under a put lease (docs/tier.md)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReserveBlocks: not yet")
+
+    async def CommitBlocks(
+        self, request: pb.CommitBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitBlocksResponse:
+        """Commit a put lease (docs/tier.md)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "CommitBlocks: not yet")
+
+    async def PutBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutBlocksResponse:
+        """Reserve, write and commit in one client stream (docs/tier.md)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PutBlocks: not yet")
+
+    async def LeaseBlocks(
+        self, request: pb.LeaseBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaseBlocksResponse:
+        """Pin cached blocks for a copy (docs/tier.md)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LeaseBlocks: not yet")
+
+    async def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLeaseResponse:
+        """End a lease (docs/tier.md)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReleaseLease: not yet")
+
     # -- registration ---------------------------------------------------------------------
 
     def _step_op_handler(self, op: Callable[[Any], Any]) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:

@@ -372,9 +372,11 @@ class TierStore:
             self._add(lease)
         return ReserveResult(True, lease_id, status, block_ids, ttl if lease_id else 0.0)
 
-    def commit(self, lease_id: int, *, now: float) -> tuple[bool, int]:
+    def commit(self, lease_id: int, *, now: float, written: Sequence[bool] | None = None) -> tuple[bool, int]:
         """Make a put lease's blocks cached (CommitBlocks): BlockStored for the keys that became
         present (queued on the pool; the caller publishes), the blocks freed to the LRU tail.
+        ``written`` (PutBlocks): per reserved block, in reservation order, whether its bytes were
+        written; the others are freed uncached, no event (None: all were).
 
         Returns:
             (committed, blocks stored): (False, 0) for a lease unknown, expired, ended or not a
@@ -386,6 +388,16 @@ class TierStore:
         if lease is None or not lease.put:
             return False, 0
         self._end(lease)
+        if written is not None and not all(written):
+            size = self.block_sizes[lease.group_idx]
+            keep = [i for i, w in enumerate(written) if w]
+            self.pool.free_blocks([b for b, w in zip(lease.blocks, written) if not w])
+            tokens = lease.token_ids
+            lease.blocks = [lease.blocks[i] for i in keep]
+            lease.hashes = [lease.hashes[i] for i in keep]
+            lease.parents = [lease.parents[i] for i in keep]
+            if tokens is not None:
+                lease.token_ids = [t for i in keep for t in tokens[i * size : (i + 1) * size]]
         cached = self.pool.cache_blocks_by_hash(
             lease.group_idx,
             lease.blocks,

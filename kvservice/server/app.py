@@ -377,6 +377,16 @@ def _build_core(config: ServerConfig) -> _Core:
         EngineLimits(max_num_requests=limits.max_num_requests, max_waiting_tokens=limits.max_waiting_tokens or None),
     )
     meta = manager.get_kv_cache_group_metadata()
+    # The tier's calls (docs/tier.md): blocks named by hash alone, over the same pool.
+    from kvservice.core.tier import TierLimits, TierStore
+
+    tier_limits = TierLimits()
+    engine.tier = TierStore(
+        manager.block_pool,
+        [g.block_size for g in meta.groups],
+        digest_bytes=16 if (cache.hash_algorithm or "").startswith("xxhash") else 32,
+        limits=tier_limits,
+    )
     # An answer always fits what this server may send and what any gRPC client accepts.
     events = dataclasses.replace(
         config.events, max_take_bytes=min(4 * 1024 * 1024, config.limits.max_message_bytes - 1024)
@@ -415,6 +425,10 @@ def _build_core(config: ServerConfig) -> _Core:
         max_step_tokens=limits.max_step_tokens,
         snapshots=snapshots,
     )
+    metadata.tier_limits.max_keys_per_call = tier_limits.max_keys_per_call
+    metadata.tier_limits.default_lease_ttl_s = tier_limits.default_lease_ttl_s
+    metadata.tier_limits.max_lease_ttl_s = tier_limits.max_lease_ttl_s
+    metadata.tier_limits.max_leases = tier_limits.max_leases
     if device_type != "meta":
         metadata.max_data_chunk_bytes = limits.chunk_bytes
     if shm is not None:

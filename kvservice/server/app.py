@@ -32,11 +32,13 @@ from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, Pref
 from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
 from kvservice.core.model_config import (
     KNOWN_ARCHITECTURES,
+    OPAQUE_PREFIX,
     ModelKVLayout,
     get_preset,
     load_kv_cache_layout,
     load_model_config,
     model_kv_layout,
+    opaque_kv_layout,
 )
 from kvservice.memory import (
     KVCacheTensors,
@@ -267,6 +269,8 @@ def _model_kv_layout(cache: CacheSettings) -> ModelKVLayout:
                 "(kind, count, heads, head size, dtype, window ... per run of layers; docs/operations.md, "
                 "KV cache layout)"
             ) from None
+    if cache.kv_cache_layout is not None and cache.kv_cache_layout.startswith(OPAQUE_PREFIX):
+        return opaque_kv_layout(cache.kv_cache_layout, block_size=cache.block_size)
     if cache.kv_cache_layout is not None:
         return load_kv_cache_layout(
             cache.kv_cache_layout, block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype
@@ -425,6 +429,8 @@ def _build_core(config: ServerConfig) -> _Core:
         max_step_tokens=limits.max_step_tokens,
         snapshots=snapshots,
     )
+    if layout_name.startswith(OPAQUE_PREFIX):
+        metadata.opaque_block_bytes = kv_cache_config.block_bytes
     metadata.tier_limits.max_keys_per_call = tier_limits.max_keys_per_call
     metadata.tier_limits.default_lease_ttl_s = tier_limits.default_lease_ttl_s
     metadata.tier_limits.max_lease_ttl_s = tier_limits.max_lease_ttl_s

@@ -1163,6 +1163,7 @@ def load_config(
             if (
                 (key.endswith("_file") or key in ("model_config", "kv_cache_layout"))
                 and isinstance(values[key], str)
+                and not values[key].startswith("opaque:")
                 and not os.path.isabs(values[key])
             ):
                 # A path in a config file is relative to that file, not to where the server starts.

@@ -389,7 +389,15 @@ BLOCK_BYTES = 24 * 2 * 4 * 2 * 64 * 2
 ALLOWED = {
     "scheduler": set(RPCS),
     "watcher": {"StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping", "LookupBlocks"},
-    "worker": {"AttachKVCache", "WriteBlocks", "ReadBlocks", "GetKVCacheGroupMetadata", "GetUsage", "Ping", "LookupBlocks"},
+    "worker": {
+        "AttachKVCache",
+        "WriteBlocks",
+        "ReadBlocks",
+        "GetKVCacheGroupMetadata",
+        "GetUsage",
+        "Ping",
+        "LookupBlocks",
+    },
     # A tier: blocks by hash, the memory, block reads; refused every scheduler call and reset.
     "tier": {
         "LookupBlocks",

@@ -190,3 +190,26 @@ async def test_bad_fields_are_invalid_argument_naming_the_field(start_kv_server,
         await call(client)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.message
     assert await observed_state(running, client) == before
+
+
+async def test_the_opaque_layout_blocks_are_exactly_the_chunk_and_the_metadata_says_so(start_kv_server, connect):
+    running = await start_kv_server(device="cpu", kv_cache_layout="opaque:3000", block_size=16, num_blocks=4)
+    client = await connect(running)
+    meta = await client.get_kv_cache_group_metadata()
+    assert (meta.opaque_block_bytes, [g.bytes_per_block for g in meta.groups], meta.groups[0].dtype) == (
+        3000,
+        [3000],
+        "uint8",
+    )
+    assert meta.tier_limits == pb.TierLimits(
+        max_keys_per_call=4096, default_lease_ttl_s=10.0, max_lease_ttl_s=300.0, max_leases=4096
+    )
+    chunk = bytes(i % 256 for i in range(3000))
+    put = await client.put_blocks(0, [(h(1), chunk)])
+    assert (list(put.block_ids), put.num_bytes_written) == ([1], 3000)
+    [block] = await client.read_blocks([(0, h(1))])
+    assert block.data == chunk
+    view = await aattach(client)
+    lease = await client.lease_blocks(0, [h(1)])
+    assert block_bytes(view, lease.block_ids[0]) == chunk
+    assert (await client.release_lease(lease.lease_id)).valid

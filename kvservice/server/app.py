@@ -373,7 +373,12 @@ def _build_core(config: ServerConfig) -> _Core:
         prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed)
         if cache.enable_prefix_caching
         else None,
-        kv_events=KVEventsConfig(block_hash_format=block_hash_format, medium=medium),
+        kv_events=KVEventsConfig(
+            block_hash_format=block_hash_format,
+            medium=medium,
+            locality=config.events.kv_events_locality,
+            ownership=config.events.kv_events_ownership,
+        ),
     )
     limits = config.limits
     engine = KVCacheEngine(

@@ -213,3 +213,37 @@ async def test_the_opaque_layout_blocks_are_exactly_the_chunk_and_the_metadata_s
     lease = await client.lease_blocks(0, [h(1)])
     assert block_bytes(view, lease.block_ids[0]) == chunk
     assert (await client.release_lease(lease.lease_id)).valid
+
+
+async def test_tier_events_carry_the_configured_locality_and_ownership(start_kv_server, connect):
+    running = await start_kv_server(
+        device="cpu", num_blocks=3, kv_events_locality="LOCAL", kv_events_ownership="kvservice"
+    )
+    client = await connect(running)
+    await client.take_events("t")
+    await client.put_blocks(0, [(h(1), pattern(1)), (h(2), pattern(2))])
+    await client.put_blocks(0, [(h(3), pattern(3))])
+    events = await taken(client)
+    assert [(type(e).__name__, e.block_hashes, e.locality, e.ownership) for e in events] == [
+        ("BlockStored", [1], "LOCAL", "kvservice"),
+        ("BlockStored", [2], "LOCAL", "kvservice"),
+        ("BlockRemoved", [1], "LOCAL", "kvservice"),
+        ("BlockStored", [3], "LOCAL", "kvservice"),
+    ]
+
+
+async def test_a_bad_put_chunk_stores_nothing_of_the_call(start_kv_server, connect):
+    from kvservice_client.tier import put_blocks_messages, reserve_blocks_request
+
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await client.take_events("t")
+    messages = list(put_blocks_messages(reserve_blocks_request(0, [h(1), h(2)]), [pattern(1), pattern(2)], 1 << 20))
+    messages[-1].chunk.checksum ^= 1  # block 1's checksum is wrong
+    with pytest.raises(KVServiceError) as err:
+        await client._rpc("PutBlocks", iter(messages), None, None)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[2].chunk.checksum" in err.value.message
+    assert list((await client.lookup_blocks(0, [h(1), h(2)])).present) == [False, False]
+    assert await taken(client) == [] and running.engine.tier is not None and running.engine.tier.num_leases == 0
+    assert (await client.get_usage()).num_free_blocks == 5

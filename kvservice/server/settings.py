@@ -612,7 +612,8 @@ class AuthSettings(_Section):
     auth_tokens_file: str | None = setting(
         None,
         "TOML file of bearer tokens ([[tokens]] name, role, token or token_sha256) with roles "
-        "scheduler (every RPC), watcher (events and reads) or worker (the data plane and reads).",
+        "scheduler (every RPC), watcher (events and reads), worker (the data plane and reads) or tier (blocks by hash, "
+        "the memory and reads).",
         path=True,
         default_text="no tokens",
     )

@@ -247,3 +247,18 @@ async def test_a_bad_put_chunk_stores_nothing_of_the_call(start_kv_server, conne
     assert list((await client.lookup_blocks(0, [h(1), h(2)])).present) == [False, False]
     assert await taken(client) == [] and running.engine.tier is not None and running.engine.tier.num_leases == 0
     assert (await client.get_usage()).num_free_blocks == 5
+
+
+async def test_the_reaper_ends_a_lapsed_lease_and_unpins_its_blocks(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    now = [1000.0]
+    running.engine.clock = lambda: now[0]
+    client = await connect(running)
+    await client.put_blocks(0, [(h(1), pattern(1))])
+    lease = await client.lease_blocks(0, [h(1)], ttl_s=2.0)
+    assert (await client.get_usage()).num_free_blocks == 4
+    now[0] += 2.0
+    assert running.reaper is not None
+    running.reaper.reap()
+    assert (await client.get_usage()).num_free_blocks == 5  # unpinned without a tier call
+    assert (await client.release_lease(lease.lease_id)).valid is False

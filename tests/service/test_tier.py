@@ -262,3 +262,16 @@ async def test_the_reaper_ends_a_lapsed_lease_and_unpins_its_blocks(start_kv_ser
     running.reaper.reap()
     assert (await client.get_usage()).num_free_blocks == 5  # unpinned without a tier call
     assert (await client.release_lease(lease.lease_id)).valid is False
+
+
+async def test_a_snapshot_holds_tier_blocks_without_token_ids_and_a_watcher_follows(start_kv_server, connect):
+    from kvservice_client.events import AllBlocksCleared
+
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await client.put_blocks(0, [(h(1), pattern(1)), (h(2), pattern(2))], parent_block_hashes=[None, h(1)])
+    response = await client.take_events("snap", snapshot=True)
+    events = [e for batch in response.batches for e in events_of(batch)]
+    # The snapshot's cached set (its parents-first half; the recency half re-announces them, reused).
+    assert events[:2] == [AllBlocksCleared(), stored([1, 2])]
+    assert all(e.token_ids == [] and e.block_hashes == [1, 2] for e in events[1:])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -215,7 +215,7 @@ class TierStore:
         *,
         group_idxs: Sequence[int] = (),
         touch: bool = False,
-        readable: object = None,
+        readable: Callable[[int, KVCacheBlock], bool] | None = None,
     ) -> LookupResult:
         """Which keys are cached (LookupBlocks). No side effect unless ``touch``: then each present
         free block moves to the tail of the free queue (most recently used; no event).
@@ -248,7 +248,7 @@ class TierStore:
         for i, block_hash in enumerate(block_hashes):
             g = group_idxs[i] if group_idxs else group_idx
             block = index[g].get_one_block(block_hash)
-            ok = block is not None and (readable is None or readable(g, block))  # type: ignore[operator]
+            ok = block is not None and (readable is None or readable(g, block))
             present.append(ok)
             if ok and touch:
                 assert block is not None

@@ -21,7 +21,7 @@ def h(i: int) -> bytes:
 
 def store(num_blocks: int = 6, **limits: object) -> TierStore:
     pool = BlockPool(num_blocks, 1, enable_kv_cache_events=True)
-    return TierStore(pool, [BLOCK_SIZE], digest_bytes=32, limits=TierLimits(**limits))  # type: ignore[arg-type]
+    return TierStore(pool, [BLOCK_SIZE], digest_bytes=32, limits=TierLimits(**limits))  # type: ignore[arg-type]  # the keyword arguments are TierLimits' own, typed object here
 
 
 def free_ids(tier: TierStore) -> list[int]:
@@ -43,7 +43,7 @@ def stored(hashes: list[int], parent: int | None = None, tokens: list[int] | Non
 
 def put(tier: TierStore, keys: list[int], now: float = 0.0, **kwargs: object) -> tuple[int, list[int]]:
     """Reserve and commit ``keys``; the reservation's lease and block ids."""
-    reserved = tier.reserve(0, [h(k) for k in keys], now=now, **kwargs)  # type: ignore[arg-type]
+    reserved = tier.reserve(0, [h(k) for k in keys], now=now, **kwargs)  # type: ignore[arg-type]  # reserve's keyword arguments, typed object here
     assert reserved.reserved
     assert tier.commit(reserved.lease_id, now=now) == (True, reserved.status.count(WRITE))
     return reserved.lease_id, reserved.block_ids

@@ -14,6 +14,10 @@ Two independent layers, both off by default (the server then binds loopback only
   - ``worker``: the data plane and what it needs (:data:`WORKER_METHODS`: AttachKVCache,
     ReadBlocks, WriteBlocks, GetKVCacheGroupMetadata, GetUsage, Ping) and server reflection; no
     call that changes the cache or the request table, no events.
+  - ``tier``: a shared tier's calls (:data:`TIER_METHODS`: the blocks named by hash alone,
+    LookupBlocks, ReserveBlocks, CommitBlocks, PutBlocks, LeaseBlocks, ReleaseLease; AttachKVCache,
+    ReadBlocks, GetKVCacheGroupMetadata, GetUsage, Ping) and server reflection; no scheduler call,
+    no WriteBlocks into a request's block, no ResetPrefixCache, no events (docs/tier.md).
 
   Who may call an RPC is said beside it in the proto (its ``(kvservice.v1.roles)`` option: the
   roles besides ``scheduler``; none: scheduler only); the sets here are read from the RPC table
@@ -81,6 +85,7 @@ __all__ = [
     "TokenTable",
     "WATCHER_METHODS",
     "WORKER_METHODS",
+    "TIER_METHODS",
     "build_auth",
     "is_loopback_host",
     "server_credentials",
@@ -91,7 +96,8 @@ MIN_TOKEN_CHARS = 16
 
 MUTATING_METHODS = frozenset(rpc.method for rpc in KV_CACHE_SERVICE if rpc.roles == {"scheduler"})
 """Full method names of the RPCs only a scheduler may call: those that change the cache or the
-request table (GetComputedBlocks, AllocateSlots, Free, ResetPrefixCache, Step, ManagerStep)."""
+request table (GetComputedBlocks, AllocateSlots, Free, ResetPrefixCache, Step, ManagerStep); the
+tier's puts and leases are the ``tier`` role's (:data:`TIER_METHODS`)."""
 
 WATCHER_METHODS = KV_CACHE_SERVICE.methods_of("watcher")
 """Full method names of the kvservice RPCs a ``watcher`` token may call."""
@@ -100,6 +106,10 @@ WORKER_METHODS = KV_CACHE_SERVICE.methods_of("worker")
 """Full method names of the kvservice RPCs a ``worker`` token may call (block contents, no cache
 mutation: a write goes only into a block a running request computes, see
 ``kvservice.server.data_plane``)."""
+
+TIER_METHODS = KV_CACHE_SERVICE.methods_of("tier")
+"""Full method names of the kvservice RPCs a ``tier`` token may call (blocks named by hash alone,
+the shared memory and block reads; see docs/tier.md)."""
 
 _REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 

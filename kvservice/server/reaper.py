@@ -64,6 +64,9 @@ class RequestReaper:
         Returns:
             The ids freed, least recently called first (empty when none was idle).
         """
+        tier = self.engine.tier
+        if tier is not None and tier.expire(self.engine.clock()):  # lapsed tier leases: unpinned / freed, no event
+            logger.info("ended tier leases past their deadline (%d since start)", tier.num_expired)
         owner = self.engine.claim.owner if self.engine.claim is not None else None
         released = self.engine.expire_claim()
         if released or (owner is not None and self.engine.claim is None):
@@ -100,6 +103,9 @@ class RequestReaper:
         engine = self.engine
         while True:
             deadline = engine.next_idle_deadline(self.idle_timeout_s)
+            lease_deadline = engine.tier.next_deadline() if engine.tier is not None else None
+            if lease_deadline is not None and (deadline is None or lease_deadline < deadline):
+                deadline = lease_deadline  # a tier lease lapses first: end it then
             delay = self.idle_timeout_s if deadline is None else deadline - engine.clock()
             await asyncio.sleep(max(delay, 0.0))  # sleep(0) still yields to the calls
             try:

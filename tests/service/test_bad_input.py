@@ -962,6 +962,84 @@ CASES = [
         IA,
         ("request: not a valid kvservice.v1.ReadBlocksRequest",),
     ),
+    # The tier (docs/tier.md): each new field's bound; on the meta test server the calls that move
+    # bytes through the memory are refused for it first.
+    Case(
+        "lookup blocks hash of the wrong length",
+        "block_hashes[0]",
+        "8 bytes",
+        lambda c: Raw("LookupBlocks", pb.LookupBlocksRequest(block_hashes=[bytes(8)]).SerializeToString()),
+        IA,
+        ("block_hashes[0]: 8 bytes; a block hash is the server's 32-byte digest",),
+    ),
+    Case(
+        "lookup blocks group out of range",
+        "group_idx",
+        "7",
+        lambda c: Raw(
+            "LookupBlocks", pb.LookupBlocksRequest(group_idx=7, block_hashes=[bytes(32)]).SerializeToString()
+        ),
+        IA,
+        ("group_idx: 7 is out of range [0, 1)",),
+    ),
+    Case(
+        "lookup blocks more keys than max_keys_per_call",
+        "block_hashes",
+        "4097 keys",
+        lambda c: Raw("LookupBlocks", pb.LookupBlocksRequest(block_hashes=[bytes(32)] * 4097).SerializeToString()),
+        IA,
+        ("block_hashes: 4097 keys, above max_keys_per_call 4096",),
+    ),
+    Case(
+        "lookup blocks group_idxs not one per key",
+        "group_idxs",
+        "2 for 1 key",
+        lambda c: Raw(
+            "LookupBlocks", pb.LookupBlocksRequest(block_hashes=[bytes(32)], group_idxs=[0, 0]).SerializeToString()
+        ),
+        IA,
+        ("group_idxs: 2 groups for 1 keys",),
+    ),
+    Case(
+        "reserve blocks on a meta device",
+        "device",
+        "meta (the test server's)",
+        lambda c: Raw("ReserveBlocks", pb.ReserveBlocksRequest(block_hashes=[bytes(32)]).SerializeToString()),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ("no memory behind a meta device",),
+    ),
+    Case(
+        "lease blocks on a meta device",
+        "device",
+        "meta (the test server's)",
+        lambda c: Raw("LeaseBlocks", pb.LeaseBlocksRequest(block_hashes=[bytes(32)]).SerializeToString()),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ("no memory behind a meta device",),
+    ),
+    Case(
+        "commit blocks request truncated",
+        "request",
+        "a lease id cut inside it",
+        lambda c: Raw("CommitBlocks", b"\x08\xff"),
+        IA,
+        ("request: not a valid kvservice.v1.CommitBlocksRequest",),
+    ),
+    Case(
+        "release lease request truncated",
+        "request",
+        "a lease id cut inside it",
+        lambda c: Raw("ReleaseLease", b"\x08\xff"),
+        IA,
+        ("request: not a valid kvservice.v1.ReleaseLeaseRequest",),
+    ),
+    Case(
+        "put blocks without a header first",
+        "header",
+        "a chunk first",
+        lambda c: Raw("PutBlocks", pb.PutBlocksMessage(chunk=pb.PutBlocksChunk(data=b"x")).SerializeToString()),
+        IA,
+        ("header: the first PutBlocks message must be the header",),
+    ),
     # ManagerStep: refused whole (a failing call inside one is answered in its results:
     # tests/service/test_manager_step.py)
     Case(
@@ -1010,7 +1088,7 @@ def rpc_of(request: Any) -> str:
 async def _raw_call(client, raw: Raw) -> None:
     path = f"/{SERVICE}/{raw.method}"
     try:
-        if raw.method == "WriteBlocks":
+        if raw.method in ("WriteBlocks", "PutBlocks"):
             await client.channel.stream_unary(path)(iter([raw.data]), timeout=10.0)
         elif raw.method in ("StreamEvents", "ReadBlocks"):
             call = client.channel.unary_stream(path)(raw.data, timeout=10.0)

@@ -103,6 +103,12 @@ async def test_reflection_lists_the_service_and_serves_its_descriptor(kv_server,
             "WriteBlocks",
             "ReadBlocks",
             "ManagerStep",
+            "LookupBlocks",
+            "ReserveBlocks",
+            "CommitBlocks",
+            "PutBlocks",
+            "LeaseBlocks",
+            "ReleaseLease",
         ],
     )
 

@@ -98,7 +98,7 @@ async def test_the_new_rpcs_are_served_checked_and_called_with_no_edit(echo_serv
         assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert err.value.message == (
             "/kvservice.v1.KVCacheServiceWithEcho/CurrentUsage: token 'watcher-1' has role 'watcher', which may "
-            "call only Echo, GetKVCacheGroupMetadata, GetUsage, Ping, StreamEvents, TakeEvents and reflection"
+            "call only Echo, GetKVCacheGroupMetadata, GetUsage, LookupBlocks, Ping, StreamEvents, TakeEvents and reflection"
         )
 
     async with EchoClient(echo_server, token=TOKENS["worker"], timeout=10.0) as worker:

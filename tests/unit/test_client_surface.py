@@ -30,6 +30,7 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods
 from kvservice_client.rpc_table import KV_CACHE_SERVICE, snake_case
+from kvservice_client.tier import AsyncTierMethods, BlockingTierMethods, TierRPCs
 from kvservice_client.tls import resolve_channel_security
 
 ISSUE_NAMES = {
@@ -205,12 +206,24 @@ DEFAULT_RPC_METHODS = {
 # The RPCs whose method is a plain data-plane helper (kvservice_client.data) over the default.
 DATA_PLANE_METHODS = ("attach_kv_cache", "write_blocks", "read_blocks")
 
+# The tier's unary RPCs (kvservice_client.tier.TierRPCs entries) and their answers; PutBlocks is a
+# plain helper (kvservice_client.tier.BlockingTierMethods) over the default.
+TIER_RPC_METHODS = {
+    "lookup_blocks": "pb.LookupBlocksResponse",
+    "reserve_blocks": "pb.ReserveBlocksResponse",
+    "commit_blocks": "pb.CommitBlocksResponse",
+    "lease_blocks": "pb.LeaseBlocksResponse",
+    "release_lease": "pb.ReleaseLeaseResponse",
+}
+TIER_PLAIN_METHODS = ("put_blocks",)
+
 
 def _entries() -> dict[str, _RPC]:
     """Each client method's entry: the hand-written one, else the generated default."""
     generated = {n: e for n, e in vars(rpcs.KVCacheServiceMethods).items() if isinstance(e, _RPC)}
     written = {n: e for n, e in vars(client_module._KVCacheServiceRPCs).items() if isinstance(e, _RPC)}
-    return {**generated, **written}
+    tier = {n: e for n, e in vars(TierRPCs).items() if isinstance(e, _RPC)}
+    return {**generated, **tier, **written}
 
 
 def test_each_rpc_of_the_proto_has_a_method_generated_or_written():
@@ -232,12 +245,15 @@ def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
     """Both clients' RPC methods come from one table (the generated defaults, some replaced by the
     hand-written entries of client._KVCacheServiceRPCs); each client holds its own function per
     entry, with the entry's docstring and the method's return type."""
-    entries = {n: e for n, e in _entries().items() if n not in DATA_PLANE_METHODS}
-    unary_methods = {**RPC_METHODS, **DEFAULT_RPC_METHODS}
+    entries = {n: e for n, e in _entries().items() if n not in DATA_PLANE_METHODS + TIER_PLAIN_METHODS}
+    unary_methods = {**RPC_METHODS, **DEFAULT_RPC_METHODS, **TIER_RPC_METHODS}
     assert set(entries) == {*unary_methods, "stream_events"}
     for name in DATA_PLANE_METHODS:  # the helpers replace the generated defaults
         assert inspect.getattr_static(KVCacheClient, name) is inspect.getattr_static(BlockingDataPlaneMethods, name)
         assert inspect.getattr_static(AsyncKVCacheClient, name) is inspect.getattr_static(AsyncDataPlaneMethods, name)
+    for name in TIER_PLAIN_METHODS:
+        assert inspect.getattr_static(KVCacheClient, name) is inspect.getattr_static(BlockingTierMethods, name)
+        assert inspect.getattr_static(AsyncKVCacheClient, name) is inspect.getattr_static(AsyncTierMethods, name)
     returns = {
         cls: {name: inspect.signature(vars(cls)[name]).return_annotation for name in entries}
         for cls in (KVCacheClient, AsyncKVCacheClient)

@@ -18,6 +18,8 @@ from tests.unit.rpc_fixtures import Method, service_with
 SCHEDULER = frozenset({"scheduler"})
 WATCHER = frozenset({"scheduler", "watcher"})
 WORKER = frozenset({"scheduler", "worker"})
+WORKER_TIER = frozenset({"scheduler", "worker", "tier"})
+TIER = frozenset({"scheduler", "tier"})
 EVERYONE = frozenset(ROLES)
 
 # name -> (request, response, kind, roles, Step op)
@@ -50,10 +52,16 @@ EXPECTED = {
         None,
     ),
     "Ping": ("PingRequest", "PingResponse", "unary_unary", EVERYONE, None),
-    "AttachKVCache": ("AttachKVCacheRequest", "AttachKVCacheResponse", "unary_unary", WORKER, None),
+    "AttachKVCache": ("AttachKVCacheRequest", "AttachKVCacheResponse", "unary_unary", WORKER_TIER, None),
     "WriteBlocks": ("WriteBlocksChunk", "WriteBlocksResponse", "stream_unary", WORKER, None),
-    "ReadBlocks": ("ReadBlocksRequest", "ReadBlocksChunk", "unary_stream", WORKER, None),
+    "ReadBlocks": ("ReadBlocksRequest", "ReadBlocksChunk", "unary_stream", WORKER_TIER, None),
     "ManagerStep": ("ManagerStepRequest", "ManagerStepResponse", "unary_unary", frozenset({"scheduler"}), None),
+    "LookupBlocks": ("LookupBlocksRequest", "LookupBlocksResponse", "unary_unary", EVERYONE, None),
+    "ReserveBlocks": ("ReserveBlocksRequest", "ReserveBlocksResponse", "unary_unary", TIER, None),
+    "CommitBlocks": ("CommitBlocksRequest", "CommitBlocksResponse", "unary_unary", TIER, None),
+    "PutBlocks": ("PutBlocksMessage", "PutBlocksResponse", "stream_unary", TIER, None),
+    "LeaseBlocks": ("LeaseBlocksRequest", "LeaseBlocksResponse", "unary_unary", TIER, None),
+    "ReleaseLease": ("ReleaseLeaseRequest", "ReleaseLeaseResponse", "unary_unary", TIER, None),
 }
 
 
@@ -99,11 +107,34 @@ def test_the_role_sets_of_auth_are_the_tables():
         assert all(m.startswith(f"/{SERVICE_NAME}/") for m in methods)
         return {m.rsplit("/", 1)[1] for m in methods}
 
-    assert names(auth.WATCHER_METHODS) == {"StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping"}
+    assert names(auth.WATCHER_METHODS) == {
+        "StreamEvents",
+        "TakeEvents",
+        "GetKVCacheGroupMetadata",
+        "GetUsage",
+        "Ping",
+        "LookupBlocks",
+    }
     assert names(auth.WORKER_METHODS) == {
         "AttachKVCache",
         "ReadBlocks",
         "WriteBlocks",
+        "GetKVCacheGroupMetadata",
+        "GetUsage",
+        "Ping",
+        "LookupBlocks",
+    }
+    # A tier: blocks named by hash, the shared memory, block reads; no scheduler call, no
+    # WriteBlocks into a request's block, no reset, no events (docs/tier.md).
+    assert names(auth.TIER_METHODS) == {
+        "LookupBlocks",
+        "ReserveBlocks",
+        "CommitBlocks",
+        "PutBlocks",
+        "LeaseBlocks",
+        "ReleaseLease",
+        "AttachKVCache",
+        "ReadBlocks",
         "GetKVCacheGroupMetadata",
         "GetUsage",
         "Ping",
@@ -116,7 +147,7 @@ def test_the_role_sets_of_auth_are_the_tables():
         "Step",
         "ManagerStep",
     }
-    assert auth.ROLES == ROLES == ("scheduler", "watcher", "worker")
+    assert auth.ROLES == ROLES == ("scheduler", "watcher", "worker", "tier")
 
 
 @pytest.mark.parametrize(
@@ -148,7 +179,7 @@ def test_a_new_rpc_is_in_the_table_with_the_roles_its_option_names():
     assert (echo.method, echo.client_method, echo.roles, echo.step_op, echo.kind) == (
         "/kvservice.v1.TableWithTwoMore/Echo",
         "echo",
-        EVERYONE,
+        frozenset({"scheduler", "watcher", "worker"}),
         None,
         "unary_unary",
     )

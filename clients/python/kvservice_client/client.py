@@ -87,6 +87,7 @@ from kvservice_client.step import (
     step_request,
     step_results,
 )
+from kvservice_client.tier import AsyncTierMethods, BlockingTierMethods, TierRPCs
 from kvservice_client.tls import TLSConfig, resolve_channel_security
 
 if TYPE_CHECKING:
@@ -684,7 +685,7 @@ class _KVCacheServiceRPCs:
 # Some of the generated defaults' names are in _KVCacheServiceRPCs too, with the friendlier
 # signatures that replace them: the first base's wins, at runtime (_install_rpcs) and for mypy alike.
 # mypy reports each such pair where a client class binds them (the two ignores below).
-class _ClientBase(_KVCacheServiceRPCs, rpcs.KVCacheServiceMethods, Generic[_ChannelT, _StubT]):
+class _ClientBase(_KVCacheServiceRPCs, TierRPCs, rpcs.KVCacheServiceMethods, Generic[_ChannelT, _StubT]):
     """What both clients share: the channel, the calls of each RPC of ``_service``, the default
     deadline and metadata, and the RPC methods of the table. ``_channel_module`` is ``grpc`` or
     ``grpc.aio``."""
@@ -747,7 +748,9 @@ class _ClientBase(_KVCacheServiceRPCs, rpcs.KVCacheServiceMethods, Generic[_Chan
         return {"timeout": seconds, "metadata": pairs or None}
 
 
-class KVCacheClient(BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase):  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
+class KVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
+    BlockingTierMethods, BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase
+):
     __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
 
     _channel_module: ClassVar[Any] = grpc
@@ -780,7 +783,10 @@ class KVCacheClient(BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.
 
 
 class AsyncKVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
-    AsyncDataPlaneMethods, _ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"], AsyncClientBase
+    AsyncTierMethods,
+    AsyncDataPlaneMethods,
+    _ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"],
+    AsyncClientBase,
 ):
     __doc__ = (
         "``grpc.aio`` client of ``kvservice.v1.KVCacheService``; the async twin of :class:`KVCacheClient`\n"

@@ -33,14 +33,15 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
 __all__ = ["KV_CACHE_SERVICE", "ROLES", "RPC", "Role", "ServiceTable", "service_table", "snake_case"]
 
-Role = Literal["scheduler", "watcher", "worker"]
-ROLES: tuple[Role, ...] = ("scheduler", "watcher", "worker")
+Role = Literal["scheduler", "watcher", "worker", "tier"]
+ROLES: tuple[Role, ...] = ("scheduler", "watcher", "worker", "tier")
 """The roles a bearer token may have (the proto's ``Role`` values, lower case, without ``ROLE_``)."""
 
 _ROLE_BY_VALUE: dict[int, Role] = {
     pb.ROLE_SCHEDULER: "scheduler",
     pb.ROLE_WATCHER: "watcher",
     pb.ROLE_WORKER: "worker",
+    pb.ROLE_TIER: "tier",
 }
 
 
@@ -136,7 +137,7 @@ def service_table(service: ServiceDescriptor, step_op: Descriptor | None = None)
             if value not in _ROLE_BY_VALUE:
                 raise ValueError(
                     f"{method.full_name}: option (kvservice.v1.roles) names {pb.Role.Name(value)}; "
-                    "name ROLE_WATCHER or ROLE_WORKER (ROLE_SCHEDULER may call every RPC)"
+                    "name ROLE_WATCHER, ROLE_WORKER or ROLE_TIER (ROLE_SCHEDULER may call every RPC)"
                 )
             roles.add(_ROLE_BY_VALUE[value])
         client_method = snake_case(method.name)

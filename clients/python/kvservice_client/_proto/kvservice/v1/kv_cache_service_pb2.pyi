@@ -52,6 +52,12 @@ class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType],
     """The data plane (block contents) and the read-only metadata calls; nothing that changes the
     cache or the request table.
     """
+    ROLE_TIER: _Role.ValueType  # 4
+    """A shared tier (kvservice-vllm's KVServiceTier for vLLM's OffloadingConnector): blocks named by
+    hash alone (LookupBlocks, ReserveBlocks, CommitBlocks, PutBlocks, LeaseBlocks, ReleaseLease),
+    AttachKVCache, ReadBlocks and the read-only metadata calls; never a scheduler call, a
+    WriteBlocks into a request's block, or ResetPrefixCache.
+    """
 
 class Role(_Role, metaclass=_RoleEnumTypeWrapper):
     """A bearer token's role (the server's token file names one per token). With auth off every caller
@@ -66,6 +72,12 @@ ROLE_WATCHER: Role.ValueType  # 2
 ROLE_WORKER: Role.ValueType  # 3
 """The data plane (block contents) and the read-only metadata calls; nothing that changes the
 cache or the request table.
+"""
+ROLE_TIER: Role.ValueType  # 4
+"""A shared tier (kvservice-vllm's KVServiceTier for vLLM's OffloadingConnector): blocks named by
+hash alone (LookupBlocks, ReserveBlocks, CommitBlocks, PutBlocks, LeaseBlocks, ReleaseLease),
+AttachKVCache, ReadBlocks and the read-only metadata calls; never a scheduler call, a
+WriteBlocks into a request's block, or ResetPrefixCache.
 """
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
@@ -215,6 +227,42 @@ BLOCK_HASH_FORMAT_INT64: BlockHashFormat.ValueType  # 1
 BLOCK_HASH_FORMAT_DIGEST: BlockHashFormat.ValueType  # 2
 """The full digests (32 bytes for sha256*, 16 for xxhash*)."""
 Global___BlockHashFormat: _TypeAlias = BlockHashFormat  # noqa: Y015
+
+class _BlockPutStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BlockPutStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlockPutStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BLOCK_PUT_STATUS_UNSPECIFIED: _BlockPutStatus.ValueType  # 0
+    """Not used."""
+    BLOCK_PUT_STATUS_WRITE: _BlockPutStatus.ValueType  # 1
+    """A block was reserved for the key: write its bytes (ReserveBlocks), or its bytes were written
+    and committed (PutBlocks: stored now).
+    """
+    BLOCK_PUT_STATUS_PRESENT: _BlockPutStatus.ValueType  # 2
+    """The key is cached already (idempotent put): nothing to write, no event."""
+    BLOCK_PUT_STATUS_IN_FLIGHT: _BlockPutStatus.ValueType  # 3
+    """Another live put lease has the key reserved: nothing to write (it is stored once that lease
+    commits; lost if it is released or expires).
+    """
+
+class BlockPutStatus(_BlockPutStatus, metaclass=_BlockPutStatusEnumTypeWrapper):
+    """What a put did, or will do, for one key."""
+
+BLOCK_PUT_STATUS_UNSPECIFIED: BlockPutStatus.ValueType  # 0
+"""Not used."""
+BLOCK_PUT_STATUS_WRITE: BlockPutStatus.ValueType  # 1
+"""A block was reserved for the key: write its bytes (ReserveBlocks), or its bytes were written
+and committed (PutBlocks: stored now).
+"""
+BLOCK_PUT_STATUS_PRESENT: BlockPutStatus.ValueType  # 2
+"""The key is cached already (idempotent put): nothing to write, no event."""
+BLOCK_PUT_STATUS_IN_FLIGHT: BlockPutStatus.ValueType  # 3
+"""Another live put lease has the key reserved: nothing to write (it is stored once that lease
+commits; lost if it is released or expires).
+"""
+Global___BlockPutStatus: _TypeAlias = BlockPutStatus  # noqa: Y015
 
 @_typing.final
 class LoRA(_message.Message):
@@ -2073,6 +2121,8 @@ class BlockStored(_message.Message):
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REUSED_FIELD_NUMBER: _builtins.int
+    LOCALITY_FIELD_NUMBER: _builtins.int
+    OWNERSHIP_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.int
     """Hash of the block before the first one (int form); unset at block 0."""
     parent_block_hash_digest: _builtins.bytes
@@ -2097,6 +2147,14 @@ class BlockStored(_message.Message):
     """Session of the request that triggered this store."""
     reused: _builtins.bool
     """True on a full-mode reuse report: presence did not change."""
+    locality: _builtins.str
+    """vLLM 0.33's locality: "LOCAL" or "REMOTE" relative to the publisher (the server's
+    kv_events_locality setting); unset = not published.
+    """
+    ownership: _builtins.str
+    """vLLM 0.33's ownership: the secondary tier that generated the event (the server's
+    kv_events_ownership setting, e.g. "kvservice" for a tier's server); unset = not published.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Block hashes as unsigned 64-bit ints (BLOCK_HASH_FORMAT_INT64), parent first."""
@@ -2131,21 +2189,27 @@ class BlockStored(_message.Message):
         kv_cache_spec_sliding_window: _builtins.int | None = ...,
         session_id: _builtins.str | None = ...,
         reused: _builtins.bool = ...,
+        locality: _builtins.str | None = ...,
+        ownership: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "_parent_block_hash_digest", b"_parent_block_hash_digest", "_session_id", b"_session_id", "group_idx", b"group_idx", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "parent_block_hash_digest", b"parent_block_hash_digest", "session_id", b"session_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_locality", b"_locality", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_ownership", b"_ownership", "_parent_block_hash", b"_parent_block_hash", "_parent_block_hash_digest", b"_parent_block_hash_digest", "_session_id", b"_session_id", "group_idx", b"group_idx", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "locality", b"locality", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "ownership", b"ownership", "parent_block_hash", b"parent_block_hash", "parent_block_hash_digest", b"parent_block_hash_digest", "session_id", b"session_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "_parent_block_hash_digest", b"_parent_block_hash_digest", "_session_id", b"_session_id", "block_hash_digests", b"block_hash_digests", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "parent_block_hash_digest", b"parent_block_hash_digest", "reused", b"reused", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_locality", b"_locality", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_ownership", b"_ownership", "_parent_block_hash", b"_parent_block_hash", "_parent_block_hash_digest", b"_parent_block_hash_digest", "_session_id", b"_session_id", "block_hash_digests", b"block_hash_digests", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "locality", b"locality", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "ownership", b"ownership", "parent_block_hash", b"parent_block_hash", "parent_block_hash_digest", b"parent_block_hash_digest", "reused", b"reused", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
     _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
     _WhichOneofReturnType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["kv_cache_spec_sliding_window"]  # noqa: Y015
     _WhichOneofArgType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window"]  # noqa: Y015
+    _WhichOneofReturnType__locality: _TypeAlias = _typing.Literal["locality"]  # noqa: Y015
+    _WhichOneofArgType__locality: _TypeAlias = _typing.Literal["_locality", b"_locality"]  # noqa: Y015
     _WhichOneofReturnType__lora_id: _TypeAlias = _typing.Literal["lora_id"]  # noqa: Y015
     _WhichOneofArgType__lora_id: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id"]  # noqa: Y015
     _WhichOneofReturnType__lora_name: _TypeAlias = _typing.Literal["lora_name"]  # noqa: Y015
     _WhichOneofArgType__lora_name: _TypeAlias = _typing.Literal["_lora_name", b"_lora_name"]  # noqa: Y015
     _WhichOneofReturnType__medium: _TypeAlias = _typing.Literal["medium"]  # noqa: Y015
     _WhichOneofArgType__medium: _TypeAlias = _typing.Literal["_medium", b"_medium"]  # noqa: Y015
+    _WhichOneofReturnType__ownership: _TypeAlias = _typing.Literal["ownership"]  # noqa: Y015
+    _WhichOneofArgType__ownership: _TypeAlias = _typing.Literal["_ownership", b"_ownership"]  # noqa: Y015
     _WhichOneofReturnType__parent_block_hash: _TypeAlias = _typing.Literal["parent_block_hash"]  # noqa: Y015
     _WhichOneofArgType__parent_block_hash: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash"]  # noqa: Y015
     _WhichOneofReturnType__parent_block_hash_digest: _TypeAlias = _typing.Literal["parent_block_hash_digest"]  # noqa: Y015
@@ -2157,11 +2221,15 @@ class BlockStored(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_cache_spec_sliding_window) -> _WhichOneofReturnType__kv_cache_spec_sliding_window | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__locality) -> _WhichOneofReturnType__locality | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_id) -> _WhichOneofReturnType__lora_id | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_name) -> _WhichOneofReturnType__lora_name | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__medium) -> _WhichOneofReturnType__medium | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ownership) -> _WhichOneofReturnType__ownership | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parent_block_hash) -> _WhichOneofReturnType__parent_block_hash | None: ...
     @_typing.overload
@@ -2183,6 +2251,8 @@ class BlockRemoved(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
+    LOCALITY_FIELD_NUMBER: _builtins.int
+    OWNERSHIP_FIELD_NUMBER: _builtins.int
     medium: _builtins.str
     """The tier the KV lived in, as on BlockStored; unset = not published."""
     group_idx: _builtins.int
@@ -2191,6 +2261,10 @@ class BlockRemoved(_message.Message):
     """The group's kind; UNSPECIFIED = not published."""
     kv_cache_spec_sliding_window: _builtins.int
     """The group's sliding window in tokens (windowed kinds only)."""
+    locality: _builtins.str
+    """vLLM 0.33's locality, as on BlockStored; unset = not published."""
+    ownership: _builtins.str
+    """vLLM 0.33's ownership, as on BlockStored; unset = the primary pool."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Removed hashes as unsigned 64-bit ints (BLOCK_HASH_FORMAT_INT64)."""
@@ -2208,23 +2282,33 @@ class BlockRemoved(_message.Message):
         group_idx: _builtins.int | None = ...,
         kv_cache_spec_kind: Global___KVCacheSpecKind.ValueType = ...,
         kv_cache_spec_sliding_window: _builtins.int | None = ...,
+        locality: _builtins.str | None = ...,
+        ownership: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_medium", b"_medium", "group_idx", b"group_idx", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "medium", b"medium"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_locality", b"_locality", "_medium", b"_medium", "_ownership", b"_ownership", "group_idx", b"group_idx", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "locality", b"locality", "medium", b"medium", "ownership", b"ownership"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_medium", b"_medium", "block_hash_digests", b"block_hash_digests", "block_hashes", b"block_hashes", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "medium", b"medium"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_locality", b"_locality", "_medium", b"_medium", "_ownership", b"_ownership", "block_hash_digests", b"block_hash_digests", "block_hashes", b"block_hashes", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "locality", b"locality", "medium", b"medium", "ownership", b"ownership"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
     _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
     _WhichOneofReturnType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["kv_cache_spec_sliding_window"]  # noqa: Y015
     _WhichOneofArgType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window"]  # noqa: Y015
+    _WhichOneofReturnType__locality: _TypeAlias = _typing.Literal["locality"]  # noqa: Y015
+    _WhichOneofArgType__locality: _TypeAlias = _typing.Literal["_locality", b"_locality"]  # noqa: Y015
     _WhichOneofReturnType__medium: _TypeAlias = _typing.Literal["medium"]  # noqa: Y015
     _WhichOneofArgType__medium: _TypeAlias = _typing.Literal["_medium", b"_medium"]  # noqa: Y015
+    _WhichOneofReturnType__ownership: _TypeAlias = _typing.Literal["ownership"]  # noqa: Y015
+    _WhichOneofArgType__ownership: _TypeAlias = _typing.Literal["_ownership", b"_ownership"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__group_idx) -> _WhichOneofReturnType__group_idx | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_cache_spec_sliding_window) -> _WhichOneofReturnType__kv_cache_spec_sliding_window | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__locality) -> _WhichOneofReturnType__locality | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__medium) -> _WhichOneofReturnType__medium | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ownership) -> _WhichOneofReturnType__ownership | None: ...
 
 Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
 
@@ -2586,6 +2670,8 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     BUILD_INFO_FIELD_NUMBER: _builtins.int
     KV_CACHE_TENSORS_FIELD_NUMBER: _builtins.int
     POOL_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    OPAQUE_BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    TIER_LIMITS_FIELD_NUMBER: _builtins.int
     hash_algorithm: _builtins.str
     """"sha256_cbor", "sha256", "xxhash" or "xxhash_cbor" (vLLM's --prefix-caching-hash-algo names)."""
     hash_seed: _builtins.str
@@ -2617,6 +2703,10 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     """
     pool_bytes_per_block: _builtins.int
     """Bytes one block id costs in the pool: the largest group's bytes_per_block."""
+    opaque_block_bytes: _builtins.int
+    """The opaque layout (`--kv-cache-layout opaque:BYTES`): the bytes of every block, the offload
+    chunk a tier stores; 0 for a model layout.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroupMetadata]:
         """Every group, in group_idx order."""
@@ -2628,6 +2718,10 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
     @_builtins.property
     def kv_cache_tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheTensorMetadata]:
         """Every KV cache tensor, in group order, then by first layer."""
+
+    @_builtins.property
+    def tier_limits(self) -> Global___TierLimits:
+        """The tier RPCs' bounds."""
 
     def __init__(
         self,
@@ -2648,10 +2742,12 @@ class GetKVCacheGroupMetadataResponse(_message.Message):
         build_info: Global___BuildInfo | None = ...,
         kv_cache_tensors: _abc.Iterable[Global___KVCacheTensorMetadata] | None = ...,
         pool_bytes_per_block: _builtins.int = ...,
+        opaque_block_bytes: _builtins.int = ...,
+        tier_limits: Global___TierLimits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank", "tier_limits", b"tier_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "kv_cache_tensors", b"kv_cache_tensors", "max_data_chunk_bytes", b"max_data_chunk_bytes", "max_model_len", b"max_model_len", "medium", b"medium", "pool_bytes_per_block", b"pool_bytes_per_block", "preset", b"preset", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank", "block_hash_format", b"block_hash_format", "build_info", b"build_info", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "groups", b"groups", "hash_algorithm", b"hash_algorithm", "hash_block_size", b"hash_block_size", "hash_seed", b"hash_seed", "head_seq", b"head_seq", "kv_cache_tensors", b"kv_cache_tensors", "max_data_chunk_bytes", b"max_data_chunk_bytes", "max_model_len", b"max_model_len", "medium", b"medium", "opaque_block_bytes", b"opaque_block_bytes", "pool_bytes_per_block", b"pool_bytes_per_block", "preset", b"preset", "tier_limits", b"tier_limits", "zmq_seq_base", b"zmq_seq_base"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__data_parallel_rank: _TypeAlias = _typing.Literal["data_parallel_rank"]  # noqa: Y015
     _WhichOneofArgType__data_parallel_rank: _TypeAlias = _typing.Literal["_data_parallel_rank", b"_data_parallel_rank"]  # noqa: Y015
@@ -3187,6 +3283,507 @@ class ReadBlocksChunk(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__checksum) -> _WhichOneofReturnType__checksum | None: ...
 
 Global___ReadBlocksChunk: _TypeAlias = ReadBlocksChunk  # noqa: Y015
+
+@_typing.final
+class LookupBlocksRequest(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Tier: blocks named by hash alone, for a shared tier (kvservice-vllm's KVServiceTier, a secondary
+    tier of vLLM 0.33's OffloadingConnector). A key is (group_idx, block hash): vLLM's OffloadKey is
+    the same pair. A block hash is the full digest of the server's hash algorithm (32 bytes for
+    sha256*, 16 for xxhash*; GetKVCacheGroupMetadata.hash_algorithm); another length is
+    INVALID_ARGUMENT. Blocks put here are cached blocks of the pool like any other: a scheduler's
+    prompt whose hashes match hits them, LRU eviction takes them (BlockRemoved), ResetPrefixCache
+    drops them. At most TierLimits.max_keys_per_call keys per call (INVALID_ARGUMENT past it). Not
+    bound by max_model_len or the waiting-token bound. See docs/tier.md.
+    ---------------------------------------------------------------------------------------------
+
+    Which keys of one group are cached.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    GROUP_IDXS_FIELD_NUMBER: _builtins.int
+    TOUCH_FIELD_NUMBER: _builtins.int
+    group_idx: _builtins.int
+    """The KV cache group of every key (unless group_idxs is set)."""
+    touch: _builtins.bool
+    """Also mark each present free block most recently used (moved to the tail of the free queue,
+    as a hit freed again would be; no event). False (default): no side effect at all.
+    """
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The block hashes (full digests), at most max_keys_per_call."""
+
+    @_builtins.property
+    def group_idxs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per key, its group (len = len(block_hashes)); empty = group_idx for every key."""
+
+    def __init__(
+        self,
+        *,
+        group_idx: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        group_idxs: _abc.Iterable[_builtins.int] | None = ...,
+        touch: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "group_idx", b"group_idx", "group_idxs", b"group_idxs", "touch", b"touch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupBlocksRequest: _TypeAlias = LookupBlocksRequest  # noqa: Y015
+
+@_typing.final
+class LookupBlocksResponse(_message.Message):
+    """What a LookupBlocks found."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRESENT_FIELD_NUMBER: _builtins.int
+    NUM_PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
+    num_prefix_blocks: _builtins.int
+    """Keys present from the first on, in blocks (the longest present prefix of the keys as sent)."""
+    @_builtins.property
+    def present(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per key, in order: cached in its group and readable (its bytes complete: a reserved block is
+        not cached until CommitBlocks; a block a running request may still write is not readable).
+        """
+
+    def __init__(
+        self,
+        *,
+        present: _abc.Iterable[_builtins.bool] | None = ...,
+        num_prefix_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_prefix_blocks", b"num_prefix_blocks", "present", b"present"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupBlocksResponse: _TypeAlias = LookupBlocksResponse  # noqa: Y015
+
+@_typing.final
+class ReserveBlocksRequest(_message.Message):
+    """Reserve blocks for keys of one group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PARENT_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    group_idx: _builtins.int
+    """The KV cache group of every key."""
+    packed_token_ids: _builtins.bytes
+    """The keys' token ids, block_size per key in key order, little-endian int32 (4 bytes each;
+    0 <= id < 2^31), published on BlockStored; empty = unknown (BlockStored then carries no token
+    ids: the documented exception to len(token_ids) == len(block_hashes) * block_size).
+    """
+    ttl_s: _builtins.float
+    """Seconds the put lease lasts (0 = TierLimits.default_lease_ttl_s; at most max_lease_ttl_s)."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The block hashes (full digests), at most max_keys_per_call; no key twice."""
+
+    @_builtins.property
+    def parent_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Per key, the hash of the block before it (published as parent_block_hash on BlockStored);
+        empty bytes = unknown or none. The list empty = unknown for every key. Else one per key.
+        """
+
+    def __init__(
+        self,
+        *,
+        group_idx: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        parent_block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        packed_token_ids: _builtins.bytes = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "group_idx", b"group_idx", "packed_token_ids", b"packed_token_ids", "parent_block_hashes", b"parent_block_hashes", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveBlocksRequest: _TypeAlias = ReserveBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ReserveBlocksResponse(_message.Message):
+    """What ReserveBlocks reserved."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESERVED_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    reserved: _builtins.bool
+    """False when the pool has too few free blocks (most are pinned: held by requests or leases);
+    then nothing was allocated, evicted or leased, and the other fields are empty.
+    """
+    lease_id: _builtins.int
+    """The put lease (0 when no key was reserved): CommitBlocks or ReleaseLease it."""
+    ttl_s: _builtins.float
+    """Seconds until the lease expires (its blocks then freed, no event), from the answer."""
+    @_builtins.property
+    def status(self) -> _containers.RepeatedScalarFieldContainer[Global___BlockPutStatus.ValueType]:
+        """Per key, in order: what to do."""
+
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per key, in order: the block id to write through the attached memory (status WRITE), else 0."""
+
+    def __init__(
+        self,
+        *,
+        reserved: _builtins.bool = ...,
+        lease_id: _builtins.int = ...,
+        status: _abc.Iterable[Global___BlockPutStatus.ValueType] | None = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "reserved", b"reserved", "status", b"status", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveBlocksResponse: _TypeAlias = ReserveBlocksResponse  # noqa: Y015
+
+@_typing.final
+class CommitBlocksRequest(_message.Message):
+    """Commit a put lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """The put lease ReserveBlocks answered."""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitBlocksRequest: _TypeAlias = CommitBlocksRequest  # noqa: Y015
+
+@_typing.final
+class CommitBlocksResponse(_message.Message):
+    """What CommitBlocks stored."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_STORED_FIELD_NUMBER: _builtins.int
+    committed: _builtins.bool
+    """False when the lease was unknown, expired, released or not a put lease: nothing stored."""
+    num_blocks_stored: _builtins.int
+    """Keys that became present now (one BlockStored run per chain of them), in blocks. Keys
+    another caller cached meanwhile count here too (their copy is kept; no second event).
+    """
+    def __init__(
+        self,
+        *,
+        committed: _builtins.bool = ...,
+        num_blocks_stored: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "num_blocks_stored", b"num_blocks_stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitBlocksResponse: _TypeAlias = CommitBlocksResponse  # noqa: Y015
+
+@_typing.final
+class PutBlocksMessage(_message.Message):
+    """One message of PutBlocks: the header first (once), then the chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___ReserveBlocksRequest:
+        """The keys, as ReserveBlocks takes them (first message only)."""
+
+    @_builtins.property
+    def chunk(self) -> Global___PutBlocksChunk:
+        """Bytes of one key's block."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___ReserveBlocksRequest | None = ...,
+        chunk: Global___PutBlocksChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
+
+Global___PutBlocksMessage: _TypeAlias = PutBlocksMessage  # noqa: Y015
+
+@_typing.final
+class PutBlocksChunk(_message.Message):
+    """Bytes of one key's block in PutBlocks, as WriteBlocksChunk carries a block: consecutive chunks
+    of one block (offset_bytes rising from 0), at most max_data_chunk_bytes each, the one that
+    completes the block carrying its xxh3_64 checksum; blocks in key order, no interleaving. Send
+    every key's bytes (the server drops those of keys that turned out present or in flight), or
+    skip a key by sending none of it (it is then not stored).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_INDEX_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    block_index: _builtins.int
+    """The key's position in header.block_hashes."""
+    offset_bytes: _builtins.int
+    """Offset of `data` in the block's bytes."""
+    data: _builtins.bytes
+    """Up to max_data_chunk_bytes of the block's bytes."""
+    checksum: _builtins.int
+    """xxh3_64 of the whole block's bytes: required on the chunk that completes the block."""
+    def __init__(
+        self,
+        *,
+        block_index: _builtins.int = ...,
+        offset_bytes: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        checksum: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "checksum", b"checksum"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "block_index", b"block_index", "checksum", b"checksum", "data", b"data", "offset_bytes", b"offset_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__checksum: _TypeAlias = _typing.Literal["checksum"]  # noqa: Y015
+    _WhichOneofArgType__checksum: _TypeAlias = _typing.Literal["_checksum", b"_checksum"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__checksum) -> _WhichOneofReturnType__checksum | None: ...
+
+Global___PutBlocksChunk: _TypeAlias = PutBlocksChunk  # noqa: Y015
+
+@_typing.final
+class PutBlocksResponse(_message.Message):
+    """What PutBlocks stored (once the stream ended: all blocks written are committed together)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESERVED_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_WRITTEN_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
+    reserved: _builtins.bool
+    """False when the pool had too few free blocks for the header's keys: nothing changed, no byte
+    was written.
+    """
+    num_blocks_written: _builtins.int
+    """Blocks written and committed."""
+    num_bytes_written: _builtins.int
+    """Bytes written."""
+    @_builtins.property
+    def status(self) -> _containers.RepeatedScalarFieldContainer[Global___BlockPutStatus.ValueType]:
+        """Per key, in order: WRITE (its bytes written and stored now), PRESENT, IN_FLIGHT, or
+        UNSPECIFIED (its bytes were not sent: not stored).
+        """
+
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per key, the block id that holds it now (0 when none)."""
+
+    def __init__(
+        self,
+        *,
+        reserved: _builtins.bool = ...,
+        status: _abc.Iterable[Global___BlockPutStatus.ValueType] | None = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_blocks_written: _builtins.int = ...,
+        num_bytes_written: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_blocks_written", b"num_blocks_written", "num_bytes_written", b"num_bytes_written", "reserved", b"reserved", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBlocksResponse: _TypeAlias = PutBlocksResponse  # noqa: Y015
+
+@_typing.final
+class LeaseBlocksRequest(_message.Message):
+    """Pin cached blocks for a copy through the attached memory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    group_idx: _builtins.int
+    """The KV cache group of every key."""
+    ttl_s: _builtins.float
+    """Seconds the lease lasts (0 = TierLimits.default_lease_ttl_s; at most max_lease_ttl_s)."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The block hashes (full digests), at most max_keys_per_call."""
+
+    def __init__(
+        self,
+        *,
+        group_idx: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "group_idx", b"group_idx", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseBlocksRequest: _TypeAlias = LeaseBlocksRequest  # noqa: Y015
+
+@_typing.final
+class LeaseBlocksResponse(_message.Message):
+    """What LeaseBlocks pinned."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NUM_LEASED_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """The read lease (0 when no key was present: nothing is pinned). ReleaseLease it when the copy
+    is done.
+    """
+    num_leased: _builtins.int
+    """Keys pinned, in blocks."""
+    ttl_s: _builtins.float
+    """Seconds until the lease expires (its blocks unpinned), from the answer."""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per key, in order: the cached block id carrying it, pinned under the lease; 0 = not cached
+        (a miss now: nothing pinned for it).
+        """
+
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_leased: _builtins.int = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "num_leased", b"num_leased", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseBlocksResponse: _TypeAlias = LeaseBlocksResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseRequest(_message.Message):
+    """End a lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """A lease LeaseBlocks or ReserveBlocks answered."""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseRequest: _TypeAlias = ReleaseLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseResponse(_message.Message):
+    """What ReleaseLease ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALID_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    valid: _builtins.bool
+    """True when the lease was live until now: a read lease's blocks were never evicted or reused
+    while it held them, so a copy made under it holds their bytes. False: unknown, expired or
+    ended before (a copy under it may have read reused memory: report it failed).
+    """
+    num_blocks: _builtins.int
+    """Blocks unpinned (read lease) or freed (put lease not committed)."""
+    def __init__(
+        self,
+        *,
+        valid: _builtins.bool = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "valid", b"valid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseResponse: _TypeAlias = ReleaseLeaseResponse  # noqa: Y015
+
+@_typing.final
+class TierLimits(_message.Message):
+    """The tier RPCs' bounds (GetKVCacheGroupMetadata.tier_limits)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_KEYS_PER_CALL_FIELD_NUMBER: _builtins.int
+    DEFAULT_LEASE_TTL_S_FIELD_NUMBER: _builtins.int
+    MAX_LEASE_TTL_S_FIELD_NUMBER: _builtins.int
+    MAX_LEASES_FIELD_NUMBER: _builtins.int
+    max_keys_per_call: _builtins.int
+    """Most keys one LookupBlocks, ReserveBlocks, PutBlocks or LeaseBlocks carries."""
+    default_lease_ttl_s: _builtins.float
+    """Lease time when a call asks for none, in seconds."""
+    max_lease_ttl_s: _builtins.float
+    """Longest lease a call may ask for, in seconds."""
+    max_leases: _builtins.int
+    """Most leases (read and put) live at once; past it LeaseBlocks / ReserveBlocks are
+    RESOURCE_EXHAUSTED.
+    """
+    def __init__(
+        self,
+        *,
+        max_keys_per_call: _builtins.int = ...,
+        default_lease_ttl_s: _builtins.float = ...,
+        max_lease_ttl_s: _builtins.float = ...,
+        max_leases: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_lease_ttl_s", b"default_lease_ttl_s", "max_keys_per_call", b"max_keys_per_call", "max_lease_ttl_s", b"max_lease_ttl_s", "max_leases", b"max_leases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierLimits: _TypeAlias = TierLimits  # noqa: Y015
 
 ROLES_FIELD_NUMBER: _builtins.int
 roles: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.MethodOptions, _containers.RepeatedScalarFieldContainer[Global___Role.ValueType]]

@@ -107,6 +107,36 @@ class KVCacheServiceStub(object):
                 request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepRequest.SerializeToString,
                 response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepResponse.FromString,
                 _registered_method=True)
+        self.LookupBlocks = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/LookupBlocks',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LookupBlocksRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LookupBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReserveBlocks = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/ReserveBlocks',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReserveBlocksRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReserveBlocksResponse.FromString,
+                _registered_method=True)
+        self.CommitBlocks = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/CommitBlocks',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.CommitBlocksRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.CommitBlocksResponse.FromString,
+                _registered_method=True)
+        self.PutBlocks = channel.stream_unary(
+                '/kvservice.v1.KVCacheService/PutBlocks',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PutBlocksMessage.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PutBlocksResponse.FromString,
+                _registered_method=True)
+        self.LeaseBlocks = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/LeaseBlocks',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LeaseBlocksRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LeaseBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/ReleaseLease',
+                request_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer(object):
@@ -224,6 +254,59 @@ class KVCacheServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupBlocks(self, request, context):
+        """Tier (blocks named by hash alone; see "Tier" below and docs/tier.md): which of these block
+        hashes are cached and readable in a group, and the longest present prefix. No side effect (no
+        request registered, no LRU touch) unless `touch` is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveBlocks(self, request, context):
+        """Tier, same host: reserve a block for each key that is not present yet (evicting the least
+        recently used unpinned blocks to make room), under a put lease; write their bytes through the
+        attached memory, then CommitBlocks. A pool too full of pinned blocks refuses the whole call
+        (reserved = false: nothing allocated, nothing evicted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitBlocks(self, request, context):
+        """Tier: make a put lease's blocks cached (their bytes are complete): BlockStored goes out now,
+        never before. A lease that expired or is unknown commits nothing (committed = false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBlocks(self, request_iterator, context):
+        """Tier, across hosts: ReserveBlocks, the bytes (chunks with a checksum per block, as
+        WriteBlocks) and CommitBlocks in one client stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseBlocks(self, request, context):
+        """Tier, same host: pin the cached blocks of these keys for a copy through the attached memory
+        (not evictable, not reusable) until ReleaseLease, the call's lease expiry, or the server's
+        reaper; answers their block ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Tier: end a lease (a read lease: unpin its blocks; a put lease not committed: free its blocks,
+        no event). `valid` says whether it was still live: a copy whose lease was not valid at release
+        may have read reused memory and must be reported failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -296,6 +379,36 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.ManagerStep,
                     request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepRequest.FromString,
                     response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepResponse.SerializeToString,
+            ),
+            'LookupBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupBlocks,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LookupBlocksRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LookupBlocksResponse.SerializeToString,
+            ),
+            'ReserveBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveBlocks,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReserveBlocksRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReserveBlocksResponse.SerializeToString,
+            ),
+            'CommitBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBlocks,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.CommitBlocksRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.CommitBlocksResponse.SerializeToString,
+            ),
+            'PutBlocks': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutBlocks,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PutBlocksMessage.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PutBlocksResponse.SerializeToString,
+            ),
+            'LeaseBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseBlocks,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LeaseBlocksRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LeaseBlocksResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -677,6 +790,168 @@ class KVCacheService(object):
             '/kvservice.v1.KVCacheService/ManagerStep',
             kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepRequest.SerializeToString,
             kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ManagerStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/LookupBlocks',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LookupBlocksRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LookupBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/ReserveBlocks',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReserveBlocksRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReserveBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/CommitBlocks',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.CommitBlocksRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.CommitBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvservice.v1.KVCacheService/PutBlocks',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PutBlocksMessage.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.PutBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/LeaseBlocks',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LeaseBlocksRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.LeaseBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/ReleaseLease',
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReleaseLeaseRequest.SerializeToString,
+            kvservice__client_dot___proto_dot_kvservice_dot_v1_dot_kv__cache__service__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

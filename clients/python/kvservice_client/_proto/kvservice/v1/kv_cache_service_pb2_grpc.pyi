@@ -97,6 +97,35 @@ class KVCacheServiceStub:
     ManagerStep is FAILED_PRECONDITION naming the owner (a claim lapses claim_ttl_s seconds after
     the owner's last call). Role `scheduler`.
     """
+    LookupBlocks: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.LookupBlocksRequest, _kv_cache_service_pb2.LookupBlocksResponse]
+    """Tier (blocks named by hash alone; see "Tier" below and docs/tier.md): which of these block
+    hashes are cached and readable in a group, and the longest present prefix. No side effect (no
+    request registered, no LRU touch) unless `touch` is set.
+    """
+    ReserveBlocks: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ReserveBlocksRequest, _kv_cache_service_pb2.ReserveBlocksResponse]
+    """Tier, same host: reserve a block for each key that is not present yet (evicting the least
+    recently used unpinned blocks to make room), under a put lease; write their bytes through the
+    attached memory, then CommitBlocks. A pool too full of pinned blocks refuses the whole call
+    (reserved = false: nothing allocated, nothing evicted).
+    """
+    CommitBlocks: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.CommitBlocksRequest, _kv_cache_service_pb2.CommitBlocksResponse]
+    """Tier: make a put lease's blocks cached (their bytes are complete): BlockStored goes out now,
+    never before. A lease that expired or is unknown commits nothing (committed = false).
+    """
+    PutBlocks: _grpc.StreamUnaryMultiCallable[_kv_cache_service_pb2.PutBlocksMessage, _kv_cache_service_pb2.PutBlocksResponse]
+    """Tier, across hosts: ReserveBlocks, the bytes (chunks with a checksum per block, as
+    WriteBlocks) and CommitBlocks in one client stream.
+    """
+    LeaseBlocks: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.LeaseBlocksRequest, _kv_cache_service_pb2.LeaseBlocksResponse]
+    """Tier, same host: pin the cached blocks of these keys for a copy through the attached memory
+    (not evictable, not reusable) until ReleaseLease, the call's lease expiry, or the server's
+    reaper; answers their block ids.
+    """
+    ReleaseLease: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ReleaseLeaseRequest, _kv_cache_service_pb2.ReleaseLeaseResponse]
+    """Tier: end a lease (a read lease: unpin its blocks; a put lease not committed: free its blocks,
+    no event). `valid` says whether it was still live: a copy whose lease was not valid at release
+    may have read reused memory and must be reported failed.
+    """
 
 @_typing.type_check_only
 class KVCacheServiceAsyncStub(KVCacheServiceStub):
@@ -150,6 +179,35 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     first call claims the pool for its owner: while the claim is live, another owner's
     ManagerStep is FAILED_PRECONDITION naming the owner (a claim lapses claim_ttl_s seconds after
     the owner's last call). Role `scheduler`.
+    """
+    LookupBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.LookupBlocksRequest, _kv_cache_service_pb2.LookupBlocksResponse]  # type: ignore[assignment]
+    """Tier (blocks named by hash alone; see "Tier" below and docs/tier.md): which of these block
+    hashes are cached and readable in a group, and the longest present prefix. No side effect (no
+    request registered, no LRU touch) unless `touch` is set.
+    """
+    ReserveBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ReserveBlocksRequest, _kv_cache_service_pb2.ReserveBlocksResponse]  # type: ignore[assignment]
+    """Tier, same host: reserve a block for each key that is not present yet (evicting the least
+    recently used unpinned blocks to make room), under a put lease; write their bytes through the
+    attached memory, then CommitBlocks. A pool too full of pinned blocks refuses the whole call
+    (reserved = false: nothing allocated, nothing evicted).
+    """
+    CommitBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.CommitBlocksRequest, _kv_cache_service_pb2.CommitBlocksResponse]  # type: ignore[assignment]
+    """Tier: make a put lease's blocks cached (their bytes are complete): BlockStored goes out now,
+    never before. A lease that expired or is unknown commits nothing (committed = false).
+    """
+    PutBlocks: _aio.StreamUnaryMultiCallable[_kv_cache_service_pb2.PutBlocksMessage, _kv_cache_service_pb2.PutBlocksResponse]  # type: ignore[assignment]
+    """Tier, across hosts: ReserveBlocks, the bytes (chunks with a checksum per block, as
+    WriteBlocks) and CommitBlocks in one client stream.
+    """
+    LeaseBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.LeaseBlocksRequest, _kv_cache_service_pb2.LeaseBlocksResponse]  # type: ignore[assignment]
+    """Tier, same host: pin the cached blocks of these keys for a copy through the attached memory
+    (not evictable, not reusable) until ReleaseLease, the call's lease expiry, or the server's
+    reaper; answers their block ids.
+    """
+    ReleaseLease: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ReleaseLeaseRequest, _kv_cache_service_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
+    """Tier: end a lease (a read lease: unpin its blocks; a put lease not committed: free its blocks,
+    no event). `valid` says whether it was still live: a copy whose lease was not valid at release
+    may have read reused memory and must be reported failed.
     """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -285,6 +343,71 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         first call claims the pool for its owner: while the claim is live, another owner's
         ManagerStep is FAILED_PRECONDITION naming the owner (a claim lapses claim_ttl_s seconds after
         the owner's last call). Role `scheduler`.
+        """
+
+    @_abc_1.abstractmethod
+    def LookupBlocks(
+        self,
+        request: _kv_cache_service_pb2.LookupBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.LookupBlocksResponse, _abc.Awaitable[_kv_cache_service_pb2.LookupBlocksResponse]]:
+        """Tier (blocks named by hash alone; see "Tier" below and docs/tier.md): which of these block
+        hashes are cached and readable in a group, and the longest present prefix. No side effect (no
+        request registered, no LRU touch) unless `touch` is set.
+        """
+
+    @_abc_1.abstractmethod
+    def ReserveBlocks(
+        self,
+        request: _kv_cache_service_pb2.ReserveBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.ReserveBlocksResponse, _abc.Awaitable[_kv_cache_service_pb2.ReserveBlocksResponse]]:
+        """Tier, same host: reserve a block for each key that is not present yet (evicting the least
+        recently used unpinned blocks to make room), under a put lease; write their bytes through the
+        attached memory, then CommitBlocks. A pool too full of pinned blocks refuses the whole call
+        (reserved = false: nothing allocated, nothing evicted).
+        """
+
+    @_abc_1.abstractmethod
+    def CommitBlocks(
+        self,
+        request: _kv_cache_service_pb2.CommitBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.CommitBlocksResponse, _abc.Awaitable[_kv_cache_service_pb2.CommitBlocksResponse]]:
+        """Tier: make a put lease's blocks cached (their bytes are complete): BlockStored goes out now,
+        never before. A lease that expired or is unknown commits nothing (committed = false).
+        """
+
+    @_abc_1.abstractmethod
+    def PutBlocks(
+        self,
+        request_iterator: _MaybeAsyncIterator[_kv_cache_service_pb2.PutBlocksMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.PutBlocksResponse, _abc.Awaitable[_kv_cache_service_pb2.PutBlocksResponse]]:
+        """Tier, across hosts: ReserveBlocks, the bytes (chunks with a checksum per block, as
+        WriteBlocks) and CommitBlocks in one client stream.
+        """
+
+    @_abc_1.abstractmethod
+    def LeaseBlocks(
+        self,
+        request: _kv_cache_service_pb2.LeaseBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.LeaseBlocksResponse, _abc.Awaitable[_kv_cache_service_pb2.LeaseBlocksResponse]]:
+        """Tier, same host: pin the cached blocks of these keys for a copy through the attached memory
+        (not evictable, not reusable) until ReleaseLease, the call's lease expiry, or the server's
+        reaper; answers their block ids.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseLease(
+        self,
+        request: _kv_cache_service_pb2.ReleaseLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.ReleaseLeaseResponse, _abc.Awaitable[_kv_cache_service_pb2.ReleaseLeaseResponse]]:
+        """Tier: end a lease (a read lease: unpin its blocks; a put lease not committed: free its blocks,
+        no event). `valid` says whether it was still live: a copy whose lease was not valid at release
+        may have read reused memory and must be reported failed.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -15,13 +15,19 @@ __all__ = [
     "KVCacheServiceMethods",
     "allocate_slots",
     "attach_kv_cache",
+    "commit_blocks",
     "free",
     "get_computed_blocks",
     "get_kv_cache_group_metadata",
     "get_usage",
+    "lease_blocks",
+    "lookup_blocks",
     "manager_step",
     "ping",
+    "put_blocks",
     "read_blocks",
+    "release_lease",
+    "reserve_blocks",
     "reset_prefix_cache",
     "step",
     "stream_events",
@@ -324,6 +330,138 @@ manager_step = _facade.unary("ManagerStep", _pb.ManagerStepResponse)(
 )
 
 
+lookup_blocks = _facade.unary("LookupBlocks", _pb.LookupBlocksResponse)(
+    _facade.request_message(
+        _pb.LookupBlocksRequest,
+        """Tier (blocks named by hash alone; see "Tier" below and docs/tier.md): which of these block
+        hashes are cached and readable in a group, and the longest present prefix. No side effect (no
+        request registered, no LRU touch) unless `touch` is set.
+
+        Args:
+            request: the ``LookupBlocksRequest`` (None: an empty one).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            The ``LookupBlocksResponse``.
+
+        Raises:
+            KVServiceError: the call failed (the status code and the server's message).
+        """,
+    )
+)
+
+
+reserve_blocks = _facade.unary("ReserveBlocks", _pb.ReserveBlocksResponse)(
+    _facade.request_message(
+        _pb.ReserveBlocksRequest,
+        """Tier, same host: reserve a block for each key that is not present yet (evicting the least
+        recently used unpinned blocks to make room), under a put lease; write their bytes through the
+        attached memory, then CommitBlocks. A pool too full of pinned blocks refuses the whole call
+        (reserved = false: nothing allocated, nothing evicted).
+
+        Args:
+            request: the ``ReserveBlocksRequest`` (None: an empty one).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            The ``ReserveBlocksResponse``.
+
+        Raises:
+            KVServiceError: the call failed (the status code and the server's message).
+        """,
+    )
+)
+
+
+commit_blocks = _facade.unary("CommitBlocks", _pb.CommitBlocksResponse)(
+    _facade.request_message(
+        _pb.CommitBlocksRequest,
+        """Tier: make a put lease's blocks cached (their bytes are complete): BlockStored goes out now,
+        never before. A lease that expired or is unknown commits nothing (committed = false).
+
+        Args:
+            request: the ``CommitBlocksRequest`` (None: an empty one).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            The ``CommitBlocksResponse``.
+
+        Raises:
+            KVServiceError: the call failed (the status code and the server's message).
+        """,
+    )
+)
+
+
+put_blocks = _facade.unary("PutBlocks", _pb.PutBlocksResponse)(
+    _facade.request_stream(
+        _pb.PutBlocksMessage,
+        """Tier, across hosts: ReserveBlocks, the bytes (chunks with a checksum per block, as WriteBlocks)
+        and CommitBlocks in one client stream.
+
+        Args:
+            requests: the ``PutBlocksMessage`` messages to send, in order (any iterable, read while
+                sending).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            The ``PutBlocksResponse``.
+
+        Raises:
+            KVServiceError: the call failed (the status code and the server's message).
+        """,
+    )
+)
+
+
+lease_blocks = _facade.unary("LeaseBlocks", _pb.LeaseBlocksResponse)(
+    _facade.request_message(
+        _pb.LeaseBlocksRequest,
+        """Tier, same host: pin the cached blocks of these keys for a copy through the attached memory (not
+        evictable, not reusable) until ReleaseLease, the call's lease expiry, or the server's reaper;
+        answers their block ids.
+
+        Args:
+            request: the ``LeaseBlocksRequest`` (None: an empty one).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            The ``LeaseBlocksResponse``.
+
+        Raises:
+            KVServiceError: the call failed (the status code and the server's message).
+        """,
+    )
+)
+
+
+release_lease = _facade.unary("ReleaseLease", _pb.ReleaseLeaseResponse)(
+    _facade.request_message(
+        _pb.ReleaseLeaseRequest,
+        """Tier: end a lease (a read lease: unpin its blocks; a put lease not committed: free its blocks,
+        no event). `valid` says whether it was still live: a copy whose lease was not valid at release
+        may have read reused memory and must be reported failed.
+
+        Args:
+            request: the ``ReleaseLeaseRequest`` (None: an empty one).
+            timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
+            metadata: extra metadata for this call.
+
+        Returns:
+            The ``ReleaseLeaseResponse``.
+
+        Raises:
+            KVServiceError: the call failed (the status code and the server's message).
+        """,
+    )
+)
+
+
 class KVCacheServiceMethods:
     """One client method per RPC of ``kvservice.v1.KVCacheService``, in the proto's order."""
 
@@ -341,3 +479,9 @@ class KVCacheServiceMethods:
     write_blocks = write_blocks
     read_blocks = read_blocks
     manager_step = manager_step
+    lookup_blocks = lookup_blocks
+    reserve_blocks = reserve_blocks
+    commit_blocks = commit_blocks
+    put_blocks = put_blocks
+    lease_blocks = lease_blocks
+    release_lease = release_lease

@@ -164,6 +164,10 @@ class TierStore:
         self._in_flight: dict[tuple[int, bytes], int] = {}  # (group_idx, hash) reserved -> its put lease
         self.num_expired = 0
         self.num_committed_blocks = 0
+        self.on_blocks_reserved: Callable[[list[int]], None] | None = None
+        """Called with the block ids a put reservation took (their bytes not written yet)."""
+        self.on_blocks_stored: Callable[[list[int]], None] | None = None
+        """Called with the block ids a commit cached (their bytes complete: the putter wrote them)."""
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -349,6 +353,8 @@ class TierStore:
         pool.touch(present)
         blocks = pool.get_new_blocks(num_write) if num_write else []
         pool.free_blocks(present)
+        if blocks and self.on_blocks_reserved is not None:
+            self.on_blocks_reserved([b.block_id for b in blocks])
         block_ids = [0] * n
         lease_id = 0
         if num_write:
@@ -406,6 +412,8 @@ class TierStore:
             lease.token_ids,
             self.block_sizes[lease.group_idx],
         )
+        if self.on_blocks_stored is not None:
+            self.on_blocks_stored([b.block_id for b, c in zip(lease.blocks, cached) if c])
         # Cached blocks to the tail in key order (a chain's root is evicted first); a copy of a hash
         # that was present already is freed uncached, to the head.
         self.pool.free_blocks(lease.blocks)

@@ -500,6 +500,12 @@ class DataPlane:
         self._allocated_to: list[tuple[Request, int, int, int] | None] = [None] * self._num_blocks
         # block id -> BLOCK_NOT_WRITTEN / BLOCK_PARTIAL / BLOCK_WRITTEN since that allocation.
         self.byte_state = bytearray(self._num_blocks)
+        tier = getattr(engine, "tier", None)
+        if tier is not None and self.has_memory:
+            # A tier's put (docs/tier.md) writes its blocks before their hashes are cached: reserved
+            # blocks have no bytes of their own, committed ones are complete (written).
+            tier.on_blocks_reserved = self.note_tier_reserved
+            tier.on_blocks_stored = self.note_tier_stored
         self._attach: pb.AttachKVCacheResponse | None = None
         self.num_blocks_written = 0
         self.num_bytes_written = 0
@@ -658,6 +664,18 @@ class DataPlane:
             for position, block_id in enumerate(ids, len(tables[g]) - len(ids)):
                 allocated_to[block_id] = (request, allocation_id, g, position)
                 byte_state[block_id] = BLOCK_NOT_WRITTEN
+
+    def note_tier_reserved(self, block_ids: list[int]) -> None:
+        """Blocks a tier's put reservation took: no request computes them; *not written*."""
+        for block_id in block_ids:
+            self._allocated_to[block_id] = None
+            self.byte_state[block_id] = BLOCK_NOT_WRITTEN
+
+    def note_tier_stored(self, block_ids: list[int]) -> None:
+        """Blocks a tier's commit cached: their putter wrote them whole (through the memory or
+        PutBlocks) before committing; *written*, final."""
+        for block_id in block_ids:
+            self.byte_state[block_id] = BLOCK_WRITTEN
 
     # -- rules -------------------------------------------------------------------------------------
 

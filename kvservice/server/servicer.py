@@ -1249,6 +1249,7 @@ class KVCacheServicer:
         from kvservice.server.data_plane import _BlockBytes
 
         lease_id = 0
+        request_iterator = _parsed_stream(request_iterator, pb.PutBlocksMessage, "messages")
         try:
             first = await anext(aiter(request_iterator), None)
             if first is None or first.WhichOneof("message") != "header":

@@ -151,8 +151,12 @@ def test_the_registration_serves_each_rpc_of_the_table_with_its_kind(kv_server):
             rpc.request_streaming,
             rpc.response_streaming,
         )
-        # StreamEvents and TakeEvents send snapshot parts serialized once for every reader; the rest their messages.
-        assert (handler.response_serializer is None) == (rpc.name in ("StreamEvents", "TakeEvents")), rpc.name
-        # A client stream is parsed by gRPC; a unary request by _parsed (INVALID_ARGUMENT naming the field).
-        assert (handler.request_deserializer is not None) == rpc.request_streaming, rpc.name
+        # StreamEvents and TakeEvents send snapshot parts serialized once for every reader, ReadBlocks its chunks
+        # serialized on the data plane's threads; the rest their messages.
+        assert (handler.response_serializer is None) == (rpc.name in ("StreamEvents", "TakeEvents", "ReadBlocks")), (
+            rpc.name
+        )
+        # Every request is parsed by the servicer: a unary one by _parsed, a client stream's messages by
+        # _parsed_stream (INVALID_ARGUMENT naming the field, never gRPC's own INTERNAL).
+        assert handler.request_deserializer is None, rpc.name
     assert generic.service(Details(f"/{KV_CACHE_SERVICE.name}/NoSuchMethod")) is None

@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvservice_client.tls import TLSConfig
 from kvservice_vllm.tier_client import TierClient, TierLayoutError, rows_of
@@ -122,6 +123,9 @@ class KVServiceTier(SecondaryTierManager):
     """
 
     medium: ClassVar[Medium] = Medium.CPU
+    # A shared pool in another process, maybe another host: vLLM's "remote store" source, not its
+    # own host memory (HOST, which a CPU medium would imply).
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(
         self,

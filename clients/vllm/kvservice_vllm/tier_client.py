@@ -432,7 +432,7 @@ class TierClient:
                     continue
                 if len(block.data) != self.chunk_bytes:
                     raise ValueError(f"block {block.block_id}: {len(block.data)} bytes, not {self.chunk_bytes}")
-                rows[chunk_ids[block.block_index]].copy_(torch.frombuffer(bytearray(block.data), dtype=torch.uint8))
+                rows[chunk_ids[block.block_index]].numpy()[:] = np.frombuffer(block.data, dtype=np.uint8)
                 loaded[block.block_index] = True
         except KVServiceError as exc:
             # A block not cached ends the stream (NOT_FOUND): the blocks before it arrived.

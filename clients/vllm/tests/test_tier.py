@@ -227,14 +227,24 @@ def test_a_server_down_is_misses_and_failed_stores(server: EmbeddedTierServer) -
 
 
 def test_a_server_whose_blocks_are_not_the_chunk_is_refused_by_name() -> None:
-    other = tier_server(num_blocks=8, chunk_bytes=2 * CHUNK_BYTES)
+    # A model layout (qwen-2.5-0.5b: 196,608-byte blocks) is not a 4096-byte chunk.
+    other = tier_server(num_blocks=8, kv_cache_layout=None, preset="qwen-2.5-0.5b")
     try:
         with pytest.raises(TierLayoutError) as refused:
             Instance(other.target)
         message = str(refused.value)
-        assert "the server's block holds 8192 bytes" in message
+        assert "group 0: the server's block holds 196608 bytes" in message
         assert "--kv-cache-layout opaque:4096" in message
         assert "4096 bytes per block per worker x 1 worker copy" in message
+    finally:
+        other.close()
+
+
+def test_a_meta_server_is_refused() -> None:
+    other = tier_server(num_blocks=8, kv_cache_layout=None, preset="qwen-2.5-0.5b", device="meta")
+    try:
+        with pytest.raises(TierLayoutError, match=r"no memory \(--device meta\)"):
+            Instance(other.target)
     finally:
         other.close()
 

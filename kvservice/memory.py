@@ -29,6 +29,7 @@ from kvservice.core.kv_cache_spec import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    OpaqueSpec,
     SlidingWindowMLASpec,
     dtype_size_bytes,
     get_kv_cache_spec_kind,
@@ -172,6 +173,8 @@ def torch_dtype(name: str) -> torch.dtype:
 def _page_layout(spec: KVCacheSpec) -> tuple[tuple[int, ...], str]:
     """The shape and dtype name (torch's, a key of ``DTYPE_SIZE_BYTES``) of one layer's page of
     ``spec`` (one block), padding excluded. Needs no torch."""
+    if isinstance(spec, OpaqueSpec):
+        return (spec.opaque_bytes,), "uint8"
     if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
         if spec.num_kv_heads != 1:
             raise ValueError(

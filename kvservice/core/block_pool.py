@@ -285,6 +285,8 @@ class BlockPool:
         enable_kv_cache_events: record events (off: no event object is ever built).
         block_hash_encoder: maps a digest to its published form (default: 64-bit int, vLLM's).
         medium: the ``medium`` field of every event ("GPU", vLLM's primary pool's, by default).
+        locality, ownership: vLLM 0.33's fields of every BlockStored and BlockRemoved (None: not
+            published).
 
     Raises:
         ValueError: ``num_blocks < 2`` or ``num_groups < 1``.
@@ -299,6 +301,8 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         block_hash_encoder: Callable[[bytes], int | bytes] = block_hash_to_int,
         medium: str = "GPU",
+        locality: str | None = None,
+        ownership: str | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block); got {num_blocks}")
@@ -309,6 +313,8 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.block_hash_encoder = block_hash_encoder
         self.medium = medium
+        self.locality = locality
+        self.ownership = ownership
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = [BlockHashToBlockMap() for _ in range(num_groups)]
@@ -511,6 +517,97 @@ class BlockPool:
         if run_start >= 0:
             self._emit_stored(request, block_hashes, run_start, len(blocks), block_size, group_idx, True)
 
+    def cache_blocks_by_hash(
+        self,
+        group_idx: int,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        parent_block_hashes: Sequence[bytes | None],
+        token_ids: Sequence[int] | None,
+        block_size: int,
+    ) -> list[bool]:
+        """Index held, uncached ``blocks`` under ``block_hashes`` in ``group_idx``: a tier's put,
+        its bytes complete (``kvservice.core.tier``). No request is involved.
+
+        Args:
+            group_idx: the group.
+            blocks: the blocks (held, uncached), one per hash.
+            block_hashes: their hashes (full digests), one per block.
+            parent_block_hashes: per block, its parent's hash, or None (unknown or none).
+            token_ids: the blocks' token ids, ``block_size`` per block, or None (unknown).
+            block_size: the group's block size, in tokens.
+
+        A hash present already (another copy was cached meanwhile) leaves its block uncached (it
+        is freed uncached by the caller) and emits nothing. BlockStored is emitted for each run of
+        newly present blocks whose parents chain (``parent_block_hashes[i] == block_hashes[i-1]``),
+        with the run's first parent (None when unknown) and its token ids, or none when
+        ``token_ids`` is None: the documented exception to ``len(token_ids) == len(block_hashes) *
+        block_size`` (docs/tier.md).
+
+        Returns:
+            Per block, whether it was cached now (False: its hash was present already).
+        """
+        hash_map = self.cached_block_hash_to_block[group_idx]
+        cached: list[bool] = []
+        run_start = -1
+        events = self.enable_kv_cache_events
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+            assert block.block_hash is None and block.ref_cnt > 0, f"{block} is cached or free"
+            if block_hash in hash_map:
+                cached.append(False)
+                if run_start >= 0:
+                    self._emit_stored_by_hash(
+                        group_idx, block_hashes, parent_block_hashes, token_ids, run_start, i, block_size
+                    )
+                    run_start = -1
+                continue
+            block.block_hash = block_hash
+            block.group_idx = group_idx
+            hash_map.insert(block_hash, block)
+            cached.append(True)
+            if not events:
+                continue
+            chains = run_start >= 0 and parent_block_hashes[i] == block_hashes[i - 1] and cached[i - 1]
+            if run_start >= 0 and not chains:
+                self._emit_stored_by_hash(
+                    group_idx, block_hashes, parent_block_hashes, token_ids, run_start, i, block_size
+                )
+                run_start = -1
+            if run_start < 0:
+                run_start = i
+        if run_start >= 0:
+            self._emit_stored_by_hash(
+                group_idx, block_hashes, parent_block_hashes, token_ids, run_start, len(blocks), block_size
+            )
+        return cached
+
+    def _emit_stored_by_hash(
+        self,
+        group_idx: int,
+        block_hashes: Sequence[bytes],
+        parent_block_hashes: Sequence[bytes | None],
+        token_ids: Sequence[int] | None,
+        start: int,
+        end: int,
+        block_size: int,
+    ) -> None:
+        """BlockStored for tier blocks ``start .. end - 1`` (no request: no LoRA, salt, session)."""
+        parent = parent_block_hashes[start]
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=self._encode_hashes(block_hashes[start:end]),
+                parent_block_hash=self.block_hash_encoder(parent) if parent is not None else None,
+                token_ids=list(token_ids[start * block_size : end * block_size]) if token_ids is not None else [],
+                block_size=block_size,
+                lora_id=None,
+                medium=self.medium,
+                lora_name=None,
+                group_idx=group_idx,
+                locality=self.locality,
+                ownership=self.ownership,
+            )
+        )
+
     # -- eviction and reset -----------------------------------------------------------------
 
     def evict_blocks(self, block_ids: Iterable[int]) -> int:
@@ -592,7 +689,13 @@ class BlockPool:
     def _emit_removed(self, removed: dict[int, list[bytes]]) -> None:
         for group_idx, hashes in removed.items():
             self.kv_event_queue.append(
-                BlockRemoved(block_hashes=self._encode_hashes(hashes), medium=self.medium, group_idx=group_idx)
+                BlockRemoved(
+                    block_hashes=self._encode_hashes(hashes),
+                    medium=self.medium,
+                    group_idx=group_idx,
+                    locality=self.locality,
+                    ownership=self.ownership,
+                )
             )
 
     def _emit_stored(
@@ -629,6 +732,8 @@ class BlockPool:
                 lora_name=lora.lora_name if lora is not None else None,
                 extra_keys=extra_keys,
                 group_idx=group_idx,
+                locality=self.locality,
+                ownership=self.ownership,
                 session_id=request.session_id,
                 reused=reused,
             )

@@ -33,6 +33,7 @@ from kvservice.core.errors import (
 from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvservice.core.kv_cache_spec import max_tokens_in_pool, min_blocks_for_request
 from kvservice.core.request import KVCacheReportMode, Request
+from kvservice.core.tier import TierStore
 from kvservice_client.events import KVEvent
 from kvservice_client.hashing import LoRA, MultiModalFeature
 
@@ -311,6 +312,9 @@ class KVCacheEngine:
         them alone."""
         self._detached: dict[int, int] = {}
         """Block id -> references taken off a table by :meth:`pop_blocks_for_free`, not freed yet."""
+        self.tier: TierStore | None = None
+        """The tier's lookups, puts and leases over this pool (:mod:`kvservice.core.tier`), when the
+        server offers them; its leases' holds count in :meth:`check_invariants`."""
 
     @property
     def max_model_len(self) -> int:
@@ -1447,7 +1451,12 @@ class KVCacheEngine:
             AssertionError: naming the broken invariant.
         """
         manager = self.manager
-        manager.check_invariants(references_off_tables=self._detached)
+        references = self._detached
+        if self.tier is not None and self.tier.num_leases:  # a tier lease's holds are off every table too
+            references = dict(references)
+            for block_id in self.tier.held_block_ids():
+                references[block_id] = references.get(block_id, 0) + 1
+        manager.check_invariants(references_off_tables=references)
         assert self.running <= self.requests.keys(), (
             f"running but not registered: {sorted(self.running - self.requests.keys())}"
         )

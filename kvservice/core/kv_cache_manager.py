@@ -105,10 +105,16 @@ class KVEventsConfig:
         block_hash_format: "int64" (the digest's last 8 bytes, big-endian; vLLM's form) or
             "digest" (raw bytes).
         medium: the events' ``medium`` ("GPU" by default, as vLLM's primary pool; ``ServerConfig.kv_events_medium``).
+        locality: vLLM 0.33's ``locality`` of every BlockStored / BlockRemoved ("LOCAL" or "REMOTE"
+            relative to the publisher); None: not published (``kv_events_locality``).
+        ownership: vLLM 0.33's ``ownership`` (the secondary tier that generated the event, e.g.
+            "kvservice" for a tier's server); None: not published (``kv_events_ownership``).
     """
 
     block_hash_format: BlockHashFormat = "int64"
     medium: str = "GPU"
+    locality: str | None = None
+    ownership: str | None = None
 
     def __post_init__(self) -> None:
         if not is_block_hash_format(self.block_hash_format):
@@ -219,6 +225,8 @@ class KVCacheManager:
             enable_kv_cache_events=kv_events is not None,
             block_hash_encoder=encoder,
             medium=kv_events.medium if kv_events is not None else "GPU",
+            locality=kv_events.locality if kv_events is not None else None,
+            ownership=kv_events.ownership if kv_events is not None else None,
         )
         self.coordinator = get_kv_cache_coordinator(kv_cache_config, self.block_pool)
         self.num_groups = len(kv_cache_config.kv_cache_groups)

@@ -150,6 +150,20 @@ class FullAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class OpaqueSpec(FullAttentionSpec):
+    """A block of exactly ``opaque_bytes`` bytes of no model's shape: a shared tier's offload chunk
+    (``--kv-cache-layout opaque:BYTES``; docs/tier.md). Its groups are full-attention groups (a
+    key's hit is a prefix's); one layer, ``uint8``, one page of ``opaque_bytes`` per block."""
+
+    opaque_bytes: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``opaque_bytes``."""
+        return self.opaque_bytes
+
+
+@dataclass(frozen=True)
 class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention (DeepSeek): one latent vector per token, no separate K and V.
 

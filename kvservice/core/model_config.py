@@ -426,6 +426,48 @@ def _check_dtype(f: _Fields, key: str, dtype: Any) -> str:
     return cast(str, dtype)  # a key of DTYPE_SIZE_BYTES, whose keys are the dtype names
 
 
+OPAQUE_PREFIX = "opaque:"
+"""``--kv-cache-layout opaque:BYTES[xGROUPS]``: the opaque layout (docs/tier.md), not a file."""
+
+OPAQUE_MAX_MODEL_LEN = 1 << 20
+"""The opaque layout's max_model_len, in tokens (no model: a tier's puts are not bound by it)."""
+
+
+def opaque_kv_layout(value: str, *, block_size: int | None = None) -> ModelKVLayout:
+    """The opaque layout ``opaque:BYTES`` or ``opaque:BYTESxGROUPS``: every block exactly ``BYTES``
+    bytes (a shared tier's offload chunk), ``GROUPS`` full-attention groups (default 1) of one
+    ``uint8`` layer each (``opaque.{g}``), all viewing one pool, ``block_size`` tokens per block.
+
+    Raises:
+        ValueError: a value that is not ``opaque:`` and a positive byte count (and group count).
+    """
+    from kvservice.core.kv_cache_spec import OpaqueSpec
+
+    spec_text = value[len(OPAQUE_PREFIX) :]
+    bytes_text, _, groups_text = spec_text.partition("x")
+    try:
+        num_bytes = int(bytes_text)
+        num_groups = int(groups_text) if groups_text else 1
+    except ValueError:
+        num_bytes = num_groups = 0
+    if num_bytes < 1 or num_groups < 1:
+        raise ValueError(
+            f"kv_cache_layout {value!r}: the opaque layout is opaque:BYTES or opaque:BYTESxGROUPS "
+            "(bytes per block >= 1, groups >= 1)"
+        )
+    size = block_size or DEFAULT_BLOCK_SIZE
+    spec = OpaqueSpec(block_size=size, num_kv_heads=1, head_size=1, dtype="uint8", opaque_bytes=num_bytes)
+    names = [f"opaque.{g}" for g in range(num_groups)]
+    return ModelKVLayout(
+        value,
+        "opaque",
+        dict.fromkeys(names, spec),
+        OPAQUE_MAX_MODEL_LEN,
+        size,
+        {name: g for g, name in enumerate(names)},
+    )
+
+
 def load_kv_cache_layout(
     path: str | Path, *, block_size: int | None = None, kv_cache_dtype: str = "auto"
 ) -> ModelKVLayout:

@@ -32,11 +32,13 @@ from kvservice.core.kv_cache_manager import KVCacheManager, KVEventsConfig, Pref
 from kvservice.core.kv_cache_spec import KVCacheConfig, max_tokens_in_pool
 from kvservice.core.model_config import (
     KNOWN_ARCHITECTURES,
+    OPAQUE_PREFIX,
     ModelKVLayout,
     get_preset,
     load_kv_cache_layout,
     load_model_config,
     model_kv_layout,
+    opaque_kv_layout,
 )
 from kvservice.memory import (
     KVCacheTensors,
@@ -267,6 +269,8 @@ def _model_kv_layout(cache: CacheSettings) -> ModelKVLayout:
                 "(kind, count, heads, head size, dtype, window ... per run of layers; docs/operations.md, "
                 "KV cache layout)"
             ) from None
+    if cache.kv_cache_layout is not None and cache.kv_cache_layout.startswith(OPAQUE_PREFIX):
+        return opaque_kv_layout(cache.kv_cache_layout, block_size=cache.block_size)
     if cache.kv_cache_layout is not None:
         return load_kv_cache_layout(
             cache.kv_cache_layout, block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype
@@ -369,7 +373,12 @@ def _build_core(config: ServerConfig) -> _Core:
         prefix_caching=PrefixCachingConfig(cache.hash_algorithm, cache.hash_seed)
         if cache.enable_prefix_caching
         else None,
-        kv_events=KVEventsConfig(block_hash_format=block_hash_format, medium=medium),
+        kv_events=KVEventsConfig(
+            block_hash_format=block_hash_format,
+            medium=medium,
+            locality=config.events.kv_events_locality,
+            ownership=config.events.kv_events_ownership,
+        ),
     )
     limits = config.limits
     engine = KVCacheEngine(
@@ -377,6 +386,16 @@ def _build_core(config: ServerConfig) -> _Core:
         EngineLimits(max_num_requests=limits.max_num_requests, max_waiting_tokens=limits.max_waiting_tokens or None),
     )
     meta = manager.get_kv_cache_group_metadata()
+    # The tier's calls (docs/tier.md): blocks named by hash alone, over the same pool.
+    from kvservice.core.tier import TierLimits, TierStore
+
+    tier_limits = TierLimits()
+    engine.tier = TierStore(
+        manager.block_pool,
+        [g.block_size for g in meta.groups],
+        digest_bytes=16 if (cache.hash_algorithm or "").startswith("xxhash") else 32,
+        limits=tier_limits,
+    )
     # An answer always fits what this server may send and what any gRPC client accepts.
     events = dataclasses.replace(
         config.events, max_take_bytes=min(4 * 1024 * 1024, config.limits.max_message_bytes - 1024)
@@ -415,6 +434,12 @@ def _build_core(config: ServerConfig) -> _Core:
         max_step_tokens=limits.max_step_tokens,
         snapshots=snapshots,
     )
+    if layout_name.startswith(OPAQUE_PREFIX):
+        metadata.opaque_block_bytes = kv_cache_config.block_bytes
+    metadata.tier_limits.max_keys_per_call = tier_limits.max_keys_per_call
+    metadata.tier_limits.default_lease_ttl_s = tier_limits.default_lease_ttl_s
+    metadata.tier_limits.max_lease_ttl_s = tier_limits.max_lease_ttl_s
+    metadata.tier_limits.max_leases = tier_limits.max_leases
     if device_type != "meta":
         metadata.max_data_chunk_bytes = limits.chunk_bytes
     if shm is not None:

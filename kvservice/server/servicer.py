@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
+import xxhash
 from google.protobuf.message import DecodeError
 
 from kvservice.core.engine import (
@@ -1106,41 +1107,237 @@ class KVCacheServicer:
         """Read blocks' contents (server streaming)."""
         await self._data_plane_call(context, lambda dp: dp.read_blocks(request, context.write))
 
-    # -- tier (kvservice.server.tier): blocks named by hash alone ---------------------------
+    # -- tier (kvservice.core.tier): blocks named by hash alone (docs/tier.md) ---------------
+
+    def _tier(self, needs_memory: bool) -> Any:
+        """The engine's TierStore (FAILED_PRECONDITION when the server has none, or, for a call
+        that moves bytes through the memory, when there is no memory)."""
+        from kvservice.server.data_plane import NO_MEMORY
+
+        tier = self.engine.tier
+        if tier is None:
+            raise PreconditionFailedError("this server offers no tier calls")
+        if needs_memory and (self.data_plane is None or not self.data_plane.has_memory):
+            raise PreconditionFailedError(NO_MEMORY)
+        return tier
+
+    async def _tier_call(self, context: grpc.aio.ServicerContext, call: Callable[[], _Result]) -> _Result:
+        """Run a tier call with no await inside, publish its events (one batch), map its errors."""
+        try:
+            result = call()
+        except Exception as exc:
+            self.engine.manager.block_pool.take_events()  # nothing of a refused call is published
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        self._publish()
+        return result
+
+    def _readable(self) -> Any:
+        dp = self.data_plane
+        if dp is None or not dp.has_memory:
+            return None
+        return lambda group_idx, block: dp._writer(group_idx, block.block_id) is None
 
     async def LookupBlocks(
         self, request: pb.LookupBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupBlocksResponse:
-        """Which keys are cached and readable (docs/tier.md)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LookupBlocks: not yet")
+        """Which keys are cached and readable; no side effect unless ``touch`` (docs/tier.md)."""
+
+        def call() -> pb.LookupBlocksResponse:
+            result = self._tier(False).lookup(
+                request.group_idx,
+                request.block_hashes,
+                group_idxs=request.group_idxs,
+                touch=request.touch,
+                readable=self._readable(),
+            )
+            return pb.LookupBlocksResponse(present=result.present, num_prefix_blocks=result.num_prefix_blocks)
+
+        return await self._tier_call(context, call)
+
+    def _reserve(self, request: pb.ReserveBlocksRequest) -> Any:
+        tier = self._tier(True)
+        tokens = None
+        if request.packed_token_ids:
+            if len(request.packed_token_ids) % 4:
+                raise InvalidArgumentError(
+                    "packed_token_ids",
+                    f"{len(request.packed_token_ids)} bytes, not a multiple of 4 (little-endian int32 token ids)",
+                )
+            tokens = np.frombuffer(request.packed_token_ids, dtype="<i4").tolist()
+        return tier.reserve(
+            request.group_idx,
+            request.block_hashes,
+            parent_block_hashes=request.parent_block_hashes,
+            token_ids=tokens,
+            ttl_s=request.ttl_s,
+            now=self.engine.clock(),
+        )
 
     async def ReserveBlocks(
         self, request: pb.ReserveBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveBlocksResponse:
         """Reserve blocks for keys under a put lease (docs/tier.md)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReserveBlocks: not yet")
+
+        def call() -> pb.ReserveBlocksResponse:
+            r = self._reserve(request)
+            return pb.ReserveBlocksResponse(
+                reserved=r.reserved, lease_id=r.lease_id, status=r.status, block_ids=r.block_ids, ttl_s=r.ttl_s
+            )
+
+        return await self._tier_call(context, call)
 
     async def CommitBlocks(
         self, request: pb.CommitBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitBlocksResponse:
-        """Commit a put lease (docs/tier.md)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "CommitBlocks: not yet")
+        """Commit a put lease: BlockStored now (docs/tier.md)."""
 
-    async def PutBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutBlocksResponse:
-        """Reserve, write and commit in one client stream (docs/tier.md)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PutBlocks: not yet")
+        def call() -> pb.CommitBlocksResponse:
+            committed, num = self._tier(False).commit(request.lease_id, now=self.engine.clock())
+            return pb.CommitBlocksResponse(committed=committed, num_blocks_stored=num)
+
+        return await self._tier_call(context, call)
 
     async def LeaseBlocks(
         self, request: pb.LeaseBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaseBlocksResponse:
-        """Pin cached blocks for a copy (docs/tier.md)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LeaseBlocks: not yet")
+        """Pin cached blocks for a copy through the attached memory (docs/tier.md)."""
+
+        def call() -> pb.LeaseBlocksResponse:
+            r = self._tier(True).lease(
+                request.group_idx, request.block_hashes, ttl_s=request.ttl_s, now=self.engine.clock()
+            )
+            return pb.LeaseBlocksResponse(
+                lease_id=r.lease_id, block_ids=r.block_ids, num_leased=r.num_leased, ttl_s=r.ttl_s
+            )
+
+        return await self._tier_call(context, call)
 
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseLeaseResponse:
-        """End a lease (docs/tier.md)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReleaseLease: not yet")
+        """End a lease; ``valid`` says whether it was live until now (docs/tier.md)."""
+
+        def call() -> pb.ReleaseLeaseResponse:
+            r = self._tier(False).release(request.lease_id, now=self.engine.clock())
+            return pb.ReleaseLeaseResponse(valid=r.valid, num_blocks=r.num_blocks)
+
+        return await self._tier_call(context, call)
+
+    async def PutBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutBlocksResponse:
+        """Reserve, write and commit in one client stream (docs/tier.md): a bad chunk is
+        INVALID_ARGUMENT and stores nothing of the call (its reservation freed, no event)."""
+        from kvservice.server.data_plane import _BlockBytes
+
+        lease_id = 0
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("message") != "header":
+                raise InvalidArgumentError("header", "the first PutBlocks message must be the header")
+            reserved = self._reserve(first.header)
+            self._publish()  # evictions the reservation made
+            if not reserved.reserved:
+                return pb.PutBlocksResponse(reserved=False)
+            lease_id = reserved.lease_id
+            assert self.data_plane is not None
+            dp = self.data_plane
+            group_idx = first.header.group_idx
+            size = dp.tensors.bytes_per_block(group_idx)
+            chunk_bytes = dp.chunk_bytes
+            status = list(reserved.status)
+            write_order = [i for i, st in enumerate(status) if st == 1]
+            written = dict.fromkeys(write_order, False)
+            done: set[int] = set()
+            current = -1
+            received = 0
+            staging = bytearray(size)
+            hasher = xxhash.xxh3_64()
+            num_bytes = 0
+            index = 0
+            async for message in request_iterator:
+                index += 1
+                where = f"messages[{index}].chunk"
+                if message.WhichOneof("message") != "chunk":
+                    raise InvalidArgumentError(f"messages[{index}]", "only the first message is the header")
+                chunk = message.chunk
+                k = chunk.block_index
+                if not 0 <= k < len(status):
+                    raise InvalidArgumentError(f"{where}.block_index", f"{k} is out of range [0, {len(status)})")
+                if k != current:
+                    if current >= 0:
+                        raise InvalidArgumentError(
+                            f"{where}.block_index",
+                            f"{k} starts before block {current} is complete ({received} of {size} bytes)",
+                        )
+                    if k in done or (done and k < max(done)):
+                        raise InvalidArgumentError(f"{where}.block_index", f"{k}: blocks go in key order, each once")
+                    if chunk.offset_bytes != 0:
+                        raise InvalidArgumentError(
+                            f"{where}.offset_bytes", f"{chunk.offset_bytes}; a block's first chunk starts at 0"
+                        )
+                    current, received = k, 0
+                    hasher.reset()
+                elif chunk.offset_bytes != received:
+                    raise InvalidArgumentError(f"{where}.offset_bytes", f"{chunk.offset_bytes}, expected {received}")
+                data = chunk.data
+                if not 1 <= len(data) <= chunk_bytes or received + len(data) > size:
+                    raise InvalidArgumentError(
+                        f"{where}.data",
+                        f"{len(data)} bytes at offset {received}; chunks are 1..{chunk_bytes} bytes (max_data_chunk_bytes) "
+                        f"within the block's {size} bytes",
+                    )
+                staging[received : received + len(data)] = data
+                hasher.update(data)
+                received += len(data)
+                if received < size:
+                    if chunk.HasField("checksum"):
+                        raise InvalidArgumentError(
+                            f"{where}.checksum", "set on a chunk that does not complete the block"
+                        )
+                    continue
+                if not chunk.HasField("checksum") or chunk.checksum != hasher.intdigest():
+                    raise InvalidArgumentError(
+                        f"{where}.checksum",
+                        f"missing or not the xxh3_64 of block {k}'s bytes; nothing of the call was stored",
+                    )
+                if k in written:  # a key found PRESENT or IN_FLIGHT: its bytes are dropped
+                    block_id = reserved.block_ids[k]
+                    _BlockBytes(dp.tensors.block_view(group_idx, block_id)).write(memoryview(staging))
+                    written[k] = True
+                    num_bytes += size
+                done.add(k)
+                current = -1
+            if current >= 0:
+                raise InvalidArgumentError(
+                    "chunks", f"the stream ended inside block {current} ({received} of {size} bytes)"
+                )
+            tier = self._tier(False)
+            committed, _ = tier.commit(lease_id, now=self.engine.clock(), written=[written[i] for i in write_order])
+            lease_id = 0
+            self._publish()
+            block_ids = list(reserved.block_ids)
+            for i in write_order:
+                if not written[i]:
+                    status[i], block_ids[i] = 0, 0
+            if not committed:  # expired while the bytes streamed
+                for i in write_order:
+                    status[i], block_ids[i] = 0, 0
+            num_written = sum(written.values()) if committed else 0
+            return pb.PutBlocksResponse(
+                reserved=True,
+                status=status,
+                block_ids=block_ids,
+                num_blocks_written=num_written,
+                num_bytes_written=num_bytes if committed else 0,
+            )
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        finally:
+            if lease_id and self.engine.tier is not None:  # refused or cancelled mid-stream: nothing stored
+                self.engine.tier.release(lease_id, now=self.engine.clock())
 
     # -- registration ---------------------------------------------------------------------
 

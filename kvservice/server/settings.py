@@ -562,6 +562,18 @@ class EventsSettings(_Section):
         "The medium every KV event names (vLLM's primary pool says GPU).",
         check=lambda v: None if 1 <= len(v) <= 64 else "must be a non-empty string of at most 64 characters",
     )
+    kv_events_locality: str | None = setting(
+        None,
+        "vLLM 0.33's locality on every BlockStored/BlockRemoved (LOCAL or REMOTE).",
+        check=lambda v: None if v in ("LOCAL", "REMOTE") else "must be LOCAL or REMOTE",
+        default_text="unset",
+    )
+    kv_events_ownership: str | None = setting(
+        None,
+        "vLLM 0.33's ownership on every BlockStored/BlockRemoved (a tier's name, e.g. kvservice).",
+        check=lambda v: None if 1 <= len(v) <= 64 else "must be a non-empty string of at most 64 characters",
+        default_text="unset",
+    )
     max_take_batches: int = 1000
     max_take_bytes: int = 4 * 1024 * 1024
 
@@ -1163,6 +1175,7 @@ def load_config(
             if (
                 (key.endswith("_file") or key in ("model_config", "kv_cache_layout"))
                 and isinstance(values[key], str)
+                and not values[key].startswith("opaque:")
                 and not os.path.isabs(values[key])
             ):
                 # A path in a config file is relative to that file, not to where the server starts.

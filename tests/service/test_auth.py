@@ -44,6 +44,7 @@ SCHEDULER_TOKEN = "sched-token-0123456789abcdef"
 WATCHER_TOKEN = "watch-token-0123456789abcdef"
 HASHED_TOKEN = "hashed-token-0123456789abcdef"
 WORKER_TOKEN = "worker-token-0123456789abcdef"
+TIER_TOKEN = "tier-token-0123456789abcdef01"
 WRONG_TOKEN = "wrong-token-0123456789abcdef"
 
 PROMPT = list(range(1, 9))
@@ -196,6 +197,7 @@ async def token_server(start_kv_server, tmp_path):
     write_tokens(path)
     with path.open("a") as f:
         f.write(f'\n[[tokens]]\nname = "gpu-worker"\nrole = "worker"\ntoken = "{WORKER_TOKEN}"\n')
+        f.write(f'\n[[tokens]]\nname = "shared-tier"\nrole = "tier"\ntoken = "{TIER_TOKEN}"\n')
     return await start_kv_server(auth_tokens_file=str(path), device="cpu")
 
 
@@ -370,6 +372,13 @@ RPCS: dict[str, Callable[[AsyncKVCacheClient], Awaitable[Any]]] = {
     "GetKVCacheGroupMetadata": lambda c: c.get_kv_cache_group_metadata(),
     "Ping": lambda c: c.ping(b"p"),
     "ManagerStep": lambda c: c.manager_step(pb.ManagerStepRequest(owner="auth-test")),
+    # The tier's calls (docs/tier.md): a miss, a put of nothing, a lease of nothing, unknown leases.
+    "LookupBlocks": lambda c: c.lookup_blocks(0, [bytes(32)]),
+    "ReserveBlocks": lambda c: c.reserve_blocks(0, []),
+    "CommitBlocks": lambda c: c.commit_blocks(1),
+    "PutBlocks": lambda c: c.put_blocks(0, []),
+    "LeaseBlocks": lambda c: c.lease_blocks(0, [bytes(32)]),
+    "ReleaseLease": lambda c: c.release_lease(1),
 }
 """One call per RPC of the service; each succeeds on a server prepared by :func:`prepare`."""
 
@@ -379,8 +388,30 @@ BLOCK_BYTES = 24 * 2 * 4 * 2 * 64 * 2
 
 ALLOWED = {
     "scheduler": set(RPCS),
-    "watcher": {"StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping"},
-    "worker": {"AttachKVCache", "WriteBlocks", "ReadBlocks", "GetKVCacheGroupMetadata", "GetUsage", "Ping"},
+    "watcher": {"StreamEvents", "TakeEvents", "GetKVCacheGroupMetadata", "GetUsage", "Ping", "LookupBlocks"},
+    "worker": {
+        "AttachKVCache",
+        "WriteBlocks",
+        "ReadBlocks",
+        "GetKVCacheGroupMetadata",
+        "GetUsage",
+        "Ping",
+        "LookupBlocks",
+    },
+    # A tier: blocks by hash, the memory, block reads; refused every scheduler call and reset.
+    "tier": {
+        "LookupBlocks",
+        "ReserveBlocks",
+        "CommitBlocks",
+        "PutBlocks",
+        "LeaseBlocks",
+        "ReleaseLease",
+        "AttachKVCache",
+        "ReadBlocks",
+        "GetKVCacheGroupMetadata",
+        "GetUsage",
+        "Ping",
+    },
 }
 
 
@@ -401,8 +432,14 @@ async def prepare(running, connect) -> AsyncKVCacheClient:
 
 @pytest.mark.parametrize(
     "role, token",
-    [("scheduler", SCHEDULER_TOKEN), ("watcher", WATCHER_TOKEN), ("worker", WORKER_TOKEN), ("scheduler", HASHED_TOKEN)],
-    ids=["scheduler", "watcher", "worker", "token_sha256"],
+    [
+        ("scheduler", SCHEDULER_TOKEN),
+        ("watcher", WATCHER_TOKEN),
+        ("worker", WORKER_TOKEN),
+        ("tier", TIER_TOKEN),
+        ("scheduler", HASHED_TOKEN),
+    ],
+    ids=["scheduler", "watcher", "worker", "tier", "token_sha256"],
 )
 async def test_each_role_calls_exactly_its_rpcs(token_server, connect, role, token):
     admin = await prepare(token_server, connect)
@@ -429,7 +466,7 @@ async def test_a_denied_message_names_method_role_and_token_name(token_server, c
     assert err.value.code == PERMISSION_DENIED
     assert err.value.message == (
         f"/{SERVICE_NAME}/Free: token 'router' has role 'watcher', which may call only "
-        "GetKVCacheGroupMetadata, GetUsage, Ping, StreamEvents, TakeEvents and reflection"
+        "GetKVCacheGroupMetadata, GetUsage, LookupBlocks, Ping, StreamEvents, TakeEvents and reflection"
     )
 
 
@@ -543,7 +580,7 @@ async def test_non_loopback_bind_notes(start_kv_server, tmp_path):
         ),
         (
             '[[tokens]]\nname = "a"\nrole = "admin"\ntoken = "SECRET-0123456789abc"\n',
-            r"tokens\[0\] \('a'\): role must be one of scheduler, watcher, worker; got 'admin'",
+            r"tokens\[0\] \('a'\): role must be one of scheduler, watcher, worker, tier; got 'admin'",
         ),
         (
             '[[tokens]]\nname = "a"\nrole = "watcher"\n',

@@ -241,8 +241,8 @@ def test_kind_edges() -> None:
         (_stored(block_hashes=[1 << 64]), "block_hashes: 18446744073709551616 is not an unsigned 64-bit int"),
         (_stored(block_hashes=[-1]), "not an unsigned 64-bit int"),
         (_stored(parent_block_hash=-5), "parent_block_hash: -5 is not an unsigned 64-bit int"),
-        (_stored(locality="rack-1"), "locality has no kvservice.v1 field"),
-        (_stored(ownership={"a": 1}), "ownership has no kvservice.v1 field"),
+        (_stored(locality=7), "locality: 7 is not a string"),
+        (_stored(ownership={"a": 1}), r"ownership: \{'a': 1\} is not a string"),
         (_stored(lookahead_token_ids=[[1]]), "lookahead_token_ids has no kvservice.v1 field"),
         (_stored(extra_keys=[]), "extra_keys: an empty list cannot be told from None"),
         (_stored(extra_keys=[[]]), r"extra_keys\[0\]: expected None or a non-empty list"),
@@ -250,7 +250,7 @@ def test_kind_edges() -> None:
         (_stored(extra_keys=[None, [["img"]]]), r"extra_keys\[1\]\[0\]"),
         (_stored(extra_keys=[[["img", 1 << 31]]]), r"extra_keys\[0\]\[0\]"),
         (_stored(extra_keys=[[["img", True]]]), r"extra_keys\[0\]\[0\]"),
-        (ev.BlockRemoved(block_hashes=[1], medium=None, locality="x"), "BlockRemoved: locality"),
+        (ev.BlockRemoved(block_hashes=[1], medium=None, locality=1), "BlockRemoved: locality: 1 is not a string"),
     ],
 )
 def test_event_to_proto_refuses_what_the_proto_cannot_carry(event: ev.KVCacheEvent, match: str) -> None:
@@ -333,8 +333,22 @@ def test_msgpack_payload_carries_fields_the_proto_has_not() -> None:
     msg = convert.batch_to_proto(batch, seq=1, epoch="e", payload_format="msgpack")
     assert not msg.HasField("data_parallel_rank")
     assert convert.proto_to_batch(_wire(msg)) == batch
-    with pytest.raises(ValueError, match="locality"):
+    with pytest.raises(ValueError, match="lookahead_token_ids"):
         convert.batch_to_proto(batch, seq=1, epoch="e")
+
+
+def test_locality_and_ownership_round_trip_through_the_proto() -> None:
+    """vLLM 0.33's locality / ownership strings (a tier's server publishes them: docs/tier.md)."""
+    batch = ev.KVEventBatch(
+        ts=2.0,
+        events=[
+            _stored(locality="LOCAL", ownership="kvservice"),
+            ev.BlockRemoved(block_hashes=[1], medium="GPU", group_idx=0, locality="LOCAL", ownership="kvservice"),
+        ],
+    )
+    msg = convert.batch_to_proto(batch, seq=1, epoch="e")
+    assert (msg.events[0].block_stored.locality, msg.events[1].block_removed.ownership) == ("LOCAL", "kvservice")
+    assert convert.proto_to_batch(_wire(msg)) == batch
 
 
 def test_empty_batch_and_no_rank() -> None:

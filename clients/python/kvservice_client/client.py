@@ -748,9 +748,9 @@ class _ClientBase(_KVCacheServiceRPCs, TierRPCs, rpcs.KVCacheServiceMethods, Gen
         return {"timeout": seconds, "metadata": pairs or None}
 
 
-class KVCacheClient(
+class KVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
     BlockingTierMethods, BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase
-):  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
+):
     __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
 
     _channel_module: ClassVar[Any] = grpc

@@ -26,8 +26,10 @@ The mapping, field by field:
   becomes ``ExtraKey.cache_salt``. The tag only adds meaning: both tags read back as the bare
   string, so the round trip is exact whatever the strings are. An empty ``extra_keys`` list, or an
   empty key list for a block, is refused (the proto spells "none" one way only: use None).
-* ``locality``, ``ownership``, ``lookahead_token_ids`` (vLLM fields kvservice never sets) have no
-  proto fields: an event with any of them set is refused by :func:`event_to_proto`.
+* ``locality``, ``ownership`` (vLLM 0.33's strings: "LOCAL"/"REMOTE", a secondary tier's name):
+  None <-> the optional field unset; a value that is not a string is refused.
+* ``lookahead_token_ids`` (a vLLM field kvservice never sets) has no proto field: an event with it
+  set is refused by :func:`event_to_proto`.
 
 This module imports gRPC's protobuf stubs but not ``grpc`` itself, and never the server.
 """
@@ -250,7 +252,7 @@ def _fill_kv_event(out: pb.KVEvent, event: ev.KVCacheEvent) -> None:
 
 
 def _fill_block_stored(out: pb.BlockStored, event: ev.BlockStored) -> None:
-    _refuse_unrepresentable(event, ("locality", "ownership", "lookahead_token_ids"))
+    _refuse_unrepresentable(event, ("lookahead_token_ids",))
     _fill_hashes(out, event.block_hashes)
     parent = event.parent_block_hash
     if isinstance(parent, bytes):
@@ -275,10 +277,21 @@ def _fill_block_stored(out: pb.BlockStored, event: ev.BlockStored) -> None:
     if event.session_id is not None:
         out.session_id = event.session_id
     out.reused = event.reused
+    _fill_locality(out, event)
+
+
+def _fill_locality(out: pb.BlockStored | pb.BlockRemoved, event: ev.BlockStored | ev.BlockRemoved) -> None:
+    """vLLM 0.33's ``locality`` and ``ownership`` (strings, or None: unset)."""
+    for name in ("locality", "ownership"):
+        value = getattr(event, name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: {value!r} is not a string (vLLM 0.33's {name} is)")
+        setattr(out, name, value)
 
 
 def _fill_block_removed(out: pb.BlockRemoved, event: ev.BlockRemoved) -> None:
-    _refuse_unrepresentable(event, ("locality", "ownership"))
     _fill_hashes(out, event.block_hashes)
     if event.medium is not None:
         out.medium = event.medium
@@ -287,6 +300,7 @@ def _fill_block_removed(out: pb.BlockRemoved, event: ev.BlockRemoved) -> None:
     out.kv_cache_spec_kind = kv_cache_spec_kind_to_proto(event.kv_cache_spec_kind)
     if event.kv_cache_spec_sliding_window is not None:
         out.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
+    _fill_locality(out, event)
 
 
 def _refuse_unrepresentable(event: ev.KVCacheEvent, names: tuple[str, ...]) -> None:
@@ -425,6 +439,8 @@ def _block_stored_from_proto(msg: pb.BlockStored) -> ev.BlockStored:
         kv_cache_spec_sliding_window=(
             msg.kv_cache_spec_sliding_window if msg.HasField("kv_cache_spec_sliding_window") else None
         ),
+        locality=msg.locality if msg.HasField("locality") else None,
+        ownership=msg.ownership if msg.HasField("ownership") else None,
         session_id=msg.session_id if msg.HasField("session_id") else None,
         reused=msg.reused,
     )
@@ -443,4 +459,6 @@ def _block_removed_from_proto(msg: pb.BlockRemoved) -> ev.BlockRemoved:
         kv_cache_spec_sliding_window=(
             msg.kv_cache_spec_sliding_window if msg.HasField("kv_cache_spec_sliding_window") else None
         ),
+        locality=msg.locality if msg.HasField("locality") else None,
+        ownership=msg.ownership if msg.HasField("ownership") else None,
     )

@@ -53,9 +53,11 @@ the table's references), so a part outlives the mirror's next batches unchanged.
 
 def _same_kind(a: StoredRecord, b: StoredRecord) -> bool:
     """Whether blocks of ``a`` and ``b`` may share one BlockStored: equal block_size, lora_id,
-    lora_name, medium, and both with or both without extra_keys."""
+    lora_name, medium, both with or both without extra_keys, and both with or both without token ids
+    (a tier's blocks may have none: docs/tier.md)."""
     return a is b or (
-        a.block_size == b.block_size
+        (len(a.tokens) == 0) == (len(b.tokens) == 0)
+        and a.block_size == b.block_size
         and a.lora_id == b.lora_id
         and a.lora_name == b.lora_name
         and a.medium == b.medium

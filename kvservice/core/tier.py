@@ -1,0 +1,520 @@
+"""Blocks named by hash alone: a shared tier's lookups, puts and leases over the block pool.
+
+A tier (kvservice-vllm's ``KVServiceTier``, a secondary tier of vLLM 0.33's
+``OffloadingConnector``) keeps chunks here by key, ``(group_idx, block hash)``, with no request.
+This module is the cache side of its calls (docs/tier.md); the server (``kvservice.server.tier``)
+turns protos into these calls and publishes the events. Pure Python: no gRPC, no torch, no I/O;
+time is the caller's (``now``: monotonic seconds).
+
+How it sits on the pool (``kvservice.core.block_pool``):
+
+* A **put lease** (:meth:`TierStore.reserve`) takes one block per key to write from the head of the
+  free queue (``BlockPool.get_new_blocks``: the least recently used unpinned cached blocks are
+  evicted, BlockRemoved) and holds it (ref count 1) **uncached**: no lookup, lease, read or event
+  sees it until :meth:`TierStore.commit` indexes it (``BlockPool.cache_blocks_by_hash``:
+  BlockStored now) and drops the hold (the block is then free and cached, at the LRU tail). An
+  aborted or expired put lease frees its blocks uncached (to the head), with no event.
+* A **read lease** (:meth:`TierStore.lease`) takes a reference on each present block (``touch``):
+  a referenced block is not in the free queue, so nothing can evict or reuse it until the lease
+  ends (:meth:`TierStore.release`, or expiry) and drops the reference.
+* Present keys a put names are pinned while the put allocates, so the allocation never evicts a
+  key the same call answers PRESENT; they go back to the LRU tail (a put of a present key marks
+  it recently used, as vLLM's primary tier touches a stored key).
+
+Every call checks all of its fields before it changes anything (a refused call changes nothing);
+expired leases are ended first, at the start of every call (:meth:`TierStore.expire`), so a lease
+is live exactly until its deadline whether or not the server's reaper ran.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kvservice.core.block_pool import BlockPool, KVCacheBlock
+from kvservice.core.errors import CapacityExceededError, InvalidArgumentError
+
+__all__ = [
+    "LeaseResult",
+    "LookupResult",
+    "PutStatus",
+    "ReleaseResult",
+    "ReserveResult",
+    "TierLimits",
+    "TierStore",
+]
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class PutStatus(IntEnum):
+    """What a put does for one key (the proto's ``BlockPutStatus``, same numbers)."""
+
+    NOT_SENT = 0
+    """PutBlocks only: the key's bytes were not sent; not stored."""
+    WRITE = 1
+    """A block was reserved for the key (write it), or (PutBlocks) it was written and stored."""
+    PRESENT = 2
+    """Cached already: nothing to write, no event."""
+    IN_FLIGHT = 3
+    """Another live put lease reserved it: nothing to write."""
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    """The tier calls' bounds (settings ``tier_*``).
+
+    Attributes:
+        max_keys_per_call: most keys one lookup, reserve, put or lease names.
+        default_lease_ttl_s: a lease's seconds when the call asks 0.
+        max_lease_ttl_s: the longest lease a call may ask for, seconds.
+        max_leases: leases (read and put) live at once.
+    """
+
+    max_keys_per_call: int = 4096
+    default_lease_ttl_s: float = 10.0
+    max_lease_ttl_s: float = 300.0
+    max_leases: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_keys_per_call < 1 or self.max_leases < 1:
+            raise ValueError("max_keys_per_call and max_leases must be >= 1")
+        if not 0 < self.default_lease_ttl_s <= self.max_lease_ttl_s:
+            raise ValueError("need 0 < default_lease_ttl_s <= max_lease_ttl_s")
+
+
+@dataclass
+class _Lease:
+    """A live lease: a read lease's pinned blocks, or a put lease's reserved blocks and keys."""
+
+    lease_id: int
+    deadline: float
+    group_idx: int
+    blocks: list[KVCacheBlock]
+    put: bool
+    hashes: list[bytes] = field(default_factory=list)
+    parents: list[bytes | None] = field(default_factory=list)
+    token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Per key whether it is present (cached and readable), and the longest present prefix (blocks)."""
+
+    present: list[bool]
+    num_prefix_blocks: int
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    """A reservation: ``reserved`` False = refused for room (nothing changed, the rest empty)."""
+
+    reserved: bool
+    lease_id: int
+    status: list[PutStatus]
+    block_ids: list[int]
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    """A read lease: per key its pinned block id (0: a miss); ``lease_id`` 0 when nothing is pinned."""
+
+    lease_id: int
+    block_ids: list[int]
+    num_leased: int
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """``valid``: the lease was live until the release; ``num_blocks``: blocks unpinned or freed."""
+
+    valid: bool
+    num_blocks: int
+
+
+class TierStore:
+    """The tier's calls over one block pool.
+
+    Args:
+        pool: the pool (shared with the scheduler's requests: tier blocks are cached blocks).
+        block_sizes: per group, tokens per block (the events' ``block_size``).
+        digest_bytes: the length of a block hash (the server's hash algorithm's digest).
+        limits: the bounds.
+
+    Attributes:
+        num_expired: leases ended by expiry since start.
+        num_committed_blocks: blocks that became present by commits since start.
+    """
+
+    def __init__(
+        self, pool: BlockPool, block_sizes: Sequence[int], *, digest_bytes: int, limits: TierLimits = TierLimits()
+    ) -> None:
+        self.pool = pool
+        self.block_sizes = tuple(block_sizes)
+        self.num_groups = len(self.block_sizes)
+        self.digest_bytes = digest_bytes
+        self.limits = limits
+        self._leases: dict[int, _Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, lease_id); stale entries skipped
+        self._in_flight: dict[tuple[int, bytes], int] = {}  # (group_idx, hash) reserved -> its put lease
+        self.num_expired = 0
+        self.num_committed_blocks = 0
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _check_group(self, name: str, group_idx: int) -> None:
+        if not 0 <= group_idx < self.num_groups:
+            raise InvalidArgumentError(name, f"{group_idx} is out of range [0, {self.num_groups})")
+
+    def _check_hashes(self, name: str, block_hashes: Sequence[bytes], *, distinct: bool) -> None:
+        n = len(block_hashes)
+        if n > self.limits.max_keys_per_call:
+            raise InvalidArgumentError(name, f"{n} keys, above max_keys_per_call {self.limits.max_keys_per_call}")
+        width = self.digest_bytes
+        for i, block_hash in enumerate(block_hashes):
+            if len(block_hash) != width:
+                raise InvalidArgumentError(
+                    f"{name}[{i}]", f"{len(block_hash)} bytes; a block hash is the server's {width}-byte digest"
+                )
+        if distinct and len(set(block_hashes)) != n:
+            seen: set[bytes] = set()
+            for i, block_hash in enumerate(block_hashes):
+                if block_hash in seen:
+                    raise InvalidArgumentError(f"{name}[{i}]", f"{block_hash.hex()} is named twice")
+                seen.add(block_hash)
+
+    def _ttl(self, ttl_s: float) -> float:
+        limits = self.limits
+        if not ttl_s == ttl_s or ttl_s < 0 or ttl_s > limits.max_lease_ttl_s:  # NaN included
+            raise InvalidArgumentError("ttl_s", f"{ttl_s}; must be 0 (the default) .. {limits.max_lease_ttl_s} seconds")
+        return ttl_s or limits.default_lease_ttl_s
+
+    def _check_room_for_lease(self) -> None:
+        if len(self._leases) >= self.limits.max_leases:
+            raise CapacityExceededError(
+                f"leases: {len(self._leases)} live, at max_leases {self.limits.max_leases}; release some first"
+            )
+
+    def _new_lease_id(self) -> int:
+        while True:
+            lease_id = secrets.randbits(63) or 1
+            if lease_id not in self._leases:
+                return lease_id
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        group_idx: int,
+        block_hashes: Sequence[bytes],
+        *,
+        group_idxs: Sequence[int] = (),
+        touch: bool = False,
+        readable: object = None,
+    ) -> LookupResult:
+        """Which keys are cached (LookupBlocks). No side effect unless ``touch``: then each present
+        free block moves to the tail of the free queue (most recently used; no event).
+
+        Args:
+            group_idx: the group of every key (unless ``group_idxs``).
+            block_hashes: the hashes.
+            group_idxs: per key, its group (empty: ``group_idx`` for all).
+            touch: mark present free blocks most recently used.
+            readable: a callable ``(group_idx, block) -> bool`` that says whether a cached block's
+                bytes are complete (the server's data plane: a block a running request may still
+                write is not); None: every cached block is.
+
+        Raises:
+            InvalidArgumentError: (INVALID_ARGUMENT) a group out of range, a hash of the wrong
+                length, more keys than ``max_keys_per_call``, ``group_idxs`` not one per key.
+        """
+        n = len(block_hashes)
+        self._check_hashes("block_hashes", block_hashes, distinct=False)
+        if group_idxs:
+            if len(group_idxs) != n:
+                raise InvalidArgumentError("group_idxs", f"{len(group_idxs)} groups for {n} keys; give one per key")
+            for i, g in enumerate(group_idxs):
+                self._check_group(f"group_idxs[{i}]", g)
+        else:
+            self._check_group("group_idx", group_idx)
+        index = self.pool.cached_block_hash_to_block
+        present: list[bool] = []
+        found: list[KVCacheBlock] = []
+        for i, block_hash in enumerate(block_hashes):
+            g = group_idxs[i] if group_idxs else group_idx
+            block = index[g].get_one_block(block_hash)
+            ok = block is not None and (readable is None or readable(g, block))  # type: ignore[operator]
+            present.append(ok)
+            if ok and touch:
+                assert block is not None
+                found.append(block)
+        prefix = present.index(False) if False in present else n
+        if touch:
+            queue = self.pool.free_block_queue
+            for block in found:
+                if block.ref_cnt == 0:
+                    queue.remove(block)
+                    queue.append(block)
+        return LookupResult(present, prefix)
+
+    def reserve(
+        self,
+        group_idx: int,
+        block_hashes: Sequence[bytes],
+        *,
+        parent_block_hashes: Sequence[bytes | None] = (),
+        token_ids: Sequence[int] | None = None,
+        ttl_s: float = 0.0,
+        now: float,
+    ) -> ReserveResult:
+        """Reserve a block for each key not present and not in flight (ReserveBlocks).
+
+        Args:
+            group_idx: the group of every key.
+            block_hashes: the hashes, distinct.
+            parent_block_hashes: per key its parent's hash or None; empty: unknown for all.
+            token_ids: the keys' token ids (``block_size`` per key), or None: unknown.
+            ttl_s: the put lease's seconds (0: the default).
+            now: monotonic seconds.
+
+        Returns:
+            ``reserved`` False when fewer blocks are free (free or cached and unpinned, the keys
+            answered PRESENT not counted) than keys to write: nothing changed. Else per key its
+            status and block id (WRITE: the reserved block, else 0) and the lease (0 when no key
+            is WRITE: nothing is held).
+
+        Raises:
+            InvalidArgumentError: (INVALID_ARGUMENT) a bad field, named with its bound.
+            CapacityExceededError: (RESOURCE_EXHAUSTED) ``max_leases`` leases are live.
+        """
+        self.expire(now)
+        self._check_group("group_idx", group_idx)
+        n = len(block_hashes)
+        self._check_hashes("block_hashes", block_hashes, distinct=True)
+        parents: list[bytes | None]
+        if parent_block_hashes:
+            if len(parent_block_hashes) != n:
+                raise InvalidArgumentError(
+                    "parent_block_hashes", f"{len(parent_block_hashes)} parents for {n} keys; give one per key or none"
+                )
+            parents = [p or None for p in parent_block_hashes]
+            for i, parent in enumerate(parents):
+                if parent is not None and len(parent) != self.digest_bytes:
+                    raise InvalidArgumentError(
+                        f"parent_block_hashes[{i}]",
+                        f"{len(parent)} bytes; a block hash is the server's {self.digest_bytes}-byte digest (or empty)",
+                    )
+        else:
+            parents = [None] * n
+        block_size = self.block_sizes[group_idx]
+        tokens: list[int] | None = None
+        if token_ids is not None and len(token_ids):
+            if len(token_ids) != n * block_size:
+                raise InvalidArgumentError(
+                    "packed_token_ids",
+                    f"{len(token_ids)} token ids for {n} keys of {block_size} tokens (block_size); give "
+                    f"{n * block_size} or none",
+                )
+            tokens = list(token_ids)
+            if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+                bad = next(i for i, t in enumerate(tokens) if not 0 <= t <= MAX_TOKEN_ID)
+                raise InvalidArgumentError("packed_token_ids", f"token id {tokens[bad]} at {bad} is outside 0..2^31-1")
+        ttl = self._ttl(ttl_s)
+        index = self.pool.cached_block_hash_to_block[group_idx]
+        status: list[PutStatus] = []
+        present: list[KVCacheBlock] = []
+        for block_hash in block_hashes:
+            block = index.get_one_block(block_hash)
+            if block is not None:
+                status.append(PutStatus.PRESENT)
+                present.append(block)
+            elif (group_idx, block_hash) in self._in_flight:
+                status.append(PutStatus.IN_FLIGHT)
+            else:
+                status.append(PutStatus.WRITE)
+        num_write = status.count(PutStatus.WRITE)
+        if num_write:
+            self._check_room_for_lease()
+        pool = self.pool
+        num_present_free = sum(1 for b in present if b.ref_cnt == 0)
+        if num_write > pool.get_num_free_blocks() - num_present_free:
+            return ReserveResult(False, 0, [], [], 0.0)
+        # Pin the present keys while allocating (the allocation never evicts a key answered
+        # PRESENT), then give them back at the LRU tail.
+        pool.touch(present)
+        blocks = pool.get_new_blocks(num_write) if num_write else []
+        pool.free_blocks(present)
+        block_ids = [0] * n
+        lease_id = 0
+        if num_write:
+            lease_id = self._new_lease_id()
+            writes = [i for i, s in enumerate(status) if s is PutStatus.WRITE]
+            for i, block in zip(writes, blocks):
+                block_ids[i] = block.block_id
+                self._in_flight[(group_idx, block_hashes[i])] = lease_id
+            lease = _Lease(
+                lease_id,
+                now + ttl,
+                group_idx,
+                blocks,
+                True,
+                [block_hashes[i] for i in writes],
+                [parents[i] for i in writes],
+                [t for i in writes for t in tokens[i * block_size : (i + 1) * block_size]]
+                if tokens is not None
+                else None,
+            )
+            self._add(lease)
+        return ReserveResult(True, lease_id, status, block_ids, ttl if lease_id else 0.0)
+
+    def commit(self, lease_id: int, *, now: float, written: Sequence[bool] | None = None) -> tuple[bool, int]:
+        """Make a put lease's blocks cached (CommitBlocks): BlockStored for the keys that became
+        present (queued on the pool; the caller publishes), the blocks freed to the LRU tail.
+        ``written`` (PutBlocks): per reserved block, in reservation order, whether its bytes were
+        written; the others are freed uncached, no event (None: all were).
+
+        Returns:
+            (committed, blocks stored): (False, 0) for a lease unknown, expired, ended or not a
+            put lease (nothing changes). A key another caller cached meanwhile counts as stored
+            (their copy is kept, ours freed uncached, no second event).
+        """
+        self.expire(now)
+        lease = self._leases.get(lease_id)
+        if lease is None or not lease.put:
+            return False, 0
+        self._end(lease)
+        if written is not None and not all(written):
+            size = self.block_sizes[lease.group_idx]
+            keep = [i for i, w in enumerate(written) if w]
+            self.pool.free_blocks([b for b, w in zip(lease.blocks, written) if not w])
+            tokens = lease.token_ids
+            lease.blocks = [lease.blocks[i] for i in keep]
+            lease.hashes = [lease.hashes[i] for i in keep]
+            lease.parents = [lease.parents[i] for i in keep]
+            if tokens is not None:
+                lease.token_ids = [t for i in keep for t in tokens[i * size : (i + 1) * size]]
+        cached = self.pool.cache_blocks_by_hash(
+            lease.group_idx,
+            lease.blocks,
+            lease.hashes,
+            lease.parents,
+            lease.token_ids,
+            self.block_sizes[lease.group_idx],
+        )
+        # Cached blocks to the tail in key order (a chain's root is evicted first); a copy of a hash
+        # that was present already is freed uncached, to the head.
+        self.pool.free_blocks(lease.blocks)
+        self.num_committed_blocks += sum(cached)
+        return True, len(lease.blocks)
+
+    def lease(self, group_idx: int, block_hashes: Sequence[bytes], *, ttl_s: float = 0.0, now: float) -> LeaseResult:
+        """Pin the cached blocks of these keys (LeaseBlocks).
+
+        Returns:
+            Per key its block id (0: not cached now); ``lease_id`` 0 when none is (nothing held).
+
+        Raises:
+            InvalidArgumentError: (INVALID_ARGUMENT) a bad field, named with its bound.
+            CapacityExceededError: (RESOURCE_EXHAUSTED) ``max_leases`` leases are live.
+        """
+        self.expire(now)
+        self._check_group("group_idx", group_idx)
+        self._check_hashes("block_hashes", block_hashes, distinct=False)
+        ttl = self._ttl(ttl_s)
+        index = self.pool.cached_block_hash_to_block[group_idx]
+        blocks: list[KVCacheBlock] = []
+        block_ids: list[int] = []
+        for block_hash in block_hashes:
+            block = index.get_one_block(block_hash)
+            if block is None:
+                block_ids.append(0)
+            else:
+                blocks.append(block)
+                block_ids.append(block.block_id)
+        if not blocks:
+            return LeaseResult(0, block_ids, 0, 0.0)
+        self._check_room_for_lease()
+        self.pool.touch(blocks)
+        lease = _Lease(self._new_lease_id(), now + ttl, group_idx, blocks, False)
+        self._add(lease)
+        return LeaseResult(lease.lease_id, block_ids, len(blocks), ttl)
+
+    def release(self, lease_id: int, *, now: float) -> ReleaseResult:
+        """End a lease (ReleaseLease): a read lease's blocks unpinned (to the LRU tail when free);
+        a put lease's blocks freed uncached (to the head), no event.
+
+        Returns:
+            ``valid`` True when the lease was live until now; False (nothing changes) for one
+            unknown, expired or ended before.
+        """
+        self.expire(now)
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return ReleaseResult(False, 0)
+        self._end(lease)
+        self.pool.free_blocks(lease.blocks)
+        return ReleaseResult(True, len(lease.blocks))
+
+    def expire(self, now: float) -> int:
+        """End every lease whose deadline is at or before ``now`` (as a release would, no event).
+
+        Returns:
+            Leases ended.
+        """
+        heap = self._deadlines
+        ended = 0
+        while heap and heap[0][0] <= now:
+            deadline, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.deadline != deadline:
+                continue  # ended before
+            self._end(lease)
+            self.pool.free_blocks(lease.blocks)
+            ended += 1
+        self.num_expired += ended
+        return ended
+
+    def next_deadline(self) -> float | None:
+        """The earliest live lease's deadline (monotonic seconds), or None."""
+        heap = self._deadlines
+        while heap and heap[0][1] not in self._leases:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def drop_all(self) -> None:
+        """Forget every lease, freeing its blocks (the server stops; no event)."""
+        for lease in list(self._leases.values()):
+            self._end(lease)
+            self.pool.free_blocks(lease.blocks)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def num_leases(self) -> int:
+        """Leases live now (read and put)."""
+        return len(self._leases)
+
+    @property
+    def num_leased_blocks(self) -> int:
+        """Blocks held by leases now (pinned by read leases, reserved by put leases)."""
+        return sum(len(lease.blocks) for lease in self._leases.values())
+
+    def held_block_ids(self) -> list[int]:
+        """Every block id a lease holds (one per hold), for the engine's invariant check."""
+        return [block.block_id for lease in self._leases.values() for block in lease.blocks]
+
+    def _add(self, lease: _Lease) -> None:
+        self._leases[lease.lease_id] = lease
+        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+
+    def _end(self, lease: _Lease) -> None:
+        del self._leases[lease.lease_id]
+        if lease.put:
+            for block_hash in lease.hashes:
+                if self._in_flight.get((lease.group_idx, block_hash)) == lease.lease_id:
+                    del self._in_flight[(lease.group_idx, block_hash)]

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvservice_vllm.layout import layout_toml
 
-__all__ = ["EmbeddedServer"]
+__all__ = ["EmbeddedServer", "EmbeddedTierServer"]
 
 
 class EmbeddedServer:
@@ -97,6 +97,93 @@ class EmbeddedServer:
             self._shutdown_loop()
 
     def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+        self._dir.cleanup()
+
+
+class EmbeddedTierServer:
+    """A kvservice server laid out for a tier (``--device cpu --kv-cache-layout opaque:BYTES``) on a
+    background event-loop thread: loopback TCP (port 0) and a Unix socket in a private folder.
+    For tests, benchmarks and single-process examples of :class:`kvservice_vllm.tier.KVServiceTier`
+    (a deployment runs ``kvservice serve``). :meth:`restart` starts a new server (a new epoch, an
+    empty pool) on the same socket.
+
+    Args:
+        chunk_bytes: bytes per block: vLLM's offload chunk (``primary_kv_view.strides[0]``).
+        num_blocks: blocks in the pool (block 0 is the null block: ``num_blocks - 1`` hold chunks).
+        block_size: tokens per block (vLLM's offloaded block size; the events' ``block_size``).
+        **settings: further server settings (``ServerConfig`` field names).
+
+    Attributes:
+        uds: the Unix socket's path; ``target`` is ``unix:`` + it.
+
+    Raises:
+        ImportError: the ``kvservice`` package is not installed.
+        ValueError: a bad setting (named).
+    """
+
+    def __init__(self, chunk_bytes: int, *, num_blocks: int = 1024, block_size: int = 16, **settings: Any) -> None:
+        from kvservice.server.app import start_server  # the extra: kvservice-vllm[embedded]
+
+        self._start_server = start_server
+        self._dir = tempfile.TemporaryDirectory(prefix="kvservice-tier-")
+        self.uds = str(Path(self._dir.name) / "kvservice.sock")
+        self.settings: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "uds": self.uds,
+            "kv_cache_layout": f"opaque:{chunk_bytes}",
+            "block_size": block_size,
+            "num_blocks": num_blocks,
+            "device": "cpu",
+            "grace_seconds": 0.0,
+            **settings,
+        }
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvservice-tier", daemon=True)
+        self._thread.start()
+        self.running: Any = None
+        try:
+            self.start()
+        except BaseException:
+            self._close_loop()
+            raise
+
+    @property
+    def target(self) -> str:
+        """``unix:PATH`` (the same across restarts)."""
+        return f"unix:{self.uds}"
+
+    @property
+    def address(self) -> str:
+        """``127.0.0.1:PORT`` of the running server (a new port after a restart)."""
+        return str(self.running.address)
+
+    def start(self) -> None:
+        """Start a server (after :meth:`stop`)."""
+        self.running = asyncio.run_coroutine_threadsafe(self._start_server(**self.settings), self._loop).result(60)
+
+    def stop(self) -> None:
+        """Stop the running server (idempotent); the socket path stays for :meth:`start`."""
+        if self.running is not None:
+            running, self.running = self.running, None
+            asyncio.run_coroutine_threadsafe(running.stop(0), self._loop).result(60)
+
+    def restart(self) -> None:
+        """Stop, then start a new server: an empty pool, a new epoch."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and its thread."""
+        try:
+            self.stop()
+        finally:
+            self._close_loop()
+
+    def _close_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         self._loop.close()

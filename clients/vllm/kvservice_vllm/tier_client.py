@@ -1,0 +1,502 @@
+"""Blocks named by hash on a kvservice server, moved to and from a row-addressed buffer: the data
+side of :class:`kvservice_vllm.tier.KVServiceTier` (it imports no vLLM, so the tier's transfers are
+tested and measured on their own).
+
+A *row* is one offload chunk of vLLM's CPU primary tier: ``rows[chunk_id]`` is a contiguous run of
+``chunk_bytes`` bytes (``primary_kv_view.strides[0]``). A *key* is ``(group_idx, block_hash)``:
+vLLM's ``OffloadKey`` is the same pair (its block hash, then the group index as 4 big-endian
+bytes). The server's block for a key holds exactly one row's bytes: a server started with the
+opaque layout ``--kv-cache-layout opaque:BYTES`` where ``BYTES == chunk_bytes`` (checked at
+:meth:`TierClient.connect`).
+
+Two transports, chosen at connect (``transport``):
+
+* ``shm`` (same host): the server's KV memory is mapped (``AttachKVCache``,
+  :mod:`kvservice_client.torch_view`); a store reserves blocks (``ReserveBlocks``), copies each
+  row into its block and commits them (``CommitBlocks``: ``BlockStored`` goes out then, never
+  before); a load pins the blocks under a read lease (``LeaseBlocks``), copies them out and ends
+  the lease (``ReleaseLease``), whose ``valid`` says the blocks were never reused under the copy.
+  Two round trips per call of at most ``max_keys_per_call`` keys, the bytes by ``memcpy``.
+* ``grpc`` (another host, or no shared memory): a store is one ``PutBlocks`` stream, a load one
+  ``ReadBlocks`` stream by hash (a block evicted while it streams ends with ``evicted``, never
+  another block's bytes).
+
+``auto`` (the default) takes ``shm`` when the memory maps here and ``grpc`` otherwise.
+
+A server restart is seen, never trusted through: the mapped memory's control segment says the old
+server stopped (the view is re-attached before the next copy), and a lease of the old server is
+unknown to the new one (its copy is reported failed). Nothing here retries: a failed call fails its
+keys, and the caller (the tier) reports them as vLLM's tier API says.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvservice_client import KVCacheClient, KVServiceError, StatusCode
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.tls import TLSConfig
+from kvservice_client.torch_view import KVCacheView, KVCacheViewClosedError, attach
+
+__all__ = [
+    "DIGEST_BYTES",
+    "LoadResult",
+    "StoreResult",
+    "TierClient",
+    "TierLayoutError",
+    "rows_of",
+]
+
+logger = logging.getLogger(__name__)
+
+DIGEST_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
+"""Bytes of a full block-hash digest per hash algorithm (vLLM 0.33's ``--prefix-caching-hash-algo``
+names; the server's ``GetKVCacheGroupMetadata.hash_algorithm``)."""
+
+TRANSPORTS = ("auto", "shm", "grpc")
+
+
+class TierLayoutError(ValueError):
+    """The server's layout cannot hold vLLM's offload chunks as they are (the message names the
+    field, both values and the ``kvservice serve`` flag that fits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What one :meth:`TierClient.store` did.
+
+    Attributes:
+        stored: per key, in order: the key is in the server now, or will be once another
+            instance's put of it commits (``PRESENT``, ``IN_FLIGHT`` or written and committed).
+        written: per key: its bytes were copied to the server by this call.
+        num_bytes: bytes copied to the server.
+    """
+
+    stored: list[bool]
+    written: list[bool]
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What one :meth:`TierClient.load` did.
+
+    Attributes:
+        loaded: per key, in order: its row now holds the server's bytes of the key (False: a miss,
+            an eviction before the read, a lost lease or a failed call; the row may then hold
+            anything and must not be used).
+        num_bytes: bytes copied into rows.
+    """
+
+    loaded: list[bool]
+    num_bytes: int
+
+
+def rows_of(primary_kv_view: memoryview) -> torch.Tensor:
+    """vLLM's primary tier buffer as a ``(num_chunks, chunk_bytes)`` uint8 tensor over the same memory
+    (no copy): ``primary_kv_view`` is the memoryview a secondary tier is built with (shape
+    ``(num_chunks, row_stride_bytes)``, ``strides[0]`` bytes per chunk)."""
+    assert primary_kv_view.strides is not None, "primary_kv_view.strides cannot be None"
+    array = np.asarray(primary_kv_view)
+    if array.ndim != 2:
+        array = array.reshape(-1, primary_kv_view.strides[0])
+    tensor = torch.from_numpy(array)
+    if tensor.dtype != torch.uint8:
+        tensor = tensor.view(torch.uint8)
+    return tensor
+
+
+def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, size):
+        yield start, min(n, start + size)
+
+
+class TierClient:
+    """A kvservice server as a store of offload chunks named by ``(group_idx, block_hash)``.
+
+    Args:
+        target: ``HOST:PORT`` or ``unix:PATH``.
+        chunk_bytes: bytes of one row (vLLM's ``primary_kv_view.strides[0]``).
+        group_idxs: the KV cache groups keys come from (vLLM's ``KVCacheConfig`` group indices).
+        token: a ``tier`` token (role ``tier``), when the server checks tokens.
+        tls: TLS to the server (``True``: the system's roots; a :class:`TLSConfig`).
+        transport: ``auto``, ``shm`` or ``grpc`` (see the module docstring).
+        lease_ttl_s: seconds a put or read lease lasts (0: the server's default); a copy slower
+            than this fails, never returns wrong bytes.
+        timeout_s: deadline of one RPC, in seconds.
+
+    Methods are blocking and thread-safe (the gRPC channel is shared; each call holds its own
+    leases).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        chunk_bytes: int,
+        group_idxs: Sequence[int] = (0,),
+        token: str | None = None,
+        tls: bool | TLSConfig = False,
+        transport: str = "auto",
+        lease_ttl_s: float = 0.0,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+        if lease_ttl_s < 0:
+            raise ValueError(f"lease_ttl_s must be >= 0; got {lease_ttl_s}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0; got {timeout_s}")
+        self.target = target
+        self.chunk_bytes = chunk_bytes
+        self.group_idxs = tuple(group_idxs)
+        self.lease_ttl_s = lease_ttl_s
+        self.timeout_s = timeout_s
+        self._requested_transport = transport
+        self.client = KVCacheClient(target, token=token, tls=tls, timeout=timeout_s)
+        self._view_lock = threading.Lock()
+        self._view: KVCacheView | None = None
+        self.transport = "grpc" if transport == "grpc" else "shm"
+        self.max_keys_per_call = 1
+        self.max_data_chunk_bytes = 1 << 20
+        self.digest_bytes = 32
+        self.hash_algorithm = ""
+        self.epoch = ""
+        self._warned_digest = False
+
+    # -- connect and check ---------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Read the server's layout, check it holds this tier's chunks, and map its memory (``shm``).
+
+        Raises:
+            TierLayoutError: the server's blocks are not ``chunk_bytes`` long, a group is missing,
+                or the server has no memory (``--device meta``).
+            KVServiceError: the server cannot be reached (UNAVAILABLE), the token is refused
+                (UNAUTHENTICATED, PERMISSION_DENIED), or ``transport="shm"`` and the memory cannot be
+                attached.
+            OSError: ``transport="shm"`` and the memory cannot be mapped here (another host or user).
+        """
+        metadata = self.client.get_kv_cache_group_metadata()
+        check_tier_layout(metadata, self.chunk_bytes, self.group_idxs)
+        limits = metadata.tier_limits
+        self.max_keys_per_call = max(1, limits.max_keys_per_call or 1)
+        self.max_data_chunk_bytes = metadata.max_data_chunk_bytes or self.max_data_chunk_bytes
+        self.hash_algorithm = metadata.hash_algorithm
+        self.digest_bytes = DIGEST_BYTES.get(metadata.hash_algorithm, 32)
+        if self.lease_ttl_s and limits.max_lease_ttl_s and self.lease_ttl_s > limits.max_lease_ttl_s:
+            raise TierLayoutError(
+                f"lease_ttl_s {self.lease_ttl_s} is above the server's max_lease_ttl_s {limits.max_lease_ttl_s}"
+            )
+        if self._requested_transport == "grpc":
+            self.transport = "grpc"
+            return
+        try:
+            self._attach()
+            self.transport = "shm"
+        except (KVServiceError, OSError, ValueError) as exc:
+            if self._requested_transport == "shm":
+                raise
+            logger.info("kvservice tier: the server's memory does not map here (%s); moving bytes over gRPC", exc)
+            self.transport = "grpc"
+
+    def _attach(self) -> KVCacheView:
+        with self._view_lock:
+            if self._view is not None and not self._view.closed:
+                return self._view
+            old, self._view = self._view, None
+            if old is not None:
+                old.close()
+            view = attach(self.client)
+            if view.device != "cpu":
+                view.close()
+                raise ValueError(f"the server's memory is on {view.device}; the tier copies through CPU memory")
+            self._view = view
+            self.epoch = view.epoch
+            return view
+
+    def _current_view(self) -> KVCacheView:
+        """The mapped memory of the server that answers now (re-attached after a restart).
+
+        Raises:
+            KVServiceError, OSError, ValueError: it cannot be attached (the server is down).
+        """
+        view = self._view
+        if view is None or view.closed:
+            view = self._attach()
+        return view
+
+    def _hash_fits(self, block_hash: bytes) -> bool:
+        """Whether a hash is the server's digest length; logs the first that is not (vLLM hashing
+        with another algorithm than the server's: every such key is a miss, never an error)."""
+        if len(block_hash) == self.digest_bytes:
+            return True
+        if not self._warned_digest:
+            self._warned_digest = True
+            logger.error(
+                "kvservice tier: vLLM's block hashes are %d bytes, the server's (%s) %d: start the server with the "
+                "engine's --prefix-caching-hash-algo; every key is a miss until then",
+                len(block_hash),
+                self.hash_algorithm,
+                self.digest_bytes,
+            )
+        return False
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[tuple[int, bytes]], *, touch: bool = False) -> list[bool]:
+        """Which keys the server holds (readable), per key, in order: one ``LookupBlocks`` per
+        ``max_keys_per_call`` keys, no side effect (``touch``: present free blocks become the most
+        recently used).
+
+        Raises:
+            KVServiceError: the server cannot be reached or refused the call (a bad hash length:
+                INVALID_ARGUMENT).
+        """
+        present = [False] * len(keys)
+        sendable = [i for i, (_g, h) in enumerate(keys) if self._hash_fits(h)]
+        for start, end in _chunks(len(sendable), self.max_keys_per_call):
+            part = [keys[i] for i in sendable[start:end]]
+            answer = self.client.lookup_blocks(
+                pb.LookupBlocksRequest(
+                    block_hashes=[h for _g, h in part], group_idxs=[g for g, _h in part], touch=touch
+                )
+            )
+            for i, hit in zip(sendable[start:end], answer.present):
+                present[i] = hit
+        return present
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def store(
+        self,
+        group_idx: int,
+        block_hashes: Sequence[bytes],
+        parent_block_hashes: Sequence[bytes],
+        rows: torch.Tensor,
+        chunk_ids: Sequence[int],
+    ) -> StoreResult:
+        """Put ``rows[chunk_ids[i]]`` under ``(group_idx, block_hashes[i])`` for every i (a key the
+        server holds already, or another put has reserved, is not copied again).
+
+        Args:
+            group_idx: the keys' group.
+            block_hashes: full digests, one per chunk.
+            parent_block_hashes: per key, the hash of the block before it (published on
+                ``BlockStored``), ``b""`` when unknown; or empty.
+            rows: the ``(num_chunks, chunk_bytes)`` uint8 buffer (:func:`rows_of`).
+            chunk_ids: per key, its row.
+
+        A call that fails part way reports its keys not stored; nothing half-written is ever
+        published (a put lease not committed frees its blocks).
+        """
+        stored: list[bool] = []
+        written: list[bool] = []
+        num_bytes = 0
+        if not all(self._hash_fits(h) for h in block_hashes):
+            return StoreResult([False] * len(block_hashes), [False] * len(block_hashes), 0)
+        for start, end in _chunks(len(block_hashes), self.max_keys_per_call):
+            header = pb.ReserveBlocksRequest(
+                group_idx=group_idx,
+                block_hashes=block_hashes[start:end],
+                parent_block_hashes=parent_block_hashes[start:end] if parent_block_hashes else (),
+                ttl_s=self.lease_ttl_s,
+            )
+            ids = chunk_ids[start:end]
+            try:
+                if self.transport == "shm":
+                    part_stored, part_written = self._store_shm(header, rows, ids)
+                else:
+                    part_stored, part_written = self._store_grpc(header, rows, ids)
+            except (KVServiceError, KVCacheViewClosedError, OSError, ValueError) as exc:
+                logger.warning("kvservice tier: a store of %d blocks failed: %s", end - start, exc)
+                part_stored = part_written = [False] * (end - start)
+            stored.extend(part_stored)
+            written.extend(part_written)
+            num_bytes += sum(part_written) * self.chunk_bytes
+        return StoreResult(stored, written, num_bytes)
+
+    def _store_shm(
+        self, header: pb.ReserveBlocksRequest, rows: torch.Tensor, chunk_ids: Sequence[int]
+    ) -> tuple[list[bool], list[bool]]:
+        n = len(chunk_ids)
+        answer = self.client.reserve_blocks(header)
+        if not answer.reserved:
+            return [False] * n, [False] * n
+        statuses = list(answer.status)
+        to_write = [i for i, s in enumerate(statuses) if s == pb.BLOCK_PUT_STATUS_WRITE]
+        if to_write:
+            try:
+                # After the reservation: the memory of the server that made it (a restart before
+                # it turned the old view closed).
+                view = self._current_view()
+                for i in to_write:
+                    _copy_into_block(view, header.group_idx, answer.block_ids[i], rows[chunk_ids[i]])
+            except BaseException:
+                self._release(answer.lease_id)
+                raise
+            committed = self.client.commit_blocks(answer.lease_id).committed
+        else:
+            committed = True
+            if answer.lease_id:
+                self._release(answer.lease_id)
+        stored = [
+            s in (pb.BLOCK_PUT_STATUS_PRESENT, pb.BLOCK_PUT_STATUS_IN_FLIGHT)
+            or (s == pb.BLOCK_PUT_STATUS_WRITE and committed)
+            for s in statuses
+        ]
+        written = [s == pb.BLOCK_PUT_STATUS_WRITE and committed for s in statuses]
+        return stored, written
+
+    def _store_grpc(
+        self, header: pb.ReserveBlocksRequest, rows: torch.Tensor, chunk_ids: Sequence[int]
+    ) -> tuple[list[bool], list[bool]]:
+        answer = self.client.put_blocks(
+            header.group_idx,
+            [(h, memoryview(rows[c].numpy())) for h, c in zip(header.block_hashes, chunk_ids)],
+            parent_block_hashes=list(header.parent_block_hashes) or None,
+            chunk_bytes=self.max_data_chunk_bytes,
+        )
+        n = len(chunk_ids)
+        if not answer.reserved:
+            return [False] * n, [False] * n
+        statuses = list(answer.status)
+        stored = [
+            s in (pb.BLOCK_PUT_STATUS_WRITE, pb.BLOCK_PUT_STATUS_PRESENT, pb.BLOCK_PUT_STATUS_IN_FLIGHT)
+            for s in statuses
+        ]
+        written = [s == pb.BLOCK_PUT_STATUS_WRITE for s in statuses]
+        return stored, written
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def load(
+        self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
+    ) -> LoadResult:
+        """Copy the server's bytes of ``(group_idx, block_hashes[i])`` into ``rows[chunk_ids[i]]``.
+
+        A key the server does not hold, one evicted before its copy, a copy whose lease was lost
+        (expired, or the server restarted) and a failed call all report ``loaded[i] = False``: its row
+        is never reported holding bytes it might not hold.
+        """
+        loaded: list[bool] = []
+        num_bytes = 0
+        if not all(self._hash_fits(h) for h in block_hashes):
+            return LoadResult([False] * len(block_hashes), 0)
+        for start, end in _chunks(len(block_hashes), self.max_keys_per_call):
+            hashes = block_hashes[start:end]
+            ids = chunk_ids[start:end]
+            try:
+                if self.transport == "shm":
+                    part = self._load_shm(group_idx, hashes, rows, ids)
+                else:
+                    part = self._load_grpc(group_idx, hashes, rows, ids)
+            except (KVServiceError, KVCacheViewClosedError, OSError, ValueError) as exc:
+                logger.warning("kvservice tier: a load of %d blocks failed: %s", end - start, exc)
+                part = [False] * (end - start)
+            loaded.extend(part)
+            num_bytes += sum(part) * self.chunk_bytes
+        return LoadResult(loaded, num_bytes)
+
+    def _load_shm(
+        self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
+    ) -> list[bool]:
+        answer = self.client.lease_blocks(
+            pb.LeaseBlocksRequest(group_idx=group_idx, block_hashes=block_hashes, ttl_s=self.lease_ttl_s)
+        )
+        block_ids = list(answer.block_ids)
+        if not answer.lease_id:
+            return [False] * len(chunk_ids)
+        try:
+            view = self._current_view()
+            for i, block_id in enumerate(block_ids):
+                if block_id:
+                    _copy_from_block(view, group_idx, block_id, rows[chunk_ids[i]])
+        finally:
+            valid = self._release(answer.lease_id)
+        return [bool(block_id) and valid for block_id in block_ids]
+
+    def _load_grpc(
+        self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
+    ) -> list[bool]:
+        loaded = [False] * len(chunk_ids)
+        try:
+            for block in self.client.iter_read_blocks([(group_idx, h) for h in block_hashes]):
+                if block.evicted or block.data is None:
+                    continue
+                if len(block.data) != self.chunk_bytes:
+                    raise ValueError(f"block {block.block_id}: {len(block.data)} bytes, not {self.chunk_bytes}")
+                rows[chunk_ids[block.block_index]].numpy()[:] = np.frombuffer(block.data, dtype=np.uint8)
+                loaded[block.block_index] = True
+        except KVServiceError as exc:
+            # A block not cached ends the stream (NOT_FOUND): the blocks before it arrived.
+            if exc.code != StatusCode.NOT_FOUND:
+                raise
+        return loaded
+
+    def _release(self, lease_id: int) -> bool:
+        """End a lease; whether it was live until now (False on any failure)."""
+        try:
+            return bool(self.client.release_lease(lease_id).valid)
+        except KVServiceError as exc:
+            logger.warning("kvservice tier: ReleaseLease %d failed: %s", lease_id, exc)
+            return False
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the mapping and close the channel."""
+        with self._view_lock:
+            if self._view is not None:
+                self._view.close()
+                self._view = None
+        self.client.close()
+
+
+def _copy_into_block(view: KVCacheView, group_idx: int, block_id: int, row: torch.Tensor) -> None:
+    offset = 0
+    for tensor in view.block_view(group_idx, block_id):
+        n = tensor.numel() * tensor.element_size()
+        tensor.copy_(row[offset : offset + n].view(tensor.dtype).view(tensor.shape))
+        offset += n
+
+
+def _copy_from_block(view: KVCacheView, group_idx: int, block_id: int, row: torch.Tensor) -> None:
+    offset = 0
+    for tensor in view.block_view(group_idx, block_id):
+        n = tensor.numel() * tensor.element_size()
+        row[offset : offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        offset += n
+
+
+def check_tier_layout(
+    metadata: pb.GetKVCacheGroupMetadataResponse, chunk_bytes: int, group_idxs: Sequence[int]
+) -> None:
+    """Refuse a server whose blocks are not vLLM's offload chunks.
+
+    Raises:
+        TierLayoutError: naming the field, both values, and the server flag that fits.
+    """
+    fix = f"start the server with --kv-cache-layout opaque:{chunk_bytes}"
+    if not metadata.groups:
+        raise TierLayoutError(f"the server has no KV cache groups; {fix}")
+    for group_idx in group_idxs:
+        if group_idx >= len(metadata.groups):
+            raise TierLayoutError(
+                f"vLLM offloads KV cache group {group_idx}; the server has {len(metadata.groups)} group(s): "
+                f"{fix} and one group per vLLM group"
+            )
+        group = metadata.groups[group_idx]
+        if group.device == "meta":
+            raise TierLayoutError(f"the server has no memory (--device meta); start it with --device cpu; {fix}")
+        if group.bytes_per_block != chunk_bytes:
+            raise TierLayoutError(
+                f"group {group_idx}: the server's block holds {group.bytes_per_block} bytes, vLLM's offload chunk "
+                f"(primary_kv_view.strides[0]) {chunk_bytes} bytes; {fix}"
+            )

@@ -1,0 +1,294 @@
+"""kvservice_vllm.tier.KVServiceTier: two vLLM instances share prefix chunks through one kvservice.
+
+Each instance is vLLM 0.33's own ``TieringOffloadingSpec`` / ``TieringOffloadingManager`` (CPU
+primary tier in vLLM's shared region) with the kvservice tier loaded by ``module_path``, as
+``kv_connector_extra_config`` loads it; the server is a real ``kvservice serve --device cpu
+--kv-cache-layout opaque:4096`` (kvservice_vllm.embedded.EmbeddedTierServer). Bytes are compared exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from tier_helpers import CHUNK_BYTES, Instance, chunk_bytes_of, chunk_key, offloading_config, tier_server
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+import kvservice_vllm.tier_client as tier_client
+from kvservice_client import KVCacheClient
+from kvservice_vllm.embedded import EmbeddedTierServer
+from kvservice_vllm.tier import KVServiceTier, TierLayoutError
+
+pytestmark = pytest.mark.timeout(120)
+
+KEYS = [chunk_key(f"prompt-a/{i}") for i in range(8)]
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedTierServer]:
+    running = tier_server(num_blocks=33)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture
+def instances(request: pytest.FixtureRequest, server: EmbeddedTierServer) -> Iterator[tuple[Instance, Instance]]:
+    transport_a, transport_b = getattr(request, "param", ("shm", "shm"))
+    a = Instance(server.target, transport=transport_a)
+    b = Instance(server.address, transport=transport_b)
+    try:
+        yield a, b
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@pytest.mark.parametrize(
+    "instances", [("shm", "shm"), ("grpc", "grpc"), ("shm", "grpc"), ("grpc", "shm")], indirect=True
+)
+def test_chunks_a_stores_are_hits_for_b_with_a_s_bytes(instances: tuple[Instance, Instance]) -> None:
+    a, b = instances
+    a.store(KEYS)
+    found = b.fetch(KEYS)
+    assert found == {key: chunk_bytes_of(key) for key in KEYS}
+    assert b.tier.transport in ("shm", "grpc")
+
+
+def test_transport_auto_takes_shared_memory_on_the_same_host(server: EmbeddedTierServer) -> None:
+    a = Instance(server.target)
+    try:
+        assert a.tier.transport == "shm"
+        assert a.tier.locality is not None and a.tier.locality.value == "LOCAL"
+    finally:
+        a.shutdown()
+
+
+def test_never_stored_keys_miss(instances: tuple[Instance, Instance]) -> None:
+    a, b = instances
+    a.store(KEYS[:4])
+    unknown = [chunk_key(f"never-stored/{i}") for i in range(3)]
+    found = b.fetch(KEYS[:4] + unknown)
+    assert [found[k] is not None for k in KEYS[:4] + unknown] == [True] * 4 + [False] * 3
+    assert all(found[k] == chunk_bytes_of(k) for k in KEYS[:4])
+
+
+def test_a_lookup_answers_retry_until_its_step_s_batch_returns(instances: tuple[Instance, Instance]) -> None:
+    a, b = instances
+    a.store(KEYS[:2])
+    ctx = ReqContext(req_id="r")
+    b.tier.on_new_request(ctx)
+    assert [b.tier.lookup(k, ctx) for k in KEYS[:3]] == [LookupResult.RETRY] * 3
+    b.tier.on_schedule_end(None)  # type: ignore[arg-type]  # the tier reads nothing of it
+    b.tier.wait_lookups()
+    assert [b.tier.lookup(k, ctx) for k in KEYS[:3]] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    b.tier.on_request_finished(ctx)
+    assert not b.tier._verdicts
+
+
+def test_one_lookup_rpc_per_step(instances: tuple[Instance, Instance], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = instances
+    calls: list[int] = []
+    real = KVCacheClient.lookup_blocks
+
+    def counting(self: KVCacheClient, *args: object, **kwargs: object) -> object:
+        request = args[0]
+        calls.append(len(request.block_hashes))  # type: ignore[attr-defined]
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(KVCacheClient, "lookup_blocks", counting)
+    contexts = [ReqContext(req_id=f"r{i}") for i in range(4)]
+    for i, ctx in enumerate(contexts):  # four requests, two keys each, one step
+        b.tier.on_new_request(ctx)
+        for key in KEYS[2 * i : 2 * i + 2]:
+            assert b.tier.lookup(key, ctx) is LookupResult.RETRY
+    b.tier.on_schedule_end(None)  # type: ignore[arg-type]
+    b.tier.wait_lookups()
+    assert calls == [8]
+
+
+def test_evicted_keys_miss_and_present_ones_keep_their_bytes(server: EmbeddedTierServer) -> None:
+    # 32 usable blocks: the second 32 stores evict the first 32 (least recently used first).
+    first = [chunk_key(f"old/{i}") for i in range(32)]
+    second = [chunk_key(f"new/{i}") for i in range(32)]
+    a, b = Instance(server.target), Instance(server.target)
+    try:
+        a.store(first)
+        a.store(second[:16])
+        found = b.fetch(first + second[:16])
+        assert [found[k] is not None for k in first] == [False] * 16 + [True] * 16
+        assert all(found[k] == chunk_bytes_of(k) for k in first[16:] + second[:16])
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_copy_racing_an_eviction_copies_the_leased_block(
+    instances: tuple[Instance, Instance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = instances
+    a.store(KEYS[:1])
+    filler = [chunk_key(f"filler/{i}") for i in range(40)]
+    real_copy = tier_client._copy_from_block
+    raced: list[int] = []
+
+    def copy_after_an_eviction(*args: object) -> None:
+        if not raced:
+            # While B's copy holds its lease, A's puts fill the pool: every unpinned block is
+            # evicted and reused, the leased one never.
+            for start in range(0, len(filler), 8):
+                result = a.tier.client.store(
+                    0,
+                    [k[:-4] for k in filler[start : start + 8]],
+                    [],
+                    a.rows,
+                    list(range(8)),
+                )
+                raced.append(sum(result.written))
+        real_copy(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tier_client, "_copy_from_block", copy_after_an_eviction)
+    found = b.fetch(KEYS[:1])
+    assert sum(raced) == 40  # the 32 unpinned blocks were reused (some twice)
+    assert found[KEYS[0]] == chunk_bytes_of(KEYS[0])
+    # The leased block outlived 40 puts into a 32-block pool; the fillers' oldest were evicted.
+    assert b.tier.client.lookup([(0, KEYS[0][:-4]), (0, filler[0][:-4]), (0, filler[-1][:-4])]) == [True, False, True]
+
+
+def test_a_copy_that_lost_its_lease_fails_never_wrong_bytes(
+    instances: tuple[Instance, Instance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = instances
+    a.store(KEYS[:2])
+    real_copy = tier_client._copy_from_block
+    real_lease = KVCacheClient.lease_blocks
+    leases: list[int] = []
+
+    def recording_lease(self: KVCacheClient, *args: object, **kwargs: object) -> object:
+        answer = real_lease(self, *args, **kwargs)  # type: ignore[arg-type]
+        leases.append(answer.lease_id)  # type: ignore[attr-defined]
+        return answer
+
+    def copy_after_losing_the_lease(*args: object) -> None:
+        if leases:
+            # The lease ends under the copy (as an expiry would), and its blocks are reused.
+            with KVCacheClient(a.tier.client.target) as other:
+                assert other.release_lease(leases.pop()).valid
+            a.tier.client.store(0, [chunk_key(f"reuse/{i}")[:-4] for i in range(32)], [], a.rows, list(range(32)))
+        real_copy(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(KVCacheClient, "lease_blocks", recording_lease)
+    monkeypatch.setattr(tier_client, "_copy_from_block", copy_after_losing_the_lease)
+    found = b.fetch(KEYS[:2])
+    assert found == {KEYS[0]: None, KEYS[1]: None}  # a failed load: the keys miss, recomputed
+
+
+def test_a_restart_turns_hits_into_misses_then_sharing_resumes(server: EmbeddedTierServer) -> None:
+    a, b = Instance(server.target), Instance(server.target)
+    try:
+        a.store(KEYS[:4])
+        assert all(v is not None for v in b.fetch(KEYS[:2]).values())
+
+        # A request whose hits were found before the restart: its promotion fails after it.
+        ctx = ReqContext(req_id="across-restart")
+        b.manager.on_new_request(ctx)
+        assert b.lookup(KEYS[2:4], ctx) == [LookupResult.RETRY] * 2
+        b.step()
+        b.tier.wait_lookups()
+        assert b.lookup(KEYS[2:4], ctx) == [LookupResult.HIT_PENDING] * 2
+        server.restart()
+        b.settle()
+        assert b.lookup(KEYS[2:4], ctx) == [LookupResult.MISS] * 2
+        b.manager.on_request_finished(ctx)
+
+        # The new server is empty: what B promoted before stays in B's own CPU tier, nothing else.
+        found = b.fetch(KEYS[:4])
+        assert found == {**{k: chunk_bytes_of(k) for k in KEYS[:2]}, **dict.fromkeys(KEYS[2:4])}
+        a.store(KEYS[4:8])  # A's tier attaches to the new server's memory
+        assert b.fetch(KEYS[4:8]) == {k: chunk_bytes_of(k) for k in KEYS[4:8]}
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_server_down_is_misses_and_failed_stores(server: EmbeddedTierServer) -> None:
+    a = Instance(server.target)
+    try:
+        server.stop()
+        a.store(KEYS[:2])  # the cascade fails: vLLM releases its chunks, nothing raises
+        ctx = ReqContext(req_id="down")
+        a.tier.on_new_request(ctx)
+        assert a.tier.lookup(KEYS[5], ctx) is LookupResult.RETRY
+        a.tier.on_schedule_end(None)  # type: ignore[arg-type]
+        a.tier.wait_lookups()
+        assert a.tier.lookup(KEYS[5], ctx) is LookupResult.MISS
+    finally:
+        a.shutdown()
+
+
+def test_a_server_whose_blocks_are_not_the_chunk_is_refused_by_name() -> None:
+    # A model layout (qwen-2.5-0.5b: 196,608-byte blocks) is not a 4096-byte chunk.
+    other = tier_server(num_blocks=8, kv_cache_layout=None, preset="qwen-2.5-0.5b")
+    try:
+        with pytest.raises(TierLayoutError) as refused:
+            Instance(other.target)
+        message = str(refused.value)
+        assert "group 0: the server's block holds 196608 bytes" in message
+        assert "--kv-cache-layout opaque:4096" in message
+        assert "4096 bytes per block per worker x 1 worker copy" in message
+    finally:
+        other.close()
+
+
+def test_a_meta_server_is_refused() -> None:
+    other = tier_server(num_blocks=8, kv_cache_layout=None, preset="qwen-2.5-0.5b", device="meta")
+    try:
+        with pytest.raises(TierLayoutError, match=r"no memory \(--device meta\)"):
+            Instance(other.target)
+    finally:
+        other.close()
+
+
+def test_two_tp_ranks_are_one_chunk_and_a_per_rank_server_is_refused(server: EmbeddedTierServer) -> None:
+    config = offloading_config(
+        num_chunks=8,
+        chunk_bytes=CHUNK_BYTES,
+        world_size=2,
+        secondary_tiers=[{"type": "KVServiceTier", "module_path": "kvservice_vllm.tier", "target": server.target}],
+    )
+    spec = TieringOffloadingSpec(config)
+    manager = spec.get_manager()  # rows hold both ranks' 2048 bytes: one 4096-byte server block
+    try:
+        assert isinstance(manager.secondary_tiers[0], KVServiceTier)
+    finally:
+        manager.shutdown()
+    half = tier_server(num_blocks=8, chunk_bytes=CHUNK_BYTES // 2)
+    try:
+        with pytest.raises(TierLayoutError, match="x 2 worker copies"):
+            TieringOffloadingSpec(
+                offloading_config(
+                    num_chunks=8,
+                    chunk_bytes=CHUNK_BYTES,
+                    world_size=2,
+                    secondary_tiers=[
+                        {"type": "KVServiceTier", "module_path": "kvservice_vllm.tier", "target": half.target}
+                    ],
+                )
+            ).get_manager()
+    finally:
+        half.close()
+
+
+def test_unknown_tier_option_is_refused_by_vllm_s_factory(server: EmbeddedTierServer) -> None:
+    with pytest.raises(TypeError, match="no_such_option"):
+        Instance(server.target, no_such_option=1)
+
+
+def test_rows_of_is_vllm_s_primary_memory() -> None:
+    buffer = torch.zeros((4, 16), dtype=torch.int8)
+    rows = tier_client.rows_of(memoryview(buffer.numpy()))
+    rows[2, 3] = 200
+    assert rows.shape == (4, 16) and buffer[2, 3].item() == -56

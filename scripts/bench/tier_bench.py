@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""The vLLM tier's costs (``kvservice_vllm.tier_client.TierClient``, what ``KVServiceTier``'s
+threads call), each beside a baseline measured in the same run:
+
+    .venv/bin/python scripts/bench/tier_bench.py [--chunk-bytes 1048576] [--num-chunks 256] [--rounds 3]
+
+Rows:
+
+- a ``LookupBlocks`` of 64 keys (half present), one round trip, against a ``Ping`` (the round trip
+  itself): median latency of ``--calls`` calls each, alternating; target <= 1.5x.
+- a store of ``--num-chunks`` chunks through shared memory (``ReserveBlocks``, a ``memcpy`` per
+  chunk into the server's block, ``CommitBlocks``; 64 keys per call, as vLLM's cascade jobs of a
+  long prompt are; fresh keys every round, so each round's stores evict the last round's) and a
+  load of them (``LeaseBlocks``, a ``memcpy`` out, ``ReleaseLease``), against a plain torch copy of
+  the same bytes row by row between two local tensors; target >= 0.8x.
+- the same store and load across gRPC (``PutBlocks``, ``ReadBlocks`` by hash) against a bare gRPC
+  client / server stream of the same bytes in messages of the same size (``bare_data_stream.py``:
+  no parsing, no copy into memory); target >= 0.5x.
+
+The server is a ``kvservice serve --device cpu --kv-cache-layout opaque:CHUNK_BYTES`` child
+process; the bare server another. Each ratio is the median of the per-round ratios (ours and the
+baseline back to back). ``torch.set_num_threads(1)`` on both sides (per-chunk copies; OpenMP's
+barriers on a loaded 2-core machine would swamp them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "vllm"))
+from data_plane_bench import BareServer  # noqa: E402
+from server_proc import serve  # noqa: E402
+
+from kvservice_vllm.tier_client import TierClient  # noqa: E402
+
+KEYS_PER_CALL = 64
+
+
+def keys_of(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+
+
+def median_latency(fn: Callable[[], object], calls: int) -> float:
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per chunk [1 MiB]")
+    parser.add_argument("--num-chunks", type=int, default=256, help="chunks moved per round [256]")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=300, help="calls per latency sample [300]")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    n, size = args.num_chunks, args.chunk_bytes
+    rows_src = torch.randint(0, 256, (n, size), dtype=torch.uint8)
+    rows_dst = torch.zeros((n, size), dtype=torch.uint8)
+    chunk_ids = list(range(n))
+    out = []
+    flags = ("--device", "cpu", "--kv-cache-layout", f"opaque:{size}", "--block-size", "16")
+    with serve(*flags, "--num-blocks", str(n + 1), "--data-chunk-bytes", str(1 << 20)) as address:
+        shm = TierClient(address, chunk_bytes=size, transport="shm", timeout_s=600)
+        shm.connect()
+        grpc_ = TierClient(address, chunk_bytes=size, transport="grpc", timeout_s=600)
+        grpc_.connect()
+
+        # -- lookup of 64 keys against Ping --
+        present = keys_of("lookup", 32)
+        shm.store(0, present, [], rows_src, chunk_ids[:32])
+        probe = [(0, h) for pair in zip(present, keys_of("absent", 32)) for h in pair]
+        ping = shm.client.ping
+        lookups, pings = [], []
+        for _ in range(args.rounds):
+            lookups.append(median_latency(lambda: shm.lookup(probe), args.calls))
+            pings.append(median_latency(ping, args.calls))
+        assert shm.lookup(probe) == [True, False] * 32
+        out.append(
+            (
+                "LookupBlocks of 64 keys, median latency ms",
+                statistics.median(lookups) * 1e3,
+                "Ping",
+                statistics.median(pings) * 1e3,
+                statistics.median(a / b for a, b in zip(lookups, pings)),
+                "<= 1.5x",
+            )
+        )
+
+        def store(client: TierClient, keys: list[bytes]) -> float:
+            t0 = time.perf_counter()
+            for start in range(0, n, KEYS_PER_CALL):
+                part = keys[start : start + KEYS_PER_CALL]
+                result = client.store(0, part, [], rows_src, chunk_ids[start : start + KEYS_PER_CALL])
+                assert all(result.written), "a store was refused"
+            return n * size / (time.perf_counter() - t0) / 1e9
+
+        def load(client: TierClient, keys: list[bytes]) -> float:
+            t0 = time.perf_counter()
+            for start in range(0, n, KEYS_PER_CALL):
+                part = keys[start : start + KEYS_PER_CALL]
+                result = client.load(0, part, rows_dst, chunk_ids[start : start + KEYS_PER_CALL])
+                assert all(result.loaded), "a load missed"
+            return n * size / (time.perf_counter() - t0) / 1e9
+
+        def memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
+            t0 = time.perf_counter()
+            for i in range(n):
+                dst[i].copy_(src[i])
+            return n * size / (time.perf_counter() - t0) / 1e9
+
+        local = torch.zeros((n, size), dtype=torch.uint8)
+        rates: dict[str, list[float]] = {k: [] for k in ("shm_store", "shm_load", "copy_in", "copy_out")}
+        for r in range(args.rounds):
+            keys = keys_of(f"shm-{r}", n)
+            rates["shm_store"].append(store(shm, keys))
+            rates["copy_in"].append(memcpy(rows_src, local))
+            rows_dst.zero_()
+            rates["shm_load"].append(load(shm, keys))
+            rates["copy_out"].append(memcpy(local, rows_dst))
+            assert torch.equal(rows_dst, rows_src), "a load did not reproduce the stored bytes"
+        for ours, base, what in (("shm_store", "copy_in", "store"), ("shm_load", "copy_out", "load")):
+            out.append(
+                (
+                    f"{what} of {n} chunks of {size >> 10} KiB through shared memory, GB/s",
+                    statistics.median(rates[ours]),
+                    "torch copy of the same rows between local tensors",
+                    statistics.median(rates[base]),
+                    statistics.median(a / b for a, b in zip(rates[ours], rates[base])),
+                    ">= 0.8x",
+                )
+            )
+
+        message = min(size, 1 << 20)
+        bare = BareServer(message, n * size // message)
+        grates: dict[str, list[float]] = {k: [] for k in ("put", "read", "up", "down")}
+        for r in range(args.rounds):
+            keys = keys_of(f"grpc-{r}", n)
+            grates["put"].append(store(grpc_, keys))
+            grates["up"].append(bare.upload())
+            rows_dst.zero_()
+            grates["read"].append(load(grpc_, keys))
+            grates["down"].append(bare.download())
+            assert torch.equal(rows_dst, rows_src), "a gRPC load did not reproduce the stored bytes"
+        bare.close()
+        for ours, base, what, stream in (
+            ("put", "up", "PutBlocks store", "client"),
+            ("read", "down", "ReadBlocks load", "server"),
+        ):
+            out.append(
+                (
+                    f"{what} of {n} chunks of {size >> 10} KiB across gRPC, GB/s",
+                    statistics.median(grates[ours]),
+                    f"bare gRPC {stream} stream of the same bytes",
+                    statistics.median(grates[base]),
+                    statistics.median(a / b for a, b in zip(grates[ours], grates[base])),
+                    ">= 0.5x",
+                )
+            )
+        shm.close()
+        grpc_.close()
+    for row in out:
+        print(json.dumps(dict(zip(("figure", "value", "baseline", "baseline_value", "ratio", "target"), row))))
+    print("\n| figure | value | baseline | baseline value | ratio | target |\n|---|---:|---|---:|---:|---|")
+    for figure, value, baseline, baseline_value, ratio, target in out:
+        print(f"| {figure} | {value:,.3f} | {baseline} | {baseline_value:,.3f} | {ratio:.2f}x | {target} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,7 +82,7 @@ def test_a_lookup_answers_retry_until_its_step_s_batch_returns(instances: tuple[
     ctx = ReqContext(req_id="r")
     b.tier.on_new_request(ctx)
     assert [b.tier.lookup(k, ctx) for k in KEYS[:3]] == [LookupResult.RETRY] * 3
-    b.tier.on_schedule_end(None)  # type: ignore[arg-type]  # the tier reads nothing of it
+    b.tier.on_schedule_end(None)  # the tier reads nothing of it
     b.tier.wait_lookups()
     assert [b.tier.lookup(k, ctx) for k in KEYS[:3]] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
     b.tier.on_request_finished(ctx)
@@ -96,8 +96,8 @@ def test_one_lookup_rpc_per_step(instances: tuple[Instance, Instance], monkeypat
 
     def counting(self: KVCacheClient, *args: object, **kwargs: object) -> object:
         request = args[0]
-        calls.append(len(request.block_hashes))  # type: ignore[attr-defined]
-        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+        calls.append(len(request.block_hashes))
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(KVCacheClient, "lookup_blocks", counting)
     contexts = [ReqContext(req_id=f"r{i}") for i in range(4)]
@@ -105,7 +105,7 @@ def test_one_lookup_rpc_per_step(instances: tuple[Instance, Instance], monkeypat
         b.tier.on_new_request(ctx)
         for key in KEYS[2 * i : 2 * i + 2]:
             assert b.tier.lookup(key, ctx) is LookupResult.RETRY
-    b.tier.on_schedule_end(None)  # type: ignore[arg-type]
+    b.tier.on_schedule_end(None)
     b.tier.wait_lookups()
     assert calls == [8]
 
@@ -148,7 +148,7 @@ def test_a_copy_racing_an_eviction_copies_the_leased_block(
                     list(range(8)),
                 )
                 raced.append(sum(result.written))
-        real_copy(*args)  # type: ignore[arg-type]
+        real_copy(*args)
 
     monkeypatch.setattr(tier_client, "_copy_from_block", copy_after_an_eviction)
     found = b.fetch(KEYS[:1])
@@ -168,8 +168,8 @@ def test_a_copy_that_lost_its_lease_fails_never_wrong_bytes(
     leases: list[int] = []
 
     def recording_lease(self: KVCacheClient, *args: object, **kwargs: object) -> object:
-        answer = real_lease(self, *args, **kwargs)  # type: ignore[arg-type]
-        leases.append(answer.lease_id)  # type: ignore[attr-defined]
+        answer = real_lease(self, *args, **kwargs)
+        leases.append(answer.lease_id)
         return answer
 
     def copy_after_losing_the_lease(*args: object) -> None:
@@ -178,7 +178,7 @@ def test_a_copy_that_lost_its_lease_fails_never_wrong_bytes(
             with KVCacheClient(a.tier.client.target) as other:
                 assert other.release_lease(leases.pop()).valid
             a.tier.client.store(0, [chunk_key(f"reuse/{i}")[:-4] for i in range(32)], [], a.rows, list(range(32)))
-        real_copy(*args)  # type: ignore[arg-type]
+        real_copy(*args)
 
     monkeypatch.setattr(KVCacheClient, "lease_blocks", recording_lease)
     monkeypatch.setattr(tier_client, "_copy_from_block", copy_after_losing_the_lease)
@@ -222,7 +222,7 @@ def test_a_server_down_is_misses_and_failed_stores(server: EmbeddedTierServer) -
         ctx = ReqContext(req_id="down")
         a.tier.on_new_request(ctx)
         assert a.tier.lookup(KEYS[5], ctx) is LookupResult.RETRY
-        a.tier.on_schedule_end(None)  # type: ignore[arg-type]
+        a.tier.on_schedule_end(None)
         a.tier.wait_lookups()
         assert a.tier.lookup(KEYS[5], ctx) is LookupResult.MISS
     finally:

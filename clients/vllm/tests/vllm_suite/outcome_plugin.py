@@ -9,7 +9,7 @@ import os
 _outcomes: dict[str, str] = {}
 
 
-def pytest_runtest_logreport(report):  # type: ignore[no-untyped-def]
+def pytest_runtest_logreport(report):
     if report.when == "setup" and report.outcome != "passed":
         _outcomes[report.nodeid] = "skipped" if report.skipped else "error"
     elif report.when == "call":
@@ -18,7 +18,7 @@ def pytest_runtest_logreport(report):  # type: ignore[no-untyped-def]
         _outcomes[report.nodeid] = "error"
 
 
-def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
+def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("KVSERVICE_VLLM_OUTCOMES")
     if path:
         with open(path, "w", encoding="utf-8") as f:

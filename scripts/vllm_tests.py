@@ -4,7 +4,7 @@
 Usage (with .venv-vllm from scripts/setup_vllm.sh)::
 
     .venv-vllm/bin/python scripts/vllm_tests.py            # fetch vLLM's tests, run the scheduler suite
-    .venv-vllm/bin/python scripts/vllm_tests.py --suite scheduler --keep-going
+    .venv-vllm/bin/python scripts/vllm_tests.py --suite tiering   # vLLM's tiering suites (opt-in)
 
 vLLM's tests come with its source distribution (the wheel has none): ``pip download`` of the sdist
 fails at its metadata step on a machine without CUDA, but with ``--no-clean`` and ``TMPDIR`` set the
@@ -151,7 +151,12 @@ def run_pytest(paths: tuple[str, ...], report: Path, *, plugin: str | None) -> d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=sorted(SUITES), action="append", help="default: every suite")
+    parser.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        action="append",
+        help="default: the scheduler suite (tiering is opt-in, see DEFAULT_SUITES)",
+    )
     parser.add_argument("--out", default=str(ROOT / ".vllm-src" / "results"), help="where the outcomes go")
     args = parser.parse_args()
     fetch()

@@ -829,6 +829,12 @@ class DataPlane:
             if current is None:
                 if not chunk.request_id:
                     raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}.request_id: must be set")
+                limit = self.engine.limits.max_request_id_bytes
+                if len(chunk.request_id.encode()) > limit:  # as the engine's rule: no request has such an id
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.request_id: longer than {limit} bytes (max_request_id_bytes)",
+                    )
                 self._check_group(f"{where}.group_idx", chunk.group_idx)
                 if not 1 <= chunk.block_id < self._num_blocks:
                     raise DataPlaneError(

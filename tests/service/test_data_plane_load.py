@@ -8,6 +8,7 @@ The servers keep their KV tensors on the CPU (shared memory): qwen-2.5-0.5b at b
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -131,3 +132,30 @@ async def test_a_malformed_write_blocks_message_is_invalid_argument(start_kv_ser
 def test_max_data_streams_is_checked(value):
     with pytest.raises(ValueError, match="max_data_streams"):
         ServerConfig(max_data_streams=value)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, BLOCK_BYTES])  # chunks copied on the loop, on a worker thread
+async def test_a_cancelled_read_is_not_logged_as_an_internal_error(start_kv_server, connect, caplog, chunk_bytes):
+    caplog.set_level(logging.DEBUG)
+    running = await start_kv_server(**CPU, data_chunk_bytes=chunk_bytes)
+    client = await connect(running, options=NO_BDP)
+    dp = running.servicer.data_plane
+    [block_id, *_] = await admit(client, "w", PROMPT)
+    data = bytes(range(256)) * (BLOCK_BYTES // 256)
+    chunks = [
+        pb.WriteBlocksChunk(request_id="w", group_idx=0, block_id=block_id, offset_bytes=at, data=data[at : at + 4096])
+        for at in range(0, BLOCK_BYTES, 4096)
+    ]
+    chunks[-1].checksum = block_checksum(data)
+    assert (await client.stub.WriteBlocks(iter(chunks))).num_blocks_written == 1
+    # 1,000 refs to that block (49 MB), cancelled after its first chunk.
+    call = client.stub.ReadBlocks(pb.ReadBlocksRequest(blocks=[pb.BlockRef(group_idx=0, block_id=block_id)] * 1000))
+    first = await call.read()
+    assert (first.block_index, first.block_id, first.offset_bytes, first.data) == (0, block_id, 0, data[:chunk_bytes])
+    assert call.cancel()
+    await until(lambda: dp.num_open_streams == 0)
+    assert (await client.ping(b"after")).payload == b"after"  # the server went on serving
+    assert (dp.num_open_streams, dp.buffered_bytes, dp.num_streams_cut) == (0, 0, {"read": 0, "write": 0})
+    assert [
+        (r.name, r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info
+    ] == []

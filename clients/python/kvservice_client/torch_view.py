@@ -15,9 +15,16 @@ while the request runs; never a block another request reads from the prefix cach
 ``kvservice.server.data_plane`` for the rule WriteBlocks enforces).
 
 The view carries the server's epoch. Before every use it checks the server's control segment:
-once that server stopped (or crashed and a restarted server found it), :meth:`KVCacheView.block_view`
-raises :class:`KVCacheViewClosedError` instead of handing out memory that no longer belongs to a
-running cache. A tensor taken before that is a plain tensor over the mapping and is not checked: it
+once that server stopped, or died however it died (kill -9 included, with no restart), or a
+restarted server removed its memory, :meth:`KVCacheView.block_view` raises
+:class:`KVCacheViewClosedError` instead of handing out memory that no longer belongs to a running
+cache. A stop marks the control segment's state byte closed; a crash marks nothing, so the view
+tests the lock a live server holds on the control segment (an exclusive ``flock``, which the kernel
+drops when the process ends: ``kvservice.shm``): a non-blocking shared ``flock`` on the view's own
+descriptor of it succeeds only when no live server holds it, and is let go at once. (A server's
+start removing stale segments in the same microseconds as that test finds the segment locked and
+leaves it to the next start; a process forked from the server without exec shares its lock, so the
+view reports open until that one exits too.) A tensor taken before that is a plain tensor over the mapping and is not checked: it
 keeps reading the old memory without a word, so take views per use, or call :meth:`KVCacheView.check`
 before trusting one kept across calls.
 
@@ -31,6 +38,7 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from collections.abc import Sequence
@@ -55,6 +63,9 @@ __all__ = ["KVCacheView", "KVCacheViewClosedError", "aattach", "attach"]
 
 SHM_DIR = "/dev/shm"
 _CONTROL_OPEN = 1
+_CONTROL_FORMAT_LOCKED = 1
+"""Control segment byte 1: its server holds an exclusive flock on it while it lives
+(``kvservice.shm.CONTROL_FORMAT_LOCKED``); 0 (a server from before the lock): no lock to test."""
 
 
 class KVCacheViewClosedError(RuntimeError):
@@ -121,12 +132,16 @@ class KVCacheView:
         self.num_blocks = description.num_blocks
         self.bytes_per_block = tuple(description.bytes_per_block)
         self._control: mmap.mmap | None = None
+        self._control_fd = -1  # kept open: the descriptor the lock test runs on
+        self._server_gone = False
         if description.control_shm_name:
             fd = os.open(os.path.join(SHM_DIR, description.control_shm_name), os.O_RDONLY)
             try:
                 self._control = mmap.mmap(fd, 64, prot=mmap.PROT_READ)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            self._control_fd = fd
         storages = [_map_storage(s, description.device) for s in description.storages]
         num_groups = len(description.bytes_per_block)
         group_views: list[list[tuple[int, torch.Tensor, int]]] = [[] for _ in range(num_groups)]
@@ -161,15 +176,31 @@ class KVCacheView:
 
     @property
     def closed(self) -> bool:
-        """Whether the server that owns the memory has stopped (see the module docstring)."""
-        return self._control is not None and self._control[0] != _CONTROL_OPEN
+        """Whether the server that owns the memory has stopped, died (kill -9 included) or restarted:
+        its control segment says closed, or no live process holds its lock (see the module
+        docstring). False for a view without a control segment (CUDA)."""
+        control = self._control
+        if control is None:
+            return False
+        if self._server_gone or control[0] != _CONTROL_OPEN:
+            return True
+        if control[1] != _CONTROL_FORMAT_LOCKED:
+            return False  # a server from before the lock: only its state byte tells
+        try:
+            fcntl.flock(self._control_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # the live server holds it
+        fcntl.flock(self._control_fd, fcntl.LOCK_UN)
+        self._server_gone = True  # a dead server does not come back
+        return True
 
     def check(self) -> None:
-        """Raise :class:`KVCacheViewClosedError` when the owning server has stopped or restarted."""
-        if self._control is not None and self._control[0] != _CONTROL_OPEN:
+        """Raise :class:`KVCacheViewClosedError` when the owning server has stopped, died or
+        restarted (:attr:`closed`)."""
+        if self.closed:
             raise KVCacheViewClosedError(
-                f"the kvservice server of epoch {self.epoch} that owns this KV memory has stopped or restarted; "
-                "its memory is no longer the cache: attach again"
+                f"the kvservice server of epoch {self.epoch} that owns this KV memory has stopped or restarted "
+                "(or died); its memory is no longer the cache: attach again"
             )
 
     def tensors(self, group_idx: int) -> tuple[torch.Tensor, ...]:
@@ -214,6 +245,9 @@ class KVCacheView:
         if self._control is not None:
             self._control.close()
             self._control = None
+        if self._control_fd >= 0:
+            os.close(self._control_fd)
+            self._control_fd = -1
 
     def __repr__(self) -> str:
         return (

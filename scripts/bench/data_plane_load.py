@@ -8,8 +8,8 @@ One server process (``kvservice serve --device cpu --preset qwen-2.5-0.5b``, blo
 small ``Step`` in turn: ``allocate_slots`` of one token for each of 8 running requests, freed and
 admitted again when full), and a load process (an asyncio client) opening ``--streams``
 ``WriteBlocks`` and ``--streams`` ``ReadBlocks`` streams at once, each moving ``--mib`` MiB (the
-writes into blocks allocated to one running request per stream, the reads by block id of the same
-blocks).
+writes into blocks allocated to one running request per stream, the reads by block id of as many
+other blocks, written before anything is measured: a read of a block nobody wrote is refused).
 
 The scheduler first makes ``--idle-calls`` calls of each kind with nothing else running (the idle
 p99), then calls for as long as the load process runs (the loaded p99). The server's anonymous
@@ -170,6 +170,18 @@ class Scheduler:
         return time.perf_counter() - t0
 
 
+def _run_load(address: str, plan: dict) -> dict:
+    """Run ``plan`` in a load process and wait for it (the untimed pre-write)."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--load-worker", address],
+        input=json.dumps(plan),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
@@ -177,19 +189,29 @@ def p99(values: list[float]) -> float:
 def run_once(args: argparse.Namespace) -> dict:
     blocks_per_stream = -(-(args.mib << 20) // BYTES_PER_BLOCK)
     scheduler_blocks = 2 * SCHEDULER_REQUESTS * (SCHEDULER_MAX_TOKENS // BLOCK_SIZE + 1)
-    pool = args.streams * blocks_per_stream + scheduler_blocks + 2
+    pool = 2 * args.streams * blocks_per_stream + scheduler_blocks + 2
     flags = ["--device", "cpu", "--preset", "qwen-2.5-0.5b", "--num-blocks", str(pool), *args.server_flag]
     with serve(*flags, with_pid=True) as (address, pid):
         client = KVCacheClient(address, timeout=600.0)
-        writes = []
-        for i in range(args.streams):
-            rid = f"w{i}"
-            prompt = [(i * 7919 + t) % 30000 + 1 for t in range(blocks_per_stream * BLOCK_SIZE)]
-            client.get_computed_blocks(rid, prompt)
-            response = client.allocate_slots(rid, len(prompt))
-            assert response.allocated
-            writes.append((rid, list(response.new_block_ids[0].block_ids)))
-        reads = [ids for _rid, ids in writes]
+
+        def allocate(prefix: str, seed: int) -> list[tuple[str, list[int]]]:
+            streams = []
+            for i in range(args.streams):
+                rid = f"{prefix}{i}"
+                prompt = [(seed + i * 7919 + t) % 30000 + 1 for t in range(blocks_per_stream * BLOCK_SIZE)]
+                client.get_computed_blocks(rid, prompt)
+                response = client.allocate_slots(rid, len(prompt))
+                assert response.allocated
+                streams.append((rid, list(response.new_block_ids[0].block_ids)))
+            return streams
+
+        writes = allocate("w", 0)
+        # A read by id of a block nobody wrote is refused (the byte state), so the reads take blocks
+        # of their own, written before anything is measured.
+        prewritten = allocate("r", 15013)
+        prewrite = _run_load(address, {"writes": prewritten, "reads": []})
+        assert prewrite["bytes"] == args.streams * blocks_per_stream * BYTES_PER_BLOCK, prewrite
+        reads = [ids for _rid, ids in prewritten]
         scheduler = Scheduler(client)
         for _ in range(50):  # warm the channel and the handlers
             scheduler.get_usage()

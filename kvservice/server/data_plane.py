@@ -98,6 +98,7 @@ __all__ = [
     "DataStreamStalled",
     "MAX_READ_BLOCKS",
     "RESOLVE_SLICE",
+    "WORKER_NICE",
     "block_checksum",
     "describe_memory",
 ]
@@ -111,6 +112,9 @@ of about 5 ms each here, instead of one hold of about 90 ms)."""
 
 DATA_THREADS = min(4, os.cpu_count() or 1)
 """Worker threads copying and hashing data-plane bytes (shared by every stream)."""
+
+WORKER_NICE = 10
+"""How much nicer (Linux nice) a worker thread runs than the thread that started it (at most 19)."""
 
 INLINE_BYTES = 16384
 """Chunks up to this many bytes are handled on the loop (a thread hop costs more than they do)."""
@@ -419,10 +423,14 @@ def _write_block(tensors: KVCacheTensors, group_idx: int, block_id: int, data: m
 
 
 def _lower_priority() -> None:
-    """A data-plane worker thread yields the CPU to the event loop's thread (Linux nice is per
-    thread); nothing where that is not supported."""
+    """A data-plane worker thread yields the CPU to the event loop's thread: its nice value is
+    :data:`WORKER_NICE` above the thread that started it (Linux nice is per thread; at most 19).
+    Relative, not absolute: a server started under ``nice -n 19`` whose workers were set to nice
+    10 would run them *ahead* of its loop (root may lower a nice value). Nothing where that is not
+    supported."""
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE))
 
 
 def _stage(staging: bytearray, offset: int, data: bytes, hasher: Any) -> None:

@@ -115,7 +115,7 @@ DATA_THREADS = min(2, os.cpu_count() or 1)
 parts of a chunk that hold the GIL (protobuf serialization, the staging copy) make every extra
 thread one more for the loop's thread to wait on; with four, a scheduler's p99 beside 16 + 16
 streams of 64 MiB was about 2x that of the same machine with every CPU merely busy, with two
-about 1x, at the price of slower streams (2 GiB in 17-46 s against 13-18 s; one thread: 31 s
+about 1x, at the price of slower streams (2 GiB in 16.5-46 s against 13-18 s; one thread: 31 s
 in one run; BENCHMARKS.md, issue 24)."""
 
 WORKER_NICE = 10

@@ -42,7 +42,7 @@ left the cache, or was reused, meanwhile, the stream says ``evicted`` for it and
 it.
 
 Off the loop (issue 24): a chunk's bytes (the staging copy and checksum of a write, the block copy,
-the read's copy, checksum and serialization) are handled on a few worker threads
+the read's copy, checksum and serialization) are handled on two worker threads
 (:data:`DATA_THREADS`; torch copies and xxhash release the GIL), so the event loop that answers the
 schedulers only routes messages. Because a copy then runs while the loop serves other calls, a
 block being copied into is marked: a read by hash of it is refused (FAILED_PRECONDITION) when the
@@ -98,6 +98,7 @@ __all__ = [
     "DataStreamStalled",
     "MAX_READ_BLOCKS",
     "RESOLVE_SLICE",
+    "WORKER_NICE",
     "block_checksum",
     "describe_memory",
 ]
@@ -109,8 +110,16 @@ RESOLVE_SLICE = 4096
 """Blocks of a ReadBlocks resolved between two yields to the loop (65,536 by-hash refs: 16 slices
 of about 5 ms each here, instead of one hold of about 90 ms)."""
 
-DATA_THREADS = min(4, os.cpu_count() or 1)
-"""Worker threads copying and hashing data-plane bytes (shared by every stream)."""
+DATA_THREADS = min(2, os.cpu_count() or 1)
+"""Worker threads copying and hashing data-plane bytes (shared by every stream). Two, not four: the
+parts of a chunk that hold the GIL (protobuf serialization, the staging copy) make every extra
+thread one more for the loop's thread to wait on; with four, a scheduler's p99 beside 16 + 16
+streams of 64 MiB was about 2x that of the same machine with every CPU merely busy, with two
+about 1x, at the price of slower streams (2 GiB in 16.5-46 s against 13-18 s; one thread: 31 s
+in one run; BENCHMARKS.md, issue 24)."""
+
+WORKER_NICE = 10
+"""How much nicer (Linux nice) a worker thread runs than the thread that started it (at most 19)."""
 
 INLINE_BYTES = 16384
 """Chunks up to this many bytes are handled on the loop (a thread hop costs more than they do)."""
@@ -419,10 +428,14 @@ def _write_block(tensors: KVCacheTensors, group_idx: int, block_id: int, data: m
 
 
 def _lower_priority() -> None:
-    """A data-plane worker thread yields the CPU to the event loop's thread (Linux nice is per
-    thread); nothing where that is not supported."""
+    """A data-plane worker thread yields the CPU to the event loop's thread: its nice value is
+    :data:`WORKER_NICE` above the thread that started it (Linux nice is per thread; at most 19).
+    Relative, not absolute: a server started under ``nice -n 19`` whose workers were set to nice
+    10 would run them *ahead* of its loop (root may lower a nice value). Nothing where that is not
+    supported."""
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE))
 
 
 def _stage(staging: bytearray, offset: int, data: bytes, hasher: Any) -> None:

@@ -8,8 +8,8 @@ One server process (``kvservice serve --device cpu --preset qwen-2.5-0.5b``, blo
 small ``Step`` in turn: ``allocate_slots`` of one token for each of 8 running requests, freed and
 admitted again when full), and a load process (an asyncio client) opening ``--streams``
 ``WriteBlocks`` and ``--streams`` ``ReadBlocks`` streams at once, each moving ``--mib`` MiB (the
-writes into blocks allocated to one running request per stream, the reads by block id of the same
-blocks).
+writes into blocks allocated to one running request per stream, the reads by block id of as many
+other blocks, written before anything is measured: a read of a block nobody wrote is refused).
 
 The scheduler first makes ``--idle-calls`` calls of each kind with nothing else running (the idle
 p99), then calls for as long as the load process runs (the loaded p99). The server's anonymous
@@ -17,7 +17,9 @@ resident memory (``RssAnon`` of /proc/PID/status; the KV memory itself is shared
 counted there) is read every 5 ms during the load: its peak against the value just before it.
 
 Targets (issue 24): loaded p99 within 3x of idle for both calls; RssAnon peak within 160 MiB of
-before. Prints one JSON line per run and a markdown table.
+before. ``--cpu-control S`` adds a control phase before the load: S seconds of one spinning
+process per CPU and no data plane (the scheduler's p99 on a machine that is merely busy, the
+floor no server change can go under). Prints one JSON line per run and a markdown table.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -170,6 +173,18 @@ class Scheduler:
         return time.perf_counter() - t0
 
 
+def _run_load(address: str, plan: dict) -> dict:
+    """Run ``plan`` in a load process and wait for it (the untimed pre-write)."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--load-worker", address],
+        input=json.dumps(plan),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
@@ -177,19 +192,29 @@ def p99(values: list[float]) -> float:
 def run_once(args: argparse.Namespace) -> dict:
     blocks_per_stream = -(-(args.mib << 20) // BYTES_PER_BLOCK)
     scheduler_blocks = 2 * SCHEDULER_REQUESTS * (SCHEDULER_MAX_TOKENS // BLOCK_SIZE + 1)
-    pool = args.streams * blocks_per_stream + scheduler_blocks + 2
+    pool = 2 * args.streams * blocks_per_stream + scheduler_blocks + 2
     flags = ["--device", "cpu", "--preset", "qwen-2.5-0.5b", "--num-blocks", str(pool), *args.server_flag]
     with serve(*flags, with_pid=True) as (address, pid):
         client = KVCacheClient(address, timeout=600.0)
-        writes = []
-        for i in range(args.streams):
-            rid = f"w{i}"
-            prompt = [(i * 7919 + t) % 30000 + 1 for t in range(blocks_per_stream * BLOCK_SIZE)]
-            client.get_computed_blocks(rid, prompt)
-            response = client.allocate_slots(rid, len(prompt))
-            assert response.allocated
-            writes.append((rid, list(response.new_block_ids[0].block_ids)))
-        reads = [ids for _rid, ids in writes]
+
+        def allocate(prefix: str, seed: int) -> list[tuple[str, list[int]]]:
+            streams = []
+            for i in range(args.streams):
+                rid = f"{prefix}{i}"
+                prompt = [(seed + i * 7919 + t) % 30000 + 1 for t in range(blocks_per_stream * BLOCK_SIZE)]
+                client.get_computed_blocks(rid, prompt)
+                response = client.allocate_slots(rid, len(prompt))
+                assert response.allocated
+                streams.append((rid, list(response.new_block_ids[0].block_ids)))
+            return streams
+
+        writes = allocate("w", 0)
+        # A read by id of a block nobody wrote is refused (the byte state), so the reads take blocks
+        # of their own, written before anything is measured.
+        prewritten = allocate("r", 15013)
+        prewrite = _run_load(address, {"writes": prewritten, "reads": []})
+        assert prewrite["bytes"] == args.streams * blocks_per_stream * BYTES_PER_BLOCK, prewrite
+        reads = [ids for _rid, ids in prewritten]
         scheduler = Scheduler(client)
         for _ in range(50):  # warm the channel and the handlers
             scheduler.get_usage()
@@ -198,6 +223,16 @@ def run_once(args: argparse.Namespace) -> dict:
         for _ in range(args.idle_calls):
             idle_usage.append(scheduler.get_usage())
             idle_step.append(scheduler.step())
+        control: dict = {}
+        if args.cpu_control:
+            # The machine alone: as many processes spinning as there are CPUs, no data plane.
+            spin = f"import time\nend = time.monotonic() + {args.cpu_control}\nwhile time.monotonic() < end: pass"
+            spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+            cpu_usage, cpu_step = [], []
+            while any(p.poll() is None for p in spinners):
+                cpu_usage.append(scheduler.get_usage())
+                cpu_step.append(scheduler.step())
+            control = {"get_usage_p99_cpu_bound_ms": p99(cpu_usage) * 1e3, "step_p99_cpu_bound_ms": p99(cpu_step) * 1e3}
         before = rss_anon_bytes(pid)
         load = subprocess.Popen(
             [sys.executable, __file__, "--load-worker", address],
@@ -229,6 +264,7 @@ def run_once(args: argparse.Namespace) -> dict:
             "step_p99_loaded_ms": p99(load_step) * 1e3,
             "rss_anon_before_mib": before / 2**20,
             "rss_anon_peak_growth_mib": (sampler.peak - before) / 2**20,
+            **control,
         }
 
 
@@ -241,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=64, help="MiB each stream moves [64]")
     parser.add_argument("--idle-calls", type=int, default=400, help="idle calls of each kind [400]")
     parser.add_argument("--runs", type=int, default=1, help="runs, each with its own server [1]")
+    parser.add_argument(
+        "--cpu-control",
+        type=float,
+        default=0.0,
+        help="seconds of a control phase before the load: one spinning process per CPU, no data plane [0: none]",
+    )
     parser.add_argument("--server-flag", action="append", default=[], help="passed to kvservice serve (repeat)")
     args = parser.parse_args(argv)
     rows = []
@@ -261,6 +303,16 @@ def main(argv: list[str] | None = None) -> int:
             f"(target <= 3x) | {r['step_p99_idle_ms']:.2f} / {r['step_p99_loaded_ms']:.2f} | {s:.1f}x (target <= 3x) "
             f"| {r['rss_anon_peak_growth_mib']:.0f} (target <= 160) |"
         )
+    if any("get_usage_p99_cpu_bound_ms" in r for r in rows):
+        print()
+        print("| run | GetUsage p99 idle / CPUs busy / loaded (ms) | Step p99 idle / CPUs busy / loaded (ms) |")
+        print("|---|---|---|")
+        for i, r in enumerate(rows, 1):
+            print(
+                f"| {i} | {r['get_usage_p99_idle_ms']:.2f} / {r['get_usage_p99_cpu_bound_ms']:.2f} / "
+                f"{r['get_usage_p99_loaded_ms']:.2f} | {r['step_p99_idle_ms']:.2f} / {r['step_p99_cpu_bound_ms']:.2f} / "
+                f"{r['step_p99_loaded_ms']:.2f} |"
+            )
     return 0
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 
 import grpc
 import pytest
 
 from kvservice.server.app import ServerConfig
-from kvservice.server.data_plane import block_checksum
+from kvservice.server.data_plane import WORKER_NICE, _lower_priority, block_checksum
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.client import AsyncKVCacheClient
 
@@ -159,3 +161,30 @@ async def test_a_cancelled_read_is_not_logged_as_an_internal_error(start_kv_serv
     assert [
         (r.name, r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info
     ] == []
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice values here")
+def test_a_worker_thread_runs_worker_nice_above_the_thread_that_started_it():
+    """Relative, not absolute: started from a thread at nice n (one above this process's, which any
+    user may set), a worker runs at min(19, n + WORKER_NICE); an absolute nice 10 would run the
+    workers of a server under ``nice -n 19`` ahead of its loop."""
+    seen: list[tuple[int, int]] = []
+
+    def start() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 1))
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+
+        def in_worker() -> None:
+            _lower_priority()
+            seen.append((before, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+
+        worker = threading.Thread(target=in_worker)
+        worker.start()
+        worker.join()
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+    [(before, after)] = seen
+    assert after == min(19, before + WORKER_NICE)

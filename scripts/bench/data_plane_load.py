@@ -31,11 +31,11 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_plane_bench import PeakSampler, rss_anon_bytes  # noqa: E402 (the same sampler as the data-plane bench)
 from server_proc import serve  # noqa: E402
 
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb  # noqa: E402
@@ -46,36 +46,6 @@ BYTES_PER_BLOCK = 24 * 2 * BLOCK_SIZE * 2 * 64 * 2  # qwen-2.5-0.5b: 196,608 byt
 SCHEDULER_REQUESTS = 8
 SCHEDULER_PROMPT = 4 * BLOCK_SIZE
 SCHEDULER_MAX_TOKENS = 32 * BLOCK_SIZE
-
-
-def rss_anon_bytes(pid: int) -> int:
-    """A process's anonymous resident memory (heap, stacks), from /proc/PID/status."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon")
-
-
-class PeakSampler:
-    """Samples a process's RssAnon every 5 ms in a thread; ``peak`` is the highest seen."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak = rss_anon_bytes(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_anon_bytes(self.pid))
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # -- the load process -------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ fi
 "$V/bin/python" -m pip install -q --no-deps "vllm==0.33.0"
 "$V/bin/python" -m pip install -q -r clients/vllm/requirements-vllm.txt
 "$V/bin/python" -m pip install -q -e ./clients/python -e .
-# --no-deps: its dependencies (kvservice-client, vllm) are installed above; letting pip resolve
-# vllm==0.33.* here would pull vLLM's whole dependency tree (a CUDA torch among it).
-"$V/bin/python" -m pip install -q --no-deps -e ./clients/vllm
+# Its one dependency (kvservice-client) is installed above; vLLM is not a dependency of it (its
+# import checks the version), so this installs nothing else.
+"$V/bin/python" -m pip install -q -e ./clients/vllm
 want=$("$V/bin/python" -c 'import torch; print(torch.__version__)')
 case "${KVSERVICE_TORCH_SPEC:-torch==2.13.0}" in
   torch==2.13.0) [ "${want%%+*}" = 2.13.0 ] || { echo "setup_vllm: torch $want was installed over torch 2.13.0" >&2; exit 1; } ;;

@@ -5,8 +5,12 @@
 ``KVCacheManager`` by :class:`kvservice_vllm.manager.RemoteKVCacheManager`, which answers vLLM's
 manager calls from a kvservice server (``target``: ``HOST:PORT``, ``unix:PATH`` or ``"embedded"``).
 See ``clients/vllm/README.md``.
+
+Importing the package checks the installed vLLM is 0.33.x (``ImportError`` otherwise:
+:mod:`kvservice_vllm._vllm_version`), as vLLM is not one of its declared dependencies.
 """
 
+import kvservice_vllm._vllm_version  # noqa: F401  # first: refuses a vLLM other than 0.33.x
 from kvservice_vllm.layout import UnsupportedKVCacheConfig, layout_toml
 from kvservice_vllm.manager import RemoteKVCacheManager, RemoteManagerError
 from kvservice_vllm.scheduler import AsyncScheduler, Scheduler, install

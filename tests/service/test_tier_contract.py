@@ -254,3 +254,28 @@ async def test_two_opaque_groups_keep_their_keys_apart_in_puts_lookups_leases_re
     ]
     assert list((await client.lookup_blocks(0, keys)).present) == [False, True, False]
     assert list((await client.lookup_blocks(1, [*keys, h(5), h(6)])).present) == [False, True, True, True, True]
+
+
+async def test_a_put_refused_at_its_first_chunk_answers_its_status_while_the_client_still_streams(
+    start_kv_server, connect
+):
+    """5 blocks (about 1 MB, far past one HTTP/2 window), the first one's checksum wrong: the
+    server refuses at the first chunk and drains the rest, so grpc.aio's client reads the
+    INVALID_ARGUMENT it sent, not "Internal error from Core" (grpc/grpc#36066; docs/tier.md)."""
+    from kvservice_client.tier import put_blocks_messages, reserve_blocks_request
+
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    await client.take_events("t")
+    before = (await observed_state(running, client), tier_state(running))
+    keys = [h(i) for i in range(1, 6)]
+    messages = list(put_blocks_messages(reserve_blocks_request(0, keys), [pattern(i) for i in range(1, 6)], 1 << 20))
+    messages[1].chunk.checksum ^= 1
+    with pytest.raises(KVServiceError) as err:
+        await client._rpc("PutBlocks", iter(messages), None, None)
+    assert (err.value.code, err.value.message) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages[1].chunk.checksum: missing or not the xxh3_64 of block 0's bytes; nothing of the call was stored",
+    )
+    assert (await observed_state(running, client), tier_state(running)) == before
+    assert await taken(client) == []

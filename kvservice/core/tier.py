@@ -65,13 +65,17 @@ class PutStatus(IntEnum):
 
 @dataclass(frozen=True)
 class TierLimits:
-    """The tier calls' bounds (settings ``tier_*``).
+    """The tier calls' bounds: the server's settings ``tier_*`` (``kvservice.server.settings.TierSettings``,
+    whose defaults are these), named by those settings in every refusal.
 
     Attributes:
-        max_keys_per_call: most keys one lookup, reserve, put or lease names.
-        default_lease_ttl_s: a lease's seconds when the call asks 0.
-        max_lease_ttl_s: the longest lease a call may ask for, seconds.
-        max_leases: leases (read and put) live at once.
+        max_keys_per_call: most keys one lookup, reserve, put or lease names (``tier_max_keys_per_call``).
+        default_lease_ttl_s: a lease's seconds when the call asks 0 (``tier_default_lease_ttl_s``).
+        max_lease_ttl_s: the longest lease a call may ask for, seconds (``tier_max_lease_ttl_s``).
+        max_leases: leases (read and put) live at once (``tier_max_leases``).
+
+    Raises:
+        ValueError: a count below 1, or not ``0 < default_lease_ttl_s <= max_lease_ttl_s < inf``.
     """
 
     max_keys_per_call: int = 4096
@@ -80,10 +84,14 @@ class TierLimits:
     max_leases: int = 4096
 
     def __post_init__(self) -> None:
-        if self.max_keys_per_call < 1 or self.max_leases < 1:
-            raise ValueError("max_keys_per_call and max_leases must be >= 1")
-        if not 0 < self.default_lease_ttl_s <= self.max_lease_ttl_s:
-            raise ValueError("need 0 < default_lease_ttl_s <= max_lease_ttl_s")
+        for name in ("max_keys_per_call", "max_leases"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tier_{name} must be >= 1; got {getattr(self, name)}")
+        if not 0 < self.default_lease_ttl_s <= self.max_lease_ttl_s < float("inf"):
+            raise ValueError(
+                "need 0 < tier_default_lease_ttl_s <= tier_max_lease_ttl_s < inf seconds; got "
+                f"{self.default_lease_ttl_s} and {self.max_lease_ttl_s}"
+            )
 
 
 @dataclass
@@ -178,7 +186,7 @@ class TierStore:
     def _check_hashes(self, name: str, block_hashes: Sequence[bytes], *, distinct: bool) -> None:
         n = len(block_hashes)
         if n > self.limits.max_keys_per_call:
-            raise InvalidArgumentError(name, f"{n} keys, above max_keys_per_call {self.limits.max_keys_per_call}")
+            raise InvalidArgumentError(name, f"{n} keys, above tier_max_keys_per_call {self.limits.max_keys_per_call}")
         width = self.digest_bytes
         for i, block_hash in enumerate(block_hashes):
             if len(block_hash) != width:
@@ -195,13 +203,15 @@ class TierStore:
     def _ttl(self, ttl_s: float) -> float:
         limits = self.limits
         if not ttl_s == ttl_s or ttl_s < 0 or ttl_s > limits.max_lease_ttl_s:  # NaN included
-            raise InvalidArgumentError("ttl_s", f"{ttl_s}; must be 0 (the default) .. {limits.max_lease_ttl_s} seconds")
+            raise InvalidArgumentError(
+                "ttl_s", f"{ttl_s}; must be 0 (the default) .. {limits.max_lease_ttl_s} seconds (tier_max_lease_ttl_s)"
+            )
         return ttl_s or limits.default_lease_ttl_s
 
     def _check_room_for_lease(self) -> None:
         if len(self._leases) >= self.limits.max_leases:
             raise CapacityExceededError(
-                f"leases: {len(self._leases)} live, at max_leases {self.limits.max_leases}; release some first"
+                f"leases: {len(self._leases)} live, at tier_max_leases {self.limits.max_leases}; release some first"
             )
 
     def _new_lease_id(self) -> int:
@@ -235,7 +245,7 @@ class TierStore:
 
         Raises:
             InvalidArgumentError: (INVALID_ARGUMENT) a group out of range, a hash of the wrong
-                length, more keys than ``max_keys_per_call``, ``group_idxs`` not one per key.
+                length, more keys than ``tier_max_keys_per_call``, ``group_idxs`` not one per key.
         """
         n = len(block_hashes)
         self._check_hashes("block_hashes", block_hashes, distinct=False)
@@ -294,7 +304,7 @@ class TierStore:
 
         Raises:
             InvalidArgumentError: (INVALID_ARGUMENT) a bad field, named with its bound.
-            CapacityExceededError: (RESOURCE_EXHAUSTED) ``max_leases`` leases are live.
+            CapacityExceededError: (RESOURCE_EXHAUSTED) ``tier_max_leases`` leases are live.
         """
         self.expire(now)
         self._check_group("group_idx", group_idx)
@@ -428,7 +438,7 @@ class TierStore:
 
         Raises:
             InvalidArgumentError: (INVALID_ARGUMENT) a bad field, named with its bound.
-            CapacityExceededError: (RESOURCE_EXHAUSTED) ``max_leases`` leases are live.
+            CapacityExceededError: (RESOURCE_EXHAUSTED) ``tier_max_leases`` leases are live.
         """
         self.expire(now)
         self._check_group("group_idx", group_idx)

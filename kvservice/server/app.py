@@ -387,9 +387,9 @@ def _build_core(config: ServerConfig) -> _Core:
     )
     meta = manager.get_kv_cache_group_metadata()
     # The tier's calls (docs/tier.md): blocks named by hash alone, over the same pool.
-    from kvservice.core.tier import TierLimits, TierStore
+    from kvservice.core.tier import TierStore
 
-    tier_limits = TierLimits()
+    tier_limits = config.tier.limits
     engine.tier = TierStore(
         manager.block_pool,
         [g.block_size for g in meta.groups],

@@ -1249,11 +1249,14 @@ class KVCacheServicer:
         from kvservice.server.data_plane import _BlockBytes
 
         lease_id = 0
+        raw_messages = request_iterator
+        num_announced_bytes = 0  # what the header's keys may still send; drained on a refusal
         request_iterator = _parsed_stream(request_iterator, pb.PutBlocksMessage, "messages")
         try:
             first = await anext(aiter(request_iterator), None)
             if first is None or first.WhichOneof("message") != "header":
                 raise InvalidArgumentError("header", "the first PutBlocks message must be the header")
+            num_announced_bytes = len(first.header.block_hashes) * self._max_block_bytes()
             reserved = self._reserve(first.header)
             self._publish()  # evictions the reservation made
             if not reserved.reserved:
@@ -1354,10 +1357,42 @@ class KVCacheServicer:
             raise
         except Exception as exc:
             code, message = status_for(exc)
+            if lease_id and self.engine.tier is not None:  # nothing of the call stored, before any await
+                self.engine.tier.release(lease_id, now=self.engine.clock())
+                lease_id = 0
+            await self._drain_put_stream(raw_messages, num_announced_bytes)
             await context.abort(code, message)
         finally:
-            if lease_id and self.engine.tier is not None:  # refused or cancelled mid-stream: nothing stored
+            if lease_id and self.engine.tier is not None:  # cancelled mid-stream: nothing stored
                 self.engine.tier.release(lease_id, now=self.engine.clock())
+
+    def _max_block_bytes(self) -> int:
+        """The largest block of any group, bytes (0 without memory)."""
+        dp = self.data_plane
+        if dp is None or not dp.has_memory:
+            return 0
+        return max(dp.tensors.bytes_per_block(g) for g in range(self.engine.manager.num_groups))
+
+    async def _drain_put_stream(self, raw_messages: AsyncIterator[bytes], num_announced_bytes: int) -> None:
+        """Read and drop what a refused PutBlocks's client still sends, up to the bytes its header
+        announced (its keys' blocks, + 64 KiB), each message within ``stalled_write_timeout_s``.
+
+        grpc.aio's client (grpcio 1.85; grpc/grpc#36066) reports a write that fails because the
+        server ended the call first as ``INTERNAL: Internal error from Core``, in place of the
+        status the server sent: so the status goes out once the client has half-closed (what it
+        sent is dropped: the refused call stores nothing). A client sending more than its header
+        announced, or stalling, gets the status without the drain (and may see that INTERNAL)."""
+        budget = num_announced_bytes + 65536
+        timeout_s = self.data_plane.stalled_timeout_s if self.data_plane is not None else 30.0
+        messages = aiter(raw_messages)
+        try:
+            while budget > 0:
+                data = await asyncio.wait_for(anext(messages), timeout_s)
+                budget -= len(data)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            pass
+        except grpc.aio.AioRpcError:  # pragma: no cover (the call ended under us: nothing to drain)
+            pass
 
     # -- registration ---------------------------------------------------------------------
 

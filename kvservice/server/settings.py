@@ -6,6 +6,7 @@ Sections (each a frozen dataclass that checks its own values once, in ``__post_i
 ``BindSettings``          where the gRPC port listens and how it stops
 ``CacheSettings``         the model KV layout, the pool, the KV tensors, the block-hash rule
 ``LimitsSettings``        bounds on requests, Steps and messages
+``TierSettings``          bounds on the tier's calls (keys per call, leases)
 ``EventsSettings``        the event log's retention, subscribers and consumers
 ``AuthSettings``          TLS and bearer tokens
 ``ZmqSettings``           the ZMQ event sink (vLLM's wire)
@@ -69,6 +70,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvservice.core.model_config import PRESETS
+from kvservice.core.tier import TierLimits
 from kvservice.server.endpoints import check_endpoint_exposure
 from kvservice.server.vllm_flags import KV_CACHE_DTYPES, kv_events_config_settings
 from kvservice_client.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, HASH_ALGORITHMS
@@ -96,6 +98,7 @@ __all__ = [
     "ServerConfig",
     "Setting",
     "SettingInfo",
+    "TierSettings",
     "ZmqSettings",
     "at_least",
     "check_fields",
@@ -466,6 +469,65 @@ class LimitsSettings(_Section):
                 f"data_chunk_bytes must be in 4096..max_message_bytes - 65536 ({self.max_message_bytes - 65536}) "
                 f"bytes; got {self.data_chunk_bytes}"
             )
+
+
+def _finite_seconds(v: float) -> str | None:
+    return None if 0 < v < float("inf") else "must be a finite number > 0 seconds"
+
+
+@dataclass(frozen=True)
+class TierSettings(_Section):
+    """Bounds on the tier's calls (``kvservice.core.tier``, docs/tier.md); each refusal names its
+    setting. The defaults are :class:`kvservice.core.tier.TierLimits`'s (written there once).
+
+    Attributes:
+        max_keys_per_call: most keys one LookupBlocks, ReserveBlocks, PutBlocks or LeaseBlocks
+            names (``tier_max_keys_per_call``); one more is INVALID_ARGUMENT naming it.
+        default_lease_ttl_s: seconds a lease lasts when the call asks 0
+            (``tier_default_lease_ttl_s``); at most ``max_lease_ttl_s``.
+        max_lease_ttl_s: the longest lease a call may ask for, seconds (``tier_max_lease_ttl_s``);
+            a longer ``ttl_s`` is INVALID_ARGUMENT naming it.
+        max_leases: leases (read and put) live at once (``tier_max_leases``); a call that would
+            take one more is RESOURCE_EXHAUSTED naming it, nothing changed.
+    """
+
+    name: ClassVar[str] = "tier"
+    max_keys_per_call: int = setting(
+        TierLimits.max_keys_per_call,
+        "Most keys one tier call (LookupBlocks, ReserveBlocks, PutBlocks, LeaseBlocks) names.",
+        flat="tier_max_keys_per_call",
+        check=at_least(1, "keys"),
+    )
+    default_lease_ttl_s: float = setting(
+        TierLimits.default_lease_ttl_s,
+        "Seconds a tier lease lasts when the call asks 0 (at most --tier-max-lease-ttl-s).",
+        flat="tier_default_lease_ttl_s",
+        check=_finite_seconds,
+    )
+    max_lease_ttl_s: float = setting(
+        TierLimits.max_lease_ttl_s,
+        "The longest tier lease a call may ask for, seconds.",
+        flat="tier_max_lease_ttl_s",
+        check=_finite_seconds,
+    )
+    max_leases: int = setting(
+        TierLimits.max_leases,
+        "Tier leases (read and put) live at once (one more: RESOURCE_EXHAUSTED).",
+        flat="tier_max_leases",
+        check=at_least(1, "leases"),
+    )
+
+    def _check(self) -> None:
+        if self.default_lease_ttl_s > self.max_lease_ttl_s:
+            raise ValueError(
+                f"tier_default_lease_ttl_s ({self.default_lease_ttl_s}) must be <= tier_max_lease_ttl_s "
+                f"({self.max_lease_ttl_s}) seconds"
+            )
+
+    @property
+    def limits(self) -> TierLimits:
+        """These bounds as the core's :class:`~kvservice.core.tier.TierLimits`."""
+        return TierLimits(self.max_keys_per_call, self.default_lease_ttl_s, self.max_lease_ttl_s, self.max_leases)
 
 
 @dataclass(frozen=True)
@@ -886,6 +948,7 @@ SECTIONS: tuple[type[_Section], ...] = (
     BindSettings,
     CacheSettings,
     LimitsSettings,
+    TierSettings,
     EventsSettings,
     AuthSettings,
     ZmqSettings,
@@ -1091,7 +1154,7 @@ class ServerConfig:
     (``config.zmq.endpoint``; :meth:`flat` gives every value by flat name).
 
     Attributes:
-        bind, cache, limits, events, auth, zmq, nats, metrics, logging: the sections (above).
+        bind, cache, limits, tier, events, auth, zmq, nats, metrics, logging: the sections (above).
 
     Raises:
         ValueError: a bad setting (each section checks its own; the message names the flat
@@ -1103,6 +1166,7 @@ class ServerConfig:
     bind: BindSettings
     cache: CacheSettings
     limits: LimitsSettings
+    tier: TierSettings
     events: EventsSettings
     auth: AuthSettings
     zmq: ZmqSettings

@@ -474,6 +474,83 @@ async def test_a_denied_message_names_method_role_and_token_name(token_server, c
     )
 
 
+TIER_MAY_CALL = (
+    "AttachKVCache, CommitBlocks, GetKVCacheGroupMetadata, GetUsage, LeaseBlocks, LookupBlocks, Ping, "
+    "PutBlocks, ReadBlocks, ReleaseLease, ReserveBlocks and reflection"
+)
+"""What a denied ``tier`` token is told it may call (docs/tier.md, Roles)."""
+
+
+async def test_a_tier_token_puts_looks_up_and_leases_by_hash_and_is_denied_the_rest_naming_its_role(
+    token_server, connect
+):
+    """The least-privilege tier token (docs/tier.md, Roles) over a whole put/lookup/lease cycle,
+    the scheduler seeing its BlockStored; the scheduler's, the reset, WriteBlocks and the event
+    RPCs are PERMISSION_DENIED naming the role, with the cache unchanged. A scheduler token may
+    put too (scheduler: every RPC); a watcher's or worker's put or lease is denied."""
+    from kvservice_client.torch_view import aattach
+
+    admin = await connect(token_server, token=SCHEDULER_TOKEN)
+    tier = await connect(token_server, token=TIER_TOKEN)
+    await admin.take_events("audit")
+    key = [i.to_bytes(32, "big") for i in (1, 2, 3)]
+    data = [bytes([i]) * BLOCK_BYTES for i in (1, 2, 3)]
+    put = await tier.put_blocks(0, [(key[0], data[0]), (key[1], data[1])], parent_block_hashes=[None, key[0]])
+    assert (put.reserved, list(put.block_ids), put.num_blocks_written) == (True, [1, 2], 2)
+    await aattach(tier)
+    reserved = await tier.reserve_blocks(0, [key[2]], parent_block_hashes=[key[1]])
+    assert list(reserved.block_ids) == [3]
+    assert (await tier.commit_blocks(reserved.lease_id)).committed
+    found = await tier.lookup_blocks(0, [*key, bytes(32)])
+    assert (list(found.present), found.num_prefix_blocks) == ([True, True, True, False], 3)
+    lease = await tier.lease_blocks(0, key)
+    assert (list(lease.block_ids), lease.num_leased) == ([1, 2, 3], 3)
+    assert (await tier.release_lease(lease.lease_id)).valid
+    assert [b.data for b in await aread_blocks(tier, [block_ref(0, block_hash=k) for k in key[:2]])] == data[:2]
+    events = [e for b in (await admin.take_events("audit")).batches for e in events_of(b)]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in events] == [([1, 2], None, []), ([3], 2, [])]
+
+    denied: dict[str, Callable[[AsyncKVCacheClient], Awaitable[Any]]] = {
+        "GetComputedBlocks": lambda c: c.get_computed_blocks("t", range(8)),
+        "AllocateSlots": lambda c: c.allocate_slots("t", 8),
+        "Free": lambda c: c.free("t"),
+        "Step": lambda c: c.step(StepBuilder().get_usage()),
+        "ManagerStep": lambda c: c.manager_step(pb.ManagerStepRequest(owner="tier")),
+        "ResetPrefixCache": lambda c: c.reset_prefix_cache(),
+        "WriteBlocks": lambda c: awrite_blocks(c, "t", [(0, 1, data[0])]),
+        "TakeEvents": lambda c: c.take_events("tier"),
+        "StreamEvents": lambda c: first_batch(c),
+    }
+    before = await observed_state(token_server, admin)
+    for method, call in denied.items():
+        with pytest.raises(KVServiceError) as err:
+            await call(tier)
+        assert (err.value.code, err.value.message) == (
+            PERMISSION_DENIED,
+            f"/{SERVICE_NAME}/{method}: token 'shared-tier' has role 'tier', which may call only {TIER_MAY_CALL}",
+        )
+        assert await observed_state(token_server, admin) == before, method
+    assert list((await tier.lookup_blocks(0, key)).present) == [True, True, True]
+
+    # The scheduler may call every RPC, the tier's puts included; watchers and workers may not put.
+    by_scheduler = await admin.put_blocks(0, [(bytes(31) + b"\x09", data[0])])
+    assert (by_scheduler.reserved, list(by_scheduler.block_ids)) == (True, [4])
+    before = await observed_state(token_server, admin)
+    for token, name, role in [(WATCHER_TOKEN, "router", "watcher"), (WORKER_TOKEN, "gpu-worker", "worker")]:
+        other = await connect(token_server, token=token)
+        for method, call in [
+            ("ReserveBlocks", lambda c: c.reserve_blocks(0, [bytes(32)])),
+            ("PutBlocks", lambda c: c.put_blocks(0, [(bytes(32), data[0])])),
+            ("LeaseBlocks", lambda c: c.lease_blocks(0, key)),
+        ]:
+            with pytest.raises(KVServiceError) as err:
+                await call(other)
+            assert err.value.code == PERMISSION_DENIED
+            assert err.value.message.startswith(f"/{SERVICE_NAME}/{method}: token {name!r} has role {role!r}")
+        assert list((await other.lookup_blocks(0, key)).present) == [True, True, True]  # a read-only lookup
+    assert await observed_state(token_server, admin) == before
+
+
 @pytest.mark.parametrize(
     "metadata, message",
     [

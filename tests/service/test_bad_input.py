@@ -988,7 +988,7 @@ CASES = [
         "4097 keys",
         lambda c: Raw("LookupBlocks", pb.LookupBlocksRequest(block_hashes=[bytes(32)] * 4097).SerializeToString()),
         IA,
-        ("block_hashes: 4097 keys, above max_keys_per_call 4096",),
+        ("block_hashes: 4097 keys, above tier_max_keys_per_call 4096",),
     ),
     Case(
         "lookup blocks group_idxs not one per key",

@@ -179,7 +179,7 @@ async def test_two_tp_ranks_halves_of_one_chunk_are_stored_and_found_together(st
         (lambda c: c.reserve_blocks(0, [h(1), h(1)]), "block_hashes[1]:"),
         (lambda c: c.reserve_blocks(0, [h(1)], token_ids=[1]), "packed_token_ids: 1 token ids for 1 keys"),
         (lambda c: c.reserve_blocks(0, [h(1)], ttl_s=1e9), "ttl_s: 1000000000.0"),
-        (lambda c: c.lease_blocks(0, [h(1)] * 4097), "block_hashes: 4097 keys, above max_keys_per_call 4096"),
+        (lambda c: c.lease_blocks(0, [h(1)] * 4097), "block_hashes: 4097 keys, above tier_max_keys_per_call 4096"),
     ],
 )
 async def test_bad_fields_are_invalid_argument_naming_the_field(start_kv_server, connect, call, message):

@@ -172,3 +172,61 @@ def test_the_auth_tokens_file_help_names_every_role():
     help_text = " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split())
     line = help_text.split("--auth-tokens-file", 1)[1].split(" --", 1)[0]
     assert [role for role in ROLES if role not in line] == [], line
+
+
+def test_the_tier_bounds_are_settings_with_the_cores_defaults_and_reach_its_limits():
+    from kvservice.core.tier import TierLimits
+    from kvservice.server.settings import TierSettings
+
+    assert ServerConfig().tier.limits == TierLimits()
+    config = load_config(
+        None,
+        {"KVSERVICE_TIER_MAX_LEASES": "3", "KVSERVICE_TIER_DEFAULT_LEASE_TTL_S": "2.5"},
+        tier_max_keys_per_call="8",
+        tier_max_lease_ttl_s="5",
+    )
+    assert config.tier == TierSettings(max_keys_per_call=8, default_lease_ttl_s=2.5, max_lease_ttl_s=5.0, max_leases=3)
+    assert config.tier.limits == TierLimits(8, 2.5, 5.0, 3)
+    assert [TABLE[f].option for f in TABLE if f.startswith("tier_")] == [
+        "--tier-max-keys-per-call",
+        "--tier-default-lease-ttl-s",
+        "--tier-max-lease-ttl-s",
+        "--tier-max-leases",
+    ]
+
+
+@pytest.mark.parametrize(
+    "flat, value, message",
+    [
+        ("tier_max_keys_per_call", 0, "tier_max_keys_per_call must be >= 1 keys; got 0"),
+        ("tier_max_leases", -1, "tier_max_leases must be >= 1 leases; got -1"),
+        ("tier_max_lease_ttl_s", 0.0, "tier_max_lease_ttl_s must be a finite number > 0 seconds; got 0.0"),
+        ("tier_max_lease_ttl_s", float("inf"), "tier_max_lease_ttl_s must be a finite number > 0 seconds; got inf"),
+        ("tier_default_lease_ttl_s", float("nan"), "tier_default_lease_ttl_s must be a finite number > 0 seconds"),
+        (
+            "tier_default_lease_ttl_s",
+            301.0,
+            r"tier_default_lease_ttl_s (301.0) must be <= tier_max_lease_ttl_s (300.0) seconds",
+        ),
+    ],
+)
+def test_a_bad_tier_bound_is_refused_naming_the_setting_and_its_bound(flat, value, message):
+    with pytest.raises(ValueError) as err:
+        ServerConfig(**{flat: value})
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_bad_tier_bound_on_the_command_line_or_in_the_environment_stops_serve_naming_it(monkeypatch):
+    import kvservice.server.app as app
+
+    async def never(config, **kwargs):  # pragma: no cover (the settings are refused first)
+        raise AssertionError("started")
+
+    monkeypatch.setattr(app, "run_server", never)
+    result = CliRunner().invoke(main, ["serve", "--tier-max-leases", "0"])
+    assert (result.exit_code, result.output) == (1, "Error: tier_max_leases must be >= 1 leases; got 0\n")
+    result = CliRunner().invoke(main, ["serve"], env={"KVSERVICE_TIER_MAX_KEYS_PER_CALL": "many"})
+    assert (result.exit_code, result.output) == (
+        1,
+        "Error: KVSERVICE_TIER_MAX_KEYS_PER_CALL: tier_max_keys_per_call: not an integer: 'many'\n",
+    )

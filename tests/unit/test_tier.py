@@ -185,7 +185,7 @@ def test_lease_expiry_unpins_and_the_late_release_is_invalid():
 def test_bounds_refuse_naming_the_field_and_change_nothing():
     tier = store(max_keys_per_call=2, max_leases=1, max_lease_ttl_s=60.0)
     cases = [
-        (lambda: tier.lookup(0, [h(1)] * 3), "block_hashes: 3 keys, above max_keys_per_call 2"),
+        (lambda: tier.lookup(0, [h(1)] * 3), "block_hashes: 3 keys, above tier_max_keys_per_call 2"),
         (lambda: tier.lookup(1, [h(1)]), "group_idx: 1 is out of range [0, 1)"),
         (lambda: tier.lookup(0, [h(1)], group_idxs=[0, 0]), "group_idxs: 2 groups for 1 keys"),
         (lambda: tier.lookup(0, [b"x" * 16]), "block_hashes[0]: 16 bytes; a block hash is the server's 32-byte"),
@@ -204,7 +204,7 @@ def test_bounds_refuse_naming_the_field_and_change_nothing():
         assert str(err.value).startswith(message), (str(err.value), message)
     assert free_ids(tier) == [1, 2, 3, 4, 5] and tier.num_leases == 0 and tier.pool.take_events() == []
     tier.reserve(0, [h(1)], now=0)
-    with pytest.raises(CapacityExceededError, match="leases: 1 live, at max_leases 1"):
+    with pytest.raises(CapacityExceededError, match="leases: 1 live, at tier_max_leases 1"):
         tier.reserve(0, [h(2)], now=0)
     assert free_ids(tier) == [2, 3, 4, 5] and tier.num_leases == 1
 

@@ -1309,7 +1309,14 @@ class KVCacheServicer:
                         f"{len(data)} bytes at offset {received}; chunks are 1..{chunk_bytes} bytes (max_data_chunk_bytes) "
                         f"within the block's {size} bytes",
                     )
-                staging[received : received + len(data)] = data
+                # A block in one chunk goes straight into its reserved block (the put lease's alone,
+                # uncached and unread until the commit; a refused call frees it uncached), not
+                # through the staging buffer.
+                direct = received == 0 and len(data) == size and k in written
+                if direct:
+                    _BlockBytes(dp.tensors.block_view(group_idx, reserved.block_ids[k])).write(data)
+                else:
+                    staging[received : received + len(data)] = data
                 hasher.update(data)
                 received += len(data)
                 if received < size:
@@ -1324,8 +1331,9 @@ class KVCacheServicer:
                         f"missing or not the xxh3_64 of block {k}'s bytes; nothing of the call was stored",
                     )
                 if k in written:  # a key found PRESENT or IN_FLIGHT: its bytes are dropped
-                    block_id = reserved.block_ids[k]
-                    _BlockBytes(dp.tensors.block_view(group_idx, block_id)).write(memoryview(staging))
+                    if not direct:
+                        block_id = reserved.block_ids[k]
+                        _BlockBytes(dp.tensors.block_view(group_idx, block_id)).write(memoryview(staging))
                     written[k] = True
                     num_bytes += size
                 done.add(k)

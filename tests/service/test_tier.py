@@ -120,6 +120,31 @@ async def test_put_blocks_over_grpc_then_read_by_hash_and_eviction_with_blockrem
     assert err.value.code == grpc.StatusCode.NOT_FOUND
 
 
+async def test_put_blocks_given_the_layout_asks_no_metadata_and_the_server_refuses_a_wrong_size(
+    start_kv_server, connect, monkeypatch
+):
+    running = await start_kv_server(**CPU)
+    client = await connect(running)
+    methods: list[str] = []
+    real_rpc = type(client)._rpc
+
+    def recording(self: Any, method: str, *args: Any) -> Any:
+        methods.append(method)
+        return real_rpc(self, method, *args)
+
+    monkeypatch.setattr(type(client), "_rpc", recording)
+    put = await client.put_blocks(0, [(h(1), pattern(1))], chunk_bytes=10_000, bytes_per_block=BLOCK_BYTES)
+    assert (put.reserved, list(put.block_ids), put.num_bytes_written) == (True, [1], BLOCK_BYTES)
+    assert methods == ["PutBlocks"]
+    # A caller that names the wrong size is refused by the server, and nothing of the call is stored.
+    with pytest.raises(KVServiceError) as err:
+        await client.put_blocks(0, [(h(2), pattern(2)[:-8])], chunk_bytes=10_000, bytes_per_block=BLOCK_BYTES - 8)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert list((await client.lookup_blocks(0, [h(1), h(2)])).present) == [True, False]
+    [block] = await client.read_blocks([(0, h(1))])
+    assert block.data == pattern(1)
+
+
 async def test_a_pool_of_pinned_blocks_refuses_a_put_and_changes_nothing(start_kv_server, connect):
     running = await start_kv_server(**CPU)
     client = await connect(running)

@@ -316,11 +316,12 @@ class _Assembler:
                 grpc.StatusCode.DATA_LOSS,
                 f"block {chunk.block_index}: chunk at offset {chunk.offset_bytes}, expected {self._offset}",
             )
-        self._parts.append(chunk.data)
-        self._offset += len(chunk.data)
+        data = chunk.data  # each read of a bytes field is a copy of it
+        self._parts.append(data)
+        self._offset += len(data)
         if not chunk.HasField("checksum"):
             return None
-        data = b"".join(self._parts)
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
         self._parts = []
         if block_checksum(data) != chunk.checksum:
             raise KVServiceError(grpc.StatusCode.DATA_LOSS, f"block {chunk.block_index}: checksum mismatch")

@@ -316,6 +316,7 @@ def _put_blocks(
     parent_block_hashes: Sequence[bytes | None] | None = None,
     token_ids: Any = None,
     chunk_bytes: int | None = None,
+    bytes_per_block: int | None = None,
     timeout: Timeout = None,
     metadata: Metadata = None,
 ) -> _Plan[pb.PutBlocksResponse]:
@@ -328,9 +329,14 @@ def _put_blocks(
             ``bytes_per_block`` long.
         parent_block_hashes, token_ids: as :meth:`TierRPCs.reserve_blocks`.
         chunk_bytes: chunk size (None: the server's ``max_data_chunk_bytes``).
+        bytes_per_block: the group's ``bytes_per_block``, when the caller knows it already (from
+            its own GetKVCacheGroupMetadata): with ``chunk_bytes`` too, the layout is not asked
+            (one round trip less per call); a block of another size is then refused by the
+            server (INVALID_ARGUMENT naming the chunk; nothing of the call is stored).
 
-    The layout is asked first (GetKVCacheGroupMetadata), so a block of the wrong size is refused by
-    name before any byte is sent.
+    Unless both ``chunk_bytes`` and ``bytes_per_block`` are given, the layout is asked first
+    (GetKVCacheGroupMetadata), so a block of the wrong size is refused by name before any byte is
+    sent.
 
     Returns:
         ``reserved`` (False: the pool is too full of pinned blocks; nothing changed), per key
@@ -346,18 +352,21 @@ def _put_blocks(
         group_idx, [h for h, _ in pairs], parent_block_hashes=parent_block_hashes, token_ids=token_ids
     )
     data = [memoryview(d).cast("B") for _, d in pairs]
-    layout = yield client._rpc("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataRequest(), timeout, metadata)
-    if group_idx >= len(layout.groups):
-        raise ValueError(f"group_idx {group_idx} out of range (the server has {len(layout.groups)} groups)")
-    size = layout.groups[group_idx].bytes_per_block
+    if bytes_per_block is None or chunk_bytes is None:
+        layout = yield client._rpc("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataRequest(), timeout, metadata)
+        if group_idx >= len(layout.groups):
+            raise ValueError(f"group_idx {group_idx} out of range (the server has {len(layout.groups)} groups)")
+        if bytes_per_block is None:
+            bytes_per_block = layout.groups[group_idx].bytes_per_block
+        if chunk_bytes is None:
+            chunk_bytes = layout.max_data_chunk_bytes or 1
+    size = bytes_per_block
     for i, view in enumerate(data):
         if len(view) != size:
             raise ValueError(
                 f"blocks[{i}]: {len(view)} bytes, but a block of group {group_idx} is {size} bytes "
                 "(bytes_per_block); nothing was sent"
             )
-    if chunk_bytes is None:
-        chunk_bytes = layout.max_data_chunk_bytes or 1
     messages = put_blocks_messages(header, cast(Sequence[Any], data), chunk_bytes)
     response: pb.PutBlocksResponse = yield client._rpc("PutBlocks", messages, timeout, metadata)
     return response
@@ -382,6 +391,7 @@ class BlockingTierMethods:
         parent_block_hashes: Sequence[bytes | None] | None = None,
         token_ids: Any = None,
         chunk_bytes: int | None = None,
+        bytes_per_block: int | None = None,
         timeout: Timeout = None,
         metadata: Metadata = None,
     ) -> pb.PutBlocksResponse:
@@ -392,6 +402,7 @@ class BlockingTierMethods:
             parent_block_hashes=parent_block_hashes,
             token_ids=token_ids,
             chunk_bytes=chunk_bytes,
+            bytes_per_block=bytes_per_block,
             timeout=timeout,
             metadata=metadata,
         )
@@ -412,6 +423,7 @@ class AsyncTierMethods:
         parent_block_hashes: Sequence[bytes | None] | None = None,
         token_ids: Any = None,
         chunk_bytes: int | None = None,
+        bytes_per_block: int | None = None,
         timeout: Timeout = None,
         metadata: Metadata = None,
     ) -> pb.PutBlocksResponse:
@@ -422,6 +434,7 @@ class AsyncTierMethods:
             parent_block_hashes=parent_block_hashes,
             token_ids=token_ids,
             chunk_bytes=chunk_bytes,
+            bytes_per_block=bytes_per_block,
             timeout=timeout,
             metadata=metadata,
         )

@@ -335,9 +335,9 @@ class TierClient:
             try:
                 # After the reservation: the memory of the server that made it (a restart before
                 # it turned the old view closed).
-                view = self._current_view()
+                blocks = _GroupBlocks(self._current_view(), header.group_idx)
                 for i in to_write:
-                    _copy_into_block(view, header.group_idx, answer.block_ids[i], rows[chunk_ids[i]])
+                    _copy_into_block(blocks, answer.block_ids[i], rows[chunk_ids[i]])
             except BaseException:
                 self._release(answer.lease_id)
                 raise
@@ -362,6 +362,7 @@ class TierClient:
             [(h, memoryview(rows[c].numpy())) for h, c in zip(header.block_hashes, chunk_ids)],
             parent_block_hashes=list(header.parent_block_hashes) or None,
             chunk_bytes=self.max_data_chunk_bytes,
+            bytes_per_block=self.chunk_bytes,  # checked at connect: no layout call per stream
         )
         n = len(chunk_ids)
         if not answer.reserved:
@@ -414,10 +415,10 @@ class TierClient:
         if not answer.lease_id:
             return [False] * len(chunk_ids)
         try:
-            view = self._current_view()
+            blocks = _GroupBlocks(self._current_view(), group_idx)
             for i, block_id in enumerate(block_ids):
                 if block_id:
-                    _copy_from_block(view, group_idx, block_id, rows[chunk_ids[i]])
+                    _copy_from_block(blocks, block_id, rows[chunk_ids[i]])
         finally:
             valid = self._release(answer.lease_id)
         return [bool(block_id) and valid for block_id in block_ids]
@@ -428,11 +429,12 @@ class TierClient:
         loaded = [False] * len(chunk_ids)
         try:
             for block in self.client.iter_read_blocks([(group_idx, h) for h in block_hashes]):
-                if block.evicted or block.data is None:
+                data = block.data
+                if block.evicted or data is None:
                     continue
-                if len(block.data) != self.chunk_bytes:
-                    raise ValueError(f"block {block.block_id}: {len(block.data)} bytes, not {self.chunk_bytes}")
-                rows[chunk_ids[block.block_index]].numpy()[:] = np.frombuffer(block.data, dtype=np.uint8)
+                if len(data) != self.chunk_bytes:
+                    raise ValueError(f"block {block.block_id}: {len(data)} bytes, not {self.chunk_bytes}")
+                rows[chunk_ids[block.block_index]].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
                 loaded[block.block_index] = True
         except KVServiceError as exc:
             # A block not cached ends the stream (NOT_FOUND): the blocks before it arrived.
@@ -459,17 +461,69 @@ class TierClient:
         self.client.close()
 
 
-def _copy_into_block(view: KVCacheView, group_idx: int, block_id: int, row: torch.Tensor) -> None:
+class _GroupBlocks:
+    """One group's blocks in the mapped memory, for one call's copies: the server's liveness is
+    checked once here (each ``block_view`` would check it again per block: a syscall pair), and
+    a group whose blocks are each one contiguous run of bytes (the opaque layout) is one
+    ``(num_blocks, bytes_per_block)`` uint8 tensor, so a row's copy is a single ``copy_`` with no
+    per-block views.
+
+    Raises:
+        KVCacheViewClosedError: the server stopped or restarted.
+    """
+
+    __slots__ = ("group_idx", "rows", "view")
+
+    def __init__(self, view: KVCacheView, group_idx: int) -> None:
+        view.check()
+        self.view = view
+        self.group_idx = group_idx
+        self.rows = _block_rows(view, group_idx)
+
+    def block(self, block_id: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Block ``block_id``'s bytes as one uint8 row, or (another layout) its views."""
+        if self.rows is not None:
+            if not 0 <= block_id < self.rows.shape[0]:
+                raise IndexError(f"block_id must be in [0, {self.rows.shape[0]}); got {block_id}")
+            return self.rows[block_id]
+        return self.view.block_view(self.group_idx, block_id)
+
+
+def _block_rows(view: KVCacheView, group_idx: int) -> torch.Tensor | None:
+    """The group's blocks as a ``(num_blocks, bytes_per_block)`` uint8 tensor over the mapped
+    memory, or None when a block is not one contiguous run of its group's only tensor."""
+    axes = [v.block_axis for v in view.description.views if v.group_idx == group_idx]
+    if len(axes) != 1:
+        return None
+    tensor = view.tensors(group_idx)[0].movedim(axes[0], 0)
+    try:
+        flat = tensor.view(tensor.shape[0], -1)
+    except RuntimeError:
+        return None
+    if flat.shape[1] > 1 and flat.stride(1) != 1:
+        return None
+    return flat.view(torch.uint8)
+
+
+def _copy_into_block(blocks: _GroupBlocks, block_id: int, row: torch.Tensor) -> None:
+    target = blocks.block(block_id)
+    if isinstance(target, torch.Tensor):
+        target.copy_(row)
+        return
     offset = 0
-    for tensor in view.block_view(group_idx, block_id):
+    for tensor in target:
         n = tensor.numel() * tensor.element_size()
         tensor.copy_(row[offset : offset + n].view(tensor.dtype).view(tensor.shape))
         offset += n
 
 
-def _copy_from_block(view: KVCacheView, group_idx: int, block_id: int, row: torch.Tensor) -> None:
+def _copy_from_block(blocks: _GroupBlocks, block_id: int, row: torch.Tensor) -> None:
+    source = blocks.block(block_id)
+    if isinstance(source, torch.Tensor):
+        row.copy_(source)
+        return
     offset = 0
-    for tensor in view.block_view(group_idx, block_id):
+    for tensor in source:
         n = tensor.numel() * tensor.element_size()
         row[offset : offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         offset += n

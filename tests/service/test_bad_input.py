@@ -1069,10 +1069,12 @@ CASES = [
     Case(
         "manager step marks blocks written on a meta device",
         "written_blocks",
-        "a block of \"run\" (the test server's device is meta)",
+        'a block of "run" (the test server\'s device is meta)',
         lambda c: pb.ManagerStepRequest(
             owner="s",
-            written_blocks=[pb.WrittenBlocks(request_id="run", allocation_id=1, block_ids=[pb.GroupBlockIds(block_ids=[1])])],
+            written_blocks=[
+                pb.WrittenBlocks(request_id="run", allocation_id=1, block_ids=[pb.GroupBlockIds(block_ids=[1])])
+            ],
             written_epoch=c.epoch,
         ),
         grpc.StatusCode.FAILED_PRECONDITION,

@@ -11,7 +11,6 @@ worker's forward would) and feeds vLLM's scheduler a made-up ``ModelRunnerOutput
 from __future__ import annotations
 
 import pytest
-import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed, get_request_block_hasher, init_none_hash
@@ -255,7 +254,10 @@ def test_the_round_trips_per_step_are_unchanged(run, async_scheduling):
     # the last output's marks go with the free at shutdown.
     marking.scheduler.shutdown()
     assert (marking.manager.num_blocks_written, marking.manager.num_written_skipped) == (36, 0)
-    assert (plain.manager.num_blocks_reported_written, plain.server.running.servicer.data_plane.num_blocks_marked_in_place) == (0, 0)
+    assert (
+        plain.manager.num_blocks_reported_written,
+        plain.server.running.servicer.data_plane.num_blocks_marked_in_place,
+    ) == (0, 0)
 
 
 def test_the_gate_follows_the_worker_class_and_the_setting():

@@ -31,6 +31,16 @@ allocated at, and until it is written. Other requests may hold it already (a hit
 bytes): its computer still writes it, as its content is the one its hash names. Once written it is
 immutable: a second write is refused (FAILED_PRECONDITION "already written").
 
+Who marks a block stored in place (through the attached memory, invisible to the server): a
+writer that stores and then says so (``WriteBlocks`` chunks ``in_memory``, as the replay's
+``--kv-data shm`` does), or, for vLLM's workers on the pool (``kvservice_vllm.Worker``), their
+scheduler: once a step's output is back (its forward finished on every rank) the remote manager
+reports each full block whose last token that step computed, with the allocation that gave it,
+on its next ManagerStep (``written_blocks``, applied before the calls:
+:meth:`DataPlane.mark_written_in_place`); such a block is *written* even before its hash is
+cached, because its every token is final. A report for a block its request may no longer write
+is skipped under the write rule.
+
 Read rule: a read by hash answers FAILED_PRECONDITION naming the hash unless the block is
 *written* (a hit before its computer wrote it: retry; a block freed before it was written stays
 cached and announced, as in vLLM, but is never readable until evicted); a read by id answers
@@ -478,6 +488,8 @@ class DataPlane:
 
     Attributes:
         num_blocks_written, num_bytes_written, num_blocks_read, num_bytes_read: totals since start.
+        num_blocks_marked_in_place, num_marks_skipped: blocks schedulers reported complete in the
+            attached memory (ManagerStep ``written_blocks``), marked and skipped, since start.
         num_open_streams: data streams open now.
         buffered_bytes: bytes the open streams hold in the server now (blocks being assembled,
             chunks being copied or written), beyond what gRPC holds for them.
@@ -522,6 +534,8 @@ class DataPlane:
         self._attach: pb.AttachKVCacheResponse | None = None
         self.num_blocks_written = 0
         self.num_bytes_written = 0
+        self.num_blocks_marked_in_place = 0
+        self.num_marks_skipped = 0
         self.num_blocks_read = 0
         self.num_bytes_read = 0
         self.max_streams = max_streams
@@ -689,6 +703,79 @@ class DataPlane:
         PutBlocks) before committing; *written*, final."""
         for block_id in block_ids:
             self.byte_state[block_id] = BLOCK_WRITTEN
+
+    def check_written_in_place(self, written: Sequence[pb.WrittenBlocks], epoch: str) -> None:
+        """Check a ManagerStep's ``written_blocks`` whole, before anything of the step runs.
+
+        Raises:
+            DataPlaneError: FAILED_PRECONDITION without KV memory or on another ``written_epoch``;
+                INVALID_ARGUMENT naming ``written_blocks[i]`` and its field (no request id, an
+                allocation id of 0, more groups than the server's, a block id out of range).
+        """
+        if not written:
+            return
+        if not self.has_memory:
+            raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, f"written_blocks: {NO_MEMORY}")
+        if epoch != self.epoch:
+            raise DataPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"written_epoch: {epoch!r} is not this server's epoch {self.epoch!r} (the server restarted: the "
+                "allocations are gone); nothing was run",
+            )
+        num_blocks = self._num_blocks
+        for i, entry in enumerate(written):
+            where = f"written_blocks[{i}]"
+            if not entry.request_id:
+                raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}.request_id: must be set")
+            if entry.allocation_id == 0:
+                raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}.allocation_id: must be >= 1")
+            if len(entry.block_ids) > self._num_groups:
+                raise DataPlaneError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}.block_ids: {len(entry.block_ids)} groups; the server has {self._num_groups}",
+                )
+            for g, ids in enumerate(entry.block_ids):
+                for j, block_id in enumerate(ids.block_ids):
+                    if not 1 <= block_id < num_blocks:
+                        raise DataPlaneError(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{where}.block_ids[{g}].block_ids[{j}]: {block_id} is out of range [1, {num_blocks}) "
+                            "(0 is the null block)",
+                        )
+
+    def mark_written_in_place(self, written: Sequence[pb.WrittenBlocks]) -> tuple[int, int]:
+        """Mark the blocks of a checked ``written_blocks`` (:meth:`check_written_in_place`)
+        *written*: ``(marked, skipped)``, in blocks.
+
+        A reported block is complete (every token of it computed by a finished forward pass), so
+        it is *written*, final, whether or not it carries its hash yet: under async scheduling the
+        caching that gives it its hash may come in the same step, after the marks. A block its
+        request may not write now (the write rule: freed, preempted or admitted again since, no
+        longer at its position, already written, being copied into) is skipped, not refused: the
+        report is about bytes the scheduler knows complete, the server knows who still owns them.
+        """
+        marked = skipped = 0
+        byte_state, allocated_to = self.byte_state, self._allocated_to
+        for entry in written:
+            for g, ids in enumerate(entry.block_ids):
+                for block_id in ids.block_ids:
+                    writer = self._writer(g, block_id)
+                    owner = allocated_to[block_id]
+                    if (
+                        writer is None
+                        or owner is None
+                        or writer.request_id != entry.request_id
+                        or owner[1] != entry.allocation_id
+                        or byte_state[block_id] == BLOCK_WRITTEN
+                        or block_id in self._copying
+                    ):
+                        skipped += 1
+                        continue
+                    byte_state[block_id] = BLOCK_WRITTEN
+                    marked += 1
+        self.num_blocks_marked_in_place += marked
+        self.num_marks_skipped += skipped
+        return marked, skipped
 
     # -- rules -------------------------------------------------------------------------------------
 

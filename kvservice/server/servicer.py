@@ -803,7 +803,10 @@ class KVCacheServicer:
 
         Refused whole, with nothing run: past its deadline (DEADLINE_EXCEEDED), above
         ``max_step_ops`` calls (INVALID_ARGUMENT naming ``calls``), a bad owner or claim_ttl_s
-        (INVALID_ARGUMENT), the pool claimed by another live owner (FAILED_PRECONDITION naming it).
+        (INVALID_ARGUMENT), the pool claimed by another live owner (FAILED_PRECONDITION naming it),
+        a malformed ``written_blocks`` (INVALID_ARGUMENT naming the entry and field; FAILED_PRECONDITION
+        for another ``written_epoch`` or a server without KV memory). ``written_blocks`` are marked
+        before the calls run (:meth:`kvservice.server.data_plane.DataPlane.mark_written_in_place`).
         """
         if self._deadline_passed(context):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_PASSED)
@@ -812,6 +815,16 @@ class KVCacheServicer:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"calls: {len(calls)} calls, above max_step_ops {self.max_step_ops}"
             )
+        data_plane = self.data_plane
+        if request.written_blocks:  # checked whole before anything runs, the claim included
+            from kvservice.server.data_plane import NO_MEMORY, DataPlaneError
+
+            if data_plane is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"written_blocks: {NO_MEMORY}")
+            try:
+                data_plane.check_written_in_place(request.written_blocks, request.written_epoch)
+            except DataPlaneError as exc:
+                await context.abort(exc.code, str(exc))
         engine = self.engine
         try:
             engine.claim_pool(request.owner, request.claim_ttl_s or DEFAULT_CLAIM_TTL_S)
@@ -819,6 +832,11 @@ class KVCacheServicer:
             code, message = status_for(exc)
             await context.abort(code, message)
         response = pb.ManagerStepResponse()
+        if request.written_blocks:
+            assert data_plane is not None, "written_blocks were checked against the data plane"
+            response.num_blocks_written, response.num_written_skipped = data_plane.mark_written_in_place(
+                request.written_blocks
+            )
         results = response.results
         handlers = self._manager_calls
         for call in calls:

@@ -1066,6 +1066,20 @@ CASES = [
         IA,
         ("claim_ttl_s: 7200.0 outside 0 < ttl <= 3600 seconds",),
     ),
+    Case(
+        "manager step marks blocks written on a meta device",
+        "written_blocks",
+        'a block of "run" (the test server\'s device is meta)',
+        lambda c: pb.ManagerStepRequest(
+            owner="s",
+            written_blocks=[
+                pb.WrittenBlocks(request_id="run", allocation_id=1, block_ids=[pb.GroupBlockIds(block_ids=[1])])
+            ],
+            written_epoch=c.epoch,
+        ),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ("written_blocks: no memory behind a meta device",),
+    ),
 ]
 
 

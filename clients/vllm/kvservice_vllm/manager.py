@@ -240,6 +240,19 @@ class _RunningBatch:
         return pb.ManagerCall(allocate_slots_batch=batch)
 
 
+class _StepWrites:
+    """A request of a step whose output is coming: its allocation's report position (shared with
+    the manager, advanced as blocks are reported) and, per group, the block ids from that
+    position up to its scheduled tokens (taken before vLLM frees anything)."""
+
+    __slots__ = ("request", "writing", "block_ids")
+
+    def __init__(self, request: Request, writing: tuple[int, list[int]], block_ids: list[list[int]]) -> None:
+        self.request = request
+        self.writing = writing
+        self.block_ids = block_ids
+
+
 class _Synced:
     """What the server holds of one request: its first ``num_tokens`` tokens, ``num_hashes`` hashes."""
 
@@ -373,6 +386,23 @@ class RemoteKVCacheManager:
         """allocate_slots calls answered before their round trip (the outcome was certain)."""
         self._events: list[Any] = []
         self._closed = False
+        self.mark_blocks_written = False
+        """Report the blocks each finished step completed as written (``written_blocks``): only
+        when the workers' KV cache is the server's pool (``kvservice_vllm.Worker``); set by
+        ``install``."""
+        self.epoch = ""
+        """The server epoch, as the last round trip answered (the allocation ids' epoch)."""
+        self._writing: dict[str, tuple[int, list[int]]] = {}
+        """Request id -> (its allocation id, [the first block position not yet reported written]):
+        positions below are its prefix-cache hit or reported already."""
+        self._written: dict[tuple[str, int], list[list[int]]] = {}
+        """(request id, allocation id) -> per group, block ids to report written with the next round trip."""
+        self.num_blocks_reported_written = 0
+        """Block ids sent in ``written_blocks``."""
+        self.num_blocks_written = 0
+        """Of those, blocks the server marked written."""
+        self.num_written_skipped = 0
+        """Of those, blocks the server skipped (their request could no longer write them)."""
 
     # -- round trips ----------------------------------------------------------------------------
 
@@ -383,7 +413,7 @@ class RemoteKVCacheManager:
         Raises:
             RemoteManagerError: a call failed or the server could not be reached.
         """
-        if not self._pending and not release and not self._queue_claim:
+        if not self._pending and not release and not self._queue_claim and not self._written:
             return
         self._queue_claim = False
         if not release:
@@ -399,6 +429,14 @@ class RemoteKVCacheManager:
             release=release,
             return_events=self.enable_kv_cache_events,
         )
+        if self._written:
+            written, self._written = self._written, {}
+            for (request_id, allocation_id), groups in written.items():
+                entry = request.written_blocks.add(request_id=request_id, allocation_id=allocation_id)
+                for ids in groups:
+                    entry.block_ids.add(block_ids=ids)
+                    self.num_blocks_reported_written += len(ids)
+            request.written_epoch = self.epoch
         self.num_round_trips += 1
         self.num_calls += len(calls)
         try:
@@ -408,6 +446,9 @@ class RemoteKVCacheManager:
             raise RemoteManagerError(
                 f"kvservice ManagerStep of {len(calls)} call(s) failed: {exc.code.name}: {exc.message}"
             ) from exc
+        self.epoch = response.epoch
+        self.num_blocks_written += response.num_blocks_written
+        self.num_written_skipped += response.num_written_skipped
         results = response.results
         for i, (call, result) in enumerate(zip(calls, results)):
             if result.WhichOneof("result") == "error":
@@ -514,6 +555,7 @@ class RemoteKVCacheManager:
 
     def _forget(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
+        self._writing.pop(request_id, None)
         self._synced.pop(request_id, None)
         self._tables.pop(request_id, None)
         self._tables_stale.discard(request_id)
@@ -788,7 +830,13 @@ class RemoteKVCacheManager:
                 )
                 self.remove_skipped_blocks(request_id, max(0, total - request.num_in_flight_tokens))
             return None
-        new_ids = self._apply_allocated(request_id, answer, hit_ids, skip_zeroing_group_ids)
+        new_ids = self._apply_allocated(
+            request_id,
+            answer,
+            hit_ids,
+            skip_zeroing_group_ids,
+            (call.num_computed_tokens + call.num_new_computed_tokens) // self._block_sizes[0],
+        )
         table = self._tables.get(request_id, ())
         taken = (  # at most: every block of a new table (hit, external, new), or the new ones
             sum(1 for ids in table for i in ids if i) if answer.block_ids else sum(len(ids) for ids in new_ids)
@@ -811,8 +859,11 @@ class RemoteKVCacheManager:
         answer: pb.ManagerResult.Allocated,
         hit_ids: Sequence[Sequence[int]],
         skip_zeroing_group_ids: tuple[int, ...],
+        first_position: int = 0,
     ) -> list[list[int]]:
-        """Bring the request's table up to date with an allocation's answer; its new block ids."""
+        """Bring the request's table up to date with an allocation's answer; its new block ids.
+        ``first_position``: on an admission, the first block position the request computes (its
+        computed and hit tokens before the call, in blocks)."""
         new_ids = [list(g.block_ids) for g in answer.new_block_ids]
         if answer.block_ids:
             table = [list(g.block_ids) for g in answer.block_ids]
@@ -841,6 +892,11 @@ class RemoteKVCacheManager:
                 self.new_block_ids.extend(itertools.chain.from_iterable(new_ids))
         self._apply_null_heads(request_id, answer.num_null_blocks)
         self._cached_tokens[request_id] = answer.num_cached_tokens
+        if answer.allocation_id:
+            writing = self._writing.get(request_id)
+            if writing is None or writing[0] != answer.allocation_id:
+                # An admission: the hit's positions are the cache's, not this request's to write.
+                self._writing[request_id] = (answer.allocation_id, [first_position])
         return new_ids
 
     def _bounds(
@@ -1033,7 +1089,13 @@ class RemoteKVCacheManager:
                     f"({need} blocks): the server's pool is not what this scheduler's calls made it"
                 )
             self._tables_pending.discard(request_id)
-            new_ids = self._apply_allocated(request_id, allocated, hit_ids, skip_zeroing_group_ids)
+            new_ids = self._apply_allocated(
+                request_id,
+                allocated,
+                hit_ids,
+                skip_zeroing_group_ids,
+                (call.num_computed_tokens + call.num_new_computed_tokens) // self._block_sizes[0],
+            )
             result._blocks = tuple([self._block(i) for i in ids] for ids in new_ids)
 
         self._free_lower -= need
@@ -1288,6 +1350,66 @@ class RemoteKVCacheManager:
             assert num_blocks <= len(group_blocks)
             truncated.append(list(group_blocks[:num_blocks]))
         return self.create_kv_cache_blocks(tuple(truncated))
+
+    def before_step_output(
+        self, requests: Mapping[str, Request], num_scheduled_tokens: Mapping[str, int]
+    ) -> list[_StepWrites]:
+        """Before vLLM's ``update_from_output`` of a step: per request the step ran whose blocks
+        it may complete, what :meth:`after_step_output` needs once vLLM has counted the output
+        (the request freed meanwhile included). Empty unless :attr:`mark_blocks_written`.
+
+        Left out: a request gone or finished before its output came back (aborted while the
+        forward ran: vLLM does not count its output), and one preempted while the step ran
+        (vLLM's stale output: its blocks were freed before the forward finished, so they are
+        not its to report; the server would skip them too).
+        """
+        if not self.mark_blocks_written:
+            return []
+        steps: list[_StepWrites] = []
+        block_size = self._block_sizes[0]
+        for request_id in num_scheduled_tokens:
+            request = requests.get(request_id)
+            if request is None or request.is_finished() or request.num_stale_output_tokens > 0:
+                continue
+            writing = self._writing.get(request_id)
+            table = self._tables.get(request_id)
+            if writing is None or table is None:
+                continue
+            start = writing[1][0]
+            stop = request.num_computed_tokens // block_size  # at most: the tokens scheduled so far
+            if stop <= start:
+                continue
+            ids = [table[g][start:stop] if self._clipped[g] else [] for g in range(self.num_kv_cache_groups)]
+            steps.append(_StepWrites(request, writing, ids))
+        return steps
+
+    def after_step_output(self, steps: Sequence[_StepWrites]) -> None:
+        """After vLLM's ``update_from_output``: queue, for the next round trip, the blocks of
+        ``steps`` whose every token the step's forward computed (vLLM's ``num_computed_tokens -
+        num_in_flight_tokens``: rejected draft tokens rolled back, later in-flight steps left
+        out), each once per allocation; the null block and cross-attention groups never."""
+        block_size = self._block_sizes[0]
+        for step in steps:
+            request = step.request
+            allocation_id, position = step.writing
+            start = position[0]
+            num_done = (request.num_computed_tokens - request.num_in_flight_tokens) // block_size - start
+            num_done = min(num_done, max((len(ids) for ids in step.block_ids), default=0))
+            if num_done <= 0:
+                continue
+            if any(None in ids[:num_done] for ids in step.block_ids):  # ids not answered yet: next time
+                continue
+            done = [[i for i in ids[:num_done] if i] for ids in step.block_ids]
+            position[0] = start + num_done
+            if not any(done):
+                continue
+            key = (request.request_id, allocation_id)
+            queued = self._written.get(key)
+            if queued is None:
+                self._written[key] = done
+            else:
+                for q, ids in zip(queued, done):
+                    q.extend(ids)
 
     def take_new_block_ids(self) -> list[int]:
         """Block ids allocated since the last take, for the worker to zero."""

@@ -15,7 +15,11 @@ The ``kvservice`` entry of ``--additional-config`` (each key also an environment
 * ``owner`` (``KVSERVICE_OWNER``): the name the scheduler claims the pool under (default
   ``vllm-HOST-PID``); ``claim_ttl_s`` (``KVSERVICE_CLAIM_TTL_S``, default 30);
 * ``timeout_s`` (``KVSERVICE_TIMEOUT_S``, default 60): the deadline of one round trip;
-* ``worker_token`` (``KVSERVICE_WORKER_TOKEN``): a ``worker`` token for ``kvservice_vllm.Worker``.
+* ``worker_token`` (``KVSERVICE_WORKER_TOKEN``): a ``worker`` token for ``kvservice_vllm.Worker``;
+* ``kv_cache_on_pool`` (``KVSERVICE_KV_CACHE_ON_POOL``): whether the workers' KV cache is the
+  server's pool, so the scheduler reports the blocks each finished step completed as written
+  (``auto``, the default: when ``--worker-cls`` is ``kvservice_vllm.Worker`` or a subclass of it;
+  ``true`` for a worker of another name that stores into the attached pool; ``false``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from kvservice_vllm.layout import UnsupportedKVCacheConfig, check_server_layout, group_kinds
 from kvservice_vllm.manager import RemoteKVCacheManager
 
-__all__ = ["AsyncScheduler", "Scheduler", "install", "kvservice_settings"]
+__all__ = ["AsyncScheduler", "Scheduler", "install", "kv_cache_on_pool", "kvservice_settings"]
 
 _ENV = {
     "target": "KVSERVICE_TARGET",
@@ -44,7 +48,11 @@ _ENV = {
     "claim_ttl_s": "KVSERVICE_CLAIM_TTL_S",
     "timeout_s": "KVSERVICE_TIMEOUT_S",
     "worker_token": "KVSERVICE_WORKER_TOKEN",
+    "kv_cache_on_pool": "KVSERVICE_KV_CACHE_ON_POOL",
 }
+
+_POOL_WORKERS = frozenset({"kvservice_vllm.Worker", "kvservice_vllm.worker.Worker"})
+"""``--worker-cls`` names of :class:`kvservice_vllm.worker.Worker`."""
 
 
 def kvservice_settings(vllm_config: Any) -> dict[str, Any]:
@@ -62,6 +70,34 @@ def kvservice_settings(vllm_config: Any) -> dict[str, Any]:
         raise ValueError(f"additional_config.kvservice: unknown keys {sorted(unknown)} (known: {', '.join(_ENV)})")
     settings.update(given)
     return settings
+
+
+def kv_cache_on_pool(vllm_config: Any, settings: dict[str, Any]) -> bool:
+    """Whether the engine's KV cache is the kvservice pool (its workers store into the attached
+    memory), so that reporting a computed block as written is true: the ``kv_cache_on_pool``
+    setting, or with ``auto`` (the default) whether ``parallel_config.worker_cls`` is
+    ``kvservice_vllm.Worker`` (by either name, or a class derived from it). A scheduler over a
+    remote manager with vLLM's own workers keeps the KV in the workers' memory: nothing is reported.
+
+    Raises:
+        ValueError: a ``kv_cache_on_pool`` that is neither auto nor a boolean (naming it).
+    """
+    value = settings.get("kv_cache_on_pool", "auto")
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    if text != "auto":
+        raise ValueError(f"kvservice kv_cache_on_pool: {value!r}; auto, true or false")
+    worker_cls = getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None)
+    if isinstance(worker_cls, type):
+        from kvservice_vllm.worker import Worker
+
+        return issubclass(worker_cls, Worker)
+    return worker_cls in _POOL_WORKERS
 
 
 def _refuse_unsupported(scheduler: Any) -> None:
@@ -175,6 +211,7 @@ def install(scheduler: Any, target: str | None = None, **settings: Any) -> Remot
             needs_kv_cache_zeroing=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
             timeout_s=float(config.get("timeout_s", 60.0)),
         )
+        manager.mark_blocks_written = kv_cache_on_pool(scheduler.vllm_config, config)
         manager.claim()
     except BaseException:
         if client is not None:
@@ -209,9 +246,28 @@ def _close(manager: RemoteKVCacheManager, client: Any, server: Any) -> None:
 
 def _wrap(scheduler: Any, manager: RemoteKVCacheManager) -> None:
     """``schedule()`` sends the queued manager calls before it returns; ``shutdown()`` ends the
-    claim (and stops an embedded server) after vLLM's own shutdown."""
+    claim (and stops an embedded server) after vLLM's own shutdown; with the KV cache on the pool,
+    ``update_from_output()`` queues the blocks the finished step completed as written.
+
+    Why there: vLLM hands a step's ``ModelRunnerOutput`` to ``update_from_output`` only once every
+    worker finished the step, while ``num_computed_tokens`` advances when the step is scheduled
+    (and the async scheduler schedules the next step before this one's output is back). The
+    reports ride on the next round trip (``ManagerStepRequest.written_blocks``), which the next
+    ``schedule()`` makes anyway: no round trip of their own, and no thread to order against the
+    scheduler's calls; the server applies them before that step's calls, so a request freed by
+    this output is still the blocks' owner when they are marked.
+    """
     schedule = scheduler.schedule
     shutdown = scheduler.shutdown
+    update_from_output = scheduler.update_from_output
+
+    @functools.wraps(update_from_output)
+    def update_from_output_and_report(scheduler_output: Any, model_runner_output: Any) -> Any:
+        steps = manager.before_step_output(scheduler.requests, scheduler_output.num_scheduled_tokens)
+        outputs = update_from_output(scheduler_output, model_runner_output)
+        if steps:
+            manager.after_step_output(steps)
+        return outputs
 
     @functools.wraps(schedule)
     def schedule_and_flush(*args: Any, **kwargs: Any) -> Any:
@@ -234,6 +290,8 @@ def _wrap(scheduler: Any, manager: RemoteKVCacheManager) -> None:
 
     scheduler.schedule = schedule_and_flush
     scheduler.shutdown = shutdown_and_release
+    if manager.mark_blocks_written:
+        scheduler.update_from_output = update_from_output_and_report
 
 
 class Scheduler(_VllmScheduler):

@@ -108,6 +108,7 @@ from kvservice_client._proto.kvservice.v1.kv_cache_service_pb2 import (
     TierLimits,
     WriteBlocksChunk,
     WriteBlocksResponse,
+    WrittenBlocks,
 )
 from kvservice_client._proto.kvservice.v1.kv_cache_service_pb2_grpc import (
     KVCacheServiceServicer,
@@ -223,5 +224,6 @@ __all__ = [
     "TierLimits",
     "WriteBlocksChunk",
     "WriteBlocksResponse",
+    "WrittenBlocks",
     "add_KVCacheServiceServicer_to_server",
 ]

@@ -1891,6 +1891,8 @@ class ManagerStepRequest(_message.Message):
     CALLS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     RETURN_EVENTS_FIELD_NUMBER: _builtins.int
+    WRITTEN_BLOCKS_FIELD_NUMBER: _builtins.int
+    WRITTEN_EPOCH_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """The scheduler's name (1..256 bytes): the first call claims the pool for it, each renews it."""
     claim_ttl_s: _builtins.float
@@ -1901,9 +1903,25 @@ class ManagerStepRequest(_message.Message):
     """
     return_events: _builtins.bool
     """Send this step's events (its event batch) as msgpack in the answer."""
+    written_epoch: _builtins.str
+    """The server epoch of written_blocks' allocation ids (ManagerStepResponse.epoch); required with
+    written_blocks; another epoch refuses the step (FAILED_PRECONDITION naming written_epoch).
+    """
     @_builtins.property
     def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ManagerCall]:
         """The calls, run in order, at most max_step_ops; the first that fails ends the step."""
+
+    @_builtins.property
+    def written_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___WrittenBlocks]:
+        """Blocks the engine's workers stored in place through the attached memory, each complete (the
+        forward pass that computed its last token finished on every rank): marked written before the
+        calls run, so a read by hash (ReadBlocks) of a block that carries its hash, now or once cached,
+        gets its bytes. All are checked before any is marked; a malformed one refuses the whole step
+        with nothing run (INVALID_ARGUMENT naming written_blocks[i] and the field; FAILED_PRECONDITION
+        on a server without KV memory). A block its request may no longer write (the request freed,
+        preempted or admitted again since, the block no longer in its table at that position, already
+        written) is skipped and counted (num_written_skipped): the step goes on.
+        """
 
     def __init__(
         self,
@@ -1913,14 +1931,48 @@ class ManagerStepRequest(_message.Message):
         calls: _abc.Iterable[Global___ManagerCall] | None = ...,
         release: _builtins.bool = ...,
         return_events: _builtins.bool = ...,
+        written_blocks: _abc.Iterable[Global___WrittenBlocks] | None = ...,
+        written_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "claim_ttl_s", b"claim_ttl_s", "owner", b"owner", "release", b"release", "return_events", b"return_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "claim_ttl_s", b"claim_ttl_s", "owner", b"owner", "release", b"release", "return_events", b"return_events", "written_blocks", b"written_blocks", "written_epoch", b"written_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ManagerStepRequest: _TypeAlias = ManagerStepRequest  # noqa: Y015
+
+@_typing.final
+class WrittenBlocks(_message.Message):
+    """One request's blocks stored in place and complete (ManagerStepRequest.written_blocks)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ALLOCATION_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request that computed them."""
+    allocation_id: _builtins.int
+    """The allocation that gave them (ManagerResult.Allocated.allocation_id), >= 1."""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlockIds]:
+        """Per group (index = group_idx, at most the server's groups), the block ids (1..num_blocks-1)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        allocation_id: _builtins.int = ...,
+        block_ids: _abc.Iterable[Global___GroupBlockIds] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_id", b"allocation_id", "block_ids", b"block_ids", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WrittenBlocks: _TypeAlias = WrittenBlocks  # noqa: Y015
 
 @_typing.final
 class ManagerStepResponse(_message.Message):
@@ -1933,6 +1985,8 @@ class ManagerStepResponse(_message.Message):
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     EVENTS_MSGPACK_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_WRITTEN_FIELD_NUMBER: _builtins.int
+    NUM_WRITTEN_SKIPPED_FIELD_NUMBER: _builtins.int
     num_free_blocks: _builtins.int
     """Free blocks after the calls (cached-but-unreferenced included), in blocks."""
     head_seq: _builtins.int
@@ -1943,6 +1997,10 @@ class ManagerStepResponse(_message.Message):
     """With return_events: the msgpack bytes of this step's KVEventBatch (vLLM's layout); empty when
     it made no events.
     """
+    num_blocks_written: _builtins.int
+    """Blocks of written_blocks marked written now."""
+    num_written_skipped: _builtins.int
+    """Blocks of written_blocks skipped (their request may no longer write them; see written_blocks)."""
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ManagerResult]:
         """One per call run, in order; when a call failed, its error is the last (the rest did not run)."""
@@ -1955,10 +2013,12 @@ class ManagerStepResponse(_message.Message):
         head_seq: _builtins.int = ...,
         epoch: _builtins.str = ...,
         events_msgpack: _builtins.bytes = ...,
+        num_blocks_written: _builtins.int = ...,
+        num_written_skipped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "events_msgpack", b"events_msgpack", "head_seq", b"head_seq", "num_free_blocks", b"num_free_blocks", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "events_msgpack", b"events_msgpack", "head_seq", b"head_seq", "num_blocks_written", b"num_blocks_written", "num_free_blocks", b"num_free_blocks", "num_written_skipped", b"num_written_skipped", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

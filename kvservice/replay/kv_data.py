@@ -49,12 +49,28 @@ from kvservice_client.client import AsyncKVCacheClient, KVServiceError, StatusCo
 from kvservice_client.data import amark_blocks_written, aread_blocks, awrite_blocks, block_ref
 from kvservice_client.hashing import BlockHasher, resolve_block_hashes
 
-__all__ = ["KVDataStats", "KVDataWorker", "layer_word"]
+__all__ = ["KVDataStats", "KVDataWorker", "block_bytes", "layer_word"]
 
 
 def layer_word(block_hash: bytes, layer: int) -> int:
     """The int64 word layer ``layer`` of the block ``block_hash`` is filled with."""
     return int.from_bytes(xxhash.xxh3_64_digest(block_hash + layer.to_bytes(4, "little")), "little", signed=True)
+
+
+def block_bytes(block_hash: bytes, num_layers: int, num_bytes: int) -> bytes:
+    """The ``num_bytes`` bytes a block of ``num_layers`` equal layer slices holds under
+    ``block_hash``: slice ``l`` is :func:`layer_word` ``(block_hash, l)`` repeated, little-endian.
+
+    Raises:
+        ValueError: ``num_bytes`` is not ``num_layers`` slices of whole 8-byte words.
+    """
+    layer_bytes, rest = divmod(num_bytes, num_layers)
+    if rest or layer_bytes % 8:
+        raise ValueError(f"{num_bytes} bytes are not {num_layers} layers of whole 8-byte words")
+    return b"".join(
+        layer_word(block_hash, layer).to_bytes(8, "little", signed=True) * (layer_bytes // 8)
+        for layer in range(num_layers)
+    )
 
 
 @dataclass
@@ -305,10 +321,7 @@ class KVDataWorker:
 
     def expected_bytes(self, group_idx: int, block_hash: bytes) -> bytes:
         """The block's bytes its hash names (wire layout)."""
-        layer_bytes = self.bytes_per_block[group_idx] // self.num_layers[group_idx]
-        return b"".join(
-            w.to_bytes(8, "little", signed=True) * (layer_bytes // 8) for w in self._words(group_idx, block_hash)
-        )
+        return block_bytes(block_hash, self.num_layers[group_idx], self.bytes_per_block[group_idx])
 
     def _layer_views(self, group_idx: int, block_id: int) -> list[tuple[torch.Tensor, int, int]]:
         """Per view of the block: (its int64 view, first layer, layers it holds)."""

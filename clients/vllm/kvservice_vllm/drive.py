@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "DriveResult",
+    "TraceDriver",
     "TraceItem",
     "make_scheduler",
     "run_trace",
@@ -107,15 +108,21 @@ def make_scheduler(
     async_scheduling: bool = False,
     enable_prefix_caching: bool = True,
     num_layers: int = 32,
+    num_kv_heads: int = 8,
+    head_size: int = 128,
     scheduler_cls: type | None = None,
+    kv_transfer_config: Any | None = None,
 ) -> Any:
     """A vLLM 0.33 scheduler on CPU for a Llama-shaped model of one full-attention group
-    (``num_layers`` layers, 8 KV heads x 128, bf16), ``num_blocks`` blocks of ``block_size`` tokens,
+    (``num_layers`` layers, ``num_kv_heads`` KV heads x ``head_size``, bf16; the model config says 8 x
+    128, which only the KV cache spec's bytes would see), ``num_blocks`` blocks of ``block_size`` tokens,
     its KV cache manager vLLM's own (``install`` swaps it).
 
     Args:
         scheduler_cls: the class (default vLLM's ``Scheduler``, or ``AsyncScheduler`` with
             ``async_scheduling``).
+        kv_transfer_config: vLLM's ``KVTransferConfig`` (a KV connector: the scheduler builds its
+            scheduler side; :class:`TraceDriver`'s ``worker`` plays the worker side).
     """
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -143,8 +150,9 @@ def make_scheduler(
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         device_config=DeviceConfig("cpu"),
+        kv_transfer_config=kv_transfer_config,
     )
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -192,6 +200,112 @@ def step_record(output: Any) -> tuple[Any, ...]:
     )
 
 
+class TraceDriver:
+    """vLLM's scheduler over a trace one step at a time (:func:`run_trace` runs one to the end;
+    the tier replay steps two in lockstep, so one's stores reach the other between steps).
+
+    Args:
+        scheduler: a vLLM scheduler (``AsyncScheduler`` runs one step ahead, as vLLM's async engine).
+        items: the trace, in any order (each arrives at its ``arrival_step``).
+        on_step: called with (step index, ``SchedulerOutput``) after each ``schedule()``.
+        worker: the worker side of a KV connector: called with each ``SchedulerOutput`` right after
+            ``schedule()`` (before the step's forward pass would run); its ``KVConnectorOutput``
+            (or None) goes back in that step's ``ModelRunnerOutput``.
+
+    Attributes:
+        result: the figures so far.
+        num_steps: loop steps taken (empty ones included: the clock items arrive by).
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        items: Iterable[TraceItem] = (),
+        *,
+        on_step: Callable[[int, Any], None] | None = None,
+        worker: Callable[[Any], Any] | None = None,
+    ) -> None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        init_none_hash(sha256)
+        self.scheduler = scheduler
+        self._hasher = get_request_block_hasher(scheduler.block_size, sha256)
+        self._pending: deque[TraceItem] = deque(sorted(items, key=lambda it: it.arrival_step))
+        self._outputs_of: dict[str, Sequence[int]] = {}
+        self._num_sampled: dict[str, int] = {}
+        self._in_flight: deque[tuple[Any, Any]] = deque()
+        self._is_async = isinstance(scheduler, AsyncScheduler)
+        self._on_step = on_step
+        self._worker = worker
+        self.result = DriveResult()
+        self.num_steps = 0
+
+    @property
+    def busy(self) -> bool:
+        """Items yet to arrive, requests (or connector work) in the scheduler, or a step in flight."""
+        return bool(self._pending or self.scheduler.has_requests() or self._in_flight)
+
+    def _model_output(self, output: Any, kv_connector_output: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        # A request that computes the end of its prompt in this step samples its next token.
+        before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            tokens = self._outputs_of[req_id]
+            if request is None or before[req_id] + output.num_scheduled_tokens[req_id] < request.num_prompt_tokens:
+                sampled.append([])
+                continue
+            k = self._num_sampled.get(req_id, 0)
+            self._num_sampled[req_id] = k + 1
+            sampled.append([tokens[min(k, len(tokens) - 1)]])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=kv_connector_output,
+        )
+
+    def step(self) -> None:
+        """One step: the items due arrive, ``schedule()`` (when anything is there), the worker, and
+        ``update_from_output()`` of the step due back (the previous one under async scheduling)."""
+        scheduler = self.scheduler
+        result = self.result
+        while self._pending and self._pending[0].arrival_step <= self.num_steps:
+            item = self._pending.popleft()
+            self._outputs_of[item.request_id] = item.output_token_ids
+            scheduler.add_request(_make_request(item, self._hasher))
+        manager = scheduler.kv_cache_manager
+        trips = getattr(manager, "num_round_trips", 0)
+        started = time.perf_counter()
+        if self._pending or scheduler.has_requests():
+            output = scheduler.schedule()
+            result.records.append(step_record(output))
+            result.num_preemptions += len(output.preempted_req_ids or ())
+            result.num_hit_tokens += sum(r.num_computed_tokens for r in output.scheduled_new_reqs)
+            if self._on_step is not None:
+                self._on_step(self.num_steps, output)
+            self._in_flight.append((output, None if self._worker is None else self._worker(output)))
+        # Async scheduling keeps one step in flight: its output comes back after the next schedule().
+        while self._in_flight and (
+            not self._is_async or len(self._in_flight) > 1 or not (self._pending or scheduler.has_requests())
+        ):
+            done, kv_connector_output = self._in_flight.popleft()
+            scheduler.update_from_output(done, self._model_output(done, kv_connector_output))
+        result.step_seconds.append(time.perf_counter() - started)
+        result.num_round_trips.append(getattr(manager, "num_round_trips", 0) - trips)
+        self.num_steps += 1
+
+
 def run_trace(
     scheduler: Any,
     items: Iterable[TraceItem],
@@ -199,6 +313,7 @@ def run_trace(
     max_steps: int = 1_000_000,
     on_step: Callable[[int, Any], None] | None = None,
     stop_at_max_steps: bool = False,
+    worker: Callable[[Any], Any] | None = None,
 ) -> DriveResult:
     """Run ``scheduler`` until every item has finished (or ``max_steps``).
 
@@ -208,6 +323,7 @@ def run_trace(
         on_step: called with (step index, ``SchedulerOutput``) after each ``schedule()``.
         stop_at_max_steps: end after ``max_steps`` steps with requests left (a benchmark's window)
             instead of raising.
+        worker: a KV connector's worker side (:class:`TraceDriver`).
 
     Returns:
         The run's records and figures.
@@ -215,74 +331,14 @@ def run_trace(
     Raises:
         RuntimeError: ``max_steps`` steps ran and requests remain.
     """
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(scheduler.block_size, sha256)
-    pending = deque(sorted(items, key=lambda it: it.arrival_step))
-    outputs_of: dict[str, Sequence[int]] = {}
-    manager = scheduler.kv_cache_manager
-    result = DriveResult()
-    is_async = isinstance(scheduler, AsyncScheduler)
-    in_flight: deque[Any] = deque()
-
-    def model_output(output: Any) -> Any:
-        # A request that computes the end of its prompt in this step samples its next token.
-        before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
-        cached = output.scheduled_cached_reqs
-        before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = scheduler.requests.get(req_id)
-            tokens = outputs_of[req_id]
-            if request is None or before[req_id] + output.num_scheduled_tokens[req_id] < request.num_prompt_tokens:
-                sampled.append([])
-                continue
-            k = num_sampled.get(req_id, 0)
-            num_sampled[req_id] = k + 1
-            sampled.append([tokens[min(k, len(tokens) - 1)]])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
-
-    num_sampled: dict[str, int] = {}
-    step = 0
-    while pending or scheduler.has_requests() or in_flight:
-        if step >= max_steps:
+    driver = TraceDriver(scheduler, items, on_step=on_step, worker=worker)
+    while driver.busy:
+        if driver.num_steps >= max_steps:
             if stop_at_max_steps:
                 break
             raise RuntimeError(f"{max_steps} steps ran and {scheduler.get_num_unfinished_requests()} requests remain")
-        while pending and pending[0].arrival_step <= step:
-            item = pending.popleft()
-            outputs_of[item.request_id] = item.output_token_ids
-            scheduler.add_request(_make_request(item, hasher))
-        trips = getattr(manager, "num_round_trips", 0)
-        started = time.perf_counter()
-        if pending or scheduler.has_requests():
-            output = scheduler.schedule()
-            result.records.append(step_record(output))
-            result.num_preemptions += len(output.preempted_req_ids or ())
-            result.num_hit_tokens += sum(r.num_computed_tokens for r in output.scheduled_new_reqs)
-            if on_step is not None:
-                on_step(step, output)
-            in_flight.append(output)
-        # Async scheduling keeps one step in flight: its output comes back after the next schedule().
-        while in_flight and (not is_async or len(in_flight) > 1 or not (pending or scheduler.has_requests())):
-            done = in_flight.popleft()
-            scheduler.update_from_output(done, model_output(done))
-        result.step_seconds.append(time.perf_counter() - started)
-        result.num_round_trips.append(getattr(manager, "num_round_trips", 0) - trips)
-        step += 1
-    return result
+        driver.step()
+    return driver.result
 
 
 def mooncake_items(

@@ -371,9 +371,15 @@ class KVServiceTier(SecondaryTierManager):
         self._submit(job_metadata.job_id, self._load_pool, self._run_load, keys, chunk_ids)
 
     def _submit(self, job_id: JobId, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> None:
-        future: Future[JobResult] = pool.submit(fn, job_id, *args)
-        self._jobs[job_id] = future
-        future.add_done_callback(lambda _f: self._finished.put(job_id))
+        def run() -> JobResult:
+            # The id is queued before the future completes (a done-callback runs after the
+            # future's waiters wake), so a get_finished_jobs after drain_jobs sees every job.
+            try:
+                return fn(job_id, *args)
+            finally:
+                self._finished.put(job_id)
+
+        self._jobs[job_id] = pool.submit(run)
 
     def _run_store(
         self, job_id: JobId, keys: list[OffloadKey], parents: list[bytes], chunk_ids: list[int]

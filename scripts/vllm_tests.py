@@ -3,8 +3,8 @@
 
 Usage (with .venv-vllm from scripts/setup_vllm.sh)::
 
-    .venv-vllm/bin/python scripts/vllm_tests.py            # fetch vLLM's tests, run the scheduler suite
-    .venv-vllm/bin/python scripts/vllm_tests.py --suite tiering   # vLLM's tiering suites (opt-in)
+    .venv-vllm/bin/python scripts/vllm_tests.py                    # fetch vLLM's tests, run both suites (CI)
+    .venv-vllm/bin/python scripts/vllm_tests.py --suite tiering    # one suite: vLLM's tiering suites
 
 vLLM's tests come with its source distribution (the wheel has none): ``pip download`` of the sdist
 fails at its metadata step on a machine without CUDA, but with ``--no-clean`` and ``TMPDIR`` set the
@@ -28,14 +28,21 @@ lists with why (what may fail on a CI machine: timing-bound tests of vLLM's own 
 those ``clients/vllm/tests/vllm_suite/expected.toml`` lists under the suite's name with a reason. A
 listed test that passes fails the run too (the lists must stay true). The exit status is 0 only
 then.
+
+Every run is bounded, so a stall fails CI instead of hanging it: one test by pytest-timeout
+(``TEST_TIMEOUT_S``: the test fails, its threads' stacks are printed, the run goes on), one pytest
+run by ``RUN_TIMEOUT_S`` (its process group killed; the tests it had not finished count as failed,
+the one it was in is named).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,10 +84,9 @@ SUITES = {
     ),
 }
 
-DEFAULT_SUITES = ["scheduler"]
-"""What a plain run (CI) runs. ``tiering`` is opt-in (``--suite tiering``) until its kvservice pass is
-triaged: with the kvservice tier added, five tests of the connector's test_scheduler.py failed and
-the run then stalled past 9 minutes here (2026-12-02); its expected.toml list is still empty."""
+DEFAULT_SUITES = ["scheduler", "tiering"]
+"""What a plain run (CI) runs: both suites. ``tiering`` took 755 s wall here (2 cores under other
+jobs' load, 2026-12-02): 518 s natively (1042 tests), 214 s with the kvservice tier (528 tests)."""
 
 
 def fetch() -> Path:
@@ -130,8 +136,19 @@ def fetch() -> Path:
     return tests
 
 
-def run_pytest(paths: tuple[str, ...], report: Path, *, plugin: str | None) -> dict[str, str]:
-    """Run vLLM's tests from ``.vllm-src``; test id -> outcome ("passed", "failed", "skipped", ...)."""
+TEST_TIMEOUT_S = 300
+"""pytest-timeout's bound on one test (setup, call and teardown), in seconds: a test that runs past
+it fails (its threads' stacks printed), and the run goes on."""
+
+RUN_TIMEOUT_S = 2400
+"""The bound on one pytest run, in seconds (a stall outside a test: collection, interpreter exit):
+past it the run's process group is killed, and every test it had not finished counts as failed."""
+
+
+def run_pytest(paths: tuple[str, ...], report: Path, *, plugin: str | None) -> tuple[dict[str, str], bool]:
+    """Run vLLM's tests from ``.vllm-src``: (test id -> outcome ("passed", "failed", "skipped",
+    "error"; "started" for the test a killed run was in), whether the run ended within
+    :data:`RUN_TIMEOUT_S`)."""
     env = {
         **os.environ,
         "HF_HOME": str(SRC / "hf"),
@@ -142,11 +159,26 @@ def run_pytest(paths: tuple[str, ...], report: Path, *, plugin: str | None) -> d
     args = [sys.executable, "-m", "pytest", *paths, "-q", "--rootdir", str(SRC), "-c", str(SRC / "pyproject.toml")]
     args += ["-p", "no:cacheprovider", "-p", "outcome_plugin"]
     args += ["-p", "no:randomly"]
+    if importlib.util.find_spec("pytest_timeout") is not None:  # requirements-vllm.txt; else RUN_TIMEOUT_S alone
+        args += [f"--timeout={TEST_TIMEOUT_S}", "--timeout-method=signal"]
     if plugin is not None:
         args += ["-p", plugin]
     env["KVSERVICE_VLLM_OUTCOMES"] = str(report)
-    subprocess.run(args, cwd=SRC, env=env, check=False)
-    return json.loads(report.read_text())
+    report.unlink(missing_ok=True)
+    process = subprocess.Popen(args, cwd=SRC, env=env, start_new_session=True)
+    try:
+        process.wait(timeout=RUN_TIMEOUT_S)
+        ended = True
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        ended = False
+    outcomes: dict[str, str] = {}
+    if report.exists():
+        for line in report.read_text(encoding="utf-8").splitlines():
+            entry = json.loads(line)
+            outcomes[entry["nodeid"]] = entry["outcome"]
+    return outcomes, ended
 
 
 def main() -> int:
@@ -155,7 +187,7 @@ def main() -> int:
         "--suite",
         choices=sorted(SUITES),
         action="append",
-        help="default: the scheduler suite (tiering is opt-in, see DEFAULT_SUITES)",
+        help="default: every suite (DEFAULT_SUITES)",
     )
     parser.add_argument("--out", default=str(ROOT / ".vllm-src" / "results"), help="where the outcomes go")
     args = parser.parse_args()
@@ -166,8 +198,17 @@ def main() -> int:
     status = 0
     for suite in args.suite or DEFAULT_SUITES:
         spec = SUITES[suite]
-        native = run_pytest(spec.paths, out / f"{suite}-native.json", plugin=None)
-        remote = run_pytest(spec.kvservice_paths or spec.paths, out / f"{suite}-kvservice.json", plugin=spec.plugin)
+        native, native_ended = run_pytest(spec.paths, out / f"{suite}-native.jsonl", plugin=None)
+        remote, remote_ended = run_pytest(
+            spec.kvservice_paths or spec.paths, out / f"{suite}-kvservice.jsonl", plugin=spec.plugin
+        )
+        for ended, outcomes, how in ((native_ended, native, "natively"), (remote_ended, remote, "with kvservice")):
+            if not ended:
+                status = 1
+                stalled = [t for t, o in outcomes.items() if o == "started"]
+                print(
+                    f"{suite}: the run {how} did not end within {RUN_TIMEOUT_S} s (killed); in: {stalled or 'no test'}"
+                )
         listed: dict[str, str] = expected.get(suite, {})
         kvservice_paths = spec.kvservice_paths or spec.paths
         passing = {t for t, o in native.items() if o == "passed" and t.startswith(kvservice_paths)}

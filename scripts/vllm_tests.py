@@ -3,7 +3,7 @@
 
 Usage (with .venv-vllm from scripts/setup_vllm.sh)::
 
-    .venv-vllm/bin/python scripts/vllm_tests.py                    # fetch vLLM's tests, run both suites (CI)
+    .venv-vllm/bin/python scripts/vllm_tests.py                    # fetch vLLM's tests, run the scheduler suite (CI)
     .venv-vllm/bin/python scripts/vllm_tests.py --suite tiering    # one suite: vLLM's tiering suites
 
 vLLM's tests come with its source distribution (the wheel has none): ``pip download`` of the sdist
@@ -85,7 +85,7 @@ SUITES = {
 }
 
 DEFAULT_SUITES = ["scheduler"]  # tiering: opt-in (--suite tiering) until a full CI run with it is measured under the time CI has
-"""What a plain run (CI) runs: both suites. ``tiering`` took 755 s wall here (2 cores under other
+"""What a plain run (CI) runs: the scheduler suite (tiering is opt-in until CI's time is measured with it). ``tiering`` took 755 s wall here (2 cores under other
 jobs' load, 2026-12-02): 518 s natively (1042 tests), 214 s with the kvservice tier (528 tests)."""
 
 

@@ -152,7 +152,9 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=kv_transfer_config,
     )
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.bfloat16
+    )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],

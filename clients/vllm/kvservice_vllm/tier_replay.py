@@ -311,9 +311,7 @@ class _SimulatedWorker:
             self.stats.blocks_computed += end - first
 
 
-def _kv_transfer_config(
-    *, target: str, num_cpu_chunks: int, chunk_bytes: int, num_layers: int, transport: str
-) -> Any:
+def _kv_transfer_config(*, target: str, num_cpu_chunks: int, chunk_bytes: int, num_layers: int, transport: str) -> Any:
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(

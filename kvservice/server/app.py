@@ -472,6 +472,7 @@ def _add_data_plane(core: _Core, auth: AuthSetup, closers: list[Callable[[], Awa
         attach_requires_local=auth.interceptor is None and core.config.auth.tls_client_ca_file is None,
         max_streams=core.config.limits.max_data_streams,
         stalled_timeout_s=core.config.events.stalled_write_timeout_s,
+        worker_priority=core.config.limits.data_worker_priority,
     )
     closers.append(core.servicer.data_plane.close)
 

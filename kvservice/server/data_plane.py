@@ -91,6 +91,7 @@ import xxhash
 from kvservice.core.engine import KVCacheEngine
 from kvservice.core.request import Request
 from kvservice.memory import KVCacheTensors
+from kvservice.server.settings import DATA_WORKER_PRIORITIES
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -129,7 +130,9 @@ about 1x, at the price of slower streams (2 GiB in 16.5-46 s against 13-18 s; on
 in one run; BENCHMARKS.md, issue 24)."""
 
 WORKER_NICE = 10
-"""How much nicer (Linux nice) a worker thread runs than the thread that started it (at most 19)."""
+"""How much nicer (Linux nice) a worker thread runs than the thread that started it (at most 19),
+under ``data_worker_priority`` ``nice`` (and under ``idle`` where SCHED_IDLE is not available)."""
+
 
 INLINE_BYTES = 16384
 """Chunks up to this many bytes are handled on the loop (a thread hop costs more than they do)."""
@@ -437,12 +440,28 @@ def _write_block(tensors: KVCacheTensors, group_idx: int, block_id: int, data: m
     _BlockBytes(tensors.block_view(group_idx, block_id)).write(data)
 
 
-def _lower_priority() -> None:
-    """A data-plane worker thread yields the CPU to the event loop's thread: its nice value is
-    :data:`WORKER_NICE` above the thread that started it (Linux nice is per thread; at most 19).
-    Relative, not absolute: a server started under ``nice -n 19`` whose workers were set to nice
-    10 would run them *ahead* of its loop (root may lower a nice value). Nothing where that is not
-    supported."""
+def _lower_priority(priority: str = "idle") -> None:
+    """A data-plane worker thread yields the CPU to the event loop's thread (Linux scheduling
+    policy and nice are per thread; nothing where neither is supported).
+
+    Args:
+        priority: ``idle``: the thread's policy becomes ``SCHED_IDLE`` (it runs only on CPU time no
+            normal thread wants: beside 16 + 16 streams of 64 MiB on 2 cores a scheduler's p99 was
+            0.6-0.8x that of the same machine with every CPU merely busy, against about 1x under
+            ``nice``; BENCHMARKS.md, issue 24). Its cost: the streams get almost nothing while
+            every core is busy with other work (CFS weight 3 against 1,024 for a nice-0 thread).
+            Falls back to ``nice`` where ``SCHED_IDLE`` is unavailable. ``nice``: the thread's
+            nice value becomes :data:`WORKER_NICE` above the thread that started it (at most 19;
+            weight about 110 against 1,024). Relative, not absolute: a server started under
+            ``nice -n 19`` whose workers were set to nice 10 would run them *ahead* of its loop
+            (root may lower a nice value).
+    """
+    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+            return
+        except OSError:
+            pass
     with contextlib.suppress(AttributeError, OSError):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE))
@@ -485,6 +504,8 @@ class DataPlane:
             ``max_data_streams`` setting).
         stalled_timeout_s: how long a stream may wait on its client (a read not taken, a next
             chunk not sent) before it is cut, seconds (the ``stalled_write_timeout_s`` setting).
+        worker_priority: the copy threads' CPU priority, ``idle`` or ``nice``
+            (:func:`_lower_priority`; the ``data_worker_priority`` setting).
 
     Attributes:
         num_blocks_written, num_bytes_written, num_blocks_read, num_bytes_read: totals since start.
@@ -508,7 +529,13 @@ class DataPlane:
         attach_requires_local: bool,
         max_streams: int = 64,
         stalled_timeout_s: float = 30.0,
+        worker_priority: str = "idle",
     ) -> None:
+        if worker_priority not in DATA_WORKER_PRIORITIES:
+            raise ValueError(
+                f"worker_priority must be one of {', '.join(DATA_WORKER_PRIORITIES)}; got {worker_priority!r}"
+            )
+        self.worker_priority = worker_priority
         self.engine = engine
         self.tensors = tensors
         self.epoch = epoch
@@ -584,7 +611,10 @@ class DataPlane:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                DATA_THREADS, thread_name_prefix="kvservice-data", initializer=_lower_priority
+                DATA_THREADS,
+                thread_name_prefix="kvservice-data",
+                initializer=_lower_priority,
+                initargs=(self.worker_priority,),
             )
         return self._executor.submit(fn, *args)
 

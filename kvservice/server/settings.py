@@ -390,6 +390,10 @@ minutes, far beyond a scheduler step (a scheduler calls every running request ea
 the requests of a scheduler that stopped calling are freed."""
 
 
+DATA_WORKER_PRIORITIES = ("idle", "nice")
+"""The ``data_worker_priority`` values (``kvservice.server.data_plane._lower_priority``)."""
+
+
 @dataclass(frozen=True)
 class LimitsSettings(_Section):
     """Bounds on requests, Steps and messages; each refusal names its bound.
@@ -419,6 +423,12 @@ class LimitsSettings(_Section):
             one being copied, one being written; a write: one block being assembled and one chunk)
             in server memory, so the data plane holds at most about ``2 * max_data_streams *
             chunk_bytes`` (128 MiB at the defaults) beyond gRPC's per-stream 64 KiB windows.
+        data_worker_priority: CPU priority of the data plane's copy threads (checksums, copies,
+            serialization): ``idle`` (Linux ``SCHED_IDLE``: they run on CPU time no other thread
+            wants, so a scheduler's calls beside heavy data traffic wait least; the streams get
+            almost nothing while every core is busy with other work) or ``nice`` (nice +10 above
+            the server's threads: the streams keep about a tenth of a contended core).
+            ``kvservice.server.data_plane._lower_priority``; BENCHMARKS.md (issue 24).
     """
 
     name: ClassVar[str] = "limits"
@@ -454,6 +464,12 @@ class LimitsSettings(_Section):
     )
     max_data_streams: int = setting(
         64, "WriteBlocks and ReadBlocks streams open at once (one more: RESOURCE_EXHAUSTED).", check=at_least(1)
+    )
+    data_worker_priority: str = setting(
+        "idle",
+        "CPU priority of the data plane's copy threads: idle (SCHED_IDLE: scheduler calls first) or nice (+10).",
+        check=one_of(DATA_WORKER_PRIORITIES),
+        choices=DATA_WORKER_PRIORITIES,
     )
 
     @property

@@ -163,12 +163,11 @@ async def test_a_cancelled_read_is_not_logged_as_an_internal_error(start_kv_serv
     ] == []
 
 
-@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice values here")
-def test_a_worker_thread_runs_worker_nice_above_the_thread_that_started_it():
-    """Relative, not absolute: started from a thread at nice n (one above this process's, which any
-    user may set), a worker runs at min(19, n + WORKER_NICE); an absolute nice 10 would run the
-    workers of a server under ``nice -n 19`` ahead of its loop."""
-    seen: list[tuple[int, int]] = []
+def _in_a_thread_of_nice_one_above(priority: str) -> tuple[int, int, int, int]:
+    """``_lower_priority(priority)`` in a worker started from a thread at nice n (one above this
+    process's, which any user may set): (n, the worker's nice, the worker's policy, the starter's
+    policy after)."""
+    seen: list[tuple[int, int, int, int]] = []
 
     def start() -> None:
         tid = threading.get_native_id()
@@ -176,15 +175,52 @@ def test_a_worker_thread_runs_worker_nice_above_the_thread_that_started_it():
         before = os.getpriority(os.PRIO_PROCESS, tid)
 
         def in_worker() -> None:
-            _lower_priority()
-            seen.append((before, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            _lower_priority(priority)
+            seen.append((before, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), os.sched_getscheduler(0)))
 
         worker = threading.Thread(target=in_worker)
         worker.start()
         worker.join()
+        seen[0] += (os.sched_getscheduler(0),)
 
     starter = threading.Thread(target=start)
     starter.start()
     starter.join()
-    [(before, after)] = seen
-    assert after == min(19, before + WORKER_NICE)
+    [result] = seen
+    return result
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice values here")
+def test_a_nice_worker_thread_runs_worker_nice_above_the_thread_that_started_it():
+    """``data_worker_priority`` nice. Relative, not absolute: a worker runs at
+    min(19, n + WORKER_NICE); an absolute nice 10 would run the workers of a server under
+    ``nice -n 19`` ahead of its loop. Its policy stays the starter's (SCHED_OTHER)."""
+    before, after, policy, starter_policy = _in_a_thread_of_nice_one_above("nice")
+    assert (after, policy, starter_policy) == (min(19, before + WORKER_NICE), os.SCHED_OTHER, os.SCHED_OTHER)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE here")
+def test_an_idle_worker_thread_runs_under_sched_idle_and_only_it():
+    """``data_worker_priority`` idle (the default): the worker thread alone becomes SCHED_IDLE
+    (Linux applies the policy per thread; the thread that started it keeps SCHED_OTHER) and its
+    nice is left as it was."""
+    before, after, policy, starter_policy = _in_a_thread_of_nice_one_above("idle")
+    assert (after, policy, starter_policy) == (before, os.SCHED_IDLE, os.SCHED_OTHER)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE here")
+@pytest.mark.parametrize("priority", ["idle", "nice"])
+async def test_the_copy_threads_take_the_servers_data_worker_priority(start_kv_server, priority):
+    """The setting reaches a real server's copy threads: their policy and nice, as set."""
+    running = await start_kv_server(**CPU, data_worker_priority=priority)
+    dp = running.servicer.data_plane
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    policy = await dp._off_loop(os.sched_getscheduler, 0)
+    nice = await dp._off_loop(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    expected = (os.SCHED_IDLE, loop_nice) if priority == "idle" else (os.SCHED_OTHER, min(19, loop_nice + WORKER_NICE))
+    assert (dp.worker_priority, policy, nice) == (priority, *expected)
+
+
+def test_data_worker_priority_is_checked():
+    with pytest.raises(ValueError, match="data_worker_priority must be one of idle, nice; got 'low'"):
+        ServerConfig(data_worker_priority="low")

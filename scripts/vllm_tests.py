@@ -3,7 +3,7 @@
 
 Usage (with .venv-vllm from scripts/setup_vllm.sh)::
 
-    .venv-vllm/bin/python scripts/vllm_tests.py                    # fetch vLLM's tests, run the scheduler suite (CI)
+    .venv-vllm/bin/python scripts/vllm_tests.py                    # fetch vLLM's tests, run every suite (CI)
     .venv-vllm/bin/python scripts/vllm_tests.py --suite tiering    # one suite: vLLM's tiering suites
 
 vLLM's tests come with its source distribution (the wheel has none): ``pip download`` of the sdist
@@ -84,10 +84,9 @@ SUITES = {
     ),
 }
 
-DEFAULT_SUITES = ["scheduler"]
-"""What a plain run (CI) runs: the scheduler suite; ``tiering`` is opt-in (``--suite tiering``) until a
-whole CI run with it is measured within CI's time. ``tiering`` took 755 s wall here (2 cores under other
-jobs' load, 2026-12-02): 518 s natively (1042 tests), 214 s with the kvservice tier (528 tests)."""
+DEFAULT_SUITES = ["scheduler", "tiering"]
+"""What a plain run (CI) runs: every suite. ``tiering`` took 755 s wall here (2 cores under other jobs'
+load, 2026-12-02): 518 s natively (1042 tests), 214 s with the kvservice tier (528 tests)."""
 
 
 def fetch() -> Path:

@@ -48,7 +48,14 @@ import xxhash
 # The client module takes this module's method classes as the clients' bases, so this module never
 # imports it (docs/ARCHITECTURE.md §1.3): the call aliases come from the facade both use, and a
 # client is what DataPlaneClient reads of it.
-from kvservice_client._facade import Metadata, Timeout  # noqa: E402 (after the note on why not client)
+from kvservice_client._facade import (  # noqa: E402 (after the note on why not client)
+    Metadata,
+    Timeout,
+    await_plan,
+    plan_returns,
+    run_plan,
+)
+from kvservice_client._facade import Plan as _Plan  # the helpers' return type, as they annotate it
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.errors import KVServiceError
 
@@ -328,34 +335,21 @@ class _Assembler:
         return ReadBlock(chunk.block_index, chunk.group_idx, chunk.block_id, data, chunk.checksum, False)
 
 
-# Each unary helper is written once, as a plan: a generator that takes the client first, yields
-# each call it makes (what a client method or the client's ``_rpc`` returns) and is sent that
-# call's answer. _blocking runs a plan on a KVCacheClient, whose calls answer at once;
-# _awaiting runs it on an AsyncKVCacheClient, awaiting each call. Both give the helper the plan's
-# name, docstring and parameters.
-
-_Plan = Generator[Any, Any, _R]
-
-
-def _advance(steps: Generator[object, object, object], answer: object) -> tuple[bool, Any]:
-    """Sends ``answer`` into a running plan: ``(True, its result)`` once it returns, else
-    ``(False, the next call it makes)``."""
-    try:
-        return False, steps.send(answer)
-    except StopIteration as done:
-        return True, done.value
+# Each unary helper is written once, as a plan (kvservice_client._facade.Plan): a generator that
+# takes the client first, yields each call it makes (what a client method or the client's ``_rpc``
+# returns) and is sent that call's answer. _blocking runs a plan on a KVCacheClient, whose calls
+# answer at once; _awaiting runs it on an AsyncKVCacheClient, awaiting each call. Both give the
+# helper the plan's name, docstring and parameters.
 
 
 def _named(helper: Callable[..., object], plan: Callable[..., object], prefix: str, client_type: str) -> None:
-    returns = plan.__annotations__["return"]
-    if not (returns.startswith("_Plan[") and returns.endswith("]")):
-        raise TypeError(f"{plan.__qualname__}: annotate its return as _Plan[<what the helper returns>]")
+    returns = plan_returns(plan)
     signature = inspect.signature(plan)
     client, *rest = signature.parameters.values()
     helper.__name__ = helper.__qualname__ = prefix + plan.__name__.lstrip("_")
     helper.__doc__ = plan.__doc__
     helper.__dict__["__signature__"] = signature.replace(  # what inspect.signature reads (a function's __dict__)
-        parameters=[client.replace(annotation=client_type), *rest], return_annotation=returns[len("_Plan[") : -1]
+        parameters=[client.replace(annotation=client_type), *rest], return_annotation=returns
     )
 
 
@@ -365,12 +359,7 @@ def _blocking(
     """The helper that runs ``plan`` on a :class:`KVCacheClient`."""
 
     def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        steps = plan(client, *args, **kwargs)
-        done, value = _advance(steps, None)
-        while not done:
-            done, value = _advance(steps, value)
-        result: _R = value
-        return result
+        return run_plan(plan(client, *args, **kwargs))
 
     _named(helper, plan, "", "KVCacheClient")
     return helper
@@ -382,12 +371,7 @@ def _awaiting(
     """The helper (a coroutine function) that runs ``plan`` on an :class:`AsyncKVCacheClient`."""
 
     async def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        steps = plan(client, *args, **kwargs)
-        done, value = _advance(steps, None)
-        while not done:
-            done, value = _advance(steps, await value)
-        result: _R = value
-        return result
+        return await await_plan(plan(client, *args, **kwargs))
 
     _named(helper, plan, "a", "AsyncKVCacheClient")
     return helper

@@ -197,9 +197,9 @@ class _RPC:
         return function
 
 
-class _UnaryRPC(_RPC, Generic[_P, _R]):
-    """A unary-response RPC: the sync client's method returns ``_R``, the async client's is a
-    coroutine of it."""
+class _UnaryMethod(Generic[_P, _R]):
+    """What a type checker sees of an entry whose sync client method returns ``_R`` and whose async
+    one is a coroutine of it (an RPC's or a plan's)."""
 
     @overload
     def __get__(self, client: None, owner: type[SyncClientBase]) -> Callable[Concatenate[SyncClientBase, _P], _R]: ...
@@ -216,7 +216,14 @@ class _UnaryRPC(_RPC, Generic[_P, _R]):
     @overload
     def __get__(self, client: object, owner: type | None = None) -> object: ...  # through a table class: the entry
     def __get__(self, client: object, owner: type | None = None) -> object:
-        return super().__get__(client, owner)
+        # Reached only through a table class itself: each client class holds its own function
+        # under the entry's name (_install_rpcs), which shadows the entry.
+        return self
+
+
+class _UnaryRPC(_UnaryMethod[_P, _R], _RPC):
+    """A unary-response RPC: the sync client's method returns ``_R``, the async client's is a
+    coroutine of it."""
 
 
 class _StreamRPC(_RPC, Generic[_P, _R]):
@@ -346,7 +353,7 @@ def plan_returns(plan: Callable[..., object]) -> str:
     raise TypeError(f"{plan.__qualname__}: annotate its return as Plan[<what the helper returns>]")
 
 
-class _PlanMethod(Generic[_P, _R]):
+class _PlanMethod(_UnaryMethod[_P, _R]):
     """A client method written once as a :data:`Plan` (``plan``, the client its first parameter):
     the blocking client's method runs it, the async client's is a coroutine awaiting each call.
     ``calls``: the RPCs (proto names) it may make, each an RPC of the client's table; ``doc``: the
@@ -357,24 +364,6 @@ class _PlanMethod(Generic[_P, _R]):
         self.calls = calls
         self.doc = plan.__doc__ if doc is None else doc
         self.returns = plan_returns(plan)
-
-    @overload
-    def __get__(self, client: None, owner: type[SyncClientBase]) -> Callable[Concatenate[SyncClientBase, _P], _R]: ...
-    @overload
-    def __get__(
-        self, client: None, owner: type[AsyncClientBase]
-    ) -> Callable[Concatenate[AsyncClientBase, _P], Coroutine[object, None, _R]]: ...
-    @overload
-    def __get__(self, client: SyncClientBase, owner: type | None = None) -> Callable[_P, _R]: ...
-    @overload
-    def __get__(
-        self, client: AsyncClientBase, owner: type | None = None
-    ) -> Callable[_P, Coroutine[object, None, _R]]: ...
-    @overload
-    def __get__(self, client: object, owner: type | None = None) -> object: ...  # through a table class: the entry
-    def __get__(self, client: object, owner: type | None = None) -> object:
-        # Reached only through a table class itself, as an _RPC entry is.
-        return self
 
     def function(self, asynchronous: bool) -> Callable[..., object]:
         """The client method: the plan run on the client (awaited by the async client)."""

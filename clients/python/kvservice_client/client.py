@@ -63,7 +63,7 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.convert import PayloadFormatLike
-from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods
+from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods, DataPlaneRPCs
 from kvservice_client.errors import KVServiceError, StatusCode
 from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
     ReportMode,
@@ -686,7 +686,7 @@ class _KVCacheServiceRPCs:
 # Some of the generated defaults' names are in _KVCacheServiceRPCs too, with the friendlier
 # signatures that replace them: the first base's wins, at runtime (_install_rpcs) and for mypy alike.
 # mypy reports each such pair where a client class binds them (the two ignores below).
-class _ClientBase(_KVCacheServiceRPCs, TierRPCs, rpcs.KVCacheServiceMethods, Generic[_ChannelT, _StubT]):
+class _ClientBase(_KVCacheServiceRPCs, TierRPCs, DataPlaneRPCs, rpcs.KVCacheServiceMethods, Generic[_ChannelT, _StubT]):
     """What both clients share: the channel, the calls of each RPC of ``_service``, the default
     deadline and metadata, and the RPC methods of the table. ``_channel_module`` is ``grpc`` or
     ``grpc.aio``."""

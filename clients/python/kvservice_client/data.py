@@ -52,11 +52,13 @@ from kvservice_client._facade import (  # noqa: E402 (after the note on why not 
     Metadata,
     Timeout,
     await_plan,
+    plan_method,
     plan_returns,
     run_plan,
 )
 from kvservice_client._facade import Plan as _Plan  # the helpers' return type, as they annotate it
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.errors import KVServiceError
 
 
@@ -81,6 +83,7 @@ __all__ = [
     "BlockRefLike",
     "BlockingDataPlaneMethods",
     "DataPlaneClient",
+    "DataPlaneRPCs",
     "Metadata",
     "ReadBlock",
     "aattach_kv_cache",
@@ -607,34 +610,21 @@ about one block in memory (see :meth:`read_blocks` for the arguments and errors)
 """
 
 
+class DataPlaneRPCs:
+    """The data plane's unary methods both clients have: plan entries of the client's RPC table
+    (see :mod:`kvservice_client._facade`), run by the blocking client and awaited by the async one.
+    The reads, a list or an iterator of a server stream, are :class:`BlockingDataPlaneMethods` /
+    :class:`AsyncDataPlaneMethods`."""
+
+    attach_kv_cache = plan_method(rpcs.attach_kv_cache, doc=_ATTACH_DOC)(_attach_kv_cache)
+    write_blocks = plan_method(rpcs.get_kv_cache_group_metadata, rpcs.write_blocks, doc=_WRITE_DOC)(_write_blocks)
+
+
 class BlockingDataPlaneMethods:
-    """The data plane as methods of :class:`~kvservice_client.client.KVCacheClient` (a base class
-    of it): the helpers of this module with the client as ``self``."""
+    """The data-plane reads as methods of :class:`~kvservice_client.client.KVCacheClient` (a base
+    class of it): the helpers of this module with the client as ``self``."""
 
     __slots__ = ()
-
-    def attach_kv_cache(self, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:
-        return attach_kv_cache(cast(DataPlaneClient, self), timeout=timeout, metadata=metadata)
-
-    def write_blocks(
-        self,
-        request_id: str,
-        blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
-        *,
-        allocation: Allocation | None = None,
-        chunk_bytes: int | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.WriteBlocksResponse:
-        return write_blocks(
-            cast(DataPlaneClient, self),
-            request_id,
-            blocks,
-            allocation=allocation,
-            chunk_bytes=chunk_bytes,
-            timeout=timeout,
-            metadata=metadata,
-        )
 
     def read_blocks(
         self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
@@ -646,38 +636,14 @@ class BlockingDataPlaneMethods:
     ) -> Iterator[ReadBlock]:
         return iter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
 
-    attach_kv_cache.__doc__, write_blocks.__doc__ = _ATTACH_DOC, _WRITE_DOC
     read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC
 
 
 class AsyncDataPlaneMethods:
-    """The data plane as methods of :class:`~kvservice_client.client.AsyncKVCacheClient` (a base
-    class of it), coroutines (``iter_read_blocks``: an async iterator)."""
+    """The data-plane reads as methods of :class:`~kvservice_client.client.AsyncKVCacheClient` (a
+    base class of it): ``read_blocks`` a coroutine, ``iter_read_blocks`` an async iterator."""
 
     __slots__ = ()
-
-    async def attach_kv_cache(self, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:
-        return await aattach_kv_cache(cast(DataPlaneClient, self), timeout=timeout, metadata=metadata)
-
-    async def write_blocks(
-        self,
-        request_id: str,
-        blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
-        *,
-        allocation: Allocation | None = None,
-        chunk_bytes: int | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.WriteBlocksResponse:
-        return await awrite_blocks(
-            cast(DataPlaneClient, self),
-            request_id,
-            blocks,
-            allocation=allocation,
-            chunk_bytes=chunk_bytes,
-            timeout=timeout,
-            metadata=metadata,
-        )
 
     async def read_blocks(
         self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
@@ -689,5 +655,4 @@ class AsyncDataPlaneMethods:
     ) -> AsyncIterator[ReadBlock]:
         return aiter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
 
-    attach_kv_cache.__doc__, write_blocks.__doc__ = _ATTACH_DOC, _WRITE_DOC
     read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC

@@ -519,7 +519,7 @@ WRITTEN_REFUSALS = [
     (
         {"owner": "sched-2"},
         grpc.StatusCode.FAILED_PRECONDITION,
-        "owner: the pool is owned by scheduler 'sched-1' (its claim lapses in 30.0 s unless renewed); one "
+        "owner: the pool is owned by scheduler 'sched-1' (its claim lapses in 20.0 s unless renewed); one "
         "scheduler owns a pool at a time",
     ),
 ]
@@ -546,10 +546,11 @@ async def test_a_bad_written_blocks_refuses_the_whole_step_and_marks_nothing(
     """A valid report first, then the fault: nothing is marked (the valid one neither), no call runs,
     the claim is not taken or renewed; the status names the field and its bound."""
     running = await start_kv_server(device="cpu")
-    running.engine.clock = FakeClock()  # the claim's message says how long it has left
+    running.engine.clock = clock = FakeClock()
     client = await connect(running)
     response = await manager_step(client, [update("A", range(1, 13)), allocate("A", num_new_tokens=12)])
     epoch = response.epoch
+    clock.now = 10.0  # claimed at 0 for 30 s: a renewal now would make it lapse at 40
     before, states = state(running), byte_states(running)
     fields = {
         "owner": fault.get("owner", "sched-1"),
@@ -560,7 +561,7 @@ async def test_a_bad_written_blocks_refuses_the_whole_step_and_marks_nothing(
         await manager_step(client, [update("B", range(100, 108))], **fields)
     assert err.value.code is StatusCode[code.name]
     assert err.value.message == message.format(epoch=epoch)
-    assert (state(running), byte_states(running)) == (before, states)
+    assert (state(running), byte_states(running), running.engine.claim.expires_at) == (before, states, 30.0)
     assert (running.servicer.data_plane.num_blocks_marked_in_place, running.servicer.data_plane.num_marks_skipped) == (
         0,
         0,

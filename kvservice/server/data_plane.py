@@ -91,6 +91,7 @@ import xxhash
 from kvservice.core.engine import KVCacheEngine
 from kvservice.core.request import Request
 from kvservice.memory import KVCacheTensors
+from kvservice.server.event_log import MAX_EPOCH_BYTES
 from kvservice.server.settings import DATA_WORKER_PRIORITIES
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 
@@ -739,13 +740,25 @@ class DataPlane:
 
         Raises:
             DataPlaneError: FAILED_PRECONDITION without KV memory or on another ``written_epoch``;
-                INVALID_ARGUMENT naming ``written_blocks[i]`` and its field (no request id, an
-                allocation id of 0, more groups than the server's, a block id out of range).
+                INVALID_ARGUMENT naming ``written_epoch`` (not set, longer than
+                :data:`~kvservice.server.event_log.MAX_EPOCH_BYTES`) or ``written_blocks[i]`` and its
+                field (no request id, an allocation id of 0, more groups than the server's, a block
+                id out of range).
         """
         if not written:
             return
         if not self.has_memory:
             raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, f"written_blocks: {NO_MEMORY}")
+        if not epoch:
+            raise DataPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "written_epoch: must be set with written_blocks (the epoch of their allocation ids: "
+                "ManagerStepResponse.epoch)",
+            )
+        if len(epoch.encode()) > MAX_EPOCH_BYTES:  # the refusal below quotes it
+            raise DataPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"written_epoch: longer than {MAX_EPOCH_BYTES} bytes"
+            )
         if epoch != self.epoch:
             raise DataPlaneError(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -804,8 +804,8 @@ class KVCacheServicer:
         Refused whole, with nothing run: past its deadline (DEADLINE_EXCEEDED), above
         ``max_step_ops`` calls (INVALID_ARGUMENT naming ``calls``), a bad owner or claim_ttl_s
         (INVALID_ARGUMENT), the pool claimed by another live owner (FAILED_PRECONDITION naming it),
-        a malformed ``written_blocks`` (INVALID_ARGUMENT naming the entry and field; FAILED_PRECONDITION
-        for another ``written_epoch`` or a server without KV memory). ``written_blocks`` are marked
+        a malformed ``written_blocks`` or ``written_epoch`` (INVALID_ARGUMENT naming the entry and field;
+        FAILED_PRECONDITION for another ``written_epoch`` or a server without KV memory). ``written_blocks`` are marked
         before the calls run (:meth:`kvservice.server.data_plane.DataPlane.mark_written_in_place`).
         """
         if self._deadline_passed(context):

@@ -170,14 +170,19 @@ def prompt_of(family: int, turn: int) -> list[int]:
     ]
 
 
+async def admit_and_free(client, request_id: str, prompt: list[int], **fields: Any) -> None:
+    """One request's whole life: its lookup, its allocation (cached blocks announced), its free."""
+    await client.get_computed_blocks(request_id, prompt, **fields)
+    assert (await client.allocate_slots(request_id, len(prompt))).allocated
+    await client.free(request_id)
+
+
 async def workload(client, tag: str, num_requests: int) -> None:
     """Shared prefixes, both report modes, and evictions (16 blocks of 4 tokens)."""
     for i in range(num_requests):
         prompt = prompt_of(i % 4, i // 4)
         mode = "full" if i % 2 else "incremental"
-        await client.get_computed_blocks(f"{tag}{i}", prompt, kv_cache_report_mode=mode)
-        assert (await client.allocate_slots(f"{tag}{i}", len(prompt))).allocated
-        await client.free(f"{tag}{i}")
+        await admit_and_free(client, f"{tag}{i}", prompt, kv_cache_report_mode=mode)
 
 
 PROBES = [prompt_of(f, t) + [1] for f in range(5) for t in range(6)]
@@ -211,10 +216,7 @@ async def assert_dynamo_equals(indexer: DynamoIndexer, running, client, dropped:
         )
         polls += 1
         if polls % NUDGE_EVERY == 0:
-            prompt = [50_000 + polls] * 8
-            await client.get_computed_blocks(f"nudge{polls}", prompt)
-            assert (await client.allocate_slots(f"nudge{polls}", len(prompt))).allocated
-            await client.free(f"nudge{polls}")
+            await admit_and_free(client, f"nudge{polls}", [50_000 + polls] * 8)
         await asyncio.sleep(POLL_S)
     hits = [await kvservice_hit(client, p) for p in PROBES]
     overlaps = [await indexer.overlap(p) for p in PROBES]
@@ -222,103 +224,116 @@ async def assert_dynamo_equals(indexer: DynamoIndexer, running, client, dropped:
     assert any(hits), "some probes hit"
 
 
-async def test_dynamo_follows_kvservice_through_restarts_and_short_retention(
-    start_kv_server,
-    connect,
-    indexers,
-    tmp_path,  # noqa: F811 (the fixtures imported above)
-):
-    endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    settings = {"zmq_endpoint": endpoint, "zmq_replay_endpoint": replay_endpoint, "event_max_batches": 6}
+class Followed:
+    """A kvservice publishing on ZMQ endpoints of its own and a Dynamo indexer registered on them.
 
+    Attributes:
+        running: the kvservice server now (a restart replaces it, on the same endpoints).
+        client: a client of ``running``.
+        indexer: the indexer process now (a restart replaces it).
+    """
+
+    def __init__(self, start_kv_server, connect, indexers, endpoint: str, replay_endpoint: str, settings) -> None:
+        self._start_kv_server, self._connect, self._indexers = start_kv_server, connect, indexers
+        self._endpoints = (endpoint, replay_endpoint)
+        self._settings = {"zmq_endpoint": endpoint, "zmq_replay_endpoint": replay_endpoint, **settings}
+        self.running: Any = None
+        self.client: Any = None
+        self.indexer: DynamoIndexer | None = None
+
+    async def start_server(self) -> None:
+        """Start kvservice (again) with the same settings and endpoints, and connect to it."""
+        self.running = await self._start_kv_server(**self._settings)
+        self.client = await self._connect(self.running)
+
+    async def restart_server(self) -> None:
+        """Stop kvservice and start a new one (another epoch) on the same endpoints: Dynamo is not
+        told (no re-registration)."""
+        await self.running.stop(0)
+        await self.start_server()
+
+    async def start_indexer(self) -> None:
+        """Start a Dynamo indexer process (empty) and register the worker with it."""
+        self.indexer = self._indexers()
+        await self.indexer.wait_healthy()
+        await self.indexer.register(*self._endpoints)
+
+    async def assert_dynamo_equals(self, dropped: frozenset[int] = frozenset()) -> None:
+        """:func:`assert_dynamo_equals` of the indexer and the server now."""
+        await assert_dynamo_equals(self.indexer, self.running, self.client, dropped)
+
+
+@pytest.fixture
+def follow(start_kv_server, connect, indexers, tmp_path):
+    """Factory: ``await follow(**settings)`` starts kvservice (:data:`SMALL_SERVER` with ``settings``)
+    on ZMQ endpoints under ``tmp_path``, and an indexer registered on them (:class:`Followed`)."""
+
+    async def start(**settings: Any) -> Followed:
+        followed = Followed(
+            start_kv_server, connect, indexers, f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay", settings
+        )
+        await followed.start_server()
+        await followed.start_indexer()
+        return followed
+
+    return start
+
+
+async def test_dynamo_follows_kvservice_through_restarts_and_short_retention(follow):
     # 1. A fresh indexer follows a live kvservice (seq far above 0 at attach: a replay from 0).
-    running = await start_kv_server(**settings)
-    client = await connect(running)
-    indexer = indexers()
-    await indexer.wait_healthy()
-    await indexer.register(endpoint, replay_endpoint)
-    await workload(client, "a", 24)
-    assert running.event_log.head_seq > 6  # the history is longer than the retention
-    assert running.engine.manager.block_pool.num_evictions > 0
-    await assert_dynamo_equals(indexer, running, client)
-    before_restart = cached(running)
+    f = await follow(event_max_batches=6)
+    await workload(f.client, "a", 24)
+    assert f.running.event_log.head_seq > 6  # the history is longer than the retention
+    assert f.running.engine.manager.block_pool.num_evictions > 0
+    await f.assert_dynamo_equals()
+    before_restart = cached(f.running)
 
     # 2. kvservice restarts on the same endpoints: the wire seq jumps, Dynamo asks for the gap and
     #    is answered with the new epoch's start (AllBlocksCleared) or a snapshot; no re-registration.
-    await running.stop(0)
-    running = await start_kv_server(**settings)
-    client = await connect(running)
-    await workload(client, "b", 6)
-    assert before_restart - cached(running), "the dead server held blocks the new one does not"
-    await assert_dynamo_equals(indexer, running, client)
+    await f.restart_server()
+    await workload(f.client, "b", 6)
+    assert before_restart - cached(f.running), "the dead server held blocks the new one does not"
+    await f.assert_dynamo_equals()
 
     # 3. The indexer restarts (a new process, registered as a new one), after more history than is
     #    retained: its replay from 0 is answered with a snapshot.
-    await workload(client, "c", 20)
-    indexer.stop()
-    assert running.event_log.oldest_seq > 1
-    indexer = indexers()
-    await indexer.wait_healthy()
-    await indexer.register(endpoint, replay_endpoint)
-    snapshots = running.zmq_publisher.num_snapshot_replays
-    await workload(client, "d", 4)
-    await assert_dynamo_equals(indexer, running, client)
-    assert running.zmq_publisher.num_snapshot_replays > snapshots
+    await workload(f.client, "c", 20)
+    f.indexer.stop()
+    assert f.running.event_log.oldest_seq > 1
+    await f.start_indexer()
+    snapshots = f.running.zmq_publisher.num_snapshot_replays
+    await workload(f.client, "d", 4)
+    await f.assert_dynamo_equals()
+    assert f.running.zmq_publisher.num_snapshot_replays > snapshots
 
 
-async def test_dynamo_catches_up_on_a_restart_with_a_snapshot_bigger_than_the_replay_high_water_mark(
-    start_kv_server,
-    connect,
-    indexers,
-    tmp_path,  # noqa: F811 (the fixtures imported above)
-):
+async def test_dynamo_catches_up_on_a_restart_with_a_snapshot_bigger_than_the_replay_high_water_mark(follow):
     """A restarted kvservice with a one-batch retention (a replay socket high-water mark of 4
     messages) and over 128 cached blocks, far more than snapshot_part_tokens (4) per gRPC part: Dynamo,
     still holding the dead server's blocks, sees the seq jump, asks for the gap and is answered with
     the snapshot as one batch, and ends equal to the new server's cached set."""
-    endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    settings = {
-        "zmq_endpoint": endpoint,
-        "zmq_replay_endpoint": replay_endpoint,
-        "event_max_batches": 1,
-        "snapshot_part_tokens": 4,
-        "num_blocks": 256,
-    }
-    running = await start_kv_server(**settings)
-    client = await connect(running)
-    indexer = indexers()
-    await indexer.wait_healthy()
-    await indexer.register(endpoint, replay_endpoint)
-    await workload(client, "a", 8)
-    await assert_dynamo_equals(indexer, running, client)
-    before_restart = cached(running)
+    f = await follow(event_max_batches=1, snapshot_part_tokens=4, num_blocks=256)
+    await workload(f.client, "a", 8)
+    await f.assert_dynamo_equals()
+    before_restart = cached(f.running)
 
-    await running.stop(0)
-    running = await start_kv_server(**settings)
-    client = await connect(running)
+    await f.restart_server()
+    running, client = f.running, f.client
     await workload(client, "b", 4)  # the probes' prefixes again, without the dead server's later turns
     probed = cached(running)
     for i in range(64):  # 128 more blocks
-        prompt = [200_000 + 10 * i + t for t in range(8)]
-        await client.get_computed_blocks(f"big{i}", prompt)
-        assert (await client.allocate_slots(f"big{i}", len(prompt))).allocated
-        await client.free(f"big{i}")
+        await admit_and_free(client, f"big{i}", [200_000 + 10 * i + t for t in range(8)])
     assert len(cached(running)) == len(probed) + 128
     assert before_restart - cached(running), "the dead server held blocks the new one does not"
     snapshot = await running.snapshots.get()
     await snapshot.wait_done()
     assert len(snapshot.parts) > 2 * (1 + 1)  # the gRPC snapshot's parts would overflow the replay socket
-    await assert_dynamo_equals(indexer, running, client)
+    await f.assert_dynamo_equals()
     assert running.zmq_publisher.num_snapshot_replays >= 1
     assert running.zmq_publisher.num_replays_abandoned == 0
 
 
-async def test_dynamo_drops_token_less_tier_blocks_and_their_children_and_follows_the_rest(
-    start_kv_server,
-    connect,
-    indexers,
-    tmp_path,  # noqa: F811 (the fixtures imported above)
-):
+async def test_dynamo_drops_token_less_tier_blocks_and_their_children_and_follows_the_rest(follow):
     """Blocks a tier stores by hash without token ids (docs/tier.md: the marked exception to
     tokens = hashes x block size) reach Dynamo 1.6.1 on the ZMQ wire, and it cannot index them: it
     keys its tree by its own hash of each block's tokens, so it drops such a BlockStored ("token_ids
@@ -329,14 +344,10 @@ async def test_dynamo_drops_token_less_tier_blocks_and_their_children_and_follow
     evictions of all of these) it follows as before."""
     from kvservice_client.hashing import BlockHasher, block_hash_to_int
 
-    endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    running = await start_kv_server(device="cpu", zmq_endpoint=endpoint, zmq_replay_endpoint=replay_endpoint)
-    client = await connect(running)
-    indexer = indexers()
-    await indexer.wait_healthy()
-    await indexer.register(endpoint, replay_endpoint)
+    f = await follow(device="cpu")
+    running, client, indexer = f.running, f.client, f.indexer
     await workload(client, "a", 8)
-    await assert_dynamo_equals(indexer, running, client)
+    await f.assert_dynamo_equals()
 
     hasher = BlockHasher(BLOCK_SIZE)
     size = (await client.get_kv_cache_group_metadata()).groups[0].bytes_per_block
@@ -349,16 +360,12 @@ async def test_dynamo_drops_token_less_tier_blocks_and_their_children_and_follow
         assert (put.reserved, put.num_blocks_written) == (True, 2), put
     child = [*tokenless, 90_000, 90_001, 90_002, 90_003, 1]  # a scheduler's prompt extending the tier's prefix
     assert await kvservice_hit(client, child) == 8
-    await client.get_computed_blocks("child", child)
-    assert (await client.allocate_slots("child", len(child))).allocated
-    await client.free("child")
+    await admit_and_free(client, "child", child)
     marker = [95_000 + t for t in range(4)] + [1]  # indexed: a view with it has seen everything before it
-    await client.get_computed_blocks("marker", marker)
-    assert (await client.allocate_slots("marker", len(marker))).allocated
-    await client.free("marker")
+    await admit_and_free(client, "marker", marker)
     dropped = frozenset(block_hash_to_int(k) for k in hasher.hash_prompt(child[:12]))  # the tier's 2 and the child
     assert dropped <= cached(running) and len(dropped) == 3
-    await assert_dynamo_equals(indexer, running, client, dropped)
+    await f.assert_dynamo_equals(dropped)
     assert block_hash_to_int(hasher.hash_prompt(marker[:4])[0]) in await indexer.view()
     answers = [
         (await kvservice_hit(client, p), await indexer.overlap(p)) for p in ([*tokenless, 1], child, [*with_tokens, 1])
@@ -370,5 +377,5 @@ async def test_dynamo_drops_token_less_tier_blocks_and_their_children_and_follow
     # Evictions take the dropped blocks too: Dynamo skips their removals and still equals the rest.
     await workload(client, "b", 16)
     assert not dropped & cached(running)
-    await assert_dynamo_equals(indexer, running, client, dropped)
+    await f.assert_dynamo_equals(dropped)
     assert "Failed to find block to remove" in indexer.log_text()

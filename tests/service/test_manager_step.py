@@ -6,7 +6,9 @@ nothing of the failed one changes (the whole engine state compared). One schedul
 another owner's ManagerStep and the legacy mutating RPCs are FAILED_PRECONDITION naming the owner
 while its claim is live. ``return_events`` answers the step's batch as vLLM's msgpack. Generated
 ManagerCalls (valid and wild fields) are never INTERNAL, and each failed one changes nothing. A
-watcher's ManagerStep is PERMISSION_DENIED.
+watcher's ManagerStep is PERMISSION_DENIED. ``written_blocks`` are marked before the calls, once
+each and only for the allocation that computes them (the rest skipped and counted); a bad one
+refuses the whole step, naming the field and its bound, with nothing marked.
 
 The server is the service tests' small one: block size 4, 16 blocks (15 usable), max_model_len 64,
 the default hash rule (sha256_cbor, 32-byte digests).
@@ -403,6 +405,167 @@ async def test_an_admitted_request_writes_its_new_and_external_blocks_never_its_
     with pytest.raises(KVServiceError) as err:
         await awrite_blocks(client, "B", [(0, 5, block)], allocation=(1, response.epoch))
     assert err.value.message.startswith("chunks[0].allocation_id: 1 is not request 'B''s current allocation")
+
+
+# -- blocks written in place (written_blocks) ----------------------------------------------------------
+
+
+def written(request_id: str, allocation_id: int, *groups: Sequence[int]) -> pb.WrittenBlocks:
+    """One WrittenBlocks entry: ``groups[g]`` are group g's block ids."""
+    return pb.WrittenBlocks(
+        request_id=request_id, allocation_id=allocation_id, block_ids=[pb.GroupBlockIds(block_ids=g) for g in groups]
+    )
+
+
+def byte_states(running: RunningServer) -> list[int]:
+    """Each block's byte state (0 not written, 1 partial, 2 written), block 0 first."""
+    return list(running.servicer.data_plane.byte_state)
+
+
+async def test_written_blocks_are_marked_before_the_calls_and_the_rest_skipped_and_counted(start_kv_server, connect):
+    """A (allocation 1) holds blocks 1-3, B (allocation 2) blocks 4-5. A block is marked only for the
+    request that computes it, in the allocation that gave it, once; everything else is skipped, the
+    step goes on, and the answer counts both (in blocks)."""
+    running = await start_kv_server(device="cpu")  # memory: the data plane answers
+    client = await connect(running)
+    response = await manager_step(
+        client,
+        [
+            update("A", range(1, 13)),
+            allocate("A", num_new_tokens=12),
+            update("B", range(100, 108)),
+            allocate("B", num_new_tokens=8),
+        ],
+    )
+    a, b = response.results[1].allocated, response.results[3].allocated
+    assert (a.allocation_id, ids(a.block_ids), b.allocation_id, ids(b.block_ids)) == (1, [[1, 2, 3]], 2, [[4, 5]])
+    epoch = response.epoch
+    response = await manager_step(
+        client,
+        [estimate("A")],
+        written_blocks=[
+            written("A", 1, [1, 2, 1]),  # the second 1: already written
+            written("B", 2, [4, 1]),  # 1 is A's block
+            written("ghost", 1, [3]),  # no such request
+            written("A", 7, [3]),  # not A's allocation
+        ],
+        written_epoch=epoch,
+    )
+    assert (response.num_blocks_written, response.num_written_skipped) == (3, 4)
+    assert response.results[0].cached_tokens.num_cached_tokens == 12
+    assert byte_states(running) == [0, 2, 2, 0, 2, 0] + [0] * 10
+    digest = digests(range(1, 13))[0]
+    [block] = await aread_blocks(client, [(0, digest)])  # by hash: readable now
+    assert (block.block_id, block.data) == (1, bytes(running.engine.manager.metadata.groups[0].block_bytes))
+    # The marks run before the calls: A's block 3 is marked though the step frees A.
+    response = await manager_step(
+        client, [free("A"), free("B")], written_blocks=[written("A", 1, [3])], written_epoch=epoch
+    )
+    assert (response.num_blocks_written, response.num_written_skipped) == (1, 0)
+    # B was freed before its block 5 was reported: skipped. B admitted again is allocation 3: a
+    # report for its allocation 2 is skipped, for 3 marked.
+    response = await manager_step(
+        client,
+        [update("B", range(200, 208)), allocate("B", num_new_tokens=8)],
+        written_blocks=[written("B", 2, [5])],
+        written_epoch=epoch,
+    )
+    assert (response.num_blocks_written, response.num_written_skipped) == (0, 1)
+    again = response.results[1].allocated
+    assert (again.allocation_id, ids(again.block_ids)) == (3, [[6, 7]])
+    response = await manager_step(
+        client, [], written_blocks=[written("B", 2, [6]), written("B", 3, [6, 7])], written_epoch=epoch
+    )
+    assert (response.num_blocks_written, response.num_written_skipped) == (2, 1)
+    assert byte_states(running) == [0, 2, 2, 2, 2, 0, 2, 2] + [0] * 8
+    plane = running.servicer.data_plane
+    assert (plane.num_blocks_marked_in_place, plane.num_marks_skipped) == (6, 6)
+
+
+WRITTEN_REFUSALS = [
+    (
+        {"written_epoch": ""},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "written_epoch: must be set with written_blocks (the epoch of their allocation ids: ManagerStepResponse.epoch)",
+    ),
+    (
+        {"written_epoch": "an-old-epoch"},
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "written_epoch: 'an-old-epoch' is not this server's epoch {epoch!r} (the server restarted: the allocations are "
+        "gone); nothing was run",
+    ),
+    ({"written_epoch": "e" * 257}, grpc.StatusCode.INVALID_ARGUMENT, "written_epoch: longer than 256 bytes"),
+    ({"entry": written("", 1, [2])}, grpc.StatusCode.INVALID_ARGUMENT, "written_blocks[1].request_id: must be set"),
+    (
+        {"entry": written("A", 0, [2])},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "written_blocks[1].allocation_id: must be >= 1",
+    ),
+    (
+        {"entry": written("A", 1, [2], [3])},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "written_blocks[1].block_ids: 2 groups; the server has 1",
+    ),
+    (
+        {"entry": written("A", 1, [2, 0])},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "written_blocks[1].block_ids[0].block_ids[1]: 0 is out of range [1, 16) (0 is the null block)",
+    ),
+    (
+        {"entry": written("A", 1, [16])},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "written_blocks[1].block_ids[0].block_ids[0]: 16 is out of range [1, 16) (0 is the null block)",
+    ),
+    (
+        {"owner": "sched-2"},
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "owner: the pool is owned by scheduler 'sched-1' (its claim lapses in 20.0 s unless renewed); one "
+        "scheduler owns a pool at a time",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "message"),
+    WRITTEN_REFUSALS,
+    ids=[
+        "no-epoch",
+        "other-epoch",
+        "long-epoch",
+        "no-request-id",
+        "allocation-0",
+        "groups",
+        "null-block",
+        "block-16",
+        "owner",
+    ],
+)
+async def test_a_bad_written_blocks_refuses_the_whole_step_and_marks_nothing(
+    start_kv_server, connect, fault, code, message
+):
+    """A valid report first, then the fault: nothing is marked (the valid one neither), no call runs,
+    the claim is not taken or renewed; the status names the field and its bound."""
+    running = await start_kv_server(device="cpu")
+    running.engine.clock = clock = FakeClock()
+    client = await connect(running)
+    response = await manager_step(client, [update("A", range(1, 13)), allocate("A", num_new_tokens=12)])
+    epoch = response.epoch
+    clock.now = 10.0  # claimed at 0 for 30 s: a renewal now would make it lapse at 40
+    before, states = state(running), byte_states(running)
+    fields = {
+        "owner": fault.get("owner", "sched-1"),
+        "written_blocks": [written("A", 1, [1]), fault.get("entry", written("A", 1, [2]))],
+        "written_epoch": fault.get("written_epoch", epoch),
+    }
+    with pytest.raises(KVServiceError) as err:
+        await manager_step(client, [update("B", range(100, 108))], **fields)
+    assert err.value.code is StatusCode[code.name]
+    assert err.value.message == message.format(epoch=epoch)
+    assert (state(running), byte_states(running), running.engine.claim.expires_at) == (before, states, 30.0)
+    assert (running.servicer.data_plane.num_blocks_marked_in_place, running.servicer.data_plane.num_marks_skipped) == (
+        0,
+        0,
+    )
 
 
 # -- the claim ----------------------------------------------------------------------------------------

@@ -69,9 +69,16 @@ async def use(client: KVCacheClient, aclient: AsyncKVCacheClient) -> None:
     taken: pb.TakeEventsResponse = client.take_events("c", max_batches=2)
     meta: pb.GetKVCacheGroupMetadataResponse = await aclient.get_kv_cache_group_metadata()
     pong: pb.PingResponse = KVCacheClient.ping(client, b"x")
+    put: pb.PutBlocksResponse = client.put_blocks(0, [(b"k" * 32, b"")], chunk_bytes=4)
+    aput: pb.PutBlocksResponse = await aclient.put_blocks(0, [], bytes_per_block=4)
+    attached: pb.AttachKVCacheResponse = await aclient.attach_kv_cache(timeout=1.0)
+    wrote: pb.WriteBlocksResponse = client.write_blocks("r", [(0, 1, b"")], chunk_bytes=4)
     channel: grpc.Channel = client.channel
     achannel: grpc.aio.Channel = aclient.channel
     client.ping(1)  # E: arg-type
+    unawaited_put: pb.PutBlocksResponse = aclient.put_blocks(0, [])  # E: assignment
+    client.put_blocks(0, [], chunk=4)  # E: call-arg
+    client.write_blocks(1, [])  # E: arg-type
     client.free("r", bogus=1)  # E: call-arg
     client.allocate_slots("r", 4, 0)  # E: call-arg
     wrong: pb.PingResponse = client.free("r")  # E: assignment

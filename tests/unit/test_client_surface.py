@@ -25,12 +25,12 @@ from kvservice_client import (
     StepBuilder,
     TLSConfig,
 )
-from kvservice_client._facade import _RPC, unary
+from kvservice_client._facade import _RPC, _PlanMethod, unary
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
-from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods
+from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods, DataPlaneRPCs
 from kvservice_client.rpc_table import KV_CACHE_SERVICE, snake_case
-from kvservice_client.tier import AsyncTierMethods, BlockingTierMethods, TierRPCs
+from kvservice_client.tier import TierRPCs
 from kvservice_client.tls import resolve_channel_security
 
 ISSUE_NAMES = {
@@ -204,10 +204,10 @@ DEFAULT_RPC_METHODS = {
 }
 
 # The RPCs whose method is a plain data-plane helper (kvservice_client.data) over the default.
-DATA_PLANE_METHODS = ("attach_kv_cache", "write_blocks", "read_blocks")
+DATA_PLANE_METHODS = ("read_blocks",)
 
 # The tier's unary RPCs (kvservice_client.tier.TierRPCs entries) and their answers; PutBlocks is a
-# plain helper (kvservice_client.tier.BlockingTierMethods) over the default.
+# plan entry of the same table (it asks the layout first when it must), over the default.
 TIER_RPC_METHODS = {
     "lookup_blocks": "pb.LookupBlocksResponse",
     "reserve_blocks": "pb.ReserveBlocksResponse",
@@ -215,7 +215,14 @@ TIER_RPC_METHODS = {
     "lease_blocks": "pb.LeaseBlocksResponse",
     "release_lease": "pb.ReleaseLeaseResponse",
 }
-TIER_PLAIN_METHODS = ("put_blocks",)
+
+# The methods that are plans (entries of kvservice_client.tier.TierRPCs and
+# kvservice_client.data.DataPlaneRPCs): the RPCs each calls, and its answer.
+PLAN_METHODS = {
+    "put_blocks": (TierRPCs, ("GetKVCacheGroupMetadata", "PutBlocks"), "pb.PutBlocksResponse"),
+    "attach_kv_cache": (DataPlaneRPCs, ("AttachKVCache",), "pb.AttachKVCacheResponse"),
+    "write_blocks": (DataPlaneRPCs, ("GetKVCacheGroupMetadata", "WriteBlocks"), "pb.WriteBlocksResponse"),
+}
 
 
 def _entries() -> dict[str, _RPC]:
@@ -245,15 +252,20 @@ def test_each_rpc_of_the_table_is_a_plain_function_of_each_client():
     """Both clients' RPC methods come from one table (the generated defaults, some replaced by the
     hand-written entries of client._KVCacheServiceRPCs); each client holds its own function per
     entry, with the entry's docstring and the method's return type."""
-    entries = {n: e for n, e in _entries().items() if n not in DATA_PLANE_METHODS + TIER_PLAIN_METHODS}
+    entries = {n: e for n, e in _entries().items() if n not in (*DATA_PLANE_METHODS, *PLAN_METHODS)}
     unary_methods = {**RPC_METHODS, **DEFAULT_RPC_METHODS, **TIER_RPC_METHODS}
     assert set(entries) == {*unary_methods, "stream_events"}
     for name in DATA_PLANE_METHODS:  # the helpers replace the generated defaults
         assert inspect.getattr_static(KVCacheClient, name) is inspect.getattr_static(BlockingDataPlaneMethods, name)
         assert inspect.getattr_static(AsyncKVCacheClient, name) is inspect.getattr_static(AsyncDataPlaneMethods, name)
-    for name in TIER_PLAIN_METHODS:
-        assert inspect.getattr_static(KVCacheClient, name) is inspect.getattr_static(BlockingTierMethods, name)
-        assert inspect.getattr_static(AsyncKVCacheClient, name) is inspect.getattr_static(AsyncTierMethods, name)
+    for name, (table, calls, answer) in PLAN_METHODS.items():  # run by the blocking client, awaited by the async one
+        plan = vars(table)[name]
+        assert isinstance(plan, _PlanMethod) and plan.calls == calls
+        for cls in (KVCacheClient, AsyncKVCacheClient):
+            function = vars(cls)[name]
+            assert (function.__qualname__, function.__module__) == (f"{cls.__name__}.{name}", "kvservice_client.client")
+            assert (function.__doc__, inspect.signature(function).return_annotation) == (plan.doc, answer)
+            assert inspect.iscoroutinefunction(function) == (cls is AsyncKVCacheClient)
     returns = {
         cls: {name: inspect.signature(vars(cls)[name]).return_annotation for name in entries}
         for cls in (KVCacheClient, AsyncKVCacheClient)
@@ -520,6 +532,7 @@ def test_retry_codes_match_whichever_enum_they_are_given_in():
         ("get_usage", (1, 2), {}, "get_usage() takes from 1 to 2 positional arguments but 3 were given"),
         ("get_usage", (), {"bar": 1}, "get_usage() got an unexpected keyword argument 'bar'"),
         ("get_computed_blocks", (), {}, "get_computed_blocks() missing 1 required positional argument: 'request_id'"),
+        ("put_blocks", (0, []), {"chunk": 4}, "put_blocks() got an unexpected keyword argument 'chunk'"),
     ],
 )
 async def test_a_wrong_call_names_the_clients_method(cls, name, args, kwargs, message):

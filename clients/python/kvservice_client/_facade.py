@@ -19,7 +19,10 @@ Where the entries come from:
   docstring is the RPC's comment in the proto);
 * the client module replaces a default with a friendlier builder (keyword arguments for the common
   fields) through :func:`facade`, which takes the RPC's name, kind and response type from the
-  default, so nothing about the RPC is written twice.
+  default, so nothing about the RPC is written twice;
+* a method that makes more than one call (a layout asked before a stream) is a *plan* entry
+  (:class:`_PlanMethod`, made by :func:`plan_method` from the default entries of the RPCs it calls):
+  written once as a generator, run by the blocking client and awaited by the async one.
 
 This module imports neither the client nor the generated code (both import it).
 """
@@ -28,7 +31,17 @@ from __future__ import annotations
 
 import datetime
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, Union, overload
 
 from google.protobuf.message import Message
@@ -36,11 +49,15 @@ from google.protobuf.message import Message
 __all__ = [
     "AsyncClientBase",
     "Metadata",
+    "Plan",
     "SyncClientBase",
     "Timeout",
+    "await_plan",
     "facade",
+    "plan_method",
     "request_message",
     "request_stream",
+    "run_plan",
     "server_stream",
     "unary",
 ]
@@ -87,6 +104,26 @@ class _AsyncCaller(Protocol):
     def _rpc(self, method: str, request: object, timeout: Timeout, metadata: Metadata) -> Awaitable[object]: ...
 
 
+def _call_as(
+    method: Callable[..., object],
+    build: Callable[..., _R],
+    signature: inspect.Signature,
+    client: object,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+) -> _R:
+    """``build(client, *args, **kwargs)``; a TypeError of wrong arguments names the client's
+    ``method`` (``KVCacheClient.ping()``), not ``build``."""
+    try:
+        return build(client, *args, **kwargs)
+    except TypeError as exc:
+        try:
+            signature.bind(client, *args, **kwargs)
+        except TypeError:  # the call's arguments are wrong: name the client's method, not the builder
+            raise TypeError(str(exc).replace(f"{build.__qualname__}()", f"{method.__qualname__}()", 1)) from None
+        raise
+
+
 class _RPC:
     """One entry: the RPC ``method`` (its proto name), ``build`` (the client method's parameters and
     docstring; called with the method's arguments, it returns the request message, or an iterable
@@ -117,6 +154,11 @@ class _RPC:
         self.returns = returns
         self.convert = convert
 
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The RPCs (proto names) the method calls: its own."""
+        return (self.method,)
+
     def __get__(self, client: object, owner: type | None = None) -> object:
         # Reached only through a table class itself: each client class holds its own function
         # under the entry's name (_install_rpcs), which shadows the entry.
@@ -134,16 +176,7 @@ class _RPC:
         signature = inspect.signature(build)
 
         def request_of(client: object, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
-            try:
-                return build(client, *args, **kwargs)
-            except TypeError as exc:
-                try:
-                    signature.bind(client, *args, **kwargs)
-                except TypeError:  # the call's arguments are wrong: name the client's method, not the builder
-                    raise TypeError(
-                        str(exc).replace(f"{build.__qualname__}()", f"{function.__qualname__}()", 1)
-                    ) from None
-                raise
+            return _call_as(function, build, signature, client, args, kwargs)
 
         def call(client: _SyncCaller, *args: object, **kwargs: Any) -> object:
             request = request_of(client, args, kwargs)
@@ -164,9 +197,9 @@ class _RPC:
         return function
 
 
-class _UnaryRPC(_RPC, Generic[_P, _R]):
-    """A unary-response RPC: the sync client's method returns ``_R``, the async client's is a
-    coroutine of it."""
+class _UnaryMethod(Generic[_P, _R]):
+    """What a type checker sees of an entry whose sync client method returns ``_R`` and whose async
+    one is a coroutine of it (an RPC's or a plan's)."""
 
     @overload
     def __get__(self, client: None, owner: type[SyncClientBase]) -> Callable[Concatenate[SyncClientBase, _P], _R]: ...
@@ -183,7 +216,14 @@ class _UnaryRPC(_RPC, Generic[_P, _R]):
     @overload
     def __get__(self, client: object, owner: type | None = None) -> object: ...  # through a table class: the entry
     def __get__(self, client: object, owner: type | None = None) -> object:
-        return super().__get__(client, owner)
+        # Reached only through a table class itself: each client class holds its own function
+        # under the entry's name (_install_rpcs), which shadows the entry.
+        return self
+
+
+class _UnaryRPC(_UnaryMethod[_P, _R], _RPC):
+    """A unary-response RPC: the sync client's method returns ``_R``, the async client's is a
+    coroutine of it."""
 
 
 class _StreamRPC(_RPC, Generic[_P, _R]):
@@ -263,6 +303,104 @@ def facade(
         if (returns is None) != (convert is None):
             raise TypeError(f"{build.__qualname__}: give both returns and convert, or neither")
         return _UnaryRPC(default.method, build, returns or default.returns, convert)
+
+    return entry
+
+
+Plan = Generator[Any, Any, _R]
+"""A method or helper written once for both clients: a generator that takes the client first,
+yields each call it makes (what a client method or the client's ``_rpc`` returns), is sent that
+call's answer, and returns the result (:func:`run_plan`, :func:`await_plan`)."""
+
+
+def _advance(steps: Generator[object, object, object], answer: object) -> tuple[bool, Any]:
+    """Sends ``answer`` into a running plan: ``(True, its result)`` once it returns, else
+    ``(False, the next call it makes)``."""
+    try:
+        return False, steps.send(answer)
+    except StopIteration as done:
+        return True, done.value
+
+
+def run_plan(steps: Generator[object, object, _R]) -> _R:
+    """A plan's result on the blocking client, whose calls answer at once."""
+    done, value = _advance(steps, None)
+    while not done:
+        done, value = _advance(steps, value)
+    result: _R = value
+    return result
+
+
+async def await_plan(steps: Generator[object, object, _R]) -> _R:
+    """A plan's result on the ``grpc.aio`` client, awaiting each call it makes."""
+    done, value = _advance(steps, None)
+    while not done:
+        done, value = _advance(steps, await value)
+    result: _R = value
+    return result
+
+
+def plan_returns(plan: Callable[..., object]) -> str:
+    """What a plan's helper returns: the ``X`` of its ``Plan[X]`` return annotation.
+
+    Raises:
+        TypeError: a plan annotated otherwise (named).
+    """
+    returns = plan.__annotations__.get("return", "")
+    for prefix in ("Plan[", "_Plan["):
+        if isinstance(returns, str) and returns.startswith(prefix) and returns.endswith("]"):
+            return returns[len(prefix) : -1]
+    raise TypeError(f"{plan.__qualname__}: annotate its return as Plan[<what the helper returns>]")
+
+
+class _PlanMethod(_UnaryMethod[_P, _R]):
+    """A client method written once as a :data:`Plan` (``plan``, the client its first parameter):
+    the blocking client's method runs it, the async client's is a coroutine awaiting each call.
+    ``calls``: the RPCs (proto names) it may make, each an RPC of the client's table; ``doc``: the
+    method's docstring (None: the plan's)."""
+
+    def __init__(self, plan: Callable[..., Plan[_R]], calls: tuple[str, ...], doc: str | None) -> None:
+        self.plan = plan
+        self.calls = calls
+        self.doc = plan.__doc__ if doc is None else doc
+        self.returns = plan_returns(plan)
+
+    def function(self, asynchronous: bool) -> Callable[..., object]:
+        """The client method: the plan run on the client (awaited by the async client)."""
+        plan = self.plan
+        signature = inspect.signature(plan)
+
+        def call(client: object, *args: object, **kwargs: object) -> object:
+            return run_plan(_call_as(function, plan, signature, client, args, kwargs))
+
+        async def call_async(client: object, *args: object, **kwargs: object) -> object:
+            return await await_plan(_call_as(function, plan, signature, client, args, kwargs))
+
+        function = call_async if asynchronous else call
+        client, *rest = signature.parameters.values()
+        function.__doc__ = self.doc
+        function.__annotations__ = {**plan.__annotations__, "return": self.returns}
+        function.__annotations__.pop(client.name, None)
+        function.__dict__["__signature__"] = signature.replace(
+            parameters=[client.replace(name="self", annotation=inspect.Parameter.empty), *rest],
+            return_annotation=self.returns,
+        )
+        return function
+
+
+def plan_method(
+    *calls: _RPC, doc: str | None = None
+) -> Callable[[Callable[Concatenate[_C, _P], Plan[_R]]], _PlanMethod[_P, _R]]:
+    """Makes a plan the clients' method that makes the calls of ``calls`` (entries of the RPC table,
+    as :func:`facade` takes them), with ``doc`` as its docstring (None: the plan's).
+
+    Example (in a client's table)::
+
+        put_blocks = plan_method(rpcs.get_kv_cache_group_metadata, rpcs.put_blocks)(_put_blocks)
+    """
+
+    def entry(plan: Callable[Concatenate[_C, _P], Plan[_R]]) -> _PlanMethod[_P, _R]:
+        return _PlanMethod(plan, tuple(c.method for c in calls), doc)
 
     return entry
 

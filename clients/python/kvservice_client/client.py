@@ -55,6 +55,7 @@ from kvservice_client._facade import (
     Metadata,
     SyncClientBase,
     Timeout,
+    _PlanMethod,
     facade,
     request_message,
 )
@@ -62,7 +63,7 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.convert import PayloadFormatLike
-from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods
+from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods, DataPlaneRPCs
 from kvservice_client.errors import KVServiceError, StatusCode
 from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
     ReportMode,
@@ -87,7 +88,7 @@ from kvservice_client.step import (
     step_request,
     step_results,
 )
-from kvservice_client.tier import AsyncTierMethods, BlockingTierMethods, TierRPCs
+from kvservice_client.tier import TierRPCs
 from kvservice_client.tls import TLSConfig, resolve_channel_security
 
 if TYPE_CHECKING:
@@ -685,7 +686,7 @@ class _KVCacheServiceRPCs:
 # Some of the generated defaults' names are in _KVCacheServiceRPCs too, with the friendlier
 # signatures that replace them: the first base's wins, at runtime (_install_rpcs) and for mypy alike.
 # mypy reports each such pair where a client class binds them (the two ignores below).
-class _ClientBase(_KVCacheServiceRPCs, TierRPCs, rpcs.KVCacheServiceMethods, Generic[_ChannelT, _StubT]):
+class _ClientBase(_KVCacheServiceRPCs, TierRPCs, DataPlaneRPCs, rpcs.KVCacheServiceMethods, Generic[_ChannelT, _StubT]):
     """What both clients share: the channel, the calls of each RPC of ``_service``, the default
     deadline and metadata, and the RPC methods of the table. ``_channel_module`` is ``grpc`` or
     ``grpc.aio``."""
@@ -749,7 +750,7 @@ class _ClientBase(_KVCacheServiceRPCs, TierRPCs, rpcs.KVCacheServiceMethods, Gen
 
 
 class KVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
-    BlockingTierMethods, BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase
+    BlockingDataPlaneMethods, _ClientBase[grpc.Channel, pb_grpc.KVCacheServiceStub], SyncClientBase
 ):
     __doc__ = "Blocking client of ``kvservice.v1.KVCacheService`` (over a ``grpc.Channel``).\n" + _CLIENT_ARGS_DOC
 
@@ -783,7 +784,6 @@ class KVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the
 
 
 class AsyncKVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the generated default of its RPC, with another signature
-    AsyncTierMethods,
     AsyncDataPlaneMethods,
     _ClientBase[grpc.aio.Channel, "pb_grpc.KVCacheServiceAsyncStub"],
     AsyncClientBase,
@@ -819,22 +819,25 @@ class AsyncKVCacheClient(  # type: ignore[misc]  # a hand-written method replace
 
 
 def _install_rpcs(cls: type[_ClientBase[Any, Any]], asynchronous: bool) -> None:
-    """Gives ``cls`` a plain function per entry of its bases' tables, under the entry's name (an
-    entry of an earlier base replaces a later one's: the hand-written over the generated default;
-    a plain method of an earlier base, as the data-plane helpers, replaces both).
+    """Gives ``cls`` a plain function per entry of its bases' tables (an RPC's, or a plan's that
+    makes several calls), under the entry's name (an entry of an earlier base replaces a later
+    one's: the hand-written over the generated default; a plain method of an earlier base, as the
+    data-plane helpers, replaces both).
 
     Raises:
         TypeError: an entry of an RPC that ``cls._service`` does not have, or an RPC of it that no
             entry calls (the generated entries are stale: rerun ``scripts/gen_protos.py``).
     """
-    entries: dict[str, _RPC] = {}
+    entries: dict[str, _RPC | _PlanMethod[..., Any]] = {}
     for base in reversed(cls.__mro__):
-        entries.update((name, entry) for name, entry in vars(base).items() if isinstance(entry, _RPC))
+        entries.update((name, entry) for name, entry in vars(base).items() if isinstance(entry, (_RPC, _PlanMethod)))
     service = cls._service
-    unknown = sorted(f"{name} ({entry.method})" for name, entry in entries.items() if entry.method not in service.rpcs)
+    unknown = sorted(
+        f"{name} ({method})" for name, entry in entries.items() for method in entry.calls if method not in service.rpcs
+    )
     if unknown:
         raise TypeError(f"{cls.__qualname__}: methods of RPCs {service.name} does not have: {', '.join(unknown)}")
-    called = {entry.method for entry in entries.values()}
+    called = {method for entry in entries.values() for method in entry.calls}
     uncalled = [rpc.name for rpc in service if rpc.name not in called]
     if uncalled:
         raise TypeError(
@@ -843,7 +846,7 @@ def _install_rpcs(cls: type[_ClientBase[Any, Any]], asynchronous: bool) -> None:
         )
     for name, entry in entries.items():
         first = next(vars(base)[name] for base in cls.__mro__ if name in vars(base))
-        if not isinstance(first, _RPC):
+        if not isinstance(first, (_RPC, _PlanMethod)):
             continue  # a plain method of an earlier base (the data-plane helpers) over the entry
         function = entry.function(asynchronous)
         function.__name__ = name

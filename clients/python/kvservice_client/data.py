@@ -48,8 +48,17 @@ import xxhash
 # The client module takes this module's method classes as the clients' bases, so this module never
 # imports it (docs/ARCHITECTURE.md §1.3): the call aliases come from the facade both use, and a
 # client is what DataPlaneClient reads of it.
-from kvservice_client._facade import Metadata, Timeout  # noqa: E402 (after the note on why not client)
+from kvservice_client._facade import (  # noqa: E402 (after the note on why not client)
+    Metadata,
+    Timeout,
+    await_plan,
+    plan_method,
+    plan_returns,
+    run_plan,
+)
+from kvservice_client._facade import Plan as _Plan  # the helpers' return type, as they annotate it
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.errors import KVServiceError
 
 
@@ -74,6 +83,7 @@ __all__ = [
     "BlockRefLike",
     "BlockingDataPlaneMethods",
     "DataPlaneClient",
+    "DataPlaneRPCs",
     "Metadata",
     "ReadBlock",
     "aattach_kv_cache",
@@ -328,34 +338,21 @@ class _Assembler:
         return ReadBlock(chunk.block_index, chunk.group_idx, chunk.block_id, data, chunk.checksum, False)
 
 
-# Each unary helper is written once, as a plan: a generator that takes the client first, yields
-# each call it makes (what a client method or the client's ``_rpc`` returns) and is sent that
-# call's answer. _blocking runs a plan on a KVCacheClient, whose calls answer at once;
-# _awaiting runs it on an AsyncKVCacheClient, awaiting each call. Both give the helper the plan's
-# name, docstring and parameters.
-
-_Plan = Generator[Any, Any, _R]
-
-
-def _advance(steps: Generator[object, object, object], answer: object) -> tuple[bool, Any]:
-    """Sends ``answer`` into a running plan: ``(True, its result)`` once it returns, else
-    ``(False, the next call it makes)``."""
-    try:
-        return False, steps.send(answer)
-    except StopIteration as done:
-        return True, done.value
+# Each unary helper is written once, as a plan (kvservice_client._facade.Plan): a generator that
+# takes the client first, yields each call it makes (what a client method or the client's ``_rpc``
+# returns) and is sent that call's answer. _blocking runs a plan on a KVCacheClient, whose calls
+# answer at once; _awaiting runs it on an AsyncKVCacheClient, awaiting each call. Both give the
+# helper the plan's name, docstring and parameters.
 
 
 def _named(helper: Callable[..., object], plan: Callable[..., object], prefix: str, client_type: str) -> None:
-    returns = plan.__annotations__["return"]
-    if not (returns.startswith("_Plan[") and returns.endswith("]")):
-        raise TypeError(f"{plan.__qualname__}: annotate its return as _Plan[<what the helper returns>]")
+    returns = plan_returns(plan)
     signature = inspect.signature(plan)
     client, *rest = signature.parameters.values()
     helper.__name__ = helper.__qualname__ = prefix + plan.__name__.lstrip("_")
     helper.__doc__ = plan.__doc__
     helper.__dict__["__signature__"] = signature.replace(  # what inspect.signature reads (a function's __dict__)
-        parameters=[client.replace(annotation=client_type), *rest], return_annotation=returns[len("_Plan[") : -1]
+        parameters=[client.replace(annotation=client_type), *rest], return_annotation=returns
     )
 
 
@@ -365,12 +362,7 @@ def _blocking(
     """The helper that runs ``plan`` on a :class:`KVCacheClient`."""
 
     def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        steps = plan(client, *args, **kwargs)
-        done, value = _advance(steps, None)
-        while not done:
-            done, value = _advance(steps, value)
-        result: _R = value
-        return result
+        return run_plan(plan(client, *args, **kwargs))
 
     _named(helper, plan, "", "KVCacheClient")
     return helper
@@ -382,12 +374,7 @@ def _awaiting(
     """The helper (a coroutine function) that runs ``plan`` on an :class:`AsyncKVCacheClient`."""
 
     async def helper(client: DataPlaneClient, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        steps = plan(client, *args, **kwargs)
-        done, value = _advance(steps, None)
-        while not done:
-            done, value = _advance(steps, await value)
-        result: _R = value
-        return result
+        return await await_plan(plan(client, *args, **kwargs))
 
     _named(helper, plan, "a", "AsyncKVCacheClient")
     return helper
@@ -623,34 +610,21 @@ about one block in memory (see :meth:`read_blocks` for the arguments and errors)
 """
 
 
+class DataPlaneRPCs:
+    """The data plane's unary methods both clients have: plan entries of the client's RPC table
+    (see :mod:`kvservice_client._facade`), run by the blocking client and awaited by the async one.
+    The reads, a list or an iterator of a server stream, are :class:`BlockingDataPlaneMethods` /
+    :class:`AsyncDataPlaneMethods`."""
+
+    attach_kv_cache = plan_method(rpcs.attach_kv_cache, doc=_ATTACH_DOC)(_attach_kv_cache)
+    write_blocks = plan_method(rpcs.get_kv_cache_group_metadata, rpcs.write_blocks, doc=_WRITE_DOC)(_write_blocks)
+
+
 class BlockingDataPlaneMethods:
-    """The data plane as methods of :class:`~kvservice_client.client.KVCacheClient` (a base class
-    of it): the helpers of this module with the client as ``self``."""
+    """The data-plane reads as methods of :class:`~kvservice_client.client.KVCacheClient` (a base
+    class of it): the helpers of this module with the client as ``self``."""
 
     __slots__ = ()
-
-    def attach_kv_cache(self, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:
-        return attach_kv_cache(cast(DataPlaneClient, self), timeout=timeout, metadata=metadata)
-
-    def write_blocks(
-        self,
-        request_id: str,
-        blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
-        *,
-        allocation: Allocation | None = None,
-        chunk_bytes: int | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.WriteBlocksResponse:
-        return write_blocks(
-            cast(DataPlaneClient, self),
-            request_id,
-            blocks,
-            allocation=allocation,
-            chunk_bytes=chunk_bytes,
-            timeout=timeout,
-            metadata=metadata,
-        )
 
     def read_blocks(
         self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
@@ -662,38 +636,14 @@ class BlockingDataPlaneMethods:
     ) -> Iterator[ReadBlock]:
         return iter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
 
-    attach_kv_cache.__doc__, write_blocks.__doc__ = _ATTACH_DOC, _WRITE_DOC
     read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC
 
 
 class AsyncDataPlaneMethods:
-    """The data plane as methods of :class:`~kvservice_client.client.AsyncKVCacheClient` (a base
-    class of it), coroutines (``iter_read_blocks``: an async iterator)."""
+    """The data-plane reads as methods of :class:`~kvservice_client.client.AsyncKVCacheClient` (a
+    base class of it): ``read_blocks`` a coroutine, ``iter_read_blocks`` an async iterator."""
 
     __slots__ = ()
-
-    async def attach_kv_cache(self, *, timeout: Timeout = None, metadata: Metadata = None) -> pb.AttachKVCacheResponse:
-        return await aattach_kv_cache(cast(DataPlaneClient, self), timeout=timeout, metadata=metadata)
-
-    async def write_blocks(
-        self,
-        request_id: str,
-        blocks: Iterable[tuple[int, int, bytes | bytearray | memoryview]],
-        *,
-        allocation: Allocation | None = None,
-        chunk_bytes: int | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.WriteBlocksResponse:
-        return await awrite_blocks(
-            cast(DataPlaneClient, self),
-            request_id,
-            blocks,
-            allocation=allocation,
-            chunk_bytes=chunk_bytes,
-            timeout=timeout,
-            metadata=metadata,
-        )
 
     async def read_blocks(
         self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
@@ -705,5 +655,4 @@ class AsyncDataPlaneMethods:
     ) -> AsyncIterator[ReadBlock]:
         return aiter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
 
-    attach_kv_cache.__doc__, write_blocks.__doc__ = _ATTACH_DOC, _WRITE_DOC
     read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC

@@ -6,8 +6,9 @@ vLLM's ``OffloadKey`` packs (``make_offload_key(block_hash, group_idx)``). A blo
 digest of the server's hash algorithm (32 bytes for sha256*, 16 for xxhash*). See docs/tier.md for
 the contract (leases, events, the opaque layout, tensor parallelism).
 
-Both clients have these as methods (:class:`TierRPCs` entries and :class:`BlockingTierMethods` /
-:class:`AsyncTierMethods`, bases of ``KVCacheClient`` and ``AsyncKVCacheClient``)::
+Both clients have these as methods (the entries of :class:`TierRPCs`, a base of both clients'
+table: one RPC each, and ``put_blocks``, a plan run by the blocking client and awaited by the async
+one)::
 
     with KVCacheClient("unix:/run/kvservice.sock", token=tier_token) as client:
         present = client.lookup_blocks(0, [h0, h1]).present          # no side effect
@@ -31,15 +32,13 @@ from typing import Any, cast
 
 import xxhash
 
-from kvservice_client._facade import Metadata, Timeout, facade
+from kvservice_client._facade import Metadata, Timeout, facade, plan_method
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
-from kvservice_client.data import DataPlaneClient, _awaiting, _blocking, _Plan, _uint32
+from kvservice_client.data import _awaiting, _blocking, _Plan, _uint32
 from kvservice_client.request_builders import pack_token_ids
 
 __all__ = [
-    "AsyncTierMethods",
-    "BlockingTierMethods",
     "TierRPCs",
     "aput_blocks",
     "lease_blocks_request",
@@ -145,9 +144,119 @@ def lease_blocks_request(
     )
 
 
+# -- PutBlocks (client streaming) -------------------------------------------------------------------
+
+
+def put_blocks_messages(
+    header: pb.ReserveBlocksRequest, data: Sequence[bytes | bytearray | memoryview | None], chunk_bytes: int
+) -> Iterator[pb.PutBlocksMessage]:
+    """The PutBlocks stream: ``header``, then each key's bytes (``data[i]``; None: skip the key) in
+    chunks of at most ``chunk_bytes``, the last carrying its xxh3_64 checksum.
+
+    Raises:
+        ValueError: ``chunk_bytes < 1``, or ``len(data) != len(header.block_hashes)`` (before any
+            message is made).
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
+    if len(data) != len(header.block_hashes):
+        raise ValueError(f"data: {len(data)} blocks for {len(header.block_hashes)} keys")
+    return _put_messages(header, data, chunk_bytes)
+
+
+def _put_messages(
+    header: pb.ReserveBlocksRequest, data: Sequence[bytes | bytearray | memoryview | None], chunk_bytes: int
+) -> Iterator[pb.PutBlocksMessage]:
+    yield pb.PutBlocksMessage(header=header)
+    for index, block in enumerate(data):
+        if block is None:
+            continue
+        view = memoryview(block).cast("B")
+        hasher = xxhash.xxh3_64()
+        for offset in range(0, len(view), chunk_bytes):
+            piece = view[offset : offset + chunk_bytes]
+            hasher.update(piece)
+            chunk = pb.PutBlocksChunk(block_index=index, offset_bytes=offset, data=bytes(piece))
+            if offset + len(piece) == len(view):
+                chunk.checksum = hasher.intdigest()
+            yield pb.PutBlocksMessage(chunk=chunk)
+
+
+def _put_blocks(
+    client: Any,
+    group_idx: int,
+    blocks: Iterable[tuple[bytes, bytes | bytearray | memoryview]],
+    *,
+    parent_block_hashes: Sequence[bytes | None] | None = None,
+    token_ids: Any = None,
+    chunk_bytes: int | None = None,
+    bytes_per_block: int | None = None,
+    timeout: Timeout = None,
+    metadata: Metadata = None,
+) -> _Plan[pb.PutBlocksResponse]:
+    """Store blocks by key across hosts (PutBlocks: reserve, write and commit in one stream).
+
+    Args:
+        client: the service.
+        group_idx: the KV cache group of every key.
+        blocks: (block hash, the block's bytes) each, the bytes exactly the group's
+            ``bytes_per_block`` long.
+        parent_block_hashes, token_ids: as :meth:`TierRPCs.reserve_blocks`.
+        chunk_bytes: chunk size (None: the server's ``max_data_chunk_bytes``).
+        bytes_per_block: the group's ``bytes_per_block``, when the caller knows it already (from
+            its own GetKVCacheGroupMetadata): with ``chunk_bytes`` too, the layout is not asked
+            (one round trip less per call); a block of another size is then refused by the
+            server (INVALID_ARGUMENT naming the chunk; nothing of the call is stored).
+
+    Unless both ``chunk_bytes`` and ``bytes_per_block`` are given, the layout is asked first
+    (GetKVCacheGroupMetadata), so a block of the wrong size is refused by name before any byte is
+    sent.
+
+    Returns:
+        ``reserved`` (False: the pool is too full of pinned blocks; nothing changed), per key
+        ``status`` and ``block_ids``, ``num_blocks_written``, ``num_bytes_written``.
+
+    Raises:
+        ValueError, TypeError: a bad key or block (named), before any byte is sent.
+        KVServiceError: INVALID_ARGUMENT (a bad chunk or field, named), RESOURCE_EXHAUSTED,
+            FAILED_PRECONDITION (no memory: meta), PERMISSION_DENIED ...
+    """
+    pairs = list(blocks)
+    header = reserve_blocks_request(
+        group_idx, [h for h, _ in pairs], parent_block_hashes=parent_block_hashes, token_ids=token_ids
+    )
+    data = [memoryview(d).cast("B") for _, d in pairs]
+    if bytes_per_block is None or chunk_bytes is None:
+        layout = yield client._rpc("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataRequest(), timeout, metadata)
+        if group_idx >= len(layout.groups):
+            raise ValueError(f"group_idx {group_idx} out of range (the server has {len(layout.groups)} groups)")
+        if bytes_per_block is None:
+            bytes_per_block = layout.groups[group_idx].bytes_per_block
+        if chunk_bytes is None:
+            chunk_bytes = layout.max_data_chunk_bytes or 1
+    size = bytes_per_block
+    for i, view in enumerate(data):
+        if len(view) != size:
+            raise ValueError(
+                f"blocks[{i}]: {len(view)} bytes, but a block of group {group_idx} is {size} bytes "
+                "(bytes_per_block); nothing was sent"
+            )
+    messages = put_blocks_messages(header, cast(Sequence[Any], data), chunk_bytes)
+    response: pb.PutBlocksResponse = yield client._rpc("PutBlocks", messages, timeout, metadata)
+    return response
+
+
+put_blocks = _blocking(_put_blocks)
+aput_blocks = _awaiting(_put_blocks)
+
+
+# -- the methods ------------------------------------------------------------------------------------
+
+
 class TierRPCs:
-    """The tier's unary RPC methods both clients have (entries of the client's RPC table; see
-    :mod:`kvservice_client._facade`)."""
+    """The tier's methods both clients have (entries of the client's RPC table; see
+    :mod:`kvservice_client._facade`): one per unary RPC, and ``put_blocks`` (the plan
+    :func:`_put_blocks`: the layout asked when needed, then the PutBlocks stream)."""
 
     @facade(rpcs.lookup_blocks)
     def lookup_blocks(
@@ -269,174 +378,4 @@ class TierRPCs:
             return lease_id
         return pb.ReleaseLeaseRequest(lease_id=lease_id)
 
-
-# -- PutBlocks (client streaming) -------------------------------------------------------------------
-
-
-def put_blocks_messages(
-    header: pb.ReserveBlocksRequest, data: Sequence[bytes | bytearray | memoryview | None], chunk_bytes: int
-) -> Iterator[pb.PutBlocksMessage]:
-    """The PutBlocks stream: ``header``, then each key's bytes (``data[i]``; None: skip the key) in
-    chunks of at most ``chunk_bytes``, the last carrying its xxh3_64 checksum.
-
-    Raises:
-        ValueError: ``chunk_bytes < 1``, or ``len(data) != len(header.block_hashes)`` (before any
-            message is made).
-    """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
-    if len(data) != len(header.block_hashes):
-        raise ValueError(f"data: {len(data)} blocks for {len(header.block_hashes)} keys")
-    return _put_messages(header, data, chunk_bytes)
-
-
-def _put_messages(
-    header: pb.ReserveBlocksRequest, data: Sequence[bytes | bytearray | memoryview | None], chunk_bytes: int
-) -> Iterator[pb.PutBlocksMessage]:
-    yield pb.PutBlocksMessage(header=header)
-    for index, block in enumerate(data):
-        if block is None:
-            continue
-        view = memoryview(block).cast("B")
-        hasher = xxhash.xxh3_64()
-        for offset in range(0, len(view), chunk_bytes):
-            piece = view[offset : offset + chunk_bytes]
-            hasher.update(piece)
-            chunk = pb.PutBlocksChunk(block_index=index, offset_bytes=offset, data=bytes(piece))
-            if offset + len(piece) == len(view):
-                chunk.checksum = hasher.intdigest()
-            yield pb.PutBlocksMessage(chunk=chunk)
-
-
-def _put_blocks(
-    client: Any,
-    group_idx: int,
-    blocks: Iterable[tuple[bytes, bytes | bytearray | memoryview]],
-    *,
-    parent_block_hashes: Sequence[bytes | None] | None = None,
-    token_ids: Any = None,
-    chunk_bytes: int | None = None,
-    bytes_per_block: int | None = None,
-    timeout: Timeout = None,
-    metadata: Metadata = None,
-) -> _Plan[pb.PutBlocksResponse]:
-    """Store blocks by key across hosts (PutBlocks: reserve, write and commit in one stream).
-
-    Args:
-        client: the service.
-        group_idx: the KV cache group of every key.
-        blocks: (block hash, the block's bytes) each, the bytes exactly the group's
-            ``bytes_per_block`` long.
-        parent_block_hashes, token_ids: as :meth:`TierRPCs.reserve_blocks`.
-        chunk_bytes: chunk size (None: the server's ``max_data_chunk_bytes``).
-        bytes_per_block: the group's ``bytes_per_block``, when the caller knows it already (from
-            its own GetKVCacheGroupMetadata): with ``chunk_bytes`` too, the layout is not asked
-            (one round trip less per call); a block of another size is then refused by the
-            server (INVALID_ARGUMENT naming the chunk; nothing of the call is stored).
-
-    Unless both ``chunk_bytes`` and ``bytes_per_block`` are given, the layout is asked first
-    (GetKVCacheGroupMetadata), so a block of the wrong size is refused by name before any byte is
-    sent.
-
-    Returns:
-        ``reserved`` (False: the pool is too full of pinned blocks; nothing changed), per key
-        ``status`` and ``block_ids``, ``num_blocks_written``, ``num_bytes_written``.
-
-    Raises:
-        ValueError, TypeError: a bad key or block (named), before any byte is sent.
-        KVServiceError: INVALID_ARGUMENT (a bad chunk or field, named), RESOURCE_EXHAUSTED,
-            FAILED_PRECONDITION (no memory: meta), PERMISSION_DENIED ...
-    """
-    pairs = list(blocks)
-    header = reserve_blocks_request(
-        group_idx, [h for h, _ in pairs], parent_block_hashes=parent_block_hashes, token_ids=token_ids
-    )
-    data = [memoryview(d).cast("B") for _, d in pairs]
-    if bytes_per_block is None or chunk_bytes is None:
-        layout = yield client._rpc("GetKVCacheGroupMetadata", pb.GetKVCacheGroupMetadataRequest(), timeout, metadata)
-        if group_idx >= len(layout.groups):
-            raise ValueError(f"group_idx {group_idx} out of range (the server has {len(layout.groups)} groups)")
-        if bytes_per_block is None:
-            bytes_per_block = layout.groups[group_idx].bytes_per_block
-        if chunk_bytes is None:
-            chunk_bytes = layout.max_data_chunk_bytes or 1
-    size = bytes_per_block
-    for i, view in enumerate(data):
-        if len(view) != size:
-            raise ValueError(
-                f"blocks[{i}]: {len(view)} bytes, but a block of group {group_idx} is {size} bytes "
-                "(bytes_per_block); nothing was sent"
-            )
-    messages = put_blocks_messages(header, cast(Sequence[Any], data), chunk_bytes)
-    response: pb.PutBlocksResponse = yield client._rpc("PutBlocks", messages, timeout, metadata)
-    return response
-
-
-put_blocks = _blocking(_put_blocks)
-aput_blocks = _awaiting(_put_blocks)
-
-_PUT_DOC = _put_blocks.__doc__
-
-
-class BlockingTierMethods:
-    """PutBlocks as a method of :class:`~kvservice_client.client.KVCacheClient` (a base class of it)."""
-
-    __slots__ = ()
-
-    def put_blocks(
-        self,
-        group_idx: int,
-        blocks: Iterable[tuple[bytes, bytes | bytearray | memoryview]],
-        *,
-        parent_block_hashes: Sequence[bytes | None] | None = None,
-        token_ids: Any = None,
-        chunk_bytes: int | None = None,
-        bytes_per_block: int | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.PutBlocksResponse:
-        return put_blocks(
-            cast(DataPlaneClient, self),
-            group_idx,
-            blocks,
-            parent_block_hashes=parent_block_hashes,
-            token_ids=token_ids,
-            chunk_bytes=chunk_bytes,
-            bytes_per_block=bytes_per_block,
-            timeout=timeout,
-            metadata=metadata,
-        )
-
-    put_blocks.__doc__ = _PUT_DOC
-
-
-class AsyncTierMethods:
-    """PutBlocks as a coroutine method of :class:`~kvservice_client.client.AsyncKVCacheClient`."""
-
-    __slots__ = ()
-
-    async def put_blocks(
-        self,
-        group_idx: int,
-        blocks: Iterable[tuple[bytes, bytes | bytearray | memoryview]],
-        *,
-        parent_block_hashes: Sequence[bytes | None] | None = None,
-        token_ids: Any = None,
-        chunk_bytes: int | None = None,
-        bytes_per_block: int | None = None,
-        timeout: Timeout = None,
-        metadata: Metadata = None,
-    ) -> pb.PutBlocksResponse:
-        return await aput_blocks(
-            cast(DataPlaneClient, self),
-            group_idx,
-            blocks,
-            parent_block_hashes=parent_block_hashes,
-            token_ids=token_ids,
-            chunk_bytes=chunk_bytes,
-            bytes_per_block=bytes_per_block,
-            timeout=timeout,
-            metadata=metadata,
-        )
-
-    put_blocks.__doc__ = _PUT_DOC
+    put_blocks = plan_method(rpcs.get_kv_cache_group_metadata, rpcs.put_blocks)(_put_blocks)

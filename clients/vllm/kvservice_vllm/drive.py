@@ -28,6 +28,7 @@ __all__ = [
     "TraceDriver",
     "TraceItem",
     "make_scheduler",
+    "model_runner_output",
     "run_trace",
     "step_record",
 ]
@@ -202,6 +203,40 @@ def step_record(output: Any) -> tuple[Any, ...]:
     )
 
 
+def model_runner_output(
+    output: Any, sample: Callable[[str, int, int], list[int]], *, kv_connector_output: Any = None
+) -> Any:
+    """The ``ModelRunnerOutput`` a model that is never run answers for a step's ``SchedulerOutput``.
+
+    Args:
+        output: the step's ``SchedulerOutput``.
+        sample: called once per scheduled request, in ``output.num_scheduled_tokens`` order, with
+            (request id, its computed tokens before the step, after it), in tokens: the token ids
+            it sampled (``[]`` while its prompt is not done).
+        kv_connector_output: the worker side of a KV connector's ``KVConnectorOutput``, or None.
+
+    Returns:
+        vLLM's ``ModelRunnerOutput``: ``req_ids`` in that order, their sampled token ids, no
+        logprobs or pooler output.
+    """
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
+    cached = output.scheduled_cached_reqs
+    before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = [sample(r, before[r], before[r] + output.num_scheduled_tokens[r]) for r in req_ids]
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+        kv_connector_output=kv_connector_output,
+    )
+
+
 class TraceDriver:
     """vLLM's scheduler over a trace one step at a time (:func:`run_trace` runs one to the end;
     the tier replay steps two in lockstep, so one's stores reach the other between steps).
@@ -249,33 +284,16 @@ class TraceDriver:
         """Items yet to arrive, requests (or connector work) in the scheduler, or a step in flight."""
         return bool(self._pending or self.scheduler.has_requests() or self._in_flight)
 
-    def _model_output(self, output: Any, kv_connector_output: Any) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        # A request that computes the end of its prompt in this step samples its next token.
-        before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
-        cached = output.scheduled_cached_reqs
-        before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = self.scheduler.requests.get(req_id)
-            tokens = self._outputs_of[req_id]
-            if request is None or before[req_id] + output.num_scheduled_tokens[req_id] < request.num_prompt_tokens:
-                sampled.append([])
-                continue
-            k = self._num_sampled.get(req_id, 0)
-            self._num_sampled[req_id] = k + 1
-            sampled.append([tokens[min(k, len(tokens) - 1)]])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=kv_connector_output,
-        )
+    def _sample(self, req_id: str, start: int, end: int) -> list[int]:
+        """The trace's next output token for a request that computes the end of its prompt by
+        ``end`` (in tokens), else none."""
+        request = self.scheduler.requests.get(req_id)
+        if request is None or end < request.num_prompt_tokens:
+            return []
+        tokens = self._outputs_of[req_id]
+        k = self._num_sampled.get(req_id, 0)
+        self._num_sampled[req_id] = k + 1
+        return [tokens[min(k, len(tokens) - 1)]]
 
     def step(self) -> None:
         """One step: the items due arrive, ``schedule()`` (when anything is there), the worker, and
@@ -302,7 +320,9 @@ class TraceDriver:
             not self._is_async or len(self._in_flight) > 1 or not (self._pending or scheduler.has_requests())
         ):
             done, kv_connector_output = self._in_flight.popleft()
-            scheduler.update_from_output(done, self._model_output(done, kv_connector_output))
+            scheduler.update_from_output(
+                done, model_runner_output(done, self._sample, kv_connector_output=kv_connector_output)
+            )
         result.step_seconds.append(time.perf_counter() - started)
         result.num_round_trips.append(getattr(manager, "num_round_trips", 0) - trips)
         self.num_steps += 1

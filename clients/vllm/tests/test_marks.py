@@ -21,7 +21,7 @@ import kvservice_vllm
 from kvservice_client import KVCacheClient, KVServiceError, StatusCode
 from kvservice_client.data import read_blocks
 from kvservice_client.torch_view import attach
-from kvservice_vllm.drive import TraceItem, make_scheduler, run_trace
+from kvservice_vllm.drive import TraceItem, make_scheduler, model_runner_output, run_trace
 from kvservice_vllm.embedded import EmbeddedServer
 from kvservice_vllm.scheduler import kv_cache_on_pool
 
@@ -80,26 +80,14 @@ class _Run:
     def forward(self, output) -> ModelRunnerOutput:
         """What the workers would do for ``output``: store every scheduled token's block (bytes
         named by its block id) and sample the next token where the prompt is done."""
-        starts = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
-        cached = output.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            end = starts[req_id] + output.num_scheduled_tokens[req_id]
+
+        def sample(req_id: str, start: int, end: int) -> list[int]:
             ids = self.manager.get_block_ids(req_id)[0]
-            for position in range(starts[req_id] // BLOCK, -(-end // BLOCK)):
+            for position in range(start // BLOCK, -(-end // BLOCK)):
                 self.store(ids[position])
-            request = self.scheduler.requests[req_id]
-            sampled.append([7] if end >= request.num_prompt_tokens else [])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+            return [7] if end >= self.scheduler.requests[req_id].num_prompt_tokens else []
+
+        return model_runner_output(output, sample)
 
     def store(self, block_id: int) -> None:
         for view in self.pool.block_view(0, block_id):

@@ -1905,7 +1905,8 @@ class ManagerStepRequest(_message.Message):
     """Send this step's events (its event batch) as msgpack in the answer."""
     written_epoch: _builtins.str
     """The server epoch of written_blocks' allocation ids (ManagerStepResponse.epoch); required with
-    written_blocks; another epoch refuses the step (FAILED_PRECONDITION naming written_epoch).
+    written_blocks (not set or over 256 bytes: INVALID_ARGUMENT naming written_epoch); another epoch
+    refuses the step (FAILED_PRECONDITION naming written_epoch), with nothing run.
     """
     @_builtins.property
     def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ManagerCall]:

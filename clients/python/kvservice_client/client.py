@@ -39,6 +39,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import (
     AsyncGenerator,
+    Callable,
     Generator,
     Iterable,
     Mapping,
@@ -265,6 +266,18 @@ def _base_metadata(token: str | None, metadata: Metadata) -> tuple[tuple[str, st
             raise ValueError("token: must be non-empty printable ASCII without spaces")
         pairs = (("authorization", f"Bearer {token}"), *pairs)
     return pairs
+
+
+def _serialized_or(message_type: Any) -> Callable[[Any], bytes]:
+    """A client stream's request serializer: a message of ``message_type`` serialized, or bytes
+    (a message the caller serialized already, e.g. PutBlocks chunks made with one copy of their
+    data) as they are."""
+    serialize = message_type.SerializeToString
+
+    def serializer(message: Any) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return serializer
 
 
 def _iterate_stream(call: Any) -> Generator[Any, None, None]:
@@ -722,7 +735,9 @@ class _ClientBase(_KVCacheServiceRPCs, TierRPCs, DataPlaneRPCs, rpcs.KVCacheServ
             rpc.name: (
                 getattr(channel, rpc.kind)(
                     rpc.method,
-                    request_serializer=rpc.request.SerializeToString,
+                    request_serializer=_serialized_or(rpc.request)
+                    if rpc.request_streaming
+                    else rpc.request.SerializeToString,
                     response_deserializer=rpc.response.FromString,
                     _registered_method=True,
                 ),

@@ -28,7 +28,7 @@ Units: block ids as pool indices, bytes as bytes, ttl in seconds.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import xxhash
 
@@ -182,6 +182,46 @@ def _put_messages(
             yield pb.PutBlocksMessage(chunk=chunk)
 
 
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_CHUNK_FIELD = b"\x12"  # PutBlocksMessage.chunk: field 2, length-delimited
+_DATA_FIELD = b"\x1a"  # PutBlocksChunk.data: field 3, length-delimited
+
+
+def _put_serialized(
+    header: pb.ReserveBlocksRequest, data: Sequence[memoryview | None], chunk_bytes: int
+) -> Iterator[bytes]:
+    """:func:`put_blocks_messages`'s stream, each message serialized with one copy of its bytes.
+
+    ``SerializeToString`` of a chunk made from the block's memory copies its data three times
+    (``bytes(piece)``, into the message, out of it); here the chunk's other fields are serialized
+    by protobuf and its ``data`` field is put between them in the wire format, in field order, so
+    a piece of a block is copied once, by the join: the bytes are those ``SerializeToString`` makes
+    of :func:`put_blocks_messages`'s message (a unit test checks it byte for byte)."""
+    yield pb.PutBlocksMessage(header=header).SerializeToString()
+    for index, block in enumerate(data):
+        if block is None:
+            continue
+        hasher = xxhash.xxh3_64()
+        for offset in range(0, len(block), chunk_bytes):
+            piece = block[offset : offset + chunk_bytes]
+            hasher.update(piece)
+            head = pb.PutBlocksChunk(block_index=index, offset_bytes=offset).SerializeToString()
+            head += _DATA_FIELD + _varint(len(piece))
+            tail = b""
+            if offset + len(piece) == len(block):
+                tail = pb.PutBlocksChunk(checksum=hasher.intdigest()).SerializeToString()
+            yield b"".join((_CHUNK_FIELD, _varint(len(head) + len(piece) + len(tail)), head, piece, tail))
+
+
 def _put_blocks(
     client: Any,
     group_idx: int,
@@ -241,7 +281,9 @@ def _put_blocks(
                 f"blocks[{i}]: {len(view)} bytes, but a block of group {group_idx} is {size} bytes "
                 "(bytes_per_block); nothing was sent"
             )
-    messages = put_blocks_messages(header, cast(Sequence[Any], data), chunk_bytes)
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
+    messages = _put_serialized(header, data, chunk_bytes)
     response: pb.PutBlocksResponse = yield client._rpc("PutBlocks", messages, timeout, metadata)
     return response
 

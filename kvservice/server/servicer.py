@@ -59,7 +59,7 @@ from kvservice.server.event_log import EventLog, LogEntry, Subscriber
 from kvservice.server.heap import HeapTrimmer
 from kvservice.server.observability import note_request
 from kvservice.server.snapshot import SnapshotSource
-from kvservice.server.wire import invalid_utf8_field
+from kvservice.server.wire import WireChunk, invalid_utf8_field, put_chunk
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client.convert import kv_cache_spec_kind_to_proto
 from kvservice_client.hashing import LoRA, MultiModalFeature
@@ -1269,10 +1269,10 @@ class KVCacheServicer:
         lease_id = 0
         raw_messages = request_iterator
         num_announced_bytes = 0  # what the header's keys may still send; drained on a refusal
-        request_iterator = _parsed_stream(request_iterator, pb.PutBlocksMessage, "messages")
+        request_iterator = _put_stream(request_iterator)
         try:
             first = await anext(aiter(request_iterator), None)
-            if first is None or first.WhichOneof("message") != "header":
+            if not isinstance(first, pb.PutBlocksMessage) or first.WhichOneof("message") != "header":
                 raise InvalidArgumentError("header", "the first PutBlocks message must be the header")
             num_announced_bytes = len(first.header.block_hashes) * self._max_block_bytes()
             reserved = self._reserve(first.header)
@@ -1298,9 +1298,14 @@ class KVCacheServicer:
             async for message in request_iterator:
                 index += 1
                 where = f"messages[{index}].chunk"
-                if message.WhichOneof("message") != "chunk":
+                if isinstance(message, WireChunk):
+                    chunk = message
+                elif message.WhichOneof("message") != "chunk":
                     raise InvalidArgumentError(f"messages[{index}]", "only the first message is the header")
-                chunk = message.chunk
+                else:
+                    parsed = message.chunk
+                    checksum = parsed.checksum if parsed.HasField("checksum") else None
+                    chunk = WireChunk(parsed.block_index, parsed.offset_bytes, memoryview(parsed.data), checksum)
                 k = chunk.block_index
                 if not 0 <= k < len(status):
                     raise InvalidArgumentError(f"{where}.block_index", f"{k} is out of range [0, {len(status)})")
@@ -1338,12 +1343,12 @@ class KVCacheServicer:
                 hasher.update(data)
                 received += len(data)
                 if received < size:
-                    if chunk.HasField("checksum"):
+                    if chunk.checksum is not None:
                         raise InvalidArgumentError(
                             f"{where}.checksum", "set on a chunk that does not complete the block"
                         )
                     continue
-                if not chunk.HasField("checksum") or chunk.checksum != hasher.intdigest():
+                if chunk.checksum is None or chunk.checksum != hasher.intdigest():
                     raise InvalidArgumentError(
                         f"{where}.checksum",
                         f"missing or not the xxh3_64 of block {k}'s bytes; nothing of the call was stored",
@@ -1511,17 +1516,37 @@ async def _parsed_stream(messages: AsyncIterator[bytes], request_type: Any, fiel
     """
     index = 0
     async for data in messages:
-        try:
-            message = request_type.FromString(data)
-        except DecodeError as e:
-            name = request_type.DESCRIPTOR.full_name
-            bad = invalid_utf8_field(request_type.DESCRIPTOR, data)
-            raise InvalidArgumentError(
-                f"{field}[{index}]" + (f".{bad}" if bad else ""),
-                f"not valid UTF-8 (a string of {name})" if bad else f"not a valid {name} ({e})",
-            ) from None
+        yield _parse_message(data, request_type, field, index)
         index += 1
-        yield message
+
+
+def _parse_message(data: bytes, request_type: Any, field: str, index: int) -> Any:
+    """``data`` parsed as a ``request_type``, the stream's message ``index``.
+
+    Raises:
+        InvalidArgumentError: it does not parse (named ``{field}[index]``, with the string field
+            that is not UTF-8).
+    """
+    try:
+        return request_type.FromString(data)
+    except DecodeError as e:
+        name = request_type.DESCRIPTOR.full_name
+        bad = invalid_utf8_field(request_type.DESCRIPTOR, data)
+        raise InvalidArgumentError(
+            f"{field}[{index}]" + (f".{bad}" if bad else ""),
+            f"not valid UTF-8 (a string of {name})" if bad else f"not a valid {name} ({e})",
+        ) from None
+
+
+async def _put_stream(messages: AsyncIterator[bytes]) -> AsyncIterator[pb.PutBlocksMessage | WireChunk]:
+    """A PutBlocks stream's messages: a chunk as kvservice's clients send it read in place
+    (:func:`kvservice.server.wire.put_chunk`: its data a view of the received bytes, not copied
+    twice more), any other message parsed as :func:`_parsed_stream` parses it (the same errors)."""
+    index = 0
+    async for data in messages:
+        chunk = put_chunk(data) if index else None
+        yield chunk if chunk is not None else _parse_message(data, pb.PutBlocksMessage, "messages", index)
+        index += 1
 
 
 def build_metadata_response(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-__all__ = ["invalid_utf8_field"]
+__all__ = ["WireChunk", "invalid_utf8_field", "put_chunk"]
 
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LENGTH_DELIMITED, _WIRE_FIXED32 = 0, 1, 2, 5
 
@@ -87,3 +87,61 @@ def invalid_utf8_field(descriptor: Descriptor, data: bytes) -> str | None:
         return _walk(descriptor, data, "")
     except _Corrupt:
         return None
+
+
+class WireChunk:
+    """A ``PutBlocksChunk`` read from a ``PutBlocksMessage``'s bytes without parsing them into a
+    message: ``data`` is a view of the received bytes (protobuf's parse copies them into the message,
+    then ``chunk.data`` copies them again into a ``bytes``; here the block's write is the one copy).
+
+    Attributes:
+        block_index: the key's index in the header. offset_bytes: the chunk's offset in its block.
+        data: the chunk's bytes (a view; empty when absent). checksum: the xxh3_64 of the block's
+            bytes, or None when the field is absent.
+    """
+
+    __slots__ = ("block_index", "checksum", "data", "offset_bytes")
+
+    def __init__(self, block_index: int, offset_bytes: int, data: memoryview, checksum: int | None) -> None:
+        self.block_index = block_index
+        self.offset_bytes = offset_bytes
+        self.data = data
+        self.checksum = checksum
+
+
+# PutBlocksMessage.chunk (field 2) and PutBlocksChunk's fields: their tag bytes (field << 3 | wire type).
+_CHUNK_TAG = 2 << 3 | _WIRE_LENGTH_DELIMITED
+_BLOCK_INDEX_TAG, _OFFSET_TAG = 1 << 3 | _WIRE_VARINT, 2 << 3 | _WIRE_VARINT
+_DATA_TAG, _CHECKSUM_TAG = 3 << 3 | _WIRE_LENGTH_DELIMITED, 4 << 3 | _WIRE_VARINT
+
+
+def put_chunk(data: bytes) -> WireChunk | None:
+    """The chunk of a serialized ``PutBlocksMessage`` that is exactly one ``chunk`` field holding
+    at most one of each ``PutBlocksChunk`` field, in range, and nothing else (what kvservice's
+    clients send); None for any other bytes (a header, a field twice, an unknown field, a value
+    past its type, corrupt bytes: the caller parses those with protobuf, which decides what they
+    are, so the two readings never differ)."""
+    try:
+        if not data or data[0] != _CHUNK_TAG:
+            return None
+        size, pos = _read_varint(data, 1)
+        if pos + size != len(data):
+            return None
+        values: dict[int, int] = {}
+        payload = memoryview(b"")
+        while pos < len(data):
+            tag = data[pos]
+            if tag in values or tag not in (_BLOCK_INDEX_TAG, _OFFSET_TAG, _DATA_TAG, _CHECKSUM_TAG):
+                return None
+            value, pos = _read_varint(data, pos + 1)
+            if tag == _DATA_TAG:
+                if pos + value > len(data):
+                    return None
+                payload = memoryview(data)[pos : pos + value]
+                pos += value
+            elif value >> (32 if tag == _BLOCK_INDEX_TAG else 64):
+                return None
+            values[tag] = value
+    except _Corrupt:
+        return None
+    return WireChunk(values.get(_BLOCK_INDEX_TAG, 0), values.get(_OFFSET_TAG, 0), payload, values.get(_CHECKSUM_TAG))

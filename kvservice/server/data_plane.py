@@ -420,6 +420,27 @@ class _BlockBytes:
                 break
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def pieces(self, start: int, end: int) -> list[memoryview] | None:
+        """Bytes ``[start, end)`` of the block as views of its memory, in order (no copy), or None
+        when they are not all in CPU memory this block's views share (then :meth:`read` copies)."""
+        if not all(shares and rows.device.type == "cpu" for rows, shares in zip(self.rows, self.shares)):
+            return None
+        out = []
+        base = 0
+        for rows, size in zip(self.rows, self.sizes):
+            lo, hi = max(start - base, 0), min(end - base, size)
+            if lo < hi:
+                row_bytes = rows.shape[1]
+                array = rows.numpy()
+                for r in range(lo // row_bytes, (hi - 1) // row_bytes + 1):
+                    row = memoryview(array[r])
+                    a, b = max(lo - r * row_bytes, 0), min(hi - r * row_bytes, row_bytes)
+                    out.append(row if (a, b) == (0, row_bytes) else row[a:b])
+            base += size
+            if base >= end:
+                break
+        return out
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Overwrite the whole block with ``data`` (``total`` bytes).
 
@@ -490,12 +511,36 @@ def _read_chunk(tensors: KVCacheTensors, start: int, end: int, hasher: Any, fiel
     serialized ReadBlocksChunk with ``fields``, the checksum on the block's last chunk (a worker
     thread: the views, copy, hash and serialization release the loop)."""
     block = _BlockBytes(tensors.block_view(fields["group_idx"], fields["block_id"]))
-    data = block.read(start, end)
-    hasher.update(data)
-    message = pb.ReadBlocksChunk(offset_bytes=start, data=data, **fields)
-    if end == block.total:
-        message.checksum = hasher.intdigest()
-    return message.SerializeToString()
+    pieces = block.pieces(start, end) if end > start else None
+    if pieces is None:
+        data = block.read(start, end)
+        hasher.update(data)
+        message = pb.ReadBlocksChunk(offset_bytes=start, data=data, **fields)
+        if end == block.total:
+            message.checksum = hasher.intdigest()
+        return message.SerializeToString()
+    # Serialized by hand, in field order (the bytes SerializeToString makes of the message above):
+    # the block's bytes copied once, by the join, not three times (out of the tensor, into the
+    # message, out of it).
+    for piece in pieces:
+        hasher.update(piece)
+    head = pb.ReadBlocksChunk(offset_bytes=start, **fields).SerializeToString()
+    head += _READ_DATA_FIELD + _varint(end - start)
+    tail = pb.ReadBlocksChunk(checksum=hasher.intdigest()).SerializeToString() if end == block.total else b""
+    return b"".join((head, *pieces, tail))
+
+
+_READ_DATA_FIELD = b"\x2a"  # ReadBlocksChunk.data: field 5, length-delimited
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 # -- the service ---------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""The tier's PutBlocks messages written and read by hand: the client's (kvservice_client.tier)
-byte for byte what protobuf makes of the same messages; the server's reading of a chunk in place
-(kvservice.server.wire.put_chunk) what protobuf parses, or None (then protobuf parses it)."""
+"""Block messages written and read by hand, checked against protobuf: the client's PutBlocks
+chunks (kvservice_client.tier) and the server's ReadBlocks chunks (kvservice.server.data_plane)
+byte for byte what SerializeToString makes of the same messages; the server's reading of a PutBlocks
+chunk in place (kvservice.server.wire.put_chunk) what protobuf parses, or None (then protobuf
+parses it)."""
 
 from __future__ import annotations
 
@@ -67,3 +69,44 @@ def _chunk_message(inner: bytes) -> bytes:
 )
 def test_put_chunk_leaves_anything_else_to_protobuf(data):
     assert put_chunk(data) is None
+
+
+class _Tensors:
+    """The one method of KVCacheTensors that ``_read_chunk`` calls: a block's views."""
+
+    def __init__(self, pools: list[object]) -> None:
+        self.pools = pools
+
+    def block_view(self, group_idx: int, block_id: int) -> tuple[object, ...]:
+        return tuple(pool[:, block_id] for pool in self.pools)
+
+
+PIECES = {(0, 176): [64, 64, 24, 24], (0, 40): [40], (5, 37): [32], (30, 150): [34, 64, 22], (100, 176): [28, 24, 24]}
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 176), (0, 40), (5, 37), (30, 150), (100, 176)])
+def test_a_read_chunk_serialized_by_hand_is_the_message_protobuf_serializes(start, end):
+    import torch
+    import xxhash
+
+    from kvservice.server.data_plane import _BlockBytes, _read_chunk
+
+    # Two views of 3 blocks: [2 layers, 3 blocks, 4, 8] bfloat16 (rows of 64 bytes in 2 runs) and
+    # [2 layers, 3 blocks, 24] uint8: a block is 2 * 64 + 2 * 24 = 176 bytes, in four runs.
+    generator = torch.Generator().manual_seed(0)
+    pools = [
+        torch.randint(0, 1 << 15, (2, 3, 4, 8), dtype=torch.int16, generator=generator).view(torch.bfloat16),
+        torch.randint(0, 256, (2, 3, 24), dtype=torch.uint8, generator=generator),
+    ]
+    tensors = _Tensors(pools)
+    fields = {"block_index": 7, "group_idx": 0, "block_id": 1}
+    hasher = xxhash.xxh3_64()
+    ours = _read_chunk(tensors, start, end, hasher, fields)
+    block = _BlockBytes(tensors.block_view(0, 1))
+    assert [len(p) for p in block.pieces(start, end)] == PIECES[start, end]  # views, not copies
+    data = block.read(start, end)
+    expected = pb.ReadBlocksChunk(offset_bytes=start, data=data, **fields)
+    if end == 176:
+        expected.checksum = xxhash.xxh3_64_intdigest(data) if start == 0 else hasher.intdigest()
+    assert ours == expected.SerializeToString()
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)

@@ -110,3 +110,78 @@ def test_a_read_chunk_serialized_by_hand_is_the_message_protobuf_serializes(star
         expected.checksum = xxhash.xxh3_64_intdigest(data) if start == 0 else hasher.intdigest()
     assert ours == expected.SerializeToString()
     assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
+
+
+def _fields(chunk):
+    return (
+        chunk.block_index,
+        chunk.group_idx,
+        chunk.block_id,
+        chunk.offset_bytes,
+        bytes(chunk.data),
+        chunk.checksum,
+        chunk.evicted,
+    )
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        pb.ReadBlocksChunk(block_index=3, group_idx=1, block_id=9, offset_bytes=1 << 20, data=b"abc" * 100),
+        pb.ReadBlocksChunk(block_index=0, block_id=2, data=b"x", checksum=0),
+        pb.ReadBlocksChunk(block_index=1, block_id=5, offset_bytes=7, evicted=True),
+        pb.ReadBlocksChunk(checksum=(1 << 64) - 1, data=bytes(range(256))),
+        pb.ReadBlocksChunk(),
+    ],
+)
+def test_the_client_reads_a_read_chunk_in_place_as_protobuf_parses_it(message):
+    from kvservice_client.data import _read_chunk, _wire_read_chunk
+
+    data = message.SerializeToString()
+    assert _wire_read_chunk(data) is not None  # the server's form: read in place
+    expected = (
+        message.block_index,
+        message.group_idx,
+        message.block_id,
+        message.offset_bytes,
+        message.data,
+        message.checksum if message.HasField("checksum") else None,
+        message.evicted,
+    )
+    assert _fields(_read_chunk(data)) == expected
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x08\x01\x08\x02",  # block_index twice (protobuf: the last wins)
+        b"\x2a\x01a\x2a\x01b",  # data twice (the last wins)
+        b"\x38\x02",  # evicted as 2 (protobuf: True)
+        b"\x08" + _varint(1 << 32),  # block_index past uint32 (protobuf truncates)
+        b"\x50\x01",  # an unknown field 10 (protobuf keeps it)
+    ],
+)
+def test_the_client_leaves_any_other_read_chunk_to_protobuf(data):
+    from kvservice_client.data import _read_chunk, _wire_read_chunk
+
+    assert _wire_read_chunk(data) is None
+    message = pb.ReadBlocksChunk.FromString(data)
+    assert _fields(_read_chunk(data)) == (
+        message.block_index,
+        message.group_idx,
+        message.block_id,
+        message.offset_bytes,
+        message.data,
+        message.checksum if message.HasField("checksum") else None,
+        message.evicted,
+    )
+
+
+@pytest.mark.parametrize("data", [b"\x2a\x05abc", b"\x08\x80"])
+def test_bytes_that_are_no_read_chunk_fail_as_protobuf_fails(data):
+    from google.protobuf.message import DecodeError
+
+    from kvservice_client.data import _read_chunk
+
+    with pytest.raises(DecodeError):
+        _read_chunk(data)

@@ -64,7 +64,7 @@ from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
 from kvservice_client.convert import PayloadFormatLike
-from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods, DataPlaneRPCs
+from kvservice_client.data import AsyncDataPlaneMethods, BlockingDataPlaneMethods, DataPlaneRPCs, _read_chunk
 from kvservice_client.errors import KVServiceError, StatusCode
 from kvservice_client.request_builders import (  # noqa: F401 (their old names here: see _get_computed_blocks_request)
     ReportMode,
@@ -738,7 +738,7 @@ class _ClientBase(_KVCacheServiceRPCs, TierRPCs, DataPlaneRPCs, rpcs.KVCacheServ
                     request_serializer=_serialized_or(rpc.request)
                     if rpc.request_streaming
                     else rpc.request.SerializeToString,
-                    response_deserializer=rpc.response.FromString,
+                    response_deserializer=_read_chunk if rpc.name == "ReadBlocks" else rpc.response.FromString,
                     _registered_method=True,
                 ),
                 rpc.response_streaming,

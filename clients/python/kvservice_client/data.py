@@ -73,6 +73,8 @@ class DataPlaneClient(Protocol):
 
     def _call_options(self, streaming: bool, timeout: Timeout, metadata: Metadata) -> dict[str, Any]: ...
 
+    _calls: dict[str, tuple[Any, bool]]
+
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -301,16 +303,111 @@ def _block_chunks(
             yield chunk
 
 
+class _ReadChunk:
+    """A ``ReadBlocksChunk`` as the client reads it: its ``data`` a view of the received bytes
+    (protobuf's parse copies them into the message, and each read of ``chunk.data`` again).
+
+    Attributes: as ``ReadBlocksChunk``'s; ``checksum`` None when the field is absent.
+    """
+
+    __slots__ = ("block_id", "block_index", "checksum", "data", "evicted", "group_idx", "offset_bytes")
+
+    def __init__(
+        self,
+        block_index: int,
+        group_idx: int,
+        block_id: int,
+        offset_bytes: int,
+        data: memoryview,
+        checksum: int | None,
+        evicted: bool,
+    ) -> None:
+        self.block_index = block_index
+        self.group_idx = group_idx
+        self.block_id = block_id
+        self.offset_bytes = offset_bytes
+        self.data = data
+        self.checksum = checksum
+        self.evicted = evicted
+
+
+# ReadBlocksChunk's fields by tag byte (field << 3 | wire type): the bits a varint's value may use.
+_READ_VARINT_BITS = {0x08: 32, 0x10: 32, 0x18: 32, 0x20: 64, 0x30: 64, 0x38: 1}
+_READ_DATA_TAG = 0x2A
+
+
+def _wire_read_chunk(data: bytes) -> _ReadChunk | None:
+    """``data`` read as a ``ReadBlocksChunk`` holding at most one of each field, each in range, and
+    nothing else (what kvservice's server sends), or None (protobuf then parses it, so the two
+    readings never differ)."""
+    values: dict[int, int] = {}
+    payload = memoryview(b"")
+    pos, end = 0, len(data)
+    while pos < end:
+        tag = data[pos]
+        if tag in values or (tag != _READ_DATA_TAG and tag not in _READ_VARINT_BITS):
+            return None
+        value, shift, pos = 0, 0, pos + 1
+        while True:  # a varint
+            if pos >= end or shift > 63:
+                return None
+            byte = data[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        if tag == _READ_DATA_TAG:
+            if pos + value > end:
+                return None
+            payload = memoryview(data)[pos : pos + value]
+            pos += value
+        elif value >> _READ_VARINT_BITS[tag]:
+            return None
+        values[tag] = value
+    return _ReadChunk(
+        values.get(0x08, 0),
+        values.get(0x10, 0),
+        values.get(0x18, 0),
+        values.get(0x20, 0),
+        payload,
+        values.get(0x30),
+        bool(values.get(0x38, 0)),
+    )
+
+
+def _read_chunk(data: bytes) -> _ReadChunk:
+    """A ReadBlocks response message's bytes as a :class:`_ReadChunk` (the client's deserializer of
+    ReadBlocks): read in place when it has the server's form, else parsed by protobuf.
+
+    Raises:
+        google.protobuf.message.DecodeError: the bytes are not a ``ReadBlocksChunk``.
+    """
+    chunk = _wire_read_chunk(data)
+    if chunk is not None:
+        return chunk
+    message = pb.ReadBlocksChunk.FromString(data)
+    return _ReadChunk(
+        message.block_index,
+        message.group_idx,
+        message.block_id,
+        message.offset_bytes,
+        memoryview(message.data),
+        message.checksum if message.HasField("checksum") else None,
+        message.evicted,
+    )
+
+
 class _Assembler:
-    """Reassembles ReadBlocksChunk messages into :class:`ReadBlock` values, checking order and
-    checksums."""
+    """Reassembles ReadBlocks chunks (:class:`_ReadChunk`) into :class:`ReadBlock` values, checking
+    order and checksums."""
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
+        self._parts: list[memoryview] = []
         self._index = -1
         self._offset = 0
 
-    def feed(self, chunk: pb.ReadBlocksChunk) -> ReadBlock | None:
+    def feed(self, chunk: _ReadChunk) -> ReadBlock | None:
         """The completed block, or None while one is incomplete.
 
         Raises:
@@ -326,12 +423,11 @@ class _Assembler:
                 grpc.StatusCode.DATA_LOSS,
                 f"block {chunk.block_index}: chunk at offset {chunk.offset_bytes}, expected {self._offset}",
             )
-        data = chunk.data  # each read of a bytes field is a copy of it
-        self._parts.append(data)
-        self._offset += len(data)
-        if not chunk.HasField("checksum"):
+        self._parts.append(chunk.data)
+        self._offset += len(chunk.data)
+        if chunk.checksum is None:
             return None
-        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        data = bytes(self._parts[0]) if len(self._parts) == 1 else b"".join(self._parts)  # the one copy
         self._parts = []
         if block_checksum(data) != chunk.checksum:
             raise KVServiceError(grpc.StatusCode.DATA_LOSS, f"block {chunk.block_index}: checksum mismatch")
@@ -511,7 +607,7 @@ def _read_blocks_call(
 ) -> Any:
     request = pb.ReadBlocksRequest(blocks=_block_refs(refs))
     options = client._call_options(False, timeout, metadata)  # a read has the client's default deadline
-    return client.stub.ReadBlocks(request, **options)
+    return client._calls["ReadBlocks"][0](request, **options)  # its messages read by _read_chunk
 
 
 def iter_read_blocks(

@@ -27,7 +27,9 @@ What the tier does, in vLLM's tier API's terms (``vllm/v1/kv_offload/tiering/bas
 * **Stores and loads** (``submit_store``, ``submit_load``) queue a job and return; a worker thread
   per direction moves the bytes (:class:`kvservice_vllm.tier_client.TierClient`: ``memcpy``
   through the server's mapped memory on the same host, ``PutBlocks`` / ``ReadBlocks`` otherwise);
-  ``get_finished_jobs`` hands back ``JobResult`` s. A load that could not copy every key (evicted
+  ``get_finished_jobs`` hands back ``JobResult`` s. The store thread takes all the store jobs
+  queued while it copied as one store (two round trips per ``max_keys_per_call`` keys, not per
+  job); each job still reports on its own. A load that could not copy every key (evicted
   since the lookup, a lost lease, the server gone) is ``success=False`` with ``successful_keys``
   the keys that did arrive: vLLM's tiering manager then frees the primary slots of the others, and
   their next lookup is a ``MISS`` (the tier drops its verdict), so the request recomputes them.
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -203,6 +206,9 @@ class KVServiceTier(SecondaryTierManager):
         self._load_keys: dict[JobId, list[OffloadKey]] = {}
         self._store_keys: dict[JobId, list[OffloadKey]] = {}
         self._finished: queue.SimpleQueue[JobId] = queue.SimpleQueue()
+        # Store jobs not yet taken by the store thread (it takes all of them at once: one call).
+        self._pending_stores: list[_StoreJob] = []
+        self._pending_lock = threading.Lock()
         self._closed = False
         logger.info(
             "KVServiceTier: %s over %s, %d-byte chunks, groups %s",
@@ -351,7 +357,8 @@ class KVServiceTier(SecondaryTierManager):
     # -- jobs ----------------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Queue a store of the job's primary chunks (pinned by vLLM until the job reports)."""
+        """Queue a store of the job's primary chunks (pinned by vLLM until the job reports); the
+        store thread takes every job queued by then as one store (:meth:`_run_pending_stores`)."""
         keys = list(job_metadata.keys)
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
         assert len(keys) == len(chunk_ids), f"{len(keys)} keys but {len(chunk_ids)} chunk_ids"
@@ -360,7 +367,11 @@ class KVServiceTier(SecondaryTierManager):
         parents = [self._parent_hash(key, job_metadata.req_context) for key in keys]
         if self._events is not None:
             self._store_keys[job_metadata.job_id] = keys
-        self._submit(job_metadata.job_id, self._store_pool, self._run_store, keys, parents, chunk_ids)
+        job = _StoreJob(job_metadata.job_id, keys, parents, chunk_ids, Future())
+        self._jobs[job.job_id] = job.future
+        with self._pending_lock:
+            self._pending_stores.append(job)
+        self._store_pool.submit(self._run_pending_stores)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Queue a load of the job's keys into its primary chunks."""
@@ -381,23 +392,61 @@ class KVServiceTier(SecondaryTierManager):
 
         self._jobs[job_id] = pool.submit(run)
 
-    def _run_store(
-        self, job_id: JobId, keys: list[OffloadKey], parents: list[bytes], chunk_ids: list[int]
-    ) -> JobResult:
+    def _run_pending_stores(self) -> None:
+        """The store thread: every store job queued now, as one store per group (one reservation
+        and one commit per ``max_keys_per_call`` keys, not per job: jobs queue while a copy runs,
+        and each call costs two round trips). A key in several jobs is copied once (the first
+        job's row: a key names its bytes). Each job reports on its own: success when all its keys
+        are stored; the batch's time and, per job, the bytes of the keys it was first to hold.
+        Nothing to do when an earlier run took the jobs already."""
+        with self._pending_lock:
+            jobs, self._pending_stores = self._pending_stores, []
+        if not jobs:
+            return
         start = time.perf_counter()
-        ok = True
-        num_bytes = 0
-        for group_idx, indices in _by_group(keys).items():
-            result = self._client.store(
-                group_idx,
-                [get_offload_block_hash(keys[i]) for i in indices],
-                [parents[i] for i in indices],
-                self._rows,
-                [chunk_ids[i] for i in indices],
-            )
-            ok = ok and all(result.stored)
-            num_bytes += result.num_bytes
-        return JobResult(job_id=job_id, success=ok, transfer_time=time.perf_counter() - start, transfer_bytes=num_bytes)
+        try:
+            stored: dict[OffloadKey, bool] = {}
+            written: dict[OffloadKey, bool] = {}
+            first: dict[OffloadKey, tuple[bytes, int]] = {}  # key -> (parent hash, chunk id)
+            for job in jobs:
+                for key, parent, chunk_id in zip(job.keys, job.parents, job.chunk_ids):
+                    first.setdefault(key, (parent, chunk_id))
+            keys = list(first)
+            for group_idx, indices in _by_group(keys).items():
+                result = self._client.store(
+                    group_idx,
+                    [get_offload_block_hash(keys[i]) for i in indices],
+                    [first[keys[i]][0] for i in indices],
+                    self._rows,
+                    [first[keys[i]][1] for i in indices],
+                )
+                for i, ok, wrote in zip(indices, result.stored, result.written):
+                    stored[keys[i]] = ok
+                    written[keys[i]] = wrote
+            elapsed = time.perf_counter() - start
+            counted: set[OffloadKey] = set()
+            results = []
+            for job in jobs:
+                mine = [k for k in dict.fromkeys(job.keys) if written.get(k) and k not in counted]
+                counted.update(mine)
+                results.append(
+                    JobResult(
+                        job_id=job.job_id,
+                        success=all(stored.get(k, False) for k in job.keys),
+                        transfer_time=elapsed,
+                        transfer_bytes=len(mine) * self.block_size_bytes,
+                    )
+                )
+        except BaseException as exc:
+            for job in jobs:  # the id queued before the future completes (see _submit)
+                self._finished.put(job.job_id)
+                job.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for job, result in zip(jobs, results):
+            self._finished.put(job.job_id)
+            job.future.set_result(result)
 
     def _run_load(self, job_id: JobId, keys: list[OffloadKey], chunk_ids: list[int]) -> JobResult:
         start = time.perf_counter()
@@ -479,6 +528,18 @@ class KVServiceTier(SecondaryTierManager):
         for pool in (self._lookup_pool, self._load_pool, self._store_pool):
             pool.shutdown(wait=True)
         self._client.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _StoreJob:
+    """A store job queued for the store thread: vLLM's job id, its keys, per key the parent hash
+    and the primary row, and the future its result is set on."""
+
+    job_id: JobId
+    keys: list[OffloadKey]
+    parents: list[bytes]
+    chunk_ids: list[int]
+    future: Future[JobResult]
 
 
 def _key_pair(key: OffloadKey) -> tuple[int, bytes]:

@@ -8,12 +8,15 @@ primary tier in vLLM's shared region) with the kvservice tier loaded by ``module
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from tier_helpers import CHUNK_BYTES, Instance, chunk_bytes_of, chunk_key, offloading_config, tier_server
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 import kvservice_vllm.tier_client as tier_client
@@ -108,6 +111,39 @@ def test_one_lookup_rpc_per_step(instances: tuple[Instance, Instance], monkeypat
     b.tier.on_schedule_end(None)
     b.tier.wait_lookups()
     assert calls == [8]
+
+
+@pytest.mark.parametrize("instances", [("shm", "shm"), ("grpc", "grpc")], indirect=True)
+def test_store_jobs_queued_meanwhile_go_as_one_call_and_report_each(
+    instances: tuple[Instance, Instance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = instances
+    calls: list[int] = []
+    real = tier_client.TierClient.store
+
+    def counting(self: tier_client.TierClient, group_idx: int, block_hashes: list[bytes], *args: object) -> object:
+        calls.append(len(block_hashes))
+        return real(self, group_idx, block_hashes, *args)
+
+    monkeypatch.setattr(tier_client.TierClient, "store", counting)
+    for i, key in enumerate(KEYS[:5]):
+        a.rows[i].copy_(torch.frombuffer(bytearray(chunk_bytes_of(key, a.rows.shape[1])), dtype=torch.uint8))
+    busy = threading.Event()
+    a.tier._store_pool.submit(busy.wait)  # the store thread copying: the three jobs queue
+    ctx = ReqContext(req_id="jobs")
+    for job_id, keys, rows in ((1, KEYS[:2], [0, 1]), (2, KEYS[2:4], [2, 3]), (3, [KEYS[1], KEYS[4]], [1, 4])):
+        a.tier.submit_store(TransferJob(job_id, keys, np.array(rows), is_promotion=False, req_context=ctx))
+    busy.set()
+    a.tier.drain_jobs()
+    results = sorted(a.tier.get_finished_jobs(), key=lambda r: r.job_id)
+    assert calls == [5]  # one store of the five distinct keys (KEYS[1] is in jobs 1 and 3)
+    size = a.rows.shape[1]
+    assert [(r.job_id, r.success, r.transfer_bytes) for r in results] == [
+        (1, True, 2 * size),
+        (2, True, 2 * size),
+        (3, True, size),  # KEYS[1] was job 1's to copy
+    ]
+    assert b.fetch(KEYS[:5]) == {key: chunk_bytes_of(key) for key in KEYS[:5]}
 
 
 def test_evicted_keys_miss_and_present_ones_keep_their_bytes(server: EmbeddedTierServer) -> None:

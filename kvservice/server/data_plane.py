@@ -95,6 +95,7 @@ from kvservice.memory import KVCacheTensors
 from kvservice.server.event_log import MAX_EPOCH_BYTES
 from kvservice.server.settings import DATA_WORKER_PRIORITIES
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client._wire import varint
 
 if TYPE_CHECKING:
     import torch
@@ -525,22 +526,12 @@ def _read_chunk(tensors: KVCacheTensors, start: int, end: int, hasher: Any, fiel
     for piece in pieces:
         hasher.update(piece)
     head = pb.ReadBlocksChunk(offset_bytes=start, **fields).SerializeToString()
-    head += _READ_DATA_FIELD + _varint(end - start)
+    head += _READ_DATA_FIELD + varint(end - start)
     tail = pb.ReadBlocksChunk(checksum=hasher.intdigest()).SerializeToString() if end == block.total else b""
     return b"".join((head, *pieces, tail))
 
 
 _READ_DATA_FIELD = b"\x2a"  # ReadBlocksChunk.data: field 5, length-delimited
-
-
-def _varint(value: int) -> bytes:
-    """``value`` (>= 0) as a protobuf base-128 varint."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 # -- the service ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from kvservice.core.errors import InvalidArgumentError
 from kvservice.server.event_log import EventLog, LogEntry, filter_events
 from kvservice.server.snapshot import YIELD_EVERY_TOKENS, HalfShare, Snapshot, materialize, run_tokens
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client._wire import varint
 from kvservice_client.convert import batch_to_proto
 from kvservice_client.events import KVEventBatch
 
@@ -150,16 +151,6 @@ async def encoded_snapshot_part_in_steps(
     )
 
 
-def _varint(value: int) -> bytes:
-    """``value`` (>= 0) as a protobuf varint: 7 bits a byte, least significant first."""
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def take_response(snapshot_parts: Sequence[bytes], rest: pb.TakeEventsResponse) -> bytes:
     """A serialized ``TakeEventsResponse`` whose ``batches`` are ``snapshot_parts`` (each a
     serialized ``EventBatch``, as :func:`encoded_snapshot_part_in_steps` makes them, shared with the
@@ -171,6 +162,6 @@ def take_response(snapshot_parts: Sequence[bytes], rest: pb.TakeEventsResponse) 
     """
     pieces: list[bytes] = []
     for data in snapshot_parts:
-        pieces += (_BATCHES_KEY, _varint(len(data)), data)
+        pieces += (_BATCHES_KEY, varint(len(data)), data)
     pieces.append(rest.SerializeToString())
     return b"".join(pieces)

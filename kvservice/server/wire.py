@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from kvservice_client._wire import flat_fields, read_varint
+
 __all__ = ["WireChunk", "invalid_utf8_field", "put_chunk"]
 
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LENGTH_DELIMITED, _WIRE_FIXED32 = 0, 1, 2, 5
@@ -24,16 +26,10 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
     Raises:
         _Corrupt: the varint runs past the end or over 10 bytes.
     """
-    value = 0
-    for shift in range(0, 70, 7):
-        if pos >= len(data):
-            raise _Corrupt
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-    raise _Corrupt
+    read = read_varint(data, pos)
+    if read is None:
+        raise _Corrupt
+    return read
 
 
 def _walk(descriptor: Descriptor, data: bytes, prefix: str) -> str | None:
@@ -113,6 +109,7 @@ class WireChunk:
 _CHUNK_TAG = 2 << 3 | _WIRE_LENGTH_DELIMITED
 _BLOCK_INDEX_TAG, _OFFSET_TAG = 1 << 3 | _WIRE_VARINT, 2 << 3 | _WIRE_VARINT
 _DATA_TAG, _CHECKSUM_TAG = 3 << 3 | _WIRE_LENGTH_DELIMITED, 4 << 3 | _WIRE_VARINT
+_PUT_CHUNK_VARINT_BITS = {_BLOCK_INDEX_TAG: 32, _OFFSET_TAG: 64, _CHECKSUM_TAG: 64}
 
 
 def put_chunk(data: bytes) -> WireChunk | None:
@@ -121,27 +118,13 @@ def put_chunk(data: bytes) -> WireChunk | None:
     clients send); None for any other bytes (a header, a field twice, an unknown field, a value
     past its type, corrupt bytes: the caller parses those with protobuf, which decides what they
     are, so the two readings never differ)."""
-    try:
-        if not data or data[0] != _CHUNK_TAG:
-            return None
-        size, pos = _read_varint(data, 1)
-        if pos + size != len(data):
-            return None
-        values: dict[int, int] = {}
-        payload = memoryview(b"")
-        while pos < len(data):
-            tag = data[pos]
-            if tag in values or tag not in (_BLOCK_INDEX_TAG, _OFFSET_TAG, _DATA_TAG, _CHECKSUM_TAG):
-                return None
-            value, pos = _read_varint(data, pos + 1)
-            if tag == _DATA_TAG:
-                if pos + value > len(data):
-                    return None
-                payload = memoryview(data)[pos : pos + value]
-                pos += value
-            elif value >> (32 if tag == _BLOCK_INDEX_TAG else 64):
-                return None
-            values[tag] = value
-    except _Corrupt:
+    if not data or data[0] != _CHUNK_TAG:
         return None
+    size = read_varint(data, 1)
+    if size is None or size[1] + size[0] != len(data):
+        return None
+    fields = flat_fields(data, size[1], len(data), _PUT_CHUNK_VARINT_BITS, _DATA_TAG)
+    if fields is None:
+        return None
+    values, payload = fields
     return WireChunk(values.get(_BLOCK_INDEX_TAG, 0), values.get(_OFFSET_TAG, 0), payload, values.get(_CHECKSUM_TAG))

@@ -10,7 +10,8 @@ import pytest
 
 from kvservice.server.wire import put_chunk
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.tier import _put_serialized, _varint, put_blocks_messages, reserve_blocks_request
+from kvservice_client._wire import varint as _varint
+from kvservice_client.tier import _put_serialized, put_blocks_messages, reserve_blocks_request
 
 
 def test_varint_is_protobufs_encoding():

@@ -59,6 +59,7 @@ from kvservice_client._facade import (  # noqa: E402 (after the note on why not 
 from kvservice_client._facade import Plan as _Plan  # the helpers' return type, as they annotate it
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
+from kvservice_client._wire import flat_fields
 from kvservice_client.errors import KVServiceError
 
 
@@ -340,31 +341,10 @@ def _wire_read_chunk(data: bytes) -> _ReadChunk | None:
     """``data`` read as a ``ReadBlocksChunk`` holding at most one of each field, each in range, and
     nothing else (what kvservice's server sends), or None (protobuf then parses it, so the two
     readings never differ)."""
-    values: dict[int, int] = {}
-    payload = memoryview(b"")
-    pos, end = 0, len(data)
-    while pos < end:
-        tag = data[pos]
-        if tag in values or (tag != _READ_DATA_TAG and tag not in _READ_VARINT_BITS):
-            return None
-        value, shift, pos = 0, 0, pos + 1
-        while True:  # a varint
-            if pos >= end or shift > 63:
-                return None
-            byte = data[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        if tag == _READ_DATA_TAG:
-            if pos + value > end:
-                return None
-            payload = memoryview(data)[pos : pos + value]
-            pos += value
-        elif value >> _READ_VARINT_BITS[tag]:
-            return None
-        values[tag] = value
+    fields = flat_fields(data, 0, len(data), _READ_VARINT_BITS, _READ_DATA_TAG)
+    if fields is None:
+        return None
+    values, payload = fields
     return _ReadChunk(
         values.get(0x08, 0),
         values.get(0x10, 0),

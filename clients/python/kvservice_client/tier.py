@@ -35,6 +35,7 @@ import xxhash
 from kvservice_client._facade import Metadata, Timeout, facade, plan_method
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_rpcs as rpcs
+from kvservice_client._wire import varint
 from kvservice_client.data import _awaiting, _blocking, _Plan, _uint32
 from kvservice_client.request_builders import pack_token_ids
 
@@ -182,16 +183,6 @@ def _put_messages(
             yield pb.PutBlocksMessage(chunk=chunk)
 
 
-def _varint(value: int) -> bytes:
-    """``value`` (>= 0) as a protobuf base-128 varint."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 _CHUNK_FIELD = b"\x12"  # PutBlocksMessage.chunk: field 2, length-delimited
 _DATA_FIELD = b"\x1a"  # PutBlocksChunk.data: field 3, length-delimited
 
@@ -215,11 +206,11 @@ def _put_serialized(
             piece = block[offset : offset + chunk_bytes]
             hasher.update(piece)
             head = pb.PutBlocksChunk(block_index=index, offset_bytes=offset).SerializeToString()
-            head += _DATA_FIELD + _varint(len(piece))
+            head += _DATA_FIELD + varint(len(piece))
             tail = b""
             if offset + len(piece) == len(block):
                 tail = pb.PutBlocksChunk(checksum=hasher.intdigest()).SerializeToString()
-            yield b"".join((_CHUNK_FIELD, _varint(len(head) + len(piece) + len(tail)), head, piece, tail))
+            yield b"".join((_CHUNK_FIELD, varint(len(head) + len(piece) + len(tail)), head, piece, tail))
 
 
 def _put_blocks(

@@ -20,7 +20,10 @@ Rows:
 The server is a ``kvservice serve --device cpu --kv-cache-layout opaque:CHUNK_BYTES`` child
 process; the bare server another. Each ratio is the median of the per-round ratios (ours and the
 baseline back to back). ``torch.set_num_threads(1)`` on both sides (per-chunk copies; OpenMP's
-barriers on a loaded 2-core machine would swamp them).
+barriers on a loaded 2-core machine would swamp them). ``--socket unix`` reaches the server over
+a Unix socket (``kvservice serve --uds``; the tier's ``target: unix:PATH``), as a tier on the
+server's host would: a shared-memory call is its copies plus two round trips, and a round trip
+over a Unix socket costs less than over loopback TCP.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-chunks", type=int, default=256, help="chunks moved per round [256]")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=300, help="calls per latency sample [300]")
+    parser.add_argument(
+        "--socket",
+        choices=("tcp", "unix"),
+        default="tcp",
+        help="how the tier reaches the server: its TCP port, or a Unix socket (--uds; same host) [tcp]",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     n, size = args.num_chunks, args.chunk_bytes
@@ -73,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     chunk_ids = list(range(n))
     out = []
     flags = ("--device", "cpu", "--kv-cache-layout", f"opaque:{size}", "--block-size", "16")
-    with serve(*flags, "--num-blocks", str(n + 1), "--data-chunk-bytes", str(1 << 20)) as address:
+    uds = os.path.join(tempfile.mkdtemp(prefix="kvservice-tier-bench-"), "kv.sock") if args.socket == "unix" else None
+    with serve(
+        *flags, "--num-blocks", str(n + 1), "--data-chunk-bytes", str(1 << 20), *(("--uds", uds) if uds else ())
+    ) as address:
+        address = f"unix:{uds}" if uds else address
         shm = TierClient(address, chunk_bytes=size, transport="shm", timeout_s=600)
         shm.connect()
         grpc_ = TierClient(address, chunk_bytes=size, transport="grpc", timeout_s=600)

@@ -15,7 +15,6 @@ server used at the request's first admission, and each instance mirror's predict
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from kvservice.replay.report import (
     _agreement_to_dict,
     _fmt_pct,
     _pct,
+    render_rows,
     write_json_with_compact_lists,
 )
 
@@ -323,26 +323,14 @@ def _policy_rows(p: PolicyReport) -> list[tuple[str, str]]:
 def render_multi_table(report: MultiReport, *, width: int = 120) -> str:
     """The report as a plain-text terminal table (rich, no colour codes), policies side by side,
     then the gain and the ideal hit rate."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=(
-            f"kvservice replay --instances {report.instances}: {Path(report.trace_path).name} "
-            f"({report.num_trace_lines:,} lines), report mode {report.report_mode}\n"
-            f"preset {report.preset}, block_size {report.block_size} tokens; per instance: {report.num_blocks_per_instance:,} "
-            f"blocks, mirror {_fmt_capacity(report.policies[0].mirror_capacity_blocks)}; arrivals "
-            f"{report.arrival_rate_scale:g}x the trace's rate"
-            + (f"\nmirrors fed by {report.metadata['feed']}" if report.metadata.get("feed") else "")
-        ),
-        title_justify="left",
+    title = (
+        f"kvservice replay --instances {report.instances}: {Path(report.trace_path).name} "
+        f"({report.num_trace_lines:,} lines), report mode {report.report_mode}\n"
+        f"preset {report.preset}, block_size {report.block_size} tokens; per instance: {report.num_blocks_per_instance:,} "
+        f"blocks, mirror {_fmt_capacity(report.policies[0].mirror_capacity_blocks)}; arrivals "
+        f"{report.arrival_rate_scale:g}x the trace's rate"
+        + (f"\nmirrors fed by {report.metadata['feed']}" if report.metadata.get("feed") else "")
     )
-    table.add_column("metric")
-    for p in report.policies:
-        table.add_column(p.policy, justify="right")
-    rows = [_policy_rows(p) for p in report.policies]
-    for i, (label, _) in enumerate(rows[0]):
-        table.add_row(label, *(r[i][1] for r in rows))
     notes = []
     gain = report.gain()
     if gain is not None:
@@ -353,9 +341,5 @@ def render_multi_table(report: MultiReport, *, width: int = 120) -> str:
         notes.append(f"skipped {skipped:,} trace requests whose prompt is max_model_len tokens or longer")
     if report.ideal_hit_rate_tokens_pct is not None:
         notes.append(f"ideal prefix hit rate, infinite cache (tokens): {_fmt_pct(report.ideal_hit_rate_tokens_pct)}")
-    buffer = io.StringIO()
-    console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False, markup=False)
-    console.print(table)
-    for note in notes:
-        console.print(note, soft_wrap=True)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
+    rows = [_policy_rows(p) for p in report.policies]
+    return render_rows(title, [p.policy for p in report.policies], rows, notes=notes, width=width)

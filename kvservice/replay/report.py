@@ -37,6 +37,7 @@ __all__ = [
     "latency_percentiles",
     "plot_agreement",
     "read_json",
+    "render_rows",
     "render_table",
     "rolling_exact_match_pct",
     "write_json",
@@ -559,6 +560,45 @@ def _is_path(layout: str) -> bool:
     return "/" in layout or layout.endswith((".json", ".toml"))
 
 
+def render_rows(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[tuple[str, str]]],
+    *,
+    notes: Sequence[str] = (),
+    width: int = 120,
+) -> str:
+    """A metric table as plain text (rich, no colour codes): one column per run side by side, the
+    replay's reports' shape (``render_table``, ``render_multi_table``, the vLLM tier replay's).
+
+    Args:
+        title: above the table, left-justified (may span lines).
+        columns: the runs' names, one per value column.
+        rows: per column, its ``(label, value)`` rows, the same labels in the same order in each
+            (the first column's labels are printed).
+        notes: lines printed under the table.
+        width: the console width in characters.
+
+    Returns:
+        The rendered table, lines joined by newlines, trailing spaces stripped.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for i, (label, _) in enumerate(rows[0]):
+        table.add_row(label, *(column[i][1] for column in rows))
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False, markup=False)
+    console.print(table)
+    for note in notes:
+        console.print(note, soft_wrap=True)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
+
+
 def render_table(report: ReplayReport, *, width: int = 120) -> str:
     """The report as a plain-text terminal table (rich, no colour codes), modes side by side.
 
@@ -569,26 +609,15 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
     Returns:
         The rendered table, lines joined by newlines.
     """
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=(
-            f"kvservice replay: {Path(report.trace_path).name} ({report.num_trace_lines:,} lines)"
-            f"\n{'layout' if _is_path(report.preset) else 'preset'} {report.preset}, block_size {report.block_size} tokens, "
-            f"num_blocks {report.num_blocks:,}"
-        ),
-        title_justify="left",
+    title = (
+        f"kvservice replay: {Path(report.trace_path).name} ({report.num_trace_lines:,} lines)"
+        f"\n{'layout' if _is_path(report.preset) else 'preset'} {report.preset}, block_size {report.block_size} tokens, "
+        f"num_blocks {report.num_blocks:,}"
     )
-    table.add_column("metric")
-    for m in report.modes:
-        table.add_column(m.mode, justify="right")
     late = any(m.late_watcher is not None for m in report.modes)
     kv_data = any(m.kv_data is not None for m in report.modes)
     ideal = any(m.num_ideal_hit_tokens is not None for m in report.modes)
     per_mode = [_mode_rows(m, late=late, kv_data=kv_data, ideal=ideal) for m in report.modes]
-    for i, (label, _) in enumerate(per_mode[0]):
-        table.add_row(label, *(rows[i][1] for rows in per_mode))
     notes = []
     skipped = {k: v for k, v in report.metadata.items() if k.startswith("requests_skipped") and v}
     if skipped:
@@ -598,19 +627,7 @@ def render_table(report: ReplayReport, *, width: int = 120) -> str:
             "ideal prefix hit rate, infinite cache, each request once (tokens; bounds the first-admission rate): "
             f"{_fmt_pct(report.ideal_hit_rate_tokens_pct)}"
         )
-    buffer = io.StringIO()
-    console = Console(
-        file=buffer,
-        width=width,
-        color_system=None,
-        force_terminal=False,
-        highlight=False,
-        markup=False,
-    )
-    console.print(table)
-    for note in notes:
-        console.print(note, soft_wrap=True)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
+    return render_rows(title, [m.mode for m in report.modes], per_mode, notes=notes, width=width)
 
 
 # --------------------------------------------------------------------------------------------

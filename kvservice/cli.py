@@ -432,13 +432,16 @@ def watch(
 )
 @click.option(
     "--scheduler",
-    type=click.Choice(["kvservice", "vllm", "vllm-async"]),
+    type=click.Choice(["kvservice", "vllm", "vllm-async", "vllm-tier"]),
     default="kvservice",
     show_default=True,
-    help="vllm / vllm-async: vLLM 0.33's own Scheduler / AsyncScheduler over the trace, in process and on an embedded kvservice, compared step by step (needs kvservice-vllm: bash scripts/setup_vllm.sh).",
+    help="vllm / vllm-async: vLLM 0.33's own Scheduler / AsyncScheduler over the trace, in process and on an embedded kvservice, compared step by step; vllm-tier: two vLLM schedulers, each with an OffloadingConnector on the kvservice tier, share prefix chunks through one embedded server, bytes checked (first 400 requests unless --limit; tier-report.json). Both need kvservice-vllm: bash scripts/setup_vllm.sh.",
 )
 def replay(**options: Any) -> None:
     """Replay a serving trace through the service and report hits and watcher agreement."""
+    if options["scheduler"] == "vllm-tier":
+        _replay_vllm_tier(options)
+        return
     if options["scheduler"] != "kvservice":
         _replay_vllm(options)
         return
@@ -496,6 +499,65 @@ def _replay_vllm(options: dict[str, Any]) -> None:
     Console().print(render(report))
     if not report.same_decisions:
         raise click.ClickException(f"the two runs decided differently from step {report.first_difference_step} on")
+
+
+_TIER_REPLAY_OPTIONS = ("trace", "limit", "num_blocks", "step_ms", "max_num_batched_tokens", "out_dir", "log_level")
+"""``replay`` options ``--scheduler vllm-tier`` reads (and ``scheduler`` itself); it refuses others given."""
+
+
+def _replay_vllm_tier(options: dict[str, Any]) -> None:
+    """``replay --scheduler vllm-tier``: two vLLM schedulers sharing one kvservice tier
+    (``kvservice.replay.vllm_mode.run_vllm_tier_replay``); its table, and ``tier-report.json`` in
+    ``--out``.
+
+    Raises:
+        click.UsageError: an option this mode does not read was given, or a trace format other
+            than Mooncake's.
+        click.ClickException: kvservice-vllm is missing, or a chunk's bytes differed.
+    """
+    from click.core import ParameterSource
+
+    from kvservice.replay.vllm_mode import TIER_DEFAULT_LIMIT, TIER_DEFAULT_SERVER_BLOCKS
+
+    ctx = click.get_current_context()
+    given = [
+        name
+        for name in options
+        if name not in (*_TIER_REPLAY_OPTIONS, "scheduler", "trace_format")
+        and ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+    ]
+    if options["trace_format"] not in ("auto", "mooncake"):
+        given.append("format")
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(given))
+        raise click.UsageError(
+            f"--scheduler vllm-tier runs its own server and model (Mooncake traces, 16-token blocks): leave out {flags}"
+        )
+    limit = options["limit"] or TIER_DEFAULT_LIMIT
+    explicit_blocks = ctx.get_parameter_source("num_blocks") not in (ParameterSource.DEFAULT, None)
+    num_server_blocks = options["num_blocks"] if explicit_blocks else TIER_DEFAULT_SERVER_BLOCKS
+    click.echo(
+        f"kvservice replay --scheduler vllm-tier: {options['trace'] or 'the Mooncake sample'}, first {limit:,} "
+        f"requests; 2 vLLM schedulers, one kvservice tier of {num_server_blocks:,} chunks"
+    )
+    from kvservice.replay.vllm_mode import render_tier, run_vllm_tier_replay
+
+    try:
+        result = run_vllm_tier_replay(
+            trace=options["trace"],
+            limit=limit,
+            num_server_blocks=num_server_blocks,
+            step_ms=options["step_ms"],
+            max_num_batched_tokens=options["max_num_batched_tokens"],
+            out_dir=options["out_dir"],
+        )
+    except ModuleNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(render_tier(result), nl=False)
+    click.echo(f"report: {os.path.join(options['out_dir'], 'tier-report.json')}")
+    mismatches = sum(s.mismatches + s.gpu_load_mismatches for s in result.instances)
+    if mismatches:
+        raise click.ClickException(f"{mismatches:,} chunks differed from the bytes their block hash names")
 
 
 def _replay_one_instance(options: dict[str, Any], plots: PlotProcess) -> None:

@@ -1,9 +1,15 @@
-"""``kvservice replay --scheduler vllm``: vLLM's real scheduler over the trace, twice.
+"""``kvservice replay --scheduler vllm``: vLLM's real scheduler over the trace, twice; and
+``--scheduler vllm-tier``: two vLLM schedulers sharing prefix chunks through one kvservice tier.
 
 Once with vLLM's in-process KV cache manager, once with its manager on an embedded kvservice
 (``kvservice_vllm.install(scheduler, "embedded")``); the model is never run
 (``kvservice_vllm.drive``). The report says whether the two made the same decisions step by step,
 the hit tokens of each, the round trips per step on kvservice and each one's time per step.
+
+``vllm-tier`` (:func:`run_vllm_tier_replay`) runs ``kvservice_vllm.tier_replay``: two vLLM
+schedulers, each with its own ``OffloadingConnector`` and the kvservice tier, on one embedded
+server, the trace split round robin; the report is each instance's hits by source (its GPU prefix
+cache, its CPU tier, kvservice: its own chunks or the other instance's) and the bytes checked.
 
 Needs the ``kvservice-vllm`` package and vLLM 0.33 (``bash scripts/setup_vllm.sh``; then
 ``.venv-vllm/bin/kvservice replay --scheduler vllm``). Nothing else of the replay imports it.
@@ -18,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VllmReplayReport", "run_vllm_replay"]
+__all__ = ["TIER_DEFAULT_LIMIT", "VllmReplayReport", "render_tier", "run_vllm_replay", "run_vllm_tier_replay"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +162,102 @@ def render(report: VllmReplayReport) -> Any:
     table.add_row("time per step (median)", f"{report.step_ms_in_process:.2f} ms", f"{report.step_ms_kvservice:.2f} ms")
     table.add_row("time per step, kvservice / in process", "", f"{report.step_time_ratio:.2f}x")
     return table
+
+
+TIER_DEFAULT_LIMIT = 400
+"""Requests ``--scheduler vllm-tier`` replays without ``--limit``: cross-instance hits start after
+about request 100, and 400 run in about a minute on 2 cores (the whole sample takes far longer)."""
+
+TIER_DEFAULT_SERVER_BLOCKS = 262144
+"""kvservice's pool for ``--scheduler vllm-tier`` without ``--num-blocks``: 262,144 chunks of
+4,096 bytes (1 GiB), more than the first 400 requests store (229,372 chunks written): no chunk is
+evicted, so no load fails. With 131,072 (fewer than they store) 8,585 chunk loads failed, every
+one a chunk evicted after the lookup that found it, never wrong bytes."""
+
+
+def run_vllm_tier_replay(
+    *,
+    trace: str | None,
+    limit: int | None,
+    num_server_blocks: int = TIER_DEFAULT_SERVER_BLOCKS,
+    step_ms: float = 25.0,
+    max_num_batched_tokens: int = 8192,
+    out_dir: str | None = None,
+) -> Any:
+    """Serve the trace (Mooncake format) with two vLLM schedulers sharing one kvservice tier
+    (``kvservice_vllm.tier_replay.run_tier_replay``); the result (also ``tier-report.json`` in
+    ``out_dir``).
+
+    Args:
+        trace: a Mooncake trace (None: the embedded sample).
+        limit: at most this many requests (None: all).
+        num_server_blocks: kvservice's pool, in 4,096-byte chunks.
+        step_ms: simulated milliseconds per scheduler step (arrivals land on steps).
+        max_num_batched_tokens: each scheduler's token budget per step.
+        out_dir: where ``tier-report.json`` goes (None: not written).
+
+    Returns:
+        A ``kvservice_vllm.tier_replay.TierReplayResult``.
+
+    Raises:
+        ModuleNotFoundError: vLLM or kvservice-vllm is not installed (the message says how).
+    """
+    try:
+        from kvservice_vllm.drive import mooncake_items
+        from kvservice_vllm.tier_replay import run_tier_replay
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"replay --scheduler vllm-tier needs vLLM 0.33 and kvservice-vllm ({exc.name} is missing): "
+            "bash scripts/setup_vllm.sh, then .venv-vllm/bin/kvservice replay --scheduler vllm-tier"
+        ) from exc
+    items = mooncake_items(trace, limit=limit, step_ms=step_ms)
+    result = run_tier_replay(items, num_server_blocks=num_server_blocks, max_num_batched_tokens=max_num_batched_tokens)
+    if out_dir is not None:
+        path = Path(out_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "tier-report.json").write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
+    return result
+
+
+def _tier_rows(stats: Any) -> list[tuple[str, str]]:
+    def blocks_tokens(blocks: int, tokens: int) -> str:
+        return f"{blocks:,} / {tokens:,}"
+
+    return [
+        ("requests", f"{stats.num_requests:,}"),
+        ("hit tokens at admission", f"{stats.hit_tokens:,}"),
+        ("  from its GPU prefix cache (tokens)", f"{stats.hit_tokens_gpu:,}"),
+        ("  from its CPU tier (blocks / tokens)", blocks_tokens(stats.hit_blocks_cpu, stats.hit_tokens_cpu)),
+        (
+            "  from kvservice, its own chunks (blocks / tokens)",
+            blocks_tokens(stats.hit_blocks_kvservice_own, stats.hit_tokens_kvservice_own),
+        ),
+        (
+            "  from kvservice, the other's chunks (blocks / tokens)",
+            blocks_tokens(stats.hit_blocks_cross, stats.hit_tokens_cross),
+        ),
+        ("blocks computed", f"{stats.blocks_computed:,}"),
+        ("chunks stored in kvservice / written", f"{stats.chunks_stored:,} / {stats.chunks_written:,}"),
+        ("chunks loaded from kvservice / load failures", f"{stats.chunks_loaded:,} / {stats.load_failures:,}"),
+        ("store failures", f"{stats.store_failures:,}"),
+        ("chunks verified from kvservice / mismatches", f"{stats.chunks_verified:,} / {stats.mismatches:,}"),
+        ("GPU loads verified / mismatches", f"{stats.gpu_loads_verified:,} / {stats.gpu_load_mismatches:,}"),
+        ("preemptions", f"{stats.num_preemptions:,}"),
+        ("scheduler steps", f"{stats.num_steps:,}"),
+    ]
+
+
+def render_tier(result: Any, *, width: int = 120) -> str:
+    """A ``TierReplayResult`` as a plain-text table, instances side by side
+    (:func:`kvservice.replay.report.render_rows`)."""
+    from kvservice.replay.report import render_rows
+
+    title = (
+        f"kvservice replay --scheduler vllm-tier: {result.num_requests:,} requests, {len(result.instances)} vLLM "
+        f"schedulers (round robin)\nper instance {result.num_gpu_blocks:,} GPU blocks, {result.num_cpu_chunks:,} CPU "
+        f"chunks; kvservice {result.num_server_blocks:,} chunks of {result.chunk_bytes:,} bytes"
+    )
+    notes = [f"wall time {result.wall_s:.1f} s, {result.num_steps:,} lockstep steps"]
+    return render_rows(
+        title, [s.name for s in result.instances], [_tier_rows(s) for s in result.instances], notes=notes, width=width
+    )

@@ -18,8 +18,10 @@ Needs the ``kvservice-vllm`` package and vLLM 0.33 (``bash scripts/setup_vllm.sh
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import statistics
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,19 @@ class VllmReplayReport:
     step_time_ratio: float
 
 
+@contextlib.contextmanager
+def _needs_kvservice_vllm(mode: str) -> Iterator[None]:
+    """Imports of ``replay --scheduler MODE`` inside; a missing module becomes a
+    ModuleNotFoundError that says how to install it."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"replay --scheduler {mode} needs vLLM 0.33 and kvservice-vllm ({exc.name} is missing): "
+            f"bash scripts/setup_vllm.sh, then .venv-vllm/bin/kvservice replay --scheduler {mode}"
+        ) from exc
+
+
 def run_vllm_replay(
     *,
     trace: str | None,
@@ -79,14 +94,9 @@ def run_vllm_replay(
     Raises:
         ModuleNotFoundError: vLLM or kvservice-vllm is not installed (the message says how).
     """
-    try:
+    with _needs_kvservice_vllm("vllm"):
         import kvservice_vllm
         from kvservice_vllm.drive import make_scheduler, mooncake_items, run_trace
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            f"replay --scheduler vllm needs vLLM 0.33 and kvservice-vllm ({exc.name} is missing): "
-            "bash scripts/setup_vllm.sh, then .venv-vllm/bin/kvservice replay --scheduler vllm"
-        ) from exc
     # A request longer than the pool could never be admitted (vLLM would wait for it for ever).
     max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
     items = [
@@ -203,14 +213,9 @@ def run_vllm_tier_replay(
     Raises:
         ModuleNotFoundError: vLLM or kvservice-vllm is not installed (the message says how).
     """
-    try:
+    with _needs_kvservice_vllm("vllm-tier"):
         from kvservice_vllm.drive import mooncake_items
         from kvservice_vllm.tier_replay import run_tier_replay
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            f"replay --scheduler vllm-tier needs vLLM 0.33 and kvservice-vllm ({exc.name} is missing): "
-            "bash scripts/setup_vllm.sh, then .venv-vllm/bin/kvservice replay --scheduler vllm-tier"
-        ) from exc
     items = mooncake_items(trace, limit=limit, step_ms=step_ms)
     result = run_tier_replay(items, num_server_blocks=num_server_blocks, max_num_batched_tokens=max_num_batched_tokens)
     if out_dir is not None:

@@ -54,3 +54,19 @@ def test_the_first_line_comes_before_the_replay_starts(monkeypatch, tmp_path):
         "replay: the embedded Mooncake sample, first 5 requests; preset llama-3-8b, pool 32,768 blocks of 16 "
         "tokens, mirror unbounded; report mode incremental and full; 1 watcher(s) + a late one"
     )
+
+
+@pytest.mark.parametrize("mode", ["vllm", "vllm-tier"])
+def test_a_vllm_mode_without_kvservice_vllm_says_how_to_install_it(mode, monkeypatch, tmp_path):
+    """Where kvservice-vllm is not installed (this venv: ``.venv`` has no vLLM), the vLLM modes
+    end with one line naming the missing module and the setup script, no traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec("kvservice_vllm") is not None:
+        pytest.skip("kvservice-vllm is installed here")
+    result = CliRunner().invoke(main, ["replay", "--scheduler", mode, "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.output.splitlines()[-1] == (
+        f"Error: replay --scheduler {mode} needs vLLM 0.33 and kvservice-vllm (kvservice_vllm is missing): "
+        f"bash scripts/setup_vllm.sh, then .venv-vllm/bin/kvservice replay --scheduler {mode}"
+    )

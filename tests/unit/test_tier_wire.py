@@ -140,7 +140,12 @@ def test_the_client_reads_a_read_chunk_in_place_as_protobuf_parses_it(message):
 
     data = message.SerializeToString()
     assert _wire_read_chunk(data) is not None  # the server's form: read in place
-    expected = (
+    assert _fields(_read_chunk(data)) == _message_fields(message)
+
+
+def _message_fields(message: pb.ReadBlocksChunk) -> tuple:
+    """A parsed ReadBlocksChunk's fields in :func:`_fields`'s order (checksum None when absent)."""
+    return (
         message.block_index,
         message.group_idx,
         message.block_id,
@@ -149,7 +154,6 @@ def test_the_client_reads_a_read_chunk_in_place_as_protobuf_parses_it(message):
         message.checksum if message.HasField("checksum") else None,
         message.evicted,
     )
-    assert _fields(_read_chunk(data)) == expected
 
 
 @pytest.mark.parametrize(
@@ -167,15 +171,7 @@ def test_the_client_leaves_any_other_read_chunk_to_protobuf(data):
 
     assert _wire_read_chunk(data) is None
     message = pb.ReadBlocksChunk.FromString(data)
-    assert _fields(_read_chunk(data)) == (
-        message.block_index,
-        message.group_idx,
-        message.block_id,
-        message.offset_bytes,
-        message.data,
-        message.checksum if message.HasField("checksum") else None,
-        message.evicted,
-    )
+    assert _fields(_read_chunk(data)) == _message_fields(message)
 
 
 @pytest.mark.parametrize("data", [b"\x2a\x05abc", b"\x08\x80"])

@@ -802,16 +802,7 @@ class DataPlane:
                 "written_epoch: must be set with written_blocks (the epoch of their allocation ids: "
                 "ManagerStepResponse.epoch)",
             )
-        if len(epoch.encode()) > MAX_EPOCH_BYTES:  # the refusal below quotes it
-            raise DataPlaneError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"written_epoch: longer than {MAX_EPOCH_BYTES} bytes"
-            )
-        if epoch != self.epoch:
-            raise DataPlaneError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"written_epoch: {epoch!r} is not this server's epoch {self.epoch!r} (the server restarted: the "
-                "allocations are gone); nothing was run",
-            )
+        self._check_epoch("written_epoch", epoch, "the allocations are gone); nothing was run")
         num_blocks = self._num_blocks
         for i, entry in enumerate(written):
             where = f"written_blocks[{i}]"
@@ -884,13 +875,31 @@ class DataPlane:
             return None
         return request
 
+    def _check_epoch(self, field: str, epoch: str, gone: str) -> None:
+        """Raise unless ``epoch`` (set) is this server's; the refusal quotes it, so it is bounded first.
+
+        Raises:
+            DataPlaneError: INVALID_ARGUMENT naming ``field`` when longer than
+                :data:`~kvservice.server.event_log.MAX_EPOCH_BYTES`; FAILED_PRECONDITION naming it
+                when another epoch (``gone`` says what the restart took).
+        """
+        if len(epoch.encode()) > MAX_EPOCH_BYTES:
+            raise DataPlaneError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: longer than {MAX_EPOCH_BYTES} bytes")
+        if epoch != self.epoch:
+            raise DataPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{field}: {epoch!r} is not this server's epoch {self.epoch!r} (the server restarted: {gone}",
+            )
+
     def _check_allocation(self, where: str, request_id: str, allocation_id: int, epoch: str) -> None:
         """Raise unless a write naming ``allocation_id`` and ``epoch`` (both or neither) is for the
         current allocation of ``request_id`` in this epoch (nothing to check without them).
 
         Raises:
             DataPlaneError: INVALID_ARGUMENT naming the field when only one of the two is set;
-                FAILED_PRECONDITION naming the epoch or the allocation id that is stale.
+                INVALID_ARGUMENT naming the epoch when longer than
+                :data:`~kvservice.server.event_log.MAX_EPOCH_BYTES`; FAILED_PRECONDITION naming the
+                epoch or the allocation id that is stale.
         """
         if not allocation_id and not epoch:
             return
@@ -899,12 +908,7 @@ class DataPlane:
             raise DataPlaneError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{where}.{field}: must be set with {other} (both or neither)"
             )
-        if epoch != self.epoch:
-            raise DataPlaneError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{where}.epoch: {epoch!r} is not this server's epoch {self.epoch!r} (the server restarted: "
-                f"allocation {allocation_id} is gone); nothing was written",
-            )
+        self._check_epoch(f"{where}.epoch", epoch, f"allocation {allocation_id} is gone); nothing was written")
         request = self.engine.requests.get(request_id)
         current = request.allocation_id if request is not None and request_id in self.engine.running else 0
         if allocation_id != current:

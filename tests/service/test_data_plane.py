@@ -764,6 +764,11 @@ async def test_a_stale_write_stream_is_refused(start_kv_server, connect):
             f"chunks[0].epoch: 'an-old-epoch' is not this server's epoch {running.event_log.epoch!r} (the server "
             f"restarted: allocation {second.allocation_id} is gone); nothing was written",
         ),
+        (  # refused before it is quoted: a status echoing 20,000 characters outgrows the trailer
+            (second.allocation_id, "e" * 20000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chunks[0].epoch: longer than 256 bytes",
+        ),
     ]
     for allocation, code, message in cases:
         assert await code_and_message(awrite_blocks(client, "r", [(0, block, pattern(9))], allocation=allocation)) == (

@@ -24,11 +24,12 @@ What the tier does, in vLLM's tier API's terms (``vllm/v1/kv_offload/tiering/bas
   verdict (``HIT`` / ``MISS``), kept while a request that asked for it is live (vLLM's connector
   keeps scanning past ``RETRY``, so a whole prompt's keys go in one step's batch). A lookup that
   fails (the server down) answers ``MISS`` for its keys.
-* **Stores and loads** (``submit_store``, ``submit_load``) queue a job and return; a worker thread
-  per direction moves the bytes (:class:`kvservice_vllm.tier_client.TierClient`: ``memcpy``
+* **Stores and loads** (``submit_store``, ``submit_load``) queue a job and return; worker threads
+  per direction (``job_threads``, 2 by default: one job's round trips overlap the other's copy)
+  move the bytes (:class:`kvservice_vllm.tier_client.TierClient`: ``memcpy``
   through the server's mapped memory on the same host, ``PutBlocks`` / ``ReadBlocks`` otherwise);
-  ``get_finished_jobs`` hands back ``JobResult`` s. The store thread takes all the store jobs
-  queued while it copied as one store (two round trips per ``max_keys_per_call`` keys, not per
+  ``get_finished_jobs`` hands back ``JobResult`` s. A free store thread takes all the store jobs
+  queued by then as one store (two round trips per ``max_keys_per_call`` keys, not per
   job); each job still reports on its own. A load that could not copy every key (evicted
   since the lookup, a lost lease, the server gone) is ``success=False`` with ``successful_keys``
   the keys that did arrive: vLLM's tiering manager then frees the primary slots of the others, and
@@ -119,8 +120,12 @@ class KVServiceTier(SecondaryTierManager):
             KV cache events are on in vLLM); the server publishes its own events either way.
         locality: ``LOCAL`` or ``REMOTE`` (vLLM's ``Locality``); default: ``LOCAL`` over shared
             memory, ``REMOTE`` over gRPC.
+        job_threads: threads per direction that run store and load jobs (default 2): one job's
+            round trips overlap another's copy (a direction's copies still take turns); 1 runs
+            each direction's jobs one after the other.
 
     Raises:
+        ValueError: ``job_threads`` is not an integer >= 1.
         TierLayoutError: the server's blocks are not this engine's offload chunks.
         KVServiceError: the server cannot be reached or refuses the token.
     """
@@ -147,7 +152,10 @@ class KVServiceTier(SecondaryTierManager):
         touch: bool = True,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        job_threads: int = 2,
     ) -> None:
+        if isinstance(job_threads, bool) or not isinstance(job_threads, int) or job_threads < 1:
+            raise ValueError(f"KVServiceTier: job_threads must be an integer >= 1; got {job_threads!r}")
         super().__init__(
             offloading_spec=offloading_spec,
             primary_kv_view=primary_kv_view,
@@ -198,15 +206,16 @@ class KVServiceTier(SecondaryTierManager):
         # Per request: (group_idx, end token) -> block hash, for the parent hash a put publishes.
         self._req_hashes: dict[str, dict[tuple[int, int], bytes]] = {}
 
-        # Jobs: one thread per direction, so a load never waits behind a long store.
+        # Jobs: threads per direction, so a load never waits behind a long store, and one job's
+        # round trips overlap another's copy.
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kvservice_tier_lookup")
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvservice_tier_load")
-        self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvservice_tier_store")
+        self._load_pool = ThreadPoolExecutor(job_threads, thread_name_prefix="kvservice_tier_load")
+        self._store_pool = ThreadPoolExecutor(job_threads, thread_name_prefix="kvservice_tier_store")
         self._jobs: dict[JobId, Future[JobResult]] = {}
         self._load_keys: dict[JobId, list[OffloadKey]] = {}
         self._store_keys: dict[JobId, list[OffloadKey]] = {}
         self._finished: queue.SimpleQueue[JobId] = queue.SimpleQueue()
-        # Store jobs not yet taken by the store thread (it takes all of them at once: one call).
+        # Store jobs not yet taken by a store thread (the next free one takes all of them: one call).
         self._pending_stores: list[_StoreJob] = []
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -393,7 +402,7 @@ class KVServiceTier(SecondaryTierManager):
         self._jobs[job_id] = pool.submit(run)
 
     def _run_pending_stores(self) -> None:
-        """The store thread: every store job queued now, as one store per group (one reservation
+        """A store thread: every store job queued now, as one store per group (one reservation
         and one commit per ``max_keys_per_call`` keys, not per job: jobs queue while a copy runs,
         and each call costs two round trips). A key in several jobs is copied once (the first
         job's row: a key names its bytes). Each job reports on its own: success when all its keys
@@ -532,7 +541,7 @@ class KVServiceTier(SecondaryTierManager):
 
 @dataclass(frozen=True, slots=True)
 class _StoreJob:
-    """A store job queued for the store thread: vLLM's job id, its keys, per key the parent hash
+    """A store job queued for the store threads: vLLM's job id, its keys, per key the parent hash
     and the primary row, and the future its result is set on."""
 
     job_id: JobId

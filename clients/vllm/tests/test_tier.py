@@ -129,7 +129,8 @@ def test_store_jobs_queued_meanwhile_go_as_one_call_and_report_each(
     for i, key in enumerate(KEYS[:5]):
         a.rows[i].copy_(torch.frombuffer(bytearray(chunk_bytes_of(key, a.rows.shape[1])), dtype=torch.uint8))
     busy = threading.Event()
-    a.tier._store_pool.submit(busy.wait)  # the store thread copying: the three jobs queue
+    for _ in range(a.tier._store_pool._max_workers):
+        a.tier._store_pool.submit(busy.wait)  # every store thread copying: the three jobs queue
     ctx = ReqContext(req_id="jobs")
     for job_id, keys, rows in ((1, KEYS[:2], [0, 1]), (2, KEYS[2:4], [2, 3]), (3, [KEYS[1], KEYS[4]], [1, 4])):
         a.tier.submit_store(TransferJob(job_id, keys, np.array(rows), is_promotion=False, req_context=ctx))
@@ -144,6 +145,88 @@ def test_store_jobs_queued_meanwhile_go_as_one_call_and_report_each(
         (3, True, size),  # KEYS[1] was job 1's to copy
     ]
     assert b.fetch(KEYS[:5]) == {key: chunk_bytes_of(key) for key in KEYS[:5]}
+
+
+def test_two_store_jobs_overlap_round_trips_and_take_turns_copying(
+    instances: tuple[Instance, Instance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Job 1's copy is held until job 2's reservation has answered and job 2 waits for the copy
+    # lock: one job's round trip runs while the other copies, and job 2's copy waits for job 1's
+    # (one copier per direction).
+    a, b = instances
+    assert a.tier._store_pool._max_workers == 2
+    trace: list[str] = []
+    reserved = {"1": threading.Event(), "2": threading.Event()}
+    wants_copy = {"1": threading.Event(), "2": threading.Event()}
+    job_of_thread: dict[int, str] = {}
+    real_reserve = KVCacheClient.reserve_blocks
+    real_copy = tier_client._copy_into_block
+    real_lock = a.tier.client._store_copy
+
+    def reserve(self: KVCacheClient, request: object, *args: object, **kwargs: object) -> object:
+        answer = real_reserve(self, request, *args, **kwargs)
+        job = "1" if request.block_hashes[0] == KEYS[0][:-4] else "2"  # type: ignore[attr-defined]
+        job_of_thread[threading.get_ident()] = job
+        trace.append(f"reserved {job}")
+        reserved[job].set()
+        return answer
+
+    class TracedLock:
+        def __enter__(self) -> None:
+            job = job_of_thread[threading.get_ident()]
+            trace.append(f"wants to copy {job}")
+            wants_copy[job].set()
+            real_lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            real_lock.release()
+
+    def copy(blocks: object, block_id: int, row: torch.Tensor) -> None:
+        job = job_of_thread[threading.get_ident()]
+        if job == "1":
+            assert wants_copy["2"].wait(30), "job 2 did not reserve and wait for the copy while job 1 copied"
+        trace.append(f"copy {job}")
+        real_copy(blocks, block_id, row)
+
+    monkeypatch.setattr(KVCacheClient, "reserve_blocks", reserve)
+    monkeypatch.setattr(tier_client, "_copy_into_block", copy)
+    monkeypatch.setattr(a.tier.client, "_store_copy", TracedLock())
+    for i, key in enumerate(KEYS[:4]):
+        a.rows[i].copy_(torch.frombuffer(bytearray(chunk_bytes_of(key, a.rows.shape[1])), dtype=torch.uint8))
+    ctx = ReqContext(req_id="overlap")
+    a.tier.submit_store(TransferJob(1, KEYS[:2], np.array([0, 1]), is_promotion=False, req_context=ctx))
+    assert wants_copy["1"].wait(30)
+    a.tier.submit_store(TransferJob(2, KEYS[2:4], np.array([2, 3]), is_promotion=False, req_context=ctx))
+    a.tier.drain_jobs()
+    assert trace == [
+        "reserved 1",
+        "wants to copy 1",
+        "reserved 2",
+        "wants to copy 2",
+        "copy 1",
+        "copy 1",
+        "copy 2",
+        "copy 2",
+    ]
+    assert sorted((r.job_id, r.success) for r in a.tier.get_finished_jobs()) == [(1, True), (2, True)]
+    assert b.fetch(KEYS[:4]) == {key: chunk_bytes_of(key) for key in KEYS[:4]}
+
+
+@pytest.mark.parametrize("job_threads", [0, -1, True, 1.5, "2"])
+def test_job_threads_below_one_or_not_an_integer_is_refused(server: EmbeddedTierServer, job_threads: object) -> None:
+    with pytest.raises(ValueError, match=rf"job_threads must be an integer >= 1; got {job_threads!r}"):
+        Instance(server.target, job_threads=job_threads)
+
+
+def test_one_job_thread_runs_a_direction_s_jobs_one_after_the_other(server: EmbeddedTierServer) -> None:
+    a, b = Instance(server.target, job_threads=1), Instance(server.target)
+    try:
+        assert (a.tier._store_pool._max_workers, a.tier._load_pool._max_workers) == (1, 1)
+        a.store(KEYS[:3])
+        assert b.fetch(KEYS[:3]) == {key: chunk_bytes_of(key) for key in KEYS[:3]}
+    finally:
+        a.shutdown()
+        b.shutdown()
 
 
 def test_evicted_keys_miss_and_present_ones_keep_their_bytes(server: EmbeddedTierServer) -> None:

@@ -29,7 +29,12 @@ Segments:
   never removed.
 
 One extra small *control* segment per allocator holds a state byte (1 = open, 2 = closed), a format
-byte (1 = its owner holds the flock) and the server epoch. :meth:`SharedMemoryAllocator.close` (and
+byte (1 = its owner holds the flock) and the server epoch, then (from byte :data:`LEASE_TABLE_OFFSET`)
+the **lease table**: ``lease_slots`` slots of 8 bytes, each 0 or the id (little-endian) of the
+tier lease (read or put) that holds it (``kvservice.core.tier``: a slot is cleared before its lease's
+blocks are unpinned, freed or cached, so a copier that finds its lease id in its slot after a copy
+knows the lease held through it, with no round trip; ``lease_slot`` of LeaseBlocks' and
+ReserveBlocks' answers). :meth:`SharedMemoryAllocator.close` (and
 stale removal) sets it to closed before unlinking, and a worker's view checks it before every use
 (``kvservice_client.torch_view``), so a view of a stopped or restarted server refuses to be used
 instead of reading memory nobody owns. A control segment of format 0 was made by a kvservice from
@@ -64,6 +69,7 @@ __all__ = [
     "CONTROL_CLOSED",
     "CONTROL_FORMAT_LOCKED",
     "CONTROL_OPEN",
+    "LEASE_TABLE_OFFSET",
     "SEGMENT_PREFIX",
     "SHM_DIR",
     "SharedMemoryAllocator",
@@ -81,6 +87,10 @@ _SEGMENT_RE = re.compile(r"(kvservice-(\d+)-[0-9a-f]{32})-(ctl|\d+)")
 CONTROL_BYTES = 64
 """Size of a control segment: byte 0 is the state, byte 1 the format, bytes 8..63 the epoch (ASCII,
 NUL-padded)."""
+
+LEASE_TABLE_OFFSET = CONTROL_BYTES
+"""Byte offset of the lease table in a control segment: slot ``k`` (1-based) is the 8 bytes at
+``LEASE_TABLE_OFFSET + 8 * (k - 1)``. A control segment of exactly ``CONTROL_BYTES`` has none."""
 
 CONTROL_FORMAT_LOCKED = 1
 """Control format byte: the owner holds an exclusive flock on the control segment while it lives
@@ -242,8 +252,9 @@ def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
-def _create_control(shm_dir: Path, epoch: str) -> tuple[str, int]:
-    """Create and lock a control segment: ``(token, descriptor holding the lock)``.
+def _create_control(shm_dir: Path, epoch: str, lease_slots: int = 0) -> tuple[str, int]:
+    """Create and lock a control segment (with a lease table of ``lease_slots`` slots):
+    ``(token, descriptor holding the lock)``.
 
     The name is created exclusively, then locked; a :func:`remove_stale_segments` running in
     between may take the lock first (then this one unlinks what it made) or unlink the name before
@@ -264,7 +275,7 @@ def _create_control(shm_dir: Path, epoch: str) -> tuple[str, int]:
         if not same:
             os.close(fd)
             continue
-        os.ftruncate(fd, CONTROL_BYTES)
+        os.ftruncate(fd, LEASE_TABLE_OFFSET + 8 * lease_slots)
         os.pwrite(fd, bytes([CONTROL_OPEN, CONTROL_FORMAT_LOCKED]) + bytes(6) + _epoch_bytes(epoch), 0)
         return token, fd
     raise OSError(errno.EAGAIN, f"could not create a control segment in {shm_dir}: removed 8 times while created")
@@ -285,6 +296,9 @@ class SharedMemoryAllocator:
     Args:
         epoch: the server epoch, written into the control segment (or later, :meth:`set_epoch`).
         shm_dir: the shared-memory directory (``/dev/shm``; tests may pass another folder).
+        lease_slots: slots of the control segment's lease table (the server's
+            ``tier_max_leases``; 0: none). It is the tier's lease board
+            (:class:`kvservice.core.tier.LeaseBoard`: :meth:`publish_lease`, :meth:`clear_lease`).
 
     Attributes:
         segments: ``(name, size in bytes, tensor)`` of every segment, in allocation order.
@@ -294,9 +308,12 @@ class SharedMemoryAllocator:
         OSError: ``shm_dir`` is not writable (at construction: the control segment is made then).
     """
 
-    def __init__(self, epoch: str = "", *, shm_dir: Path = SHM_DIR) -> None:
+    def __init__(self, epoch: str = "", *, shm_dir: Path = SHM_DIR, lease_slots: int = 0) -> None:
+        if lease_slots < 0:
+            raise ValueError(f"lease_slots must be >= 0; got {lease_slots}")
         self.shm_dir = Path(shm_dir)
-        self._token, self._control_fd = _create_control(self.shm_dir, epoch)
+        self.lease_slots = lease_slots
+        self._token, self._control_fd = _create_control(self.shm_dir, epoch, lease_slots)
         self.segments: list[tuple[str, int, torch.Tensor]] = []
         self.control_name = f"{self._token}-ctl"
         self._lock = threading.Lock()
@@ -306,6 +323,20 @@ class SharedMemoryAllocator:
     def set_epoch(self, epoch: str) -> None:
         """Write the server epoch (ASCII, at most 56 characters kept) into the control segment."""
         os.pwrite(self._control_fd, _epoch_bytes(epoch), 8)
+
+    def publish_lease(self, slot: int, lease_id: int) -> None:
+        """Slot ``slot`` (1-based) of the lease table holds ``lease_id`` (> 0) from now on."""
+        assert 1 <= slot <= self.lease_slots, f"lease slot {slot} outside [1, {self.lease_slots}]"
+        assert 0 < lease_id < 1 << 64, f"lease id {lease_id}"
+        if not self._closed:
+            os.pwrite(self._control_fd, lease_id.to_bytes(8, "little"), LEASE_TABLE_OFFSET + 8 * (slot - 1))
+
+    def clear_lease(self, slot: int) -> None:
+        """Slot ``slot`` holds no lease from now on (the write completes before this returns, so
+        whatever the caller does next, unpinning the lease's blocks, comes after it)."""
+        assert 1 <= slot <= self.lease_slots, f"lease slot {slot} outside [1, {self.lease_slots}]"
+        if not self._closed:
+            os.pwrite(self._control_fd, bytes(8), LEASE_TABLE_OFFSET + 8 * (slot - 1))
 
     def __call__(self, num_bytes: int, device: torch.device) -> torch.Tensor:
         """A flat ``uint8`` tensor of ``num_bytes`` bytes in a new segment (zero-filled, not yet

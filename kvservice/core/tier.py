@@ -17,6 +17,13 @@ How it sits on the pool (``kvservice.core.block_pool``):
 * A **read lease** (:meth:`TierStore.lease`) takes a reference on each present block (``touch``):
   a referenced block is not in the free queue, so nothing can evict or reuse it until the lease
   ends (:meth:`TierStore.release`, or expiry) and drops the reference.
+* A lease (read or put) has a **slot** (1 .. ``tier_max_leases``) when the server publishes
+  leases in shared memory (:attr:`TierStore.lease_board`): the board holds the lease id in the
+  slot while the lease is live and is cleared when it ends, *before* its blocks are unpinned,
+  freed or cached, so a reader that finds its lease id in the slot after its copy knows no block
+  was reused under it, and a putter that finds it after its copy knows its reservation still
+  held (``lease_slot`` of LeaseBlocks' and ReserveBlocks' answers; the server's board is the
+  control segment's lease table, ``kvservice.shm``).
 * Present keys a put names are pinned while the put allocates, so the allocation never evicts a
   key the same call answers PRESENT; they go back to the LRU tail (a put of a present key marks
   it recently used, as vLLM's primary tier touches a stored key).
@@ -33,11 +40,13 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 from kvservice.core.block_pool import BlockPool, KVCacheBlock
 from kvservice.core.errors import CapacityExceededError, InvalidArgumentError
 
 __all__ = [
+    "LeaseBoard",
     "LeaseResult",
     "LookupResult",
     "PutStatus",
@@ -94,6 +103,17 @@ class TierLimits:
             )
 
 
+class LeaseBoard(Protocol):
+    """Where live read leases are published for readers without a round trip (the server's: the
+    control segment's lease table, :class:`kvservice.shm.SharedMemoryAllocator`)."""
+
+    def publish_lease(self, slot: int, lease_id: int) -> None:
+        """Slot ``slot`` (1-based) holds ``lease_id`` from now on."""
+
+    def clear_lease(self, slot: int) -> None:
+        """Slot ``slot`` holds no lease from now on (called before the lease's blocks are unpinned)."""
+
+
 @dataclass
 class _Lease:
     """A live lease: a read lease's pinned blocks, or a put lease's reserved blocks and keys."""
@@ -106,6 +126,7 @@ class _Lease:
     hashes: list[bytes] = field(default_factory=list)
     parents: list[bytes | None] = field(default_factory=list)
     token_ids: list[int] | None = None
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,23 +139,27 @@ class LookupResult:
 
 @dataclass(frozen=True)
 class ReserveResult:
-    """A reservation: ``reserved`` False = refused for room (nothing changed, the rest empty)."""
+    """A reservation: ``reserved`` False = refused for room (nothing changed, the rest empty);
+    ``slot`` the put lease's slot on the lease board (0: no board, or no lease)."""
 
     reserved: bool
     lease_id: int
     status: list[PutStatus]
     block_ids: list[int]
     ttl_s: float
+    slot: int = 0
 
 
 @dataclass(frozen=True)
 class LeaseResult:
-    """A read lease: per key its pinned block id (0: a miss); ``lease_id`` 0 when nothing is pinned."""
+    """A read lease: per key its pinned block id (0: a miss); ``lease_id`` 0 when nothing is pinned;
+    ``slot`` its slot on the lease board (0: no board, or nothing pinned)."""
 
     lease_id: int
     block_ids: list[int]
     num_leased: int
     ttl_s: float
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,6 +201,10 @@ class TierStore:
         """Called with the block ids a put reservation took (their bytes not written yet)."""
         self.on_blocks_stored: Callable[[list[int]], None] | None = None
         """Called with the block ids a commit cached (their bytes complete: the putter wrote them)."""
+        self.lease_board: LeaseBoard | None = None
+        """Where read leases are published (None: nowhere; leases then have no slot)."""
+        # Free board slots, the lowest on top (at most max_leases leases live: always one free).
+        self._free_slots = list(range(limits.max_leases, 0, -1))
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -366,7 +395,7 @@ class TierStore:
         if blocks and self.on_blocks_reserved is not None:
             self.on_blocks_reserved([b.block_id for b in blocks])
         block_ids = [0] * n
-        lease_id = 0
+        lease_id = slot = 0
         if num_write:
             lease_id = self._new_lease_id()
             writes = [i for i, s in enumerate(status) if s is PutStatus.WRITE]
@@ -386,7 +415,8 @@ class TierStore:
                 else None,
             )
             self._add(lease)
-        return ReserveResult(True, lease_id, status, block_ids, ttl if lease_id else 0.0)
+            slot = lease.slot
+        return ReserveResult(True, lease_id, status, block_ids, ttl if lease_id else 0.0, slot)
 
     def commit(self, lease_id: int, *, now: float, written: Sequence[bool] | None = None) -> tuple[bool, int]:
         """Make a put lease's blocks cached (CommitBlocks): BlockStored for the keys that became
@@ -460,7 +490,7 @@ class TierStore:
         self.pool.touch(blocks)
         lease = _Lease(self._new_lease_id(), now + ttl, group_idx, blocks, False)
         self._add(lease)
-        return LeaseResult(lease.lease_id, block_ids, len(blocks), ttl)
+        return LeaseResult(lease.lease_id, block_ids, len(blocks), ttl, lease.slot)
 
     def release(self, lease_id: int, *, now: float) -> ReleaseResult:
         """End a lease (ReleaseLease): a read lease's blocks unpinned (to the LRU tail when free);
@@ -527,11 +557,22 @@ class TierStore:
         return [block.block_id for lease in self._leases.values() for block in lease.blocks]
 
     def _add(self, lease: _Lease) -> None:
+        """Make a lease live (and publish it on the board, when there is one)."""
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+        if self.lease_board is not None:
+            lease.slot = self._free_slots.pop()
+            self.lease_board.publish_lease(lease.slot, lease.lease_id)
 
     def _end(self, lease: _Lease) -> None:
+        """Forget a lease (its caller then frees or caches its blocks: after the board's slot is
+        cleared, so a reader that still finds its lease id there knows the blocks were pinned)."""
         del self._leases[lease.lease_id]
+        if lease.slot:
+            assert self.lease_board is not None, "a lease with a slot and no board"
+            self.lease_board.clear_lease(lease.slot)
+            self._free_slots.append(lease.slot)
+            lease.slot = 0
         if lease.put:
             for block_hash in lease.hashes:
                 if self._in_flight.get((lease.group_idx, block_hash)) == lease.lease_id:

@@ -357,7 +357,8 @@ def _build_core(config: ServerConfig) -> _Core:
         from kvservice.shm import SharedMemoryAllocator, remove_stale_segments
 
         remove_stale_segments()
-        shm = SharedMemoryAllocator()
+        # The control segment's lease table: one slot per lease the tier may hold.
+        shm = SharedMemoryAllocator(lease_slots=config.tier.limits.max_leases)
     try:
         tensors = allocate_kv_cache_tensors(kv_cache_config, device, allocator=shm if device_type == "cpu" else None)
     except BaseException:
@@ -396,6 +397,8 @@ def _build_core(config: ServerConfig) -> _Core:
         digest_bytes=16 if (cache.hash_algorithm or "").startswith("xxhash") else 32,
         limits=tier_limits,
     )
+    if shm is not None and device_type == "cpu":  # a reader through the mapped memory checks its lease there
+        engine.tier.lease_board = shm
     # An answer always fits what this server may send and what any gRPC client accepts.
     events = dataclasses.replace(
         config.events, max_take_bytes=min(4 * 1024 * 1024, config.limits.max_message_bytes - 1024)

@@ -1219,7 +1219,12 @@ class KVCacheServicer:
         def call() -> pb.ReserveBlocksResponse:
             r = self._reserve(request)
             return pb.ReserveBlocksResponse(
-                reserved=r.reserved, lease_id=r.lease_id, status=r.status, block_ids=r.block_ids, ttl_s=r.ttl_s
+                reserved=r.reserved,
+                lease_id=r.lease_id,
+                status=r.status,
+                block_ids=r.block_ids,
+                ttl_s=r.ttl_s,
+                lease_slot=r.slot,
             )
 
         return await self._tier_call(context, call)
@@ -1245,7 +1250,7 @@ class KVCacheServicer:
                 request.group_idx, request.block_hashes, ttl_s=request.ttl_s, now=self.engine.clock()
             )
             return pb.LeaseBlocksResponse(
-                lease_id=r.lease_id, block_ids=r.block_ids, num_leased=r.num_leased, ttl_s=r.ttl_s
+                lease_id=r.lease_id, block_ids=r.block_ids, num_leased=r.num_leased, ttl_s=r.ttl_s, lease_slot=r.slot
             )
 
         return await self._tier_call(context, call)

@@ -177,6 +177,40 @@ async def test_an_expired_lease_is_invalid_at_release_and_an_expired_put_stores_
     assert running.engine.tier is not None and running.engine.tier.num_leases == 0
 
 
+async def test_a_lease_s_slot_in_the_control_segment_holds_its_id_exactly_while_it_is_live(start_kv_server, connect):
+    running = await start_kv_server(**CPU)
+    now = [1000.0]
+    running.engine.clock = lambda: now[0]
+    client = await connect(running)
+    view = await aattach(client)
+    await client.put_blocks(0, [(h(1), pattern(1)), (h(2), pattern(2))])
+    read = await client.lease_blocks(0, [h(1)], ttl_s=2.0)
+    put = await client.reserve_blocks(0, [h(3)])
+    other = await client.lease_blocks(0, [h(2)])
+    assert (read.lease_slot, put.lease_slot, other.lease_slot) == (1, 2, 3)
+    assert view.lease_live(1, read.lease_id) and view.lease_live(2, put.lease_id) and view.lease_live(3, other.lease_id)
+    # Another id, slot 0, a slot past the table (tier_max_leases 4096): never live.
+    assert not view.lease_live(1, put.lease_id)
+    assert not view.lease_live(0, read.lease_id) and not view.lease_live(4097, read.lease_id)
+    # Released, committed, expired: the slot no longer names the lease.
+    assert (await client.release_lease(other.lease_id)).valid
+    assert not view.lease_live(3, other.lease_id)
+    assert (await client.commit_blocks(put.lease_id)).committed
+    assert not view.lease_live(2, put.lease_id)
+    # Past its deadline a lease holds its blocks until something ends it (a lookup does not: it
+    # changes nothing), and its slot says so; the next call that takes or ends leases ends it first.
+    now[0] += 2.0
+    assert list((await client.lookup_blocks(0, [h(1)])).present) == [True]
+    assert view.lease_live(1, read.lease_id)
+    again = await client.lease_blocks(0, [h(1)])
+    assert not view.lease_live(1, read.lease_id)
+    # A lease's slot is live only while its server is: stopped, the view reads no lease live.
+    assert again.lease_slot == 1 and view.lease_live(1, again.lease_id)
+    await running.stop(0)
+    assert not view.lease_live(1, again.lease_id)
+    view.close()
+
+
 async def test_two_tp_ranks_halves_of_one_chunk_are_stored_and_found_together(start_kv_server, connect):
     """One key holds every rank's bytes (docs/tier.md): rank 0 writes the first half of the
     reserved block, rank 1 the second (each through its own attached view), one commit."""

@@ -24,6 +24,7 @@ from kvservice.shm import (
     CONTROL_CLOSED,
     CONTROL_FORMAT_LOCKED,
     CONTROL_OPEN,
+    LEASE_TABLE_OFFSET,
     SharedMemoryAllocator,
     remove_stale_segments,
 )
@@ -135,6 +136,26 @@ def test_segments_are_unguessable_0600_and_removed_at_close(tmp_path):
         assert f.read(1)[0] == CONTROL_CLOSED
     assert os.listdir(tmp_path) == []
     shm.close()  # idempotent
+
+
+def test_the_control_segment_holds_a_lease_table_of_8_byte_little_endian_slots(tmp_path):
+    plain = SharedMemoryAllocator("e", shm_dir=tmp_path)
+    assert len((tmp_path / plain.control_name).read_bytes()) == LEASE_TABLE_OFFSET == 64
+    plain.close()
+    shm = SharedMemoryAllocator("epoch-2", shm_dir=tmp_path, lease_slots=3)
+    path = tmp_path / shm.control_name
+    assert path.read_bytes() == bytes([CONTROL_OPEN, CONTROL_FORMAT_LOCKED]) + bytes(6) + b"epoch-2" + bytes(49 + 24)
+    shm.publish_lease(1, 0x0102030405060708)
+    shm.publish_lease(3, 2**63 - 1)
+    assert path.read_bytes()[64:] == bytes.fromhex("0807060504030201") + bytes(8) + (2**63 - 1).to_bytes(8, "little")
+    shm.clear_lease(1)
+    assert path.read_bytes()[64:] == bytes(16) + (2**63 - 1).to_bytes(8, "little")
+    with pytest.raises(AssertionError, match="lease slot 4 outside"):
+        shm.publish_lease(4, 1)
+    with pytest.raises(ValueError, match="lease_slots must be >= 0; got -1"):
+        SharedMemoryAllocator("e", shm_dir=tmp_path, lease_slots=-1)
+    shm.close()
+    shm.clear_lease(3)  # after close: nothing to write (the segment is gone, readers see closed)
 
 
 def test_stale_segments_of_a_dead_process_are_removed_and_marked_closed(tmp_path):

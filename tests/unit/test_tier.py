@@ -221,3 +221,73 @@ def test_a_key_cached_meanwhile_by_another_copy_keeps_one_copy_and_no_second_eve
     assert tier.commit(reserved.lease_id, now=0.0) == (True, 1)
     assert tier.pool.take_events() == []  # h1 was present already: no second BlockStored
     assert tier.pool.blocks[1].block_hash is None and free_ids(tier)[0] == 1  # ours freed uncached, to the head
+
+
+class RecordingBoard:
+    """A lease board that records each write with the ref counts of the pool's blocks at that
+    moment (a slot must be cleared while its lease's blocks are still held)."""
+
+    def __init__(self, tier: TierStore) -> None:
+        self.tier = tier
+        self.slots: dict[int, int] = {}
+        self.log: list[tuple[str, int, int, list[int]]] = []
+
+    def _refs(self) -> list[int]:
+        return [b.ref_cnt for b in self.tier.pool.blocks]
+
+    def publish_lease(self, slot: int, lease_id: int) -> None:
+        self.slots[slot] = lease_id
+        self.log.append(("publish", slot, lease_id, self._refs()))
+
+    def clear_lease(self, slot: int) -> None:
+        self.log.append(("clear", slot, self.slots.pop(slot), self._refs()))
+
+
+def test_leases_hold_a_board_slot_cleared_before_their_blocks_are_let_go():
+    tier = store(num_blocks=5, max_leases=3)
+    board = RecordingBoard(tier)
+    put(tier, [1, 2])  # before the board: no slot, nothing published
+    tier.lease_board = board
+    read = tier.lease(0, [h(1), h(2)], now=0.0)
+    reserved = tier.reserve(0, [h(3)], now=0.0)
+    assert (read.slot, reserved.slot) == (1, 2)
+    assert board.slots == {1: read.lease_id, 2: reserved.lease_id}
+    # Released: slot 1 is cleared while blocks 1 and 2 are still pinned (ref 1), then unpinned.
+    assert tier.release(read.lease_id, now=1.0).valid
+    assert board.log[-1] == ("clear", 1, read.lease_id, [0, 1, 1, 1, 0])
+    assert [b.ref_cnt for b in tier.pool.blocks] == [0, 0, 0, 1, 0]
+    # Slot 1 is free again: the next lease takes it (the slot freed last is taken first).
+    again = tier.lease(0, [h(2)], ttl_s=2.0, now=1.0)
+    assert again.slot == 1
+    # Committed: slot 2 cleared while block 3 is still reserved (ref 1), before it is cached.
+    assert tier.commit(reserved.lease_id, now=1.0) == (True, 1)
+    assert board.log[-1] == ("clear", 2, reserved.lease_id, [0, 0, 1, 1, 0])
+    # Expired: slot 1 cleared while block 2 is still pinned.
+    assert tier.expire(3.0) == 1
+    assert board.log[-1] == ("clear", 1, again.lease_id, [0, 0, 1, 0, 0])
+    assert board.slots == {} and [entry[:2] for entry in board.log] == [
+        ("publish", 1),
+        ("publish", 2),
+        ("clear", 1),
+        ("publish", 1),
+        ("clear", 2),
+        ("clear", 1),
+    ]
+    # A miss holds nothing and takes no slot; an aborted reservation clears its slot.
+    assert tier.lease(0, [h(9)], now=3.0).slot == 0
+    aborted = tier.reserve(0, [h(4)], now=3.0)
+    assert aborted.slot == 1 and tier.release(aborted.lease_id, now=3.0).valid
+    assert board.log[-1][:3] == ("clear", 1, aborted.lease_id) and board.slots == {}
+
+
+def test_every_live_lease_has_its_own_slot_up_to_max_leases():
+    tier = store(num_blocks=5, max_leases=3)
+    put(tier, [1, 2, 3])
+    tier.lease_board = board = RecordingBoard(tier)
+    leases = [tier.lease(0, [h(k)], now=0.0) for k in (1, 2, 3)]
+    assert [lease.slot for lease in leases] == [1, 2, 3]
+    with pytest.raises(CapacityExceededError):
+        tier.lease(0, [h(1)], now=0.0)
+    assert board.slots == {1: leases[0].lease_id, 2: leases[1].lease_id, 3: leases[2].lease_id}
+    tier.release(leases[1].lease_id, now=0.0)
+    assert tier.lease(0, [h(2)], now=0.0).slot == 2

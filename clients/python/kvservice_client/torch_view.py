@@ -41,6 +41,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 
 try:
@@ -66,6 +67,8 @@ _CONTROL_OPEN = 1
 _CONTROL_FORMAT_LOCKED = 1
 """Control segment byte 1: its server holds an exclusive flock on it while it lives
 (``kvservice.shm.CONTROL_FORMAT_LOCKED``); 0 (a server from before the lock): no lock to test."""
+_LEASE_TABLE_OFFSET = 64
+"""Byte offset of the control segment's lease table (``kvservice.shm.LEASE_TABLE_OFFSET``)."""
 
 
 class KVCacheViewClosedError(RuntimeError):
@@ -134,10 +137,12 @@ class KVCacheView:
         self._control: mmap.mmap | None = None
         self._control_fd = -1  # kept open: the descriptor the lock test runs on
         self._server_gone = False
+        self._fence = threading.Lock()  # taken between a copy and the lease check (a memory barrier)
         if description.control_shm_name:
             fd = os.open(os.path.join(SHM_DIR, description.control_shm_name), os.O_RDONLY)
             try:
-                self._control = mmap.mmap(fd, 64, prot=mmap.PROT_READ)
+                # The header and, after it, the lease table (a server from before it: 64 bytes).
+                self._control = mmap.mmap(fd, max(64, os.fstat(fd).st_size), prot=mmap.PROT_READ)
             except BaseException:
                 os.close(fd)
                 raise
@@ -202,6 +207,27 @@ class KVCacheView:
                 f"the kvservice server of epoch {self.epoch} that owns this KV memory has stopped or restarted "
                 "(or died); its memory is no longer the cache: attach again"
             )
+
+    def lease_live(self, lease_slot: int, lease_id: int) -> bool:
+        """Whether tier lease ``lease_id`` still holds slot ``lease_slot`` of the control
+        segment's lease table (``lease_slot`` of a LeaseBlocks or ReserveBlocks answer, 1-based)
+        and its server lives. Call it after a copy made under the lease: the server clears the slot
+        before it unpins, frees or caches the lease's blocks, so True means none of them was
+        unpinned (let alone reused) before the copy ended: a read lease's copy holds their bytes (no
+        ``ReleaseLease`` answer needed), a put lease's reservation held through its copy.
+
+        False for a slot of 0 or outside the table (a server without one), a view without a
+        control segment, another lease in the slot (this one ended), or a stopped server.
+        """
+        control = self._control
+        offset = _LEASE_TABLE_OFFSET + 8 * (lease_slot - 1)
+        if control is None or lease_slot < 1 or offset + 8 > len(control):
+            return False
+        with self._fence:  # a full barrier: the copy's reads come before the slot's
+            pass
+        if int.from_bytes(control[offset : offset + 8], "little") != lease_id:
+            return False
+        return not self.closed
 
     def tensors(self, group_idx: int) -> tuple[torch.Tensor, ...]:
         """Group ``group_idx``'s whole tensors (block axis included), as the description gives them.

@@ -521,13 +521,15 @@ class KVServiceTier(SecondaryTierManager):
         return events
 
     def drain_jobs(self) -> None:
-        """Wait until every submitted job has finished (its result stays for ``get_finished_jobs``);
-        a copy in progress is never cut short."""
+        """Wait until every submitted job has finished (its result stays for ``get_finished_jobs``)
+        and its commits and releases have answered (its stored keys are then visible to every
+        lookup); a copy in progress is never cut short."""
         for future in list(self._jobs.values()):
             try:
                 future.result()
             except Exception:  # noqa: BLE001, S110 - reported by get_finished_jobs
                 pass
+        self._client.flush()
 
     def shutdown(self) -> None:
         """Finish the jobs in flight, stop the threads, close the connection."""

@@ -15,8 +15,18 @@ Two transports, chosen at connect (``transport``):
   :mod:`kvservice_client.torch_view`); a store reserves blocks (``ReserveBlocks``), copies each
   row into its block and commits them (``CommitBlocks``: ``BlockStored`` goes out then, never
   before); a load pins the blocks under a read lease (``LeaseBlocks``), copies them out and ends
-  the lease (``ReleaseLease``), whose ``valid`` says the blocks were never reused under the copy.
-  Two round trips per call of at most ``max_keys_per_call`` keys, the bytes by ``memcpy``.
+  the lease (``ReleaseLease``). After its copy each reads its lease's slot in the mapped control
+  segment (``KVCacheView.lease_live``): the server clears a slot before it unpins, frees or
+  caches the lease's blocks, so finding the lease id there says the lease held through the copy
+  (no block reused under a load; a store's reservation still there to commit). Then the
+  ``ReleaseLease`` or ``CommitBlocks`` goes on a background thread and the call returns without
+  its answer: one round trip per call of at most ``max_keys_per_call`` keys, the bytes by
+  ``memcpy``. A commit is sent in the background only while more than half of the put lease's
+  time is left (:func:`_commit_margin_s`; else its answer is waited for), so it arrives long
+  before the lease could expire; one that still does not commit (the server restarted in
+  between) is logged and counted (``num_commits_lost``): its keys, reported stored, are misses,
+  as after an eviction, and never published. A server without lease slots: both answers are
+  waited for (two round trips; ``ReleaseLease``'s ``valid`` and ``committed`` say it).
   Calls from several threads overlap, but a direction's copies run one at a time (a lock per
   direction): a call's round trips proceed while another call copies, and two copies never
   split the memory bandwidth between them (two at once moved 1.2-1.4x the bytes of one here,
@@ -37,7 +47,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +128,11 @@ def rows_of(primary_kv_view: memoryview) -> torch.Tensor:
     return tensor
 
 
+def _commit_margin_s(ttl_s: float) -> float:
+    """Time a put lease must have left for its commit to go in the background: half its ttl."""
+    return ttl_s / 2
+
+
 def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
     for start in range(0, n, size):
         yield start, min(n, start + size)
@@ -176,6 +193,11 @@ class TierClient:
         self._warned_digest = False
         self._store_copy = threading.Lock()
         self._load_copy = threading.Lock()
+        # ReleaseLease and CommitBlocks of copies checked by their lease's slot, in order.
+        self._background: ThreadPoolExecutor | None = None
+        self._background_lock = threading.Lock()
+        self.num_commits_lost = 0
+        """Commits sent in the background that did not commit (their keys were reported stored)."""
 
     # -- connect and check ---------------------------------------------------------------------
 
@@ -333,6 +355,7 @@ class TierClient:
         self, header: pb.ReserveBlocksRequest, rows: torch.Tensor, chunk_ids: Sequence[int]
     ) -> tuple[list[bool], list[bool]]:
         n = len(chunk_ids)
+        sent = time.monotonic()
         answer = self.client.reserve_blocks(header)
         if not answer.reserved:
             return [False] * n, [False] * n
@@ -343,13 +366,22 @@ class TierClient:
                 # After the reservation: the memory of the server that made it (a restart before
                 # it turned the old view closed).
                 with self._store_copy:
-                    blocks = _GroupBlocks(self._current_view(), header.group_idx)
+                    view = self._current_view()
+                    blocks = _GroupBlocks(view, header.group_idx)
+                    source = rows.numpy()
                     for i in to_write:
-                        _copy_into_block(blocks, answer.block_ids[i], rows[chunk_ids[i]])
+                        _copy_into_block(blocks, answer.block_ids[i], source[chunk_ids[i]])
             except BaseException:
                 self._release(answer.lease_id)
                 raise
-            committed = self.client.commit_blocks(answer.lease_id).committed
+            # The lease expires at the earliest ttl_s after the request left (the server's clock
+            # started later): with more than half of that left, a commit sent now is in time.
+            in_time = time.monotonic() + _commit_margin_s(answer.ttl_s) < sent + answer.ttl_s
+            if answer.lease_slot and in_time and view.lease_live(answer.lease_slot, answer.lease_id):
+                self._in_background(self._commit, answer.lease_id)
+                committed = True
+            else:
+                committed = self.client.commit_blocks(answer.lease_id).committed
         else:
             committed = True
             if answer.lease_id:
@@ -422,14 +454,23 @@ class TierClient:
         block_ids = list(answer.block_ids)
         if not answer.lease_id:
             return [False] * len(chunk_ids)
+        slot_valid: bool | None = None  # what the lease's slot said after the copy (None: not read)
         try:
             with self._load_copy:
-                blocks = _GroupBlocks(self._current_view(), group_idx)
+                view = self._current_view()
+                blocks = _GroupBlocks(view, group_idx)
+                target = rows.numpy()
                 for i, block_id in enumerate(block_ids):
                     if block_id:
-                        _copy_from_block(blocks, block_id, rows[chunk_ids[i]])
+                        _copy_from_block(blocks, block_id, target[chunk_ids[i]])
+            if answer.lease_slot:
+                slot_valid = view.lease_live(answer.lease_slot, answer.lease_id)
         finally:
-            valid = self._release(answer.lease_id)
+            if slot_valid is None:
+                valid = self._release(answer.lease_id)
+            else:
+                valid = slot_valid
+                self._in_background(self._release, answer.lease_id)
         return [bool(block_id) and valid for block_id in block_ids]
 
     def _load_grpc(
@@ -451,6 +492,34 @@ class TierClient:
                 raise
         return loaded
 
+    def _in_background(self, call: Callable[[int], object], lease_id: int) -> None:
+        """``call(lease_id)`` on the background thread, in submission order (its answer is not
+        needed: the copy was checked by the lease's slot)."""
+        with self._background_lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="kvservice_tier_background")
+            self._background.submit(call, lease_id)
+
+    def flush(self) -> None:
+        """Block until every commit and release sent to the background so far has answered (a
+        store's keys are then visible to every lookup)."""
+        with self._background_lock:
+            background = self._background
+        if background is not None:
+            background.submit(lambda: None).result()
+
+    def _commit(self, lease_id: int) -> None:
+        """Commit a put lease whose copy its slot vouched for; one that does not commit is logged
+        and counted (its keys are misses: nothing was published)."""
+        try:
+            committed = self.client.commit_blocks(lease_id).committed
+            reason = "the lease had ended (the server restarted?)"
+        except KVServiceError as exc:
+            committed, reason = False, str(exc)
+        if not committed:
+            self.num_commits_lost += 1
+            logger.warning("kvservice tier: CommitBlocks %d sent after its copy did not commit: %s", lease_id, reason)
+
     def _release(self, lease_id: int) -> bool:
         """End a lease; whether it was live until now (False on any failure)."""
         try:
@@ -462,7 +531,11 @@ class TierClient:
     # -- end -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drop the mapping and close the channel."""
+        """Send the commits and releases still queued, drop the mapping and close the channel."""
+        with self._background_lock:
+            background, self._background = self._background, None
+        if background is not None:
+            background.shutdown(wait=True)
         with self._view_lock:
             if self._view is not None:
                 self._view.close()
@@ -487,10 +560,11 @@ class _GroupBlocks:
         view.check()
         self.view = view
         self.group_idx = group_idx
-        self.rows = _block_rows(view, group_idx)
+        rows = _block_rows(view, group_idx)
+        self.rows: np.ndarray | None = None if rows is None else rows.numpy()
 
-    def block(self, block_id: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Block ``block_id``'s bytes as one uint8 row, or (another layout) its views."""
+    def block(self, block_id: int) -> np.ndarray | tuple[torch.Tensor, ...]:
+        """Block ``block_id``'s bytes as one uint8 row (a numpy view), or (another layout) its views."""
         if self.rows is not None:
             if not 0 <= block_id < self.rows.shape[0]:
                 raise IndexError(f"block_id must be in [0, {self.rows.shape[0]}); got {block_id}")
@@ -514,27 +588,34 @@ def _block_rows(view: KVCacheView, group_idx: int) -> torch.Tensor | None:
     return flat.view(torch.uint8)
 
 
-def _copy_into_block(blocks: _GroupBlocks, block_id: int, row: torch.Tensor) -> None:
+def _copy_into_block(blocks: _GroupBlocks, block_id: int, row: np.ndarray) -> None:
+    """Copy a row (a uint8 numpy view of it) into a block. A whole-row block copies with numpy,
+    which lets go of the GIL for the copy (torch's ``copy_`` holds it: another job thread's round
+    trip, whose answer needs the GIL, then waited for the whole copy instead of overlapping it)."""
     target = blocks.block(block_id)
-    if isinstance(target, torch.Tensor):
-        target.copy_(row)
+    if isinstance(target, np.ndarray):
+        np.copyto(target, row)
         return
+    as_tensor = torch.from_numpy(row)
     offset = 0
     for tensor in target:
         n = tensor.numel() * tensor.element_size()
-        tensor.copy_(row[offset : offset + n].view(tensor.dtype).view(tensor.shape))
+        tensor.copy_(as_tensor[offset : offset + n].view(tensor.dtype).view(tensor.shape))
         offset += n
 
 
-def _copy_from_block(blocks: _GroupBlocks, block_id: int, row: torch.Tensor) -> None:
+def _copy_from_block(blocks: _GroupBlocks, block_id: int, row: np.ndarray) -> None:
+    """Copy a block into a row (a uint8 numpy view of it; numpy for a whole-row block: see
+    :func:`_copy_into_block`)."""
     source = blocks.block(block_id)
-    if isinstance(source, torch.Tensor):
-        row.copy_(source)
+    if isinstance(source, np.ndarray):
+        np.copyto(row, source)
         return
+    as_tensor = torch.from_numpy(row)
     offset = 0
     for tensor in source:
         n = tensor.numel() * tensor.element_size()
-        row[offset : offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        as_tensor[offset : offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         offset += n
 
 

@@ -181,7 +181,7 @@ def test_two_store_jobs_overlap_round_trips_and_take_turns_copying(
         def __exit__(self, *exc: object) -> None:
             real_lock.release()
 
-    def copy(blocks: object, block_id: int, row: torch.Tensor) -> None:
+    def copy(blocks: object, block_id: int, row: np.ndarray) -> None:
         job = job_of_thread[threading.get_ident()]
         if job == "1":
             assert wants_copy["2"].wait(30), "job 2 did not reserve and wait for the copy while job 1 copied"
@@ -303,6 +303,131 @@ def test_a_copy_that_lost_its_lease_fails_never_wrong_bytes(
     monkeypatch.setattr(tier_client, "_copy_from_block", copy_after_losing_the_lease)
     found = b.fetch(KEYS[:2])
     assert found == {KEYS[0]: None, KEYS[1]: None}  # a failed load: the keys miss, recomputed
+
+
+def _rows_of(keys: list[bytes]) -> torch.Tensor:
+    rows = torch.zeros((len(keys), CHUNK_BYTES), dtype=torch.uint8)
+    for i, key in enumerate(keys):
+        rows[i].copy_(torch.frombuffer(bytearray(chunk_bytes_of(key)), dtype=torch.uint8))
+    return rows
+
+
+@pytest.fixture
+def tier_client_pair(server: EmbeddedTierServer) -> Iterator[tuple[tier_client.TierClient, tier_client.TierClient]]:
+    """Two TierClients over shared memory (the calls KVServiceTier's job threads make)."""
+    a = tier_client.TierClient(server.target, chunk_bytes=CHUNK_BYTES, transport="shm")
+    b = tier_client.TierClient(server.target, chunk_bytes=CHUNK_BYTES, transport="shm")
+    a.connect()
+    b.connect()
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def _calls_on_threads(monkeypatch: pytest.MonkeyPatch, name: str, gate: threading.Event | None = None) -> list[str]:
+    """Record the thread of every ``KVCacheClient.<name>`` call (held at ``gate`` when given)."""
+    real = getattr(KVCacheClient, name)
+    threads: list[str] = []
+
+    def call(self: KVCacheClient, *args: object, **kwargs: object) -> object:
+        if gate is not None:
+            assert gate.wait(30), f"{name} was never let go"
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheClient, name, call)
+    return threads
+
+
+def test_a_load_checks_its_lease_slot_and_leaves_the_release_to_the_background(
+    server: EmbeddedTierServer,
+    tier_client_pair: tuple[tier_client.TierClient, tier_client.TierClient],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = tier_client_pair
+    hashes = [key[:-4] for key in KEYS[:3]]
+    assert all(a.store(0, hashes, [], _rows_of(KEYS[:3]), [0, 1, 2]).written)
+    a.flush()
+    gate = threading.Event()
+    releases = _calls_on_threads(monkeypatch, "release_lease", gate)
+    rows = torch.zeros((3, CHUNK_BYTES), dtype=torch.uint8)
+    # The load returns, its bytes good by its slot, while its ReleaseLease is still held back.
+    assert b.load(0, hashes, rows, [2, 1, 0]).loaded == [True, True, True]
+    assert [bytes(rows[i].numpy()) for i in (2, 1, 0)] == [chunk_bytes_of(k) for k in KEYS[:3]]
+    assert releases == [] and server.running.engine.tier.num_leases == 1
+    gate.set()
+    b.flush()
+    assert releases == ["kvservice_tier_background_0"] and server.running.engine.tier.num_leases == 0
+
+
+def test_a_store_reports_once_copied_under_its_reservation_and_commits_in_the_background(
+    server: EmbeddedTierServer,
+    tier_client_pair: tuple[tier_client.TierClient, tier_client.TierClient],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = tier_client_pair
+    hashes = [key[:-4] for key in KEYS[:2]]
+    gate = threading.Event()
+    commits = _calls_on_threads(monkeypatch, "commit_blocks", gate)
+    result = a.store(0, hashes, [], _rows_of(KEYS[:2]), [0, 1])
+    assert (result.stored, result.written, result.num_bytes) == ([True, True], [True, True], 2 * CHUNK_BYTES)
+    # Copied, not yet committed: not published, not found (BlockStored goes out at the commit).
+    assert b.lookup([(0, h) for h in hashes]) == [False, False]
+    gate.set()
+    a.flush()
+    assert commits == ["kvservice_tier_background_0"] and a.num_commits_lost == 0
+    assert b.lookup([(0, h) for h in hashes]) == [True, True]
+    rows = torch.zeros((2, CHUNK_BYTES), dtype=torch.uint8)
+    assert b.load(0, hashes, rows, [0, 1]).loaded == [True, True]
+    assert bytes(rows[1].numpy()) == chunk_bytes_of(KEYS[1])
+
+
+def test_a_background_commit_whose_reservation_ended_meanwhile_is_counted_and_stores_nothing(
+    server: EmbeddedTierServer,
+    tier_client_pair: tuple[tier_client.TierClient, tier_client.TierClient],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = tier_client_pair
+    real_commit = KVCacheClient.commit_blocks
+
+    def commit_after_the_lease_ended(self: KVCacheClient, lease_id: int, *args: object, **kwargs: object) -> object:
+        # Between the slot check and the commit the reservation ends (as a restart would end it).
+        assert b.client.release_lease(lease_id).valid
+        return real_commit(self, lease_id, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheClient, "commit_blocks", commit_after_the_lease_ended)
+    hashes = [key[:-4] for key in KEYS[:2]]
+    assert a.store(0, hashes, [], _rows_of(KEYS[:2]), [0, 1]).stored == [True, True]
+    a.flush()
+    assert a.num_commits_lost == 1
+    assert "sent after its copy did not commit: the lease had ended" in caplog.text
+    assert b.lookup([(0, h) for h in hashes]) == [False, False]  # a miss, never published
+
+
+def test_without_lease_slots_or_with_little_lease_time_left_the_answers_are_waited_for(
+    server: EmbeddedTierServer,
+    tier_client_pair: tuple[tier_client.TierClient, tier_client.TierClient],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, _b = tier_client_pair
+    commits = _calls_on_threads(monkeypatch, "commit_blocks")
+    releases = _calls_on_threads(monkeypatch, "release_lease")
+    me = threading.current_thread().name
+    rows = _rows_of(KEYS[:4])
+    # Less than half of the put lease's time left after the copy: the commit's answer is waited for.
+    monkeypatch.setattr(tier_client, "_commit_margin_s", lambda ttl_s: ttl_s)
+    assert a.store(0, [KEYS[0][:-4]], [], rows, [0]).stored == [True]
+    assert commits == [me]
+    # A server that publishes no lease slots (lease_slot 0): both answers are waited for.
+    monkeypatch.setattr(tier_client, "_commit_margin_s", lambda ttl_s: 0.0)
+    server.running.engine.tier.lease_board = None
+    assert a.store(0, [KEYS[1][:-4]], [], rows, [1]).stored == [True]
+    assert a.load(0, [KEYS[1][:-4]], rows, [3]).loaded == [True]
+    assert (commits, releases) == ([me, me], [me])
+    assert bytes(rows[3].numpy()) == chunk_bytes_of(KEYS[1])
 
 
 def test_a_restart_turns_hits_into_misses_then_sharing_resumes(server: EmbeddedTierServer) -> None:

@@ -3485,6 +3485,7 @@ class ReserveBlocksResponse(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
+    LEASE_SLOT_FIELD_NUMBER: _builtins.int
     reserved: _builtins.bool
     """False when the pool has too few free blocks (most are pinned: held by requests or leases);
     then nothing was allocated, evicted or leased, and the other fields are empty.
@@ -3493,6 +3494,12 @@ class ReserveBlocksResponse(_message.Message):
     """The put lease (0 when no key was reserved): CommitBlocks or ReleaseLease it."""
     ttl_s: _builtins.float
     """Seconds until the lease expires (its blocks then freed, no event), from the answer."""
+    lease_slot: _builtins.int
+    """The put lease's slot in the lease table of the attached memory's control segment (1-based;
+    0 = none), as LeaseBlocksResponse.lease_slot: it holds lease_id until the lease ends
+    (committed, released, expired), cleared before its blocks are cached or freed. A putter that
+    finds lease_id there after its copy knows the reservation held through the copy.
+    """
     @_builtins.property
     def status(self) -> _containers.RepeatedScalarFieldContainer[Global___BlockPutStatus.ValueType]:
         """Per key, in order: what to do."""
@@ -3509,10 +3516,11 @@ class ReserveBlocksResponse(_message.Message):
         status: _abc.Iterable[Global___BlockPutStatus.ValueType] | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         ttl_s: _builtins.float = ...,
+        lease_slot: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "reserved", b"reserved", "status", b"status", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "lease_slot", b"lease_slot", "reserved", b"reserved", "status", b"status", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3729,6 +3737,7 @@ class LeaseBlocksResponse(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_LEASED_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
+    LEASE_SLOT_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.int
     """The read lease (0 when no key was present: nothing is pinned). ReleaseLease it when the copy
     is done.
@@ -3737,6 +3746,14 @@ class LeaseBlocksResponse(_message.Message):
     """Keys pinned, in blocks."""
     ttl_s: _builtins.float
     """Seconds until the lease expires (its blocks unpinned), from the answer."""
+    lease_slot: _builtins.int
+    """The lease's slot in the lease table of the attached memory's control segment (1-based;
+    0 = none: a server without one). While the lease is live the slot holds lease_id (8 bytes,
+    little-endian, at byte 64 + 8 * (lease_slot - 1)); the server zeroes it before it ends the
+    lease (released, expired, dropped) and only then unpins the blocks. So a copy made under the
+    lease that reads the slot after its copy and finds lease_id there holds the blocks' bytes,
+    with no ReleaseLease answer to wait for (the release may then go in the background).
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per key, in order: the cached block id carrying it, pinned under the lease; 0 = not cached
@@ -3750,10 +3767,11 @@ class LeaseBlocksResponse(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_leased: _builtins.int = ...,
         ttl_s: _builtins.float = ...,
+        lease_slot: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "num_leased", b"num_leased", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_id", b"lease_id", "lease_slot", b"lease_slot", "num_leased", b"num_leased", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -19,7 +19,12 @@ counted there) is read every 5 ms during the load: its peak against the value ju
 Targets (issue 24): loaded p99 within 3x of idle for both calls; RssAnon peak within 160 MiB of
 before. ``--cpu-control S`` adds a control phase before the load: S seconds of one spinning
 process per CPU and no data plane (the scheduler's p99 on a machine that is merely busy, the
-floor no server change can go under). ``--load-priority idle`` runs the load process under
+floor no server change can go under; at the load process's priority, so ``--load-priority idle``
+spins under ``SCHED_IDLE`` too). ``--bare-control`` adds another: the same streams, messages and
+bytes between the load process and a bare gRPC server process that only counts and sends bytes
+(``bare_data_stream.py``, no kvservice in the path), while the scheduler calls kvservice as before:
+the p99 that moving these bytes on this machine at all gives the scheduler, whatever serves them.
+``--load-priority idle`` runs the load process under
 ``SCHED_IDLE``: its own CPU (the client side of 32 streams: protobuf, checksums, gRPC) then comes
 only from what the server and the scheduler leave, as with clients on other hosts, so the row
 measures what the server's data plane costs its scheduler rather than what a co-located load
@@ -54,6 +59,31 @@ SCHEDULER_MAX_TOKENS = 32 * BLOCK_SIZE
 
 
 # -- the load process -------------------------------------------------------------------------------
+
+
+async def _bare_load(address: str, plan: dict) -> dict:
+    """``plan``'s streams against the bare server: as many uploads and downloads, as many messages
+    of ``BYTES_PER_BLOCK``; answer bytes moved and seconds."""
+    import grpc
+
+    payload = bytes(range(256)) * (BYTES_PER_BLOCK // 256)
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        upload = channel.stream_unary("/bare.Data/Upload")
+        download = channel.unary_stream("/bare.Data/Download")
+
+        async def write(num_messages: int) -> int:
+            answer = await upload(iter([payload] * num_messages), timeout=600)
+            return int.from_bytes(answer, "big")
+
+        async def read() -> int:
+            return sum([len(m) async for m in download(b"", timeout=600)])
+
+        t0 = time.perf_counter()
+        moved = await asyncio.gather(
+            *(write(len(ids)) for _rid, ids in plan["writes"]), *(read() for _ in plan["reads"])
+        )
+        return {"bytes": sum(moved), "seconds": time.perf_counter() - t0}
 
 
 async def _load(address: str, plan: dict) -> dict:
@@ -93,9 +123,9 @@ async def _load(address: str, plan: dict) -> dict:
         return {"bytes": sum(moved), "seconds": time.perf_counter() - t0}
 
 
-def load_main(address: str) -> int:
+def load_main(address: str, bare: bool = False) -> int:
     plan = json.loads(sys.stdin.read())
-    print(json.dumps(asyncio.run(_load(address, plan))), flush=True)
+    print(json.dumps(asyncio.run((_bare_load if bare else _load)(address, plan))), flush=True)
     return 0
 
 
@@ -204,22 +234,65 @@ def run_once(args: argparse.Namespace) -> dict:
             idle_usage.append(scheduler.get_usage())
             idle_step.append(scheduler.step())
         control: dict = {}
+        priority = _idle_policy if args.load_priority == "idle" else None
         if args.cpu_control:
-            # The machine alone: as many processes spinning as there are CPUs, no data plane.
+            # The machine alone: as many processes spinning as there are CPUs (at the load's
+            # priority), no data plane.
             spin = f"import time\nend = time.monotonic() + {args.cpu_control}\nwhile time.monotonic() < end: pass"
-            spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+            spinners = [
+                subprocess.Popen([sys.executable, "-c", spin], preexec_fn=priority) for _ in range(os.cpu_count() or 1)
+            ]
             cpu_usage, cpu_step = [], []
             while any(p.poll() is None for p in spinners):
                 cpu_usage.append(scheduler.get_usage())
                 cpu_step.append(scheduler.step())
             control = {"get_usage_p99_cpu_bound_ms": p99(cpu_usage) * 1e3, "step_p99_cpu_bound_ms": p99(cpu_step) * 1e3}
+        if args.bare_control:
+            # The same bytes through a server that is not kvservice: the scheduler's p99 beside them.
+            bare = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("bare_data_stream.py")),
+                    str(BYTES_PER_BLOCK),
+                    str(blocks_per_stream),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert bare.stdout is not None
+            bare_address = bare.stdout.readline().split()[-1]
+            load = subprocess.Popen(
+                [sys.executable, __file__, "--load-worker", bare_address, "--bare"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                preexec_fn=priority,
+            )
+            assert load.stdin is not None and load.stdout is not None
+            load.stdin.write(json.dumps({"writes": writes, "reads": reads}))
+            load.stdin.close()
+            bare_usage, bare_step = [], []
+            while load.poll() is None:
+                bare_usage.append(scheduler.get_usage())
+                bare_step.append(scheduler.step())
+            moved = json.loads(load.stdout.read())
+            bare.terminate()
+            bare.wait(30)
+            assert load.returncode == 0 and moved["bytes"] == 2 * args.streams * blocks_per_stream * BYTES_PER_BLOCK, (
+                moved
+            )
+            control |= {
+                "get_usage_p99_bare_ms": p99(bare_usage) * 1e3,
+                "step_p99_bare_ms": p99(bare_step) * 1e3,
+                "bare_seconds": round(moved["seconds"], 2),
+            }
         before = rss_anon_bytes(pid)
         load = subprocess.Popen(
             [sys.executable, __file__, "--load-worker", address],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=_idle_policy if args.load_priority == "idle" else None,
+            preexec_fn=priority,
         )
         assert load.stdin is not None and load.stdout is not None
         load_usage, load_step = [], []
@@ -254,7 +327,7 @@ def run_once(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--load-worker"]:
-        return load_main(argv[1])
+        return load_main(argv[1], bare=argv[2:] == ["--bare"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=16, help="WriteBlocks streams, and as many ReadBlocks [16]")
     parser.add_argument("--mib", type=int, default=64, help="MiB each stream moves [64]")
@@ -265,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="seconds of a control phase before the load: one spinning process per CPU, no data plane [0: none]",
+    )
+    parser.add_argument(
+        "--bare-control",
+        action="store_true",
+        help="a control phase: the same streams against a bare gRPC bytes server, not kvservice",
     )
     parser.add_argument("--server-flag", action="append", default=[], help="passed to kvservice serve (repeat)")
     parser.add_argument(
@@ -292,6 +370,19 @@ def main(argv: list[str] | None = None) -> int:
             f"(target <= 3x) | {r['step_p99_idle_ms']:.2f} / {r['step_p99_loaded_ms']:.2f} | {s:.1f}x (target <= 3x) "
             f"| {r['rss_anon_peak_growth_mib']:.0f} (target <= 160) |"
         )
+    if any("get_usage_p99_bare_ms" in r for r in rows):
+        print()
+        print(
+            "| run | GetUsage p99 idle / bare bytes / loaded (ms) | Step p99 idle / bare bytes / loaded (ms) | loaded / bare |"
+        )
+        print("|---|---|---|---|")
+        for i, r in enumerate(rows, 1):
+            print(
+                f"| {i} | {r['get_usage_p99_idle_ms']:.2f} / {r['get_usage_p99_bare_ms']:.2f} / "
+                f"{r['get_usage_p99_loaded_ms']:.2f} | {r['step_p99_idle_ms']:.2f} / {r['step_p99_bare_ms']:.2f} / "
+                f"{r['step_p99_loaded_ms']:.2f} | {r['get_usage_p99_loaded_ms'] / r['get_usage_p99_bare_ms']:.2f}x, "
+                f"{r['step_p99_loaded_ms'] / r['step_p99_bare_ms']:.2f}x |"
+            )
     if any("get_usage_p99_cpu_bound_ms" in r for r in rows):
         print()
         print("| run | GetUsage p99 idle / CPUs busy / loaded (ms) | Step p99 idle / CPUs busy / loaded (ms) |")

@@ -15,8 +15,9 @@ Rows:
   the same bytes row by row between two local tensors; target >= 0.8x.
 - the same store and load through ``KVServiceTier`` itself, as vLLM's offloading manager drives
   it: the chunks in vLLM's own CPU primary tier (``tier_helpers.Instance``: vLLM 0.33's
-  ``TieringOffloadingSpec`` with the kvservice tier), submitted as store (then load) jobs of 64
-  keys all at once, timed until every job has reported success; the tier's job threads overlap one
+  ``TieringOffloadingSpec`` with the kvservice tier), submitted as store (then load) jobs of
+  ``--job-keys`` keys all at once (64; a step's job for a 2,048-token prefill chunk of 16-token
+  chunks is 128), timed until every job has reported success; the tier's job threads overlap one
   job's round trips with another's copy. Against the same torch copy; target >= 0.8x. (The rows
   above time ``TierClient`` calls one after the other: each pays its round trips in full.)
 - the same store and load across gRPC (``PutBlocks``, ``ReadBlocks`` by hash) against a bare gRPC
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-chunks", type=int, default=256, help="chunks moved per round [256]")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=300, help="calls per latency sample [300]")
+    parser.add_argument("--job-keys", type=int, default=KEYS_PER_CALL, help="keys per KVServiceTier job [64]")
     parser.add_argument(
         "--socket",
         choices=("tcp", "unix"),
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 part = keys[start : start + KEYS_PER_CALL]
                 result = client.store(0, part, [], rows_src, chunk_ids[start : start + KEYS_PER_CALL])
                 assert all(result.written), "a store was refused"
+            client.flush()  # the last call's commit (shared memory) answered: counted in the time
             return n * size / (time.perf_counter() - t0) / 1e9
 
         def load(client: TierClient, keys: list[bytes]) -> float:
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 part = keys[start : start + KEYS_PER_CALL]
                 result = client.load(0, part, rows_dst, chunk_ids[start : start + KEYS_PER_CALL])
                 assert all(result.loaded), "a load missed"
+            client.flush()  # the last call's release answered: counted in the time
             return n * size / (time.perf_counter() - t0) / 1e9
 
         def memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
@@ -179,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             ctx = ReqContext(req_id=f"bench-{promote}")
             submit = tier.submit_load if promote else tier.submit_store
             t0 = time.perf_counter()
-            for start in range(0, n, KEYS_PER_CALL):
-                end = min(n, start + KEYS_PER_CALL)
+            for start in range(0, n, args.job_keys):
+                end = min(n, start + args.job_keys)
                 submit(TransferJob(next(job_ids), keys[start:end], np.arange(start, end), promote, ctx))
             tier.drain_jobs()
             elapsed = time.perf_counter() - t0
             results = list(tier.get_finished_jobs())
-            assert len(results) == -(-n // KEYS_PER_CALL) and all(r.success for r in results), results
+            assert len(results) == -(-n // args.job_keys) and all(r.success for r in results), results
             return n * size / elapsed / 1e9
 
         jrates: dict[str, list[float]] = {k: [] for k in ("store", "load", "copy_in", "copy_out")}
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             out.append(
                 (
                     f"{what} of {n} chunks of {size >> 10} KiB through KVServiceTier (shared memory, jobs of "
-                    f"{KEYS_PER_CALL} keys in flight), GB/s",
+                    f"{args.job_keys} keys in flight), GB/s",
                     statistics.median(jrates[ours]),
                     "torch copy of the same rows between local tensors",
                     statistics.median(jrates[base]),

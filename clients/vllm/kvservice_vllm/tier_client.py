@@ -196,6 +196,7 @@ class TierClient:
         # ReleaseLease and CommitBlocks of copies checked by their lease's slot, in order.
         self._background: ThreadPoolExecutor | None = None
         self._background_lock = threading.Lock()
+        self._blocks_of: dict[tuple[int, int], _GroupBlocks] = {}  # (id(view), group_idx) -> its blocks
         self.num_commits_lost = 0
         """Commits sent in the background that did not commit (their keys were reported stored)."""
 
@@ -240,6 +241,7 @@ class TierClient:
             if self._view is not None and not self._view.closed:
                 return self._view
             old, self._view = self._view, None
+            self._blocks_of.clear()  # the old view's arrays: let its mapping go
             if old is not None:
                 old.close()
             view = attach(self.client)
@@ -260,6 +262,19 @@ class TierClient:
         if view is None or view.closed:
             view = self._attach()
         return view
+
+    def _group_blocks(self, view: KVCacheView, group_idx: int) -> _GroupBlocks:
+        """The group's blocks in ``view`` (built once per view and group), after checking that its
+        server still lives.
+
+        Raises:
+            KVCacheViewClosedError: the server stopped or restarted.
+        """
+        view.check()
+        blocks = self._blocks_of.get((id(view), group_idx))
+        if blocks is None or blocks.view is not view:
+            blocks = self._blocks_of[(id(view), group_idx)] = _GroupBlocks(view, group_idx)
+        return blocks
 
     def _hash_fits(self, block_hash: bytes) -> bool:
         """Whether a hash is the server's digest length; logs the first that is not (vLLM hashing
@@ -367,7 +382,7 @@ class TierClient:
                 # it turned the old view closed).
                 with self._store_copy:
                     view = self._current_view()
-                    blocks = _GroupBlocks(view, header.group_idx)
+                    blocks = self._group_blocks(view, header.group_idx)
                     source = rows.numpy()
                     for i in to_write:
                         _copy_into_block(blocks, answer.block_ids[i], source[chunk_ids[i]])
@@ -458,7 +473,7 @@ class TierClient:
         try:
             with self._load_copy:
                 view = self._current_view()
-                blocks = _GroupBlocks(view, group_idx)
+                blocks = self._group_blocks(view, group_idx)
                 target = rows.numpy()
                 for i, block_id in enumerate(block_ids):
                     if block_id:
@@ -537,6 +552,7 @@ class TierClient:
         if background is not None:
             background.shutdown(wait=True)
         with self._view_lock:
+            self._blocks_of.clear()
             if self._view is not None:
                 self._view.close()
                 self._view = None
@@ -544,11 +560,11 @@ class TierClient:
 
 
 class _GroupBlocks:
-    """One group's blocks in the mapped memory, for one call's copies: the server's liveness is
-    checked once here (each ``block_view`` would check it again per block: a syscall pair), and
-    a group whose blocks are each one contiguous run of bytes (the opaque layout) is one
-    ``(num_blocks, bytes_per_block)`` uint8 tensor, so a row's copy is a single ``copy_`` with no
-    per-block views.
+    """One group's blocks in the mapped memory (:meth:`TierClient._group_blocks` keeps one per view
+    and checks the server's liveness once per call: each ``block_view`` would check it again per
+    block, a syscall pair): a group whose blocks are each one contiguous run of bytes (the opaque
+    layout) is one ``(num_blocks, bytes_per_block)`` uint8 array, so a row's copy is a single
+    ``np.copyto`` with no per-block views.
 
     Raises:
         KVCacheViewClosedError: the server stopped or restarted.

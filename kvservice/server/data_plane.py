@@ -1186,12 +1186,13 @@ class DataPlane:
         self, request: pb.ReadBlocksRequest, start: int = 0, stop: int | None = None
     ) -> list[tuple[int, int, bytes | None, Any]]:
         """Per requested block of ``blocks[start:stop]``: (group_idx, block_id, block hash or None,
-        residency token).
+        residency token); block id 0 for a block read by hash that cannot be read now when the
+        request sets ``missing_ok`` (answered ``missing``).
 
         Raises:
             DataPlaneError: INVALID_ARGUMENT (a field out of range), NOT_FOUND (a hash not cached),
                 FAILED_PRECONDITION (a block read by hash that its computing request may still write,
-                or that a WriteBlocks copy is writing now).
+                or that a WriteBlocks copy is writing now); the last two not under ``missing_ok``.
         """
         if len(request.blocks) > MAX_READ_BLOCKS:
             raise DataPlaneError(
@@ -1217,15 +1218,20 @@ class DataPlane:
                 resolved.append((ref.group_idx, ref.block_id, None, None))
             elif which == "block_hash":
                 copies = self._pool.get_cached_blocks(ref.block_hash, ref.group_idx)
-                if not copies:
-                    raise DataPlaneError(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"{where}.block_hash: {ref.block_hash.hex()} is not cached in group {ref.group_idx}",
-                    )
                 block = next((b for b in copies if self.byte_state[b.block_id] == BLOCK_WRITTEN), None)
-                if block is None:
-                    raise DataPlaneError(grpc.StatusCode.FAILED_PRECONDITION, self._not_written(where, ref, copies[0]))
-                if block.block_id in self._copying:
+                if block is None or block.block_id in self._copying:
+                    if request.missing_ok:  # answered with one `missing` chunk (block id 0)
+                        resolved.append((ref.group_idx, 0, ref.block_hash, None))
+                        continue
+                    if not copies:
+                        raise DataPlaneError(
+                            grpc.StatusCode.NOT_FOUND,
+                            f"{where}.block_hash: {ref.block_hash.hex()} is not cached in group {ref.group_idx}",
+                        )
+                    if block is None:
+                        raise DataPlaneError(
+                            grpc.StatusCode.FAILED_PRECONDITION, self._not_written(where, ref, copies[0])
+                        )
                     raise DataPlaneError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"{where}.block_hash: {ref.block_hash.hex()} is block {block.block_id}, which a WriteBlocks is "
@@ -1269,6 +1275,10 @@ class DataPlane:
             timer = _StallTimer(self.stalled_timeout_s)
             chunk_bytes = self.chunk_bytes
             for index, (group_idx, block_id, block_hash, token) in enumerate(resolved):
+                if block_hash is not None and not block_id:  # missing_ok: a block read by hash it could not read
+                    missing = pb.ReadBlocksChunk(block_index=index, group_idx=group_idx, missing=True)
+                    await self._send(write, timer, missing.SerializeToString())
+                    continue
                 total = self.tensors.bytes_per_block(group_idx)
                 hasher = xxhash.xxh3_64()
                 fields = {"block_index": index, "group_idx": group_idx, "block_id": block_id}

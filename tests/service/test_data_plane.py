@@ -395,6 +395,36 @@ async def test_read_by_hash_of_a_block_still_being_computed_is_refused_until_wri
     assert (block.block_id, block.data) == (1, pattern(1))
 
 
+async def test_with_missing_ok_a_hash_that_cannot_be_read_is_a_missing_block_and_the_others_arrive(
+    start_kv_server, connect
+):
+    client = await connect(await start_kv_server(**CPU))
+    hasher = BlockHasher(4)
+    await admit(client, "a", PROMPT)
+    await awrite_blocks(client, "a", [(0, 1, pattern(1)), (0, 3, pattern(3))])  # block 2 not written
+    written, unwritten, last = hasher.hash_prompt(PROMPT)
+    absent = hasher.hash_prompt([5, 6, 7, 8])[0]
+    refs = [(0, written), (0, absent), (0, unwritten), (0, last)]
+    blocks = await aread_blocks(client, refs, missing_ok=True)
+    assert [(b.block_index, b.block_id, b.data, b.evicted, b.missing) for b in blocks] == [
+        (0, 1, pattern(1), False, False),
+        (1, 0, None, False, True),
+        (2, 0, None, False, True),
+        (3, 3, pattern(3), False, False),
+    ]
+    # Without it the same read fails whole, naming the first block it cannot read.
+    assert await code_and_message(aread_blocks(client, refs)) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"blocks[1].block_hash: {absent.hex()} is not cached in group 0",
+    )
+    # It covers reads by hash only: an unwritten block read by id is refused as before.
+    assert await code_and_message(aread_blocks(client, [(0, 2)], missing_ok=True)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "blocks[0].block_id: block 2 is not written yet (nobody wrote it since it was allocated): its memory holds "
+        "no bytes of its own",
+    )
+
+
 @pytest.mark.parametrize(
     "ref, message",
     [

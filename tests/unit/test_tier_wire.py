@@ -122,12 +122,14 @@ def _fields(chunk):
         bytes(chunk.data),
         chunk.checksum,
         chunk.evicted,
+        chunk.missing,
     )
 
 
 @pytest.mark.parametrize(
     "message",
     [
+        pb.ReadBlocksChunk(block_index=4, group_idx=1, missing=True),
         pb.ReadBlocksChunk(block_index=3, group_idx=1, block_id=9, offset_bytes=1 << 20, data=b"abc" * 100),
         pb.ReadBlocksChunk(block_index=0, block_id=2, data=b"x", checksum=0),
         pb.ReadBlocksChunk(block_index=1, block_id=5, offset_bytes=7, evicted=True),
@@ -153,6 +155,7 @@ def _message_fields(message: pb.ReadBlocksChunk) -> tuple:
         message.data,
         message.checksum if message.HasField("checksum") else None,
         message.evicted,
+        message.missing,
     )
 
 
@@ -162,6 +165,7 @@ def _message_fields(message: pb.ReadBlocksChunk) -> tuple:
         b"\x08\x01\x08\x02",  # block_index twice (protobuf: the last wins)
         b"\x2a\x01a\x2a\x01b",  # data twice (the last wins)
         b"\x38\x02",  # evicted as 2 (protobuf: True)
+        b"\x40\x02",  # missing as 2 (protobuf: True)
         b"\x08" + _varint(1 << 32),  # block_index past uint32 (protobuf truncates)
         b"\x50\x01",  # an unknown field 10 (protobuf keeps it)
     ],

@@ -161,9 +161,12 @@ class ReadBlock:
     Attributes:
         block_index: its position in the request.
         group_idx, block_id: where it was read.
-        data: its bytes (None when ``evicted``).
-        checksum: the server's xxh3_64 of ``data`` (checked on arrival; None when ``evicted``).
+        data: its bytes (None when ``evicted`` or ``missing``).
+        checksum: the server's xxh3_64 of ``data`` (checked on arrival; None when ``evicted`` or
+            ``missing``).
         evicted: read by hash, it left the cache while it streamed: no bytes.
+        missing: read by hash with ``missing_ok``, it could not be read when the call started (not
+            cached, or its bytes not written): no bytes, ``block_id`` 0.
     """
 
     block_index: int
@@ -172,6 +175,7 @@ class ReadBlock:
     data: bytes | None
     checksum: int | None
     evicted: bool
+    missing: bool = False
 
 
 _UINT32_MAX = 2**32 - 1
@@ -311,7 +315,7 @@ class _ReadChunk:
     Attributes: as ``ReadBlocksChunk``'s; ``checksum`` None when the field is absent.
     """
 
-    __slots__ = ("block_id", "block_index", "checksum", "data", "evicted", "group_idx", "offset_bytes")
+    __slots__ = ("block_id", "block_index", "checksum", "data", "evicted", "group_idx", "missing", "offset_bytes")
 
     def __init__(
         self,
@@ -322,6 +326,7 @@ class _ReadChunk:
         data: memoryview,
         checksum: int | None,
         evicted: bool,
+        missing: bool = False,
     ) -> None:
         self.block_index = block_index
         self.group_idx = group_idx
@@ -330,10 +335,11 @@ class _ReadChunk:
         self.data = data
         self.checksum = checksum
         self.evicted = evicted
+        self.missing = missing
 
 
 # ReadBlocksChunk's fields by tag byte (field << 3 | wire type): the bits a varint's value may use.
-_READ_VARINT_BITS = {0x08: 32, 0x10: 32, 0x18: 32, 0x20: 64, 0x30: 64, 0x38: 1}
+_READ_VARINT_BITS = {0x08: 32, 0x10: 32, 0x18: 32, 0x20: 64, 0x30: 64, 0x38: 1, 0x40: 1}
 _READ_DATA_TAG = 0x2A
 
 
@@ -353,6 +359,7 @@ def _wire_read_chunk(data: bytes) -> _ReadChunk | None:
         payload,
         values.get(0x30),
         bool(values.get(0x38, 0)),
+        bool(values.get(0x40, 0)),
     )
 
 
@@ -375,6 +382,7 @@ def _read_chunk(data: bytes) -> _ReadChunk:
         memoryview(message.data),
         message.checksum if message.HasField("checksum") else None,
         message.evicted,
+        message.missing,
     )
 
 
@@ -395,9 +403,11 @@ class _Assembler:
         """
         if chunk.block_index != self._index:
             self._index, self._offset, self._parts = chunk.block_index, 0, []
-        if chunk.evicted:
+        if chunk.evicted or chunk.missing:
             self._parts = []
-            return ReadBlock(chunk.block_index, chunk.group_idx, chunk.block_id, None, None, True)
+            return ReadBlock(
+                chunk.block_index, chunk.group_idx, chunk.block_id, None, None, chunk.evicted, chunk.missing
+            )
         if chunk.offset_bytes != self._offset:
             raise KVServiceError(
                 grpc.StatusCode.DATA_LOSS,
@@ -583,15 +593,20 @@ async def _aiterate_stream(call: Any) -> AsyncGenerator[Any, None]:
 
 
 def _read_blocks_call(
-    client: DataPlaneClient, refs: Iterable[BlockRefLike], timeout: Timeout, metadata: Metadata
+    client: DataPlaneClient, refs: Iterable[BlockRefLike], missing_ok: bool, timeout: Timeout, metadata: Metadata
 ) -> Any:
-    request = pb.ReadBlocksRequest(blocks=_block_refs(refs))
+    request = pb.ReadBlocksRequest(blocks=_block_refs(refs), missing_ok=missing_ok)
     options = client._call_options(False, timeout, metadata)  # a read has the client's default deadline
     return client._calls["ReadBlocks"][0](request, **options)  # its messages read by _read_chunk
 
 
 def iter_read_blocks(
-    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient,
+    refs: Iterable[BlockRefLike],
+    *,
+    missing_ok: bool = False,
+    timeout: Timeout = None,
+    metadata: Metadata = None,
 ) -> Iterator[ReadBlock]:
     """Read blocks (ReadBlocks), one :class:`ReadBlock` at a time, in request order.
 
@@ -599,42 +614,62 @@ def iter_read_blocks(
         client: the service.
         refs: the blocks (:data:`BlockRefLike`: ``(group_idx, block_id)``, ``(group_idx,
             block_hash)`` or a :func:`block_ref`).
+        missing_ok: a block read by hash that cannot be read when the call starts (not cached,
+            not written yet) is a :class:`ReadBlock` with ``missing`` set, not a failed call.
 
     Raises:
         TypeError: a ref of another shape (before any call).
-        KVServiceError: NOT_FOUND (a hash not cached, named), INVALID_ARGUMENT, FAILED_PRECONDITION,
-            DATA_LOSS (a checksum that does not match) ...
+        KVServiceError: NOT_FOUND (a hash not cached, named; not with ``missing_ok``),
+            INVALID_ARGUMENT, FAILED_PRECONDITION, DATA_LOSS (a checksum that does not match) ...
     """
     assembler = _Assembler()
-    with closing(_iterate_stream(_read_blocks_call(client, refs, timeout, metadata))) as chunks:
+    with closing(_iterate_stream(_read_blocks_call(client, refs, missing_ok, timeout, metadata))) as chunks:
         for chunk in chunks:
             if (block := assembler.feed(chunk)) is not None:
                 yield block
 
 
 def read_blocks(
-    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient,
+    refs: Iterable[BlockRefLike],
+    *,
+    missing_ok: bool = False,
+    timeout: Timeout = None,
+    metadata: Metadata = None,
 ) -> list[ReadBlock]:
     """:func:`iter_read_blocks` as a list."""
-    return list(iter_read_blocks(client, refs, timeout=timeout, metadata=metadata))
+    return list(iter_read_blocks(client, refs, missing_ok=missing_ok, timeout=timeout, metadata=metadata))
 
 
 async def aiter_read_blocks(
-    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient,
+    refs: Iterable[BlockRefLike],
+    *,
+    missing_ok: bool = False,
+    timeout: Timeout = None,
+    metadata: Metadata = None,
 ) -> AsyncIterator[ReadBlock]:
     """:func:`iter_read_blocks` for an :class:`AsyncKVCacheClient`."""
     assembler = _Assembler()
-    async with aclosing(_aiterate_stream(_read_blocks_call(client, refs, timeout, metadata))) as chunks:
+    async with aclosing(_aiterate_stream(_read_blocks_call(client, refs, missing_ok, timeout, metadata))) as chunks:
         async for chunk in chunks:
             if (block := assembler.feed(chunk)) is not None:
                 yield block
 
 
 async def aread_blocks(
-    client: DataPlaneClient, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+    client: DataPlaneClient,
+    refs: Iterable[BlockRefLike],
+    *,
+    missing_ok: bool = False,
+    timeout: Timeout = None,
+    metadata: Metadata = None,
 ) -> list[ReadBlock]:
     """:func:`aiter_read_blocks` as a list."""
-    return [block async for block in aiter_read_blocks(client, refs, timeout=timeout, metadata=metadata)]
+    return [
+        block
+        async for block in aiter_read_blocks(client, refs, missing_ok=missing_ok, timeout=timeout, metadata=metadata)
+    ]
 
 
 # --- the same, as methods of the two clients ----------------------------------------------------
@@ -671,15 +706,18 @@ request order.
 
 Args:
     refs: ``(group_idx, block_id)``, ``(group_idx, block_hash)`` or :func:`kvservice_client.data.block_ref` each.
+    missing_ok: a block read by hash that cannot be read when the call starts (not cached, not
+        written yet) comes back with ``missing`` set instead of failing the call.
     timeout: deadline in seconds or as a ``timedelta`` (None: the client's default).
     metadata: extra metadata for this call.
 
 Returns:
     One :class:`kvservice_client.data.ReadBlock` per ref (``data``: its bytes; ``evicted``: read by
-    hash, it left the cache while it streamed).
+    hash, it left the cache while it streamed; ``missing``: with ``missing_ok``, not readable).
 
 Raises:
-    KVServiceError: NOT_FOUND (a hash not cached, named), FAILED_PRECONDITION, DATA_LOSS ...
+    KVServiceError: NOT_FOUND (a hash not cached, named; not with ``missing_ok``),
+        FAILED_PRECONDITION, DATA_LOSS ...
 """
 _ITER_READ_DOC = """Read blocks (ReadBlocks) one :class:`kvservice_client.data.ReadBlock` at a time, holding
 about one block in memory (see :meth:`read_blocks` for the arguments and errors).
@@ -703,14 +741,26 @@ class BlockingDataPlaneMethods:
     __slots__ = ()
 
     def read_blocks(
-        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+        self,
+        refs: Iterable[BlockRefLike],
+        *,
+        missing_ok: bool = False,
+        timeout: Timeout = None,
+        metadata: Metadata = None,
     ) -> list[ReadBlock]:
-        return read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+        return read_blocks(cast(DataPlaneClient, self), refs, missing_ok=missing_ok, timeout=timeout, metadata=metadata)
 
     def iter_read_blocks(
-        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+        self,
+        refs: Iterable[BlockRefLike],
+        *,
+        missing_ok: bool = False,
+        timeout: Timeout = None,
+        metadata: Metadata = None,
     ) -> Iterator[ReadBlock]:
-        return iter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+        return iter_read_blocks(
+            cast(DataPlaneClient, self), refs, missing_ok=missing_ok, timeout=timeout, metadata=metadata
+        )
 
     read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC
 
@@ -722,13 +772,27 @@ class AsyncDataPlaneMethods:
     __slots__ = ()
 
     async def read_blocks(
-        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+        self,
+        refs: Iterable[BlockRefLike],
+        *,
+        missing_ok: bool = False,
+        timeout: Timeout = None,
+        metadata: Metadata = None,
     ) -> list[ReadBlock]:
-        return await aread_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+        return await aread_blocks(
+            cast(DataPlaneClient, self), refs, missing_ok=missing_ok, timeout=timeout, metadata=metadata
+        )
 
     def iter_read_blocks(
-        self, refs: Iterable[BlockRefLike], *, timeout: Timeout = None, metadata: Metadata = None
+        self,
+        refs: Iterable[BlockRefLike],
+        *,
+        missing_ok: bool = False,
+        timeout: Timeout = None,
+        metadata: Metadata = None,
     ) -> AsyncIterator[ReadBlock]:
-        return aiter_read_blocks(cast(DataPlaneClient, self), refs, timeout=timeout, metadata=metadata)
+        return aiter_read_blocks(
+            cast(DataPlaneClient, self), refs, missing_ok=missing_ok, timeout=timeout, metadata=metadata
+        )
 
     read_blocks.__doc__, iter_read_blocks.__doc__ = _READ_DOC, _ITER_READ_DOC

@@ -493,17 +493,19 @@ class TierClient:
     ) -> list[bool]:
         loaded = [False] * len(chunk_ids)
         try:
-            for block in self.client.iter_read_blocks([(group_idx, h) for h in block_hashes]):
+            # missing_ok: a key evicted since its lookup is one missing block, the others still load.
+            refs = [(group_idx, h) for h in block_hashes]
+            for block in self.client.iter_read_blocks(refs, missing_ok=True):
                 data = block.data
-                if block.evicted or data is None:
+                if block.evicted or block.missing or data is None:
                     continue
                 if len(data) != self.chunk_bytes:
                     raise ValueError(f"block {block.block_id}: {len(data)} bytes, not {self.chunk_bytes}")
                 rows[chunk_ids[block.block_index]].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
                 loaded[block.block_index] = True
         except KVServiceError as exc:
-            # A block not cached ends the stream (NOT_FOUND): the blocks before it arrived.
-            if exc.code != StatusCode.NOT_FOUND:
+            # A server from before missing_ok fails the whole call on a key it does not hold.
+            if exc.code not in (StatusCode.NOT_FOUND, StatusCode.FAILED_PRECONDITION):
                 raise
         return loaded
 

@@ -430,6 +430,26 @@ def test_without_lease_slots_or_with_little_lease_time_left_the_answers_are_wait
     assert bytes(rows[3].numpy()) == chunk_bytes_of(KEYS[1])
 
 
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_load_with_a_key_gone_since_its_lookup_loads_the_others(
+    server: EmbeddedTierServer, tier_client_pair: tuple[tier_client.TierClient, tier_client.TierClient], transport: str
+) -> None:
+    a, _b = tier_client_pair
+    b = tier_client.TierClient(server.target, chunk_bytes=CHUNK_BYTES, transport=transport)
+    b.connect()
+    try:
+        hashes = [key[:-4] for key in KEYS[:3]]
+        assert all(a.store(0, hashes, [], _rows_of(KEYS[:3]), [0, 1, 2]).written)
+        a.flush()
+        gone = chunk_key("never-stored")[:-4]
+        rows = torch.zeros((4, CHUNK_BYTES), dtype=torch.uint8)
+        result = b.load(0, [hashes[0], gone, hashes[1], hashes[2]], rows, [0, 1, 2, 3])
+        assert (result.loaded, result.num_bytes) == ([True, False, True, True], 3 * CHUNK_BYTES)
+        assert [bytes(rows[i].numpy()) for i in (0, 2, 3)] == [chunk_bytes_of(k) for k in KEYS[:3]]
+    finally:
+        b.close()
+
+
 def test_a_restart_turns_hits_into_misses_then_sharing_resumes(server: EmbeddedTierServer) -> None:
     a, b = Instance(server.target), Instance(server.target)
     try:

@@ -3275,6 +3275,15 @@ class ReadBlocksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCKS_FIELD_NUMBER: _builtins.int
+    MISSING_OK_FIELD_NUMBER: _builtins.int
+    missing_ok: _builtins.bool
+    """For blocks read by hash: one that cannot be read when the call starts (not cached in its
+    group, its bytes not written yet, or a WriteBlocks copying into it) is answered by one chunk
+    with `missing = true` and no data, and the call goes on with the others, instead of failing
+    whole (NOT_FOUND / FAILED_PRECONDITION naming it). A tier loading many keys sets it: a key
+    evicted since its lookup is a miss, not a failed load of every key. Blocks read by id and
+    malformed refs are refused as without it.
+    """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockRef]:
         """The blocks (at most 65536)."""
@@ -3283,10 +3292,11 @@ class ReadBlocksRequest(_message.Message):
         self,
         *,
         blocks: _abc.Iterable[Global___BlockRef] | None = ...,
+        missing_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "missing_ok", b"missing_ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3310,6 +3320,7 @@ class ReadBlocksChunk(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     CHECKSUM_FIELD_NUMBER: _builtins.int
     EVICTED_FIELD_NUMBER: _builtins.int
+    MISSING_FIELD_NUMBER: _builtins.int
     block_index: _builtins.int
     """Position of the block in ReadBlocksRequest.blocks."""
     group_idx: _builtins.int
@@ -3324,6 +3335,10 @@ class ReadBlocksChunk(_message.Message):
     """On the block's last chunk: xxh3_64 of the block's bytes."""
     evicted: _builtins.bool
     """The block (read by hash) left the cache while it streamed; no data follows for it."""
+    missing: _builtins.bool
+    """With ReadBlocksRequest.missing_ok: the block (read by hash) could not be read when the call
+    started (not cached, or not readable); this is its only chunk, with no data and block_id 0.
+    """
     def __init__(
         self,
         *,
@@ -3334,10 +3349,11 @@ class ReadBlocksChunk(_message.Message):
         data: _builtins.bytes = ...,
         checksum: _builtins.int | None = ...,
         evicted: _builtins.bool = ...,
+        missing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "checksum", b"checksum"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "block_id", b"block_id", "block_index", b"block_index", "checksum", b"checksum", "data", b"data", "evicted", b"evicted", "group_idx", b"group_idx", "offset_bytes", b"offset_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checksum", b"_checksum", "block_id", b"block_id", "block_index", b"block_index", "checksum", b"checksum", "data", b"data", "evicted", b"evicted", "group_idx", b"group_idx", "missing", b"missing", "offset_bytes", b"offset_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__checksum: _TypeAlias = _typing.Literal["checksum"]  # noqa: Y015
     _WhichOneofArgType__checksum: _TypeAlias = _typing.Literal["_checksum", b"_checksum"]  # noqa: Y015

@@ -444,10 +444,10 @@ def opaque_kv_layout(value: str, *, block_size: int | None = None) -> ModelKVLay
     from kvservice.core.kv_cache_spec import OpaqueSpec
 
     spec_text = value[len(OPAQUE_PREFIX) :]
-    bytes_text, _, groups_text = spec_text.partition("x")
+    bytes_text, times, groups_text = spec_text.partition("x")
     try:
         num_bytes = int(bytes_text)
-        num_groups = int(groups_text) if groups_text else 1
+        num_groups = int(groups_text) if times else 1  # "opaque:4096x" names no group count: refused
     except ValueError:
         num_bytes = num_groups = 0
     if num_bytes < 1 or num_groups < 1:

@@ -607,3 +607,15 @@ def test_a_value_protobuf_refuses_is_a_value_error_naming_the_field(name, args, 
     with KVCacheClient("127.0.0.1:1") as client:
         with pytest.raises(ValueError, match=f"^{field}: "):
             getattr(client, name)(*args, **kwargs)
+
+
+@pytest.mark.parametrize("client_type", ["KVCacheClient", "AsyncKVCacheClient"])
+def test_a_target_that_is_a_bare_path_is_refused_naming_the_unix_form(client_type):
+    # gRPC would look "/run/kvservice.sock" up as a host name ("Domain name not found").
+    client_class = getattr(kvservice_client, client_type)
+    with pytest.raises(ValueError) as caught:
+        client_class("/run/kvservice.sock")
+    assert (
+        str(caught.value)
+        == "target '/run/kvservice.sock' is a path: a Unix socket's target is 'unix:/run/kvservice.sock'"
+    )

@@ -241,3 +241,15 @@ def test_bad_layout_files_name_the_field(tmp_path: Path, text: str, message: str
     path.write_text(text)
     with pytest.raises(ValueError, match=re.escape(message)):
         load_kv_cache_layout(path)
+
+
+@pytest.mark.parametrize("value", ["opaque:", "opaque:0", "opaque:4096x", "opaque:4096x0", "opaque:x2", "opaque:4k"])
+def test_an_opaque_layout_that_is_not_bytes_and_groups_is_refused_naming_the_form(value):
+    from kvservice.core.model_config import opaque_kv_layout
+
+    with pytest.raises(ValueError) as caught:
+        opaque_kv_layout(value)
+    assert str(caught.value) == (
+        f"kv_cache_layout {value!r}: the opaque layout is opaque:BYTES or opaque:BYTESxGROUPS "
+        "(bytes per block >= 1, groups >= 1)"
+    )

@@ -206,8 +206,12 @@ def _open_channel(
     Raises:
         TypeError: channel settings (``options``, TLS) together with a ready channel; and as
             :func:`~kvservice_client.tls.resolve_channel_security`.
-        ValueError: as :func:`~kvservice_client.tls.resolve_channel_security`.
+        ValueError: a target that is a bare path (a Unix socket is ``unix:PATH``); and as
+            :func:`~kvservice_client.tls.resolve_channel_security`.
     """
+    if isinstance(target, str) and target.startswith("/"):
+        # gRPC would look it up as a host name ("Domain name not found"), never as a socket.
+        raise ValueError(f"target {target!r} is a path: a Unix socket's target is 'unix:{target}'")
     creds, tls_options = resolve_channel_security(tls, root_certificates, private_key, certificate_chain, credentials)
     if not isinstance(target, str):
         if options is not None:

@@ -208,12 +208,25 @@ class TierClient:
         Raises:
             TierLayoutError: the server's blocks are not ``chunk_bytes`` long, a group is missing,
                 or the server has no memory (``--device meta``).
-            KVServiceError: the server cannot be reached (UNAVAILABLE), the token is refused
-                (UNAUTHENTICATED, PERMISSION_DENIED), or ``transport="shm"`` and the memory cannot be
-                attached.
+            KVServiceError: the server cannot be reached (UNAVAILABLE), the token is missing or
+                refused, or its role may not make the tier's calls (UNAUTHENTICATED,
+                PERMISSION_DENIED: the message says to give a ``tier`` token), or
+                ``transport="shm"`` and the memory cannot be attached.
             OSError: ``transport="shm"`` and the memory cannot be mapped here (another host or user).
         """
-        metadata = self.client.get_kv_cache_group_metadata()
+        try:
+            metadata = self.client.get_kv_cache_group_metadata()
+            # A call only the tier's role may make, of nothing (lease 0: no lease, no side effect):
+            # a token of another role is refused here, not at every store and load once vLLM runs.
+            self.client.release_lease(0)
+        except KVServiceError as exc:
+            if exc.code not in (StatusCode.UNAUTHENTICATED, StatusCode.PERMISSION_DENIED):
+                raise
+            raise KVServiceError(
+                exc.code,
+                f"{exc.message}; the kvservice tier needs a token of role 'tier' from the server's token file "
+                "(the 'token' key of its secondary_tiers entry)",
+            ) from exc
         check_tier_layout(metadata, self.chunk_bytes, self.group_idxs)
         limits = metadata.tier_limits
         self.max_keys_per_call = max(1, limits.max_keys_per_call or 1)
@@ -284,8 +297,8 @@ class TierClient:
         if not self._warned_digest:
             self._warned_digest = True
             logger.error(
-                "kvservice tier: vLLM's block hashes are %d bytes, the server's (%s) %d: start the server with the "
-                "engine's --prefix-caching-hash-algo; every key is a miss until then",
+                "kvservice tier: vLLM's block hashes are %d bytes, the server's (%s) %d: start the server with "
+                "--hash-algorithm set to the engine's --prefix-caching-hash-algo; every key is a miss until then",
                 len(block_hash),
                 self.hash_algorithm,
                 self.digest_bytes,
@@ -656,7 +669,9 @@ def check_tier_layout(
             )
         group = metadata.groups[group_idx]
         if group.device == "meta":
-            raise TierLayoutError(f"the server has no memory (--device meta); start it with --device cpu; {fix}")
+            raise TierLayoutError(
+                f"the server has no memory (--device meta): start it with --device cpu --kv-cache-layout opaque:{chunk_bytes}"
+            )
         if group.bytes_per_block != chunk_bytes:
             raise TierLayoutError(
                 f"group {group_idx}: the server's block holds {group.bytes_per_block} bytes, vLLM's offload chunk "

@@ -450,6 +450,45 @@ def test_a_load_with_a_key_gone_since_its_lookup_loads_the_others(
         b.close()
 
 
+def test_a_token_missing_or_of_another_role_is_refused_at_connect_naming_the_tier_token(tmp_path: object) -> None:
+    from pathlib import Path
+
+    tokens = Path(str(tmp_path)) / "tokens.toml"
+    tokens.write_text(
+        '[[tokens]]\nname = "router"\nrole = "watcher"\ntoken = "watcher-token-0123456789"\n'
+        '[[tokens]]\nname = "shared-tier"\nrole = "tier"\ntoken = "tier-token-0123456789abc"\n'
+    )
+    running = tier_server(num_blocks=8, auth_tokens_file=str(tokens))
+    hint = (
+        "; the kvservice tier needs a token of role 'tier' from the server's token file (the 'token' key of its "
+        "secondary_tiers entry)"
+    )
+    try:
+        for token, code, cause in (
+            (None, "UNAUTHENTICATED", "missing authorization metadata: send 'authorization: Bearer <token>'"),
+            ("watcher-token-0123456789", "PERMISSION_DENIED", "/kvservice.v1.KVCacheService/ReleaseLease: token"),
+        ):
+            client = tier_client.TierClient(running.target, chunk_bytes=CHUNK_BYTES, token=token)
+            with pytest.raises(tier_client.KVServiceError) as caught:
+                client.connect()
+            client.close()
+            assert caught.value.code.name == code
+            assert caught.value.message.startswith(cause) and caught.value.message.endswith(hint), caught.value.message
+        ok = tier_client.TierClient(running.target, chunk_bytes=CHUNK_BYTES, token="tier-token-0123456789abc")
+        ok.connect()
+        assert ok.transport == "shm"
+        ok.close()
+    finally:
+        running.close()
+
+
+def test_a_target_that_is_a_bare_path_is_refused_naming_the_unix_form(server: EmbeddedTierServer) -> None:
+    with pytest.raises(
+        ValueError, match=rf"target '{server.uds}' is a path: a Unix socket's target is 'unix:{server.uds}'"
+    ):
+        tier_client.TierClient(server.uds, chunk_bytes=CHUNK_BYTES)
+
+
 def test_a_restart_turns_hits_into_misses_then_sharing_resumes(server: EmbeddedTierServer) -> None:
     a, b = Instance(server.target), Instance(server.target)
     try:
@@ -510,7 +549,11 @@ def test_a_server_whose_blocks_are_not_the_chunk_is_refused_by_name() -> None:
 def test_a_meta_server_is_refused() -> None:
     other = tier_server(num_blocks=8, kv_cache_layout=None, preset="qwen-2.5-0.5b", device="meta")
     try:
-        with pytest.raises(TierLayoutError, match=r"no memory \(--device meta\)"):
+        with pytest.raises(
+            TierLayoutError,
+            match=r"^the server has no memory \(--device meta\): start it with --device cpu --kv-cache-layout "
+            r"opaque:4096\. vLLM's chunk: 4096 bytes",
+        ):
             Instance(other.target)
     finally:
         other.close()

@@ -489,6 +489,36 @@ def test_a_target_that_is_a_bare_path_is_refused_naming_the_unix_form(server: Em
         tier_client.TierClient(server.uds, chunk_bytes=CHUNK_BYTES)
 
 
+def test_the_readme_s_tier_client_example_prints_what_it_says() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("**Without an engine**")[1].split("```python\n")[1].split("```")[0]
+    expected = [line.split("# ")[1].split(":")[0] for line in code.splitlines() if line.startswith("print(")]
+    running = tier_server(num_blocks=8, chunk_bytes=2097152)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code.replace("unix:/run/kvservice.sock", running.target)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        running.close()
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stdout.splitlines()
+        == expected
+        == [
+            "[True, True, True, True]",
+            "[True, True, True, True, False]",
+            "True",
+        ]
+    )
+
+
 def test_a_restart_turns_hits_into_misses_then_sharing_resumes(server: EmbeddedTierServer) -> None:
     a, b = Instance(server.target), Instance(server.target)
     try:

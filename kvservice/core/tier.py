@@ -13,7 +13,11 @@ How it sits on the pool (``kvservice.core.block_pool``):
   evicted, BlockRemoved) and holds it (ref count 1) **uncached**: no lookup, lease, read or event
   sees it until :meth:`TierStore.commit` indexes it (``BlockPool.cache_blocks_by_hash``:
   BlockStored now) and drops the hold (the block is then free and cached, at the LRU tail). An
-  aborted or expired put lease frees its blocks uncached (to the head), with no event.
+  aborted put lease frees its blocks uncached (to the head), with no event. An *expired* one holds
+  them one more ttl first (**lapsed**): its putter may still be copying into them through the
+  mapped memory, which the server cannot stop, and reused at once they could take that late copy
+  under another key; its putter's CommitBlocks (``committed = false``) or ReleaseLease frees them
+  at once, the reaper after that ttl.
 * A **read lease** (:meth:`TierStore.lease`) takes a reference on each present block (``touch``):
   a referenced block is not in the free queue, so nothing can evict or reuse it until the lease
   ends (:meth:`TierStore.release`, or expiry) and drops the reference.
@@ -127,6 +131,7 @@ class _Lease:
     parents: list[bytes | None] = field(default_factory=list)
     token_ids: list[int] | None = None
     slot: int = 0
+    ttl: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -203,8 +208,14 @@ class TierStore:
         """Called with the block ids a commit cached (their bytes complete: the putter wrote them)."""
         self.lease_board: LeaseBoard | None = None
         """Where read leases are published (None: nowhere; leases then have no slot)."""
-        # Free board slots, the lowest on top (at most max_leases leases live: always one free).
-        self._free_slots = list(range(limits.max_leases, 0, -1))
+        # Board slots: those freed (the last freed is taken first), then 1 + the highest ever taken
+        # (at most max_leases leases are live, so a slot never passes it). Memory grows with the
+        # leases live at once, not with max_leases.
+        self._freed_slots: list[int] = []
+        self._num_slots_taken = 0
+        # Lapsed put leases (expired, their blocks still held): lease id -> (free at, blocks); a heap.
+        self._lapsed: dict[int, tuple[float, list[KVCacheBlock]]] = {}
+        self._lapsed_heap: list[tuple[float, int]] = []
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -413,6 +424,7 @@ class TierStore:
                 [t for i in writes for t in tokens[i * block_size : (i + 1) * block_size]]
                 if tokens is not None
                 else None,
+                ttl=ttl,
             )
             self._add(lease)
             slot = lease.slot
@@ -432,6 +444,7 @@ class TierStore:
         self.expire(now)
         lease = self._leases.get(lease_id)
         if lease is None or not lease.put:
+            self._free_lapsed(lease_id)  # its putter is done with it
             return False, 0
         self._end(lease)
         if written is not None and not all(written):
@@ -460,11 +473,24 @@ class TierStore:
         self.num_committed_blocks += sum(cached)
         return True, len(lease.blocks)
 
-    def lease(self, group_idx: int, block_hashes: Sequence[bytes], *, ttl_s: float = 0.0, now: float) -> LeaseResult:
+    def lease(
+        self,
+        group_idx: int,
+        block_hashes: Sequence[bytes],
+        *,
+        ttl_s: float = 0.0,
+        now: float,
+        readable: Callable[[int, KVCacheBlock], bool] | None = None,
+    ) -> LeaseResult:
         """Pin the cached blocks of these keys (LeaseBlocks).
 
+        Args:
+            readable: as :meth:`lookup`'s: a cached block it answers False for is a miss (not
+                pinned), as LookupBlocks answers it absent; None: every cached block is readable.
+
         Returns:
-            Per key its block id (0: not cached now); ``lease_id`` 0 when none is (nothing held).
+            Per key its block id (0: not cached now, or not readable); ``lease_id`` 0 when none
+            is (nothing held).
 
         Raises:
             InvalidArgumentError: (INVALID_ARGUMENT) a bad field, named with its bound.
@@ -479,7 +505,7 @@ class TierStore:
         block_ids: list[int] = []
         for block_hash in block_hashes:
             block = index.get_one_block(block_hash)
-            if block is None:
+            if block is None or (readable is not None and not readable(group_idx, block)):
                 block_ids.append(0)
             else:
                 blocks.append(block)
@@ -503,13 +529,22 @@ class TierStore:
         self.expire(now)
         lease = self._leases.get(lease_id)
         if lease is None:
-            return ReleaseResult(False, 0)
+            return ReleaseResult(False, self._free_lapsed(lease_id))
         self._end(lease)
         self.pool.free_blocks(lease.blocks)
         return ReleaseResult(True, len(lease.blocks))
 
+    def live(self, lease_id: int, *, now: float) -> bool:
+        """Whether a lease is live now (leases past their deadline are ended first, as every call
+        ends them): a putter writing blocks itself checks it before each write, with nothing
+        awaited in between, so it never writes a block its lease gave up."""
+        self.expire(now)
+        return lease_id in self._leases
+
     def expire(self, now: float) -> int:
-        """End every lease whose deadline is at or before ``now`` (as a release would, no event).
+        """End every lease whose deadline is at or before ``now`` (no event): a read lease's blocks
+        unpinned, a put lease's held one more ttl (lapsed: see the module docstring); then free
+        the blocks of lapsed leases whose time is up.
 
         Returns:
             Leases ended.
@@ -522,23 +557,45 @@ class TierStore:
             if lease is None or lease.deadline != deadline:
                 continue  # ended before
             self._end(lease)
-            self.pool.free_blocks(lease.blocks)
+            if lease.put:
+                free_at = deadline + lease.ttl
+                self._lapsed[lease_id] = (free_at, lease.blocks)
+                heapq.heappush(self._lapsed_heap, (free_at, lease_id))
+            else:
+                self.pool.free_blocks(lease.blocks)
             ended += 1
+        lapsed = self._lapsed_heap
+        while lapsed and lapsed[0][0] <= now:
+            self._free_lapsed(heapq.heappop(lapsed)[1])
         self.num_expired += ended
         return ended
 
+    def _free_lapsed(self, lease_id: int) -> int:
+        """Free a lapsed put lease's blocks (uncached, to the head of the free queue): how many."""
+        held = self._lapsed.pop(lease_id, None)
+        if held is None:
+            return 0
+        self.pool.free_blocks(held[1])
+        return len(held[1])
+
     def next_deadline(self) -> float | None:
-        """The earliest live lease's deadline (monotonic seconds), or None."""
+        """The earliest live lease's deadline or lapsed lease's end (monotonic seconds), or None."""
         heap = self._deadlines
         while heap and heap[0][1] not in self._leases:
             heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        lapsed = self._lapsed_heap
+        while lapsed and lapsed[0][1] not in self._lapsed:
+            heapq.heappop(lapsed)
+        times = [h[0][0] for h in (heap, lapsed) if h]
+        return min(times) if times else None
 
     def drop_all(self) -> None:
-        """Forget every lease, freeing its blocks (the server stops; no event)."""
+        """Forget every lease, freeing its blocks, lapsed ones' too (the server stops; no event)."""
         for lease in list(self._leases.values()):
             self._end(lease)
             self.pool.free_blocks(lease.blocks)
+        for lease_id in list(self._lapsed):
+            self._free_lapsed(lease_id)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -549,19 +606,28 @@ class TierStore:
 
     @property
     def num_leased_blocks(self) -> int:
-        """Blocks held by leases now (pinned by read leases, reserved by put leases)."""
-        return sum(len(lease.blocks) for lease in self._leases.values())
+        """Blocks held by leases now (pinned by read leases, reserved by put leases, still held for
+        lapsed put leases)."""
+        return sum(len(lease.blocks) for lease in self._leases.values()) + sum(
+            len(blocks) for _free_at, blocks in self._lapsed.values()
+        )
 
     def held_block_ids(self) -> list[int]:
-        """Every block id a lease holds (one per hold), for the engine's invariant check."""
-        return [block.block_id for lease in self._leases.values() for block in lease.blocks]
+        """Every block id a lease holds (one per hold, lapsed put leases' included), for the
+        engine's invariant check."""
+        held = [block.block_id for lease in self._leases.values() for block in lease.blocks]
+        return held + [block.block_id for _free_at, blocks in self._lapsed.values() for block in blocks]
 
     def _add(self, lease: _Lease) -> None:
         """Make a lease live (and publish it on the board, when there is one)."""
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
         if self.lease_board is not None:
-            lease.slot = self._free_slots.pop()
+            if self._freed_slots:
+                lease.slot = self._freed_slots.pop()
+            else:
+                self._num_slots_taken += 1
+                lease.slot = self._num_slots_taken
             self.lease_board.publish_lease(lease.slot, lease.lease_id)
 
     def _end(self, lease: _Lease) -> None:
@@ -571,7 +637,7 @@ class TierStore:
         if lease.slot:
             assert self.lease_board is not None, "a lease with a slot and no board"
             self.lease_board.clear_lease(lease.slot)
-            self._free_slots.append(lease.slot)
+            self._freed_slots.append(lease.slot)
             lease.slot = 0
         if lease.put:
             for block_hash in lease.hashes:

@@ -875,6 +875,13 @@ class DataPlane:
             return None
         return request
 
+    def readable_by_hash(self, block_id: int) -> bool:
+        """Whether a cached block's bytes may be read under its hash now: *written* (final) and no
+        WriteBlocks copy into it in flight. The one rule of ReadBlocks by hash, LookupBlocks and
+        LeaseBlocks: a block allocated for computing (its hash registered before its bytes exist)
+        or freed before it was written is never read, looked up or leased as present."""
+        return self.byte_state[block_id] == BLOCK_WRITTEN and block_id not in self._copying
+
     def _check_epoch(self, field: str, epoch: str, gone: str) -> None:
         """Raise unless ``epoch`` (set) is this server's; the refusal quotes it, so it is bounded first.
 
@@ -1219,7 +1226,7 @@ class DataPlane:
             elif which == "block_hash":
                 copies = self._pool.get_cached_blocks(ref.block_hash, ref.group_idx)
                 block = next((b for b in copies if self.byte_state[b.block_id] == BLOCK_WRITTEN), None)
-                if block is None or block.block_id in self._copying:
+                if block is None or not self.readable_by_hash(block.block_id):
                     if request.missing_ok:  # answered with one `missing` chunk (block id 0)
                         resolved.append((ref.group_idx, 0, ref.block_hash, None))
                         continue

@@ -1170,10 +1170,13 @@ class KVCacheServicer:
         return result
 
     def _readable(self) -> Any:
+        """The tier's ``readable`` predicate: a cached block is present for LookupBlocks and
+        LeaseBlocks only when its bytes may be read under its hash (``DataPlane.readable_by_hash``);
+        None (every cached block) on a server without memory."""
         dp = self.data_plane
         if dp is None or not dp.has_memory:
             return None
-        return lambda group_idx, block: dp._writer(group_idx, block.block_id) is None
+        return lambda group_idx, block: dp.readable_by_hash(block.block_id)
 
     async def LookupBlocks(
         self, request: pb.LookupBlocksRequest, context: grpc.aio.ServicerContext
@@ -1247,7 +1250,11 @@ class KVCacheServicer:
 
         def call() -> pb.LeaseBlocksResponse:
             r = self._tier(True).lease(
-                request.group_idx, request.block_hashes, ttl_s=request.ttl_s, now=self.engine.clock()
+                request.group_idx,
+                request.block_hashes,
+                ttl_s=request.ttl_s,
+                now=self.engine.clock(),
+                readable=self._readable(),
             )
             return pb.LeaseBlocksResponse(
                 lease_id=r.lease_id, block_ids=r.block_ids, num_leased=r.num_leased, ttl_s=r.ttl_s, lease_slot=r.slot
@@ -1300,6 +1307,16 @@ class KVCacheServicer:
             hasher = xxhash.xxh3_64()
             num_bytes = 0
             index = 0
+            tier = self._tier(False)
+            lapsed = False  # the put lease ended while the stream was read: no more writes into its blocks
+
+            def may_write() -> bool:
+                # Checked right before each block write, nothing awaited between: a lease that
+                # expired meanwhile gave its blocks back (another put may hold them now).
+                nonlocal lapsed
+                lapsed = lapsed or not tier.live(lease_id, now=self.engine.clock())
+                return not lapsed
+
             async for message in request_iterator:
                 index += 1
                 where = f"messages[{index}].chunk"
@@ -1341,7 +1358,7 @@ class KVCacheServicer:
                 # uncached and unread until the commit; a refused call frees it uncached), not
                 # through the staging buffer.
                 direct = received == 0 and len(data) == size and k in written
-                if direct:
+                if direct and may_write():
                     _BlockBytes(dp.tensors.block_view(group_idx, reserved.block_ids[k])).write(data)
                 else:
                     staging[received : received + len(data)] = data
@@ -1359,7 +1376,7 @@ class KVCacheServicer:
                         f"missing or not the xxh3_64 of block {k}'s bytes; nothing of the call was stored",
                     )
                 if k in written:  # a key found PRESENT or IN_FLIGHT: its bytes are dropped
-                    if not direct:
+                    if not direct and may_write():
                         block_id = reserved.block_ids[k]
                         _BlockBytes(dp.tensors.block_view(group_idx, block_id)).write(memoryview(staging))
                     written[k] = True
@@ -1370,7 +1387,6 @@ class KVCacheServicer:
                 raise InvalidArgumentError(
                     "chunks", f"the stream ended inside block {current} ({received} of {size} bytes)"
                 )
-            tier = self._tier(False)
             committed, _ = tier.commit(lease_id, now=self.engine.clock(), written=[written[i] for i in write_order])
             lease_id = 0
             self._publish()

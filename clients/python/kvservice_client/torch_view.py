@@ -137,6 +137,7 @@ class KVCacheView:
         self._control: mmap.mmap | None = None
         self._control_fd = -1  # kept open: the descriptor the lock test runs on
         self._server_gone = False
+        self._closed = False  # close() was called: nothing of it may be used any more
         self._fence = threading.Lock()  # taken between a copy and the lease check (a memory barrier)
         if description.control_shm_name:
             fd = os.open(os.path.join(SHM_DIR, description.control_shm_name), os.O_RDONLY)
@@ -183,7 +184,9 @@ class KVCacheView:
     def closed(self) -> bool:
         """Whether the server that owns the memory has stopped, died (kill -9 included) or restarted:
         its control segment says closed, or no live process holds its lock (see the module
-        docstring). False for a view without a control segment (CUDA)."""
+        docstring), or this view was closed. False for an open view without a control segment (CUDA)."""
+        if self._closed:
+            return True
         control = self._control
         if control is None:
             return False
@@ -265,7 +268,9 @@ class KVCacheView:
         )
 
     def close(self) -> None:
-        """Drop the mappings (tensors handed out keep theirs alive until dropped)."""
+        """Drop the mappings (tensors handed out keep theirs alive until dropped); the view is
+        :attr:`closed` from now on."""
+        self._closed = True
         self._groups = ()
         self._storages = []
         if self._control is not None:

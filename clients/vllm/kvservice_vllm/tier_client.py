@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -128,6 +129,10 @@ def rows_of(primary_kv_view: memoryview) -> torch.Tensor:
     return tensor
 
 
+_Request = TypeVar("_Request")
+_Answer = TypeVar("_Answer")
+
+
 def _commit_margin_s(ttl_s: float) -> float:
     """Time a put lease must have left for its commit to go in the background: half its ttl."""
     return ttl_s / 2
@@ -196,6 +201,7 @@ class TierClient:
         # ReleaseLease and CommitBlocks of copies checked by their lease's slot, in order.
         self._background: ThreadPoolExecutor | None = None
         self._background_lock = threading.Lock()
+        self._closed = False
         self._blocks_of: dict[tuple[int, int], _GroupBlocks] = {}  # (id(view), group_idx) -> its blocks
         self.num_commits_lost = 0
         """Commits sent in the background that did not commit (their keys were reported stored)."""
@@ -383,18 +389,18 @@ class TierClient:
         self, header: pb.ReserveBlocksRequest, rows: torch.Tensor, chunk_ids: Sequence[int]
     ) -> tuple[list[bool], list[bool]]:
         n = len(chunk_ids)
+        # The memory copied into is taken before the reservation, and only it: a view taken after
+        # could be a restarted server's, whose blocks of the same ids belong to other keys.
+        view = self._current_view()
         sent = time.monotonic()
-        answer = self.client.reserve_blocks(header)
+        answer = self._with_room(self.client.reserve_blocks, header)
         if not answer.reserved:
             return [False] * n, [False] * n
         statuses = list(answer.status)
         to_write = [i for i, s in enumerate(statuses) if s == pb.BLOCK_PUT_STATUS_WRITE]
         if to_write:
             try:
-                # After the reservation: the memory of the server that made it (a restart before
-                # it turned the old view closed).
                 with self._store_copy:
-                    view = self._current_view()
                     blocks = self._group_blocks(view, header.group_idx)
                     source = rows.numpy()
                     for i in to_write:
@@ -402,12 +408,22 @@ class TierClient:
             except BaseException:
                 self._release(answer.lease_id)
                 raise
-            # The lease expires at the earliest ttl_s after the request left (the server's clock
-            # started later): with more than half of that left, a commit sent now is in time.
-            in_time = time.monotonic() + _commit_margin_s(answer.ttl_s) < sent + answer.ttl_s
-            if answer.lease_slot and in_time and view.lease_live(answer.lease_slot, answer.lease_id):
-                self._in_background(self._commit, answer.lease_id)
-                committed = True
+            if answer.lease_slot:
+                # The slot, read in the memory copied into, says whether this lease held through
+                # the copy there (another server's table never holds its id).
+                if not view.lease_live(answer.lease_slot, answer.lease_id):
+                    self._in_background(self._release, answer.lease_id)
+                    committed = False
+                # The lease expires at the earliest ttl_s after the request left (the server's
+                # clock started later): with more than half of that left, a commit sent now is in time.
+                elif time.monotonic() + _commit_margin_s(answer.ttl_s) < sent + answer.ttl_s:
+                    self._in_background(self._commit, answer.lease_id)
+                    committed = True
+                else:
+                    committed = self.client.commit_blocks(answer.lease_id).committed
+            elif view.closed:  # no slots to read: the server copied into is gone, nothing to commit
+                self._release(answer.lease_id)
+                committed = False
             else:
                 committed = self.client.commit_blocks(answer.lease_id).committed
         else:
@@ -476,8 +492,10 @@ class TierClient:
     def _load_shm(
         self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
     ) -> list[bool]:
-        answer = self.client.lease_blocks(
-            pb.LeaseBlocksRequest(group_idx=group_idx, block_hashes=block_hashes, ttl_s=self.lease_ttl_s)
+        view = self._current_view()  # taken before the lease, and only it copied from (as a store's)
+        answer = self._with_room(
+            self.client.lease_blocks,
+            pb.LeaseBlocksRequest(group_idx=group_idx, block_hashes=block_hashes, ttl_s=self.lease_ttl_s),
         )
         block_ids = list(answer.block_ids)
         if not answer.lease_id:
@@ -485,7 +503,6 @@ class TierClient:
         slot_valid: bool | None = None  # what the lease's slot said after the copy (None: not read)
         try:
             with self._load_copy:
-                view = self._current_view()
                 blocks = self._group_blocks(view, group_idx)
                 target = rows.numpy()
                 for i, block_id in enumerate(block_ids):
@@ -495,11 +512,29 @@ class TierClient:
                 slot_valid = view.lease_live(answer.lease_slot, answer.lease_id)
         finally:
             if slot_valid is None:
-                valid = self._release(answer.lease_id)
+                # No slot to read: the release's answer says the lease held, and the memory copied
+                # from must still be that server's (a restart before the lease made it another's).
+                valid = self._release(answer.lease_id) and not view.closed
             else:
                 valid = slot_valid
                 self._in_background(self._release, answer.lease_id)
         return [bool(block_id) and valid for block_id in block_ids]
+
+    def _with_room(self, call: Callable[[_Request], _Answer], request: _Request) -> _Answer:
+        """``call(request)``; once more after :meth:`flush` when the server is at ``tier_max_leases``
+        and this client has commits or releases queued (its own leases, still live, hold that
+        room).
+
+        Raises:
+            KVServiceError: as ``call``.
+        """
+        try:
+            return call(request)
+        except KVServiceError as exc:
+            if exc.code != StatusCode.RESOURCE_EXHAUSTED or self._background is None:
+                raise
+        self.flush()
+        return call(request)
 
     def _load_grpc(
         self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
@@ -524,19 +559,27 @@ class TierClient:
 
     def _in_background(self, call: Callable[[int], object], lease_id: int) -> None:
         """``call(lease_id)`` on the background thread, in submission order (its answer is not
-        needed: the copy was checked by the lease's slot)."""
+        needed: the copy was checked by the lease's slot); after :meth:`close`, on this thread
+        (the channel is closed: it fails, and is logged and counted as any failure)."""
         with self._background_lock:
-            if self._background is None:
-                self._background = ThreadPoolExecutor(1, thread_name_prefix="kvservice_tier_background")
-            self._background.submit(call, lease_id)
+            if not self._closed:
+                if self._background is None:
+                    self._background = ThreadPoolExecutor(1, thread_name_prefix="kvservice_tier_background")
+                self._background.submit(call, lease_id)
+                return
+        call(lease_id)
 
     def flush(self) -> None:
         """Block until every commit and release sent to the background so far has answered (a
-        store's keys are then visible to every lookup)."""
+        store's keys are then visible to every lookup), also while :meth:`close` runs."""
         with self._background_lock:
             background = self._background
-        if background is not None:
+        if background is None:
+            return
+        try:
             background.submit(lambda: None).result()
+        except RuntimeError:  # close() is shutting it down: wait for what it still runs
+            background.shutdown(wait=True)
 
     def _commit(self, lease_id: int) -> None:
         """Commit a put lease whose copy its slot vouched for; one that does not commit is logged
@@ -544,28 +587,33 @@ class TierClient:
         try:
             committed = self.client.commit_blocks(lease_id).committed
             reason = "the lease had ended (the server restarted?)"
-        except KVServiceError as exc:
+        except Exception as exc:  # noqa: BLE001 - the server gone or the channel closed: counted, never raised
             committed, reason = False, str(exc)
         if not committed:
             self.num_commits_lost += 1
             logger.warning("kvservice tier: CommitBlocks %d sent after its copy did not commit: %s", lease_id, reason)
 
     def _release(self, lease_id: int) -> bool:
-        """End a lease; whether it was live until now (False on any failure)."""
+        """End a lease; whether it was live until now (False on any failure, logged)."""
         try:
             return bool(self.client.release_lease(lease_id).valid)
-        except KVServiceError as exc:
+        except Exception as exc:  # noqa: BLE001 - the server gone or the channel closed: the lease expires there
             logger.warning("kvservice tier: ReleaseLease %d failed: %s", lease_id, exc)
             return False
 
     # -- end -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Send the commits and releases still queued, drop the mapping and close the channel."""
+        """Send the commits and releases still queued, drop the mapping and close the channel (a
+        store or load still running meanwhile fails its keys; a commit it still sends is counted
+        lost)."""
         with self._background_lock:
-            background, self._background = self._background, None
+            self._closed = True
+            background = self._background
         if background is not None:
-            background.shutdown(wait=True)
+            background.shutdown(wait=True)  # flush() meanwhile waits for it too
+        with self._background_lock:
+            self._background = None
         with self._view_lock:
             self._blocks_of.clear()
             if self._view is not None:

@@ -1455,7 +1455,9 @@ class KVCacheEngine:
         """
         manager = self.manager
         references = self._detached
-        if self.tier is not None and self.tier.num_leases:  # a tier lease's holds are off every table too
+        if (
+            self.tier is not None and self.tier.num_leased_blocks
+        ):  # a tier lease's holds are off every table too (lapsed ones' too)
             references = dict(references)
             for block_id in self.tier.held_block_ids():
                 references[block_id] = references.get(block_id, 0) + 1

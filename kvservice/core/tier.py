@@ -108,7 +108,7 @@ class TierLimits:
 
 
 class LeaseBoard(Protocol):
-    """Where live read leases are published for readers without a round trip (the server's: the
+    """Where live leases (read and put) are published for copiers without a round trip (the server's: the
     control segment's lease table, :class:`kvservice.shm.SharedMemoryAllocator`)."""
 
     def publish_lease(self, slot: int, lease_id: int) -> None:
@@ -207,7 +207,7 @@ class TierStore:
         self.on_blocks_stored: Callable[[list[int]], None] | None = None
         """Called with the block ids a commit cached (their bytes complete: the putter wrote them)."""
         self.lease_board: LeaseBoard | None = None
-        """Where read leases are published (None: nowhere; leases then have no slot)."""
+        """Where leases are published (None: nowhere; leases then have no slot)."""
         # Board slots: those freed (the last freed is taken first), then 1 + the highest ever taken
         # (at most max_leases leases are live, so a slot never passes it). Memory grows with the
         # leases live at once, not with max_leases.
@@ -481,12 +481,16 @@ class TierStore:
         ttl_s: float = 0.0,
         now: float,
         readable: Callable[[int, KVCacheBlock], bool] | None = None,
+        release_lease_ids: Sequence[int] = (),
     ) -> LeaseResult:
         """Pin the cached blocks of these keys (LeaseBlocks).
 
         Args:
             readable: as :meth:`lookup`'s: a cached block it answers False for is a miss (not
                 pinned), as LookupBlocks answers it absent; None: every cached block is readable.
+            release_lease_ids: leases the caller is done with, each ended first as :meth:`release`
+                ends it (after every field is checked: a bad one ends nothing), even when the
+                new lease is then refused for room.
 
         Returns:
             Per key its block id (0: not cached now, or not readable); ``lease_id`` 0 when none
@@ -500,6 +504,13 @@ class TierStore:
         self._check_group("group_idx", group_idx)
         self._check_hashes("block_hashes", block_hashes, distinct=False)
         ttl = self._ttl(ttl_s)
+        if len(release_lease_ids) > self.limits.max_leases:
+            raise InvalidArgumentError(
+                "release_lease_ids",
+                f"{len(release_lease_ids)} leases, above tier_max_leases {self.limits.max_leases}",
+            )
+        for lease_id in release_lease_ids:
+            self.release(lease_id, now=now)
         index = self.pool.cached_block_hash_to_block[group_idx]
         blocks: list[KVCacheBlock] = []
         block_ids: list[int] = []

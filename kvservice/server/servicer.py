@@ -1255,6 +1255,7 @@ class KVCacheServicer:
                 ttl_s=request.ttl_s,
                 now=self.engine.clock(),
                 readable=self._readable(),
+                release_lease_ids=request.release_lease_ids,
             )
             return pb.LeaseBlocksResponse(
                 lease_id=r.lease_id, block_ids=r.block_ids, num_leased=r.num_leased, ttl_s=r.ttl_s, lease_slot=r.slot

@@ -268,6 +268,7 @@ async def test_a_lapsed_put_lease_holds_its_blocks_one_more_ttl_then_the_reaper_
     other = await client.reserve_blocks(0, [h(3)], ttl_s=10.0)
     assert list(other.block_ids) == [3]  # not block 1 or 2: a late copy cannot land in another key's block
     assert tier.num_leased_blocks == 3 and tier.next_deadline() == 1006.0
+    running.check_invariants()  # the lapsed lease's holds are accounted for
     now[0] += 3.0
     assert running.reaper is not None
     running.reaper.reap()  # one ttl after the expiry: free again, uncached (no event)
@@ -345,3 +346,45 @@ def test_lease_slots_cost_memory_in_proportion_to_live_leases_not_to_tier_max_le
         tracemalloc.stop()
     assert tier.num_leases == 0
     assert allocated < 1 << 20, f"a TierStore with no lease live holds {allocated} bytes"
+
+
+async def test_a_lease_carries_the_releases_of_leases_its_caller_is_done_with(start_kv_server, connect):
+    running = await start_kv_server(**CPU, tier_max_leases=2)
+    client = await connect(running)
+    view = await aattach(client)
+    tier = running.engine.tier
+    await client.put_blocks(0, [(h(1), pattern(1)), (h(2), pattern(2))])
+    first = await client.lease_blocks(0, [h(1)])
+    second = await client.lease_blocks(0, [h(2)])
+    assert tier.num_leases == 2
+    # At tier_max_leases: a lease carrying the first's release ends it first, then takes its slot.
+    third = await client.lease_blocks(
+        pb.LeaseBlocksRequest(group_idx=0, block_hashes=[h(1)], release_lease_ids=[first.lease_id])
+    )
+    assert (list(third.block_ids), third.lease_slot) == ([1], 1)
+    assert not view.lease_live(1, first.lease_id) and view.lease_live(1, third.lease_id)
+    # A bad field refuses the whole call first: nothing it names is ended.
+    with pytest.raises(KVServiceError) as caught:
+        await client.lease_blocks(
+            pb.LeaseBlocksRequest(group_idx=0, block_hashes=[bytes(3)], release_lease_ids=[second.lease_id])
+        )
+    assert (caught.value.code, caught.value.message) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "block_hashes[0]: 3 bytes; a block hash is the server's 32-byte digest",
+    )
+    with pytest.raises(KVServiceError) as caught:
+        await client.lease_blocks(pb.LeaseBlocksRequest(group_idx=0, release_lease_ids=[second.lease_id] * 3))
+    assert (caught.value.code, caught.value.message) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "release_lease_ids: 3 leases, above tier_max_leases 2",
+    )
+    assert tier.num_leases == 2 and view.lease_live(2, second.lease_id)
+    # A lease of no key carrying releases only ends them (unknown or ended ids are skipped).
+    done = await client.lease_blocks(
+        pb.LeaseBlocksRequest(group_idx=0, release_lease_ids=[second.lease_id, first.lease_id])
+    )
+    assert (done.lease_id, list(done.block_ids), tier.num_leases) == (0, [], 1)
+    done = await client.lease_blocks(pb.LeaseBlocksRequest(group_idx=0, release_lease_ids=[third.lease_id]))
+    assert (done.lease_id, list(done.block_ids), tier.num_leases) == (0, [], 0)
+    assert not view.lease_live(1, third.lease_id) and not view.lease_live(2, second.lease_id)
+    view.close()

@@ -18,10 +18,11 @@ Two transports, chosen at connect (``transport``):
   the lease (``ReleaseLease``). After its copy each reads its lease's slot in the mapped control
   segment (``KVCacheView.lease_live``): the server clears a slot before it unpins, frees or
   caches the lease's blocks, so finding the lease id there says the lease held through the copy
-  (no block reused under a load; a store's reservation still there to commit). Then the
-  ``ReleaseLease`` or ``CommitBlocks`` goes on a background thread and the call returns without
-  its answer: one round trip per call of at most ``max_keys_per_call`` keys, the bytes by
-  ``memcpy``. A commit is sent in the background only while more than half of the put lease's
+  (no block reused under a load; a store's reservation still there to commit). The call then
+  returns without waiting for an answer: a store's ``CommitBlocks`` goes on a background thread,
+  a load's release with the next ``LeaseBlocks`` (``release_lease_ids``) or, when none follows
+  within :data:`RELEASE_GRACE_S`, with the others pending in one call from the releaser thread:
+  one round trip per call of at most ``max_keys_per_call`` keys, the bytes by ``memcpy``. A commit is sent in the background only while more than half of the put lease's
   time is left (:func:`_commit_margin_s`; else its answer is waited for), so it arrives long
   before the lease could expire; one that still does not commit (the server restarted in
   between) is logged and counted (``num_commits_lost``): its keys, reported stored, are misses,
@@ -129,6 +130,10 @@ def rows_of(primary_kv_view: memoryview) -> torch.Tensor:
     return tensor
 
 
+RELEASE_GRACE_S = 0.005
+"""How long a read lease done with waits for the next LeaseBlocks to carry its release before the
+releaser thread sends it (a load that follows within it saves a round trip)."""
+
 _Request = TypeVar("_Request")
 _Answer = TypeVar("_Answer")
 
@@ -191,6 +196,7 @@ class TierClient:
         self._view: KVCacheView | None = None
         self.transport = "grpc" if transport == "grpc" else "shm"
         self.max_keys_per_call = 1
+        self.max_leases = 1  # the server's tier_max_leases: most releases one LeaseBlocks carries
         self.max_data_chunk_bytes = 1 << 20
         self.digest_bytes = 32
         self.hash_algorithm = ""
@@ -202,6 +208,12 @@ class TierClient:
         self._background: ThreadPoolExecutor | None = None
         self._background_lock = threading.Lock()
         self._closed = False
+        # Read leases whose copies their slots vouched for, not yet released: the next LeaseBlocks
+        # carries them (release_lease_ids), or the releaser thread sends them RELEASE_GRACE_S later.
+        self._pending_releases: list[int] = []
+        self._releases = threading.Condition()
+        self._releaser: threading.Thread | None = None
+        self._sending_releases = threading.Lock()  # held while the releaser sends: flush() waits for it
         self._blocks_of: dict[tuple[int, int], _GroupBlocks] = {}  # (id(view), group_idx) -> its blocks
         self.num_commits_lost = 0
         """Commits sent in the background that did not commit (their keys were reported stored)."""
@@ -236,6 +248,7 @@ class TierClient:
         check_tier_layout(metadata, self.chunk_bytes, self.group_idxs)
         limits = metadata.tier_limits
         self.max_keys_per_call = max(1, limits.max_keys_per_call or 1)
+        self.max_leases = max(1, limits.max_leases or 1)
         self.max_data_chunk_bytes = metadata.max_data_chunk_bytes or self.max_data_chunk_bytes
         self.hash_algorithm = metadata.hash_algorithm
         self.digest_bytes = DIGEST_BYTES.get(metadata.hash_algorithm, 32)
@@ -493,10 +506,20 @@ class TierClient:
         self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
     ) -> list[bool]:
         view = self._current_view()  # taken before the lease, and only it copied from (as a store's)
-        answer = self._with_room(
-            self.client.lease_blocks,
-            pb.LeaseBlocksRequest(group_idx=group_idx, block_hashes=block_hashes, ttl_s=self.lease_ttl_s),
-        )
+        releases = self._take_pending_releases(self.max_leases)  # this client's leases done with: ended first
+        try:
+            answer = self._with_room(
+                self.client.lease_blocks,
+                pb.LeaseBlocksRequest(
+                    group_idx=group_idx,
+                    block_hashes=block_hashes,
+                    ttl_s=self.lease_ttl_s,
+                    release_lease_ids=releases,
+                ),
+            )
+        except BaseException:
+            self._requeue_releases(releases)  # maybe not ended: the releaser sends them (again)
+            raise
         block_ids = list(answer.block_ids)
         if not answer.lease_id:
             return [False] * len(chunk_ids)
@@ -517,7 +540,7 @@ class TierClient:
                 valid = self._release(answer.lease_id) and not view.closed
             else:
                 valid = slot_valid
-                self._in_background(self._release, answer.lease_id)
+                self._release_soon(answer.lease_id)
         return [bool(block_id) and valid for block_id in block_ids]
 
     def _with_room(self, call: Callable[[_Request], _Answer], request: _Request) -> _Answer:
@@ -569,9 +592,69 @@ class TierClient:
                 return
         call(lease_id)
 
+    def _release_soon(self, lease_id: int) -> None:
+        """End a read lease without waiting: the next LeaseBlocks carries it, or the releaser
+        thread sends it with the others pending :data:`RELEASE_GRACE_S` later (one call); after
+        :meth:`close`, at once on this thread."""
+        with self._releases:
+            if not self._closed:
+                self._pending_releases.append(lease_id)
+                if self._releaser is None:
+                    self._releaser = threading.Thread(
+                        target=self._release_loop, name="kvservice_tier_releaser", daemon=True
+                    )
+                    self._releaser.start()
+                self._releases.notify_all()
+                return
+        self._release_many([lease_id])
+
+    def _take_pending_releases(self, limit: int | None = None) -> list[int]:
+        """The pending releases (at most ``limit``, the oldest), no longer pending."""
+        with self._releases:
+            taken = self._pending_releases[:limit]
+            del self._pending_releases[: len(taken)]
+            return taken
+
+    def _requeue_releases(self, lease_ids: list[int]) -> None:
+        if lease_ids:
+            with self._releases:
+                self._pending_releases.extend(lease_ids)
+                self._releases.notify_all()
+
+    def _release_loop(self) -> None:
+        """The releaser thread: what is pending and was not taken by a LeaseBlocks within
+        :data:`RELEASE_GRACE_S` goes as one call; until :meth:`close`."""
+        while True:
+            with self._releases:
+                while not self._pending_releases and not self._closed:
+                    self._releases.wait()
+                since = time.monotonic()
+                while (
+                    self._pending_releases
+                    and not self._closed
+                    and (left := since + RELEASE_GRACE_S - time.monotonic()) > 0
+                ):
+                    self._releases.wait(left)  # a LeaseBlocks may take them meanwhile
+                if not self._pending_releases and self._closed:
+                    return
+            with self._sending_releases:
+                self._release_many(self._take_pending_releases())
+
+    def _release_many(self, lease_ids: list[int]) -> None:
+        """End read leases in one call (a LeaseBlocks of no key: ``release_lease_ids``); a failure
+        is logged (the leases expire on the server)."""
+        try:
+            for start, end in _chunks(len(lease_ids), self.max_leases):
+                self.client.lease_blocks(pb.LeaseBlocksRequest(release_lease_ids=lease_ids[start:end]))
+        except Exception as exc:  # noqa: BLE001 - the server gone or the channel closed: the leases expire there
+            logger.warning("kvservice tier: releasing %d leases failed: %s", len(lease_ids), exc)
+
     def flush(self) -> None:
         """Block until every commit and release sent to the background so far has answered (a
-        store's keys are then visible to every lookup), also while :meth:`close` runs."""
+        store's keys are then visible to every lookup, a load's leases ended), also while
+        :meth:`close` runs."""
+        with self._sending_releases:
+            self._release_many(self._take_pending_releases())
         with self._background_lock:
             background = self._background
         if background is None:
@@ -607,9 +690,14 @@ class TierClient:
         """Send the commits and releases still queued, drop the mapping and close the channel (a
         store or load still running meanwhile fails its keys; a commit it still sends is counted
         lost)."""
-        with self._background_lock:
+        with self._background_lock, self._releases:
             self._closed = True
             background = self._background
+            releaser = self._releaser
+            self._releases.notify_all()
+        if releaser is not None:
+            releaser.join()  # it sends what is pending, then ends
+        self._release_many(self._take_pending_releases())
         if background is not None:
             background.shutdown(wait=True)  # flush() meanwhile waits for it too
         with self._background_lock:

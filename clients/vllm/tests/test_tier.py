@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -350,16 +351,46 @@ def test_a_load_checks_its_lease_slot_and_leaves_the_release_to_the_background(
     hashes = [key[:-4] for key in KEYS[:3]]
     assert all(a.store(0, hashes, [], _rows_of(KEYS[:3]), [0, 1, 2]).written)
     a.flush()
-    gate = threading.Event()
-    releases = _calls_on_threads(monkeypatch, "release_lease", gate)
+    entered, gate = threading.Event(), threading.Event()
+    real_release_many = tier_client.TierClient._release_many
+    releases: list[tuple[str, list[int]]] = []
+
+    def release_many(self: tier_client.TierClient, lease_ids: list[int]) -> None:
+        if lease_ids:
+            releases.append((threading.current_thread().name, list(lease_ids)))
+            entered.set()
+            assert gate.wait(30)
+        real_release_many(self, lease_ids)
+
+    monkeypatch.setattr(tier_client.TierClient, "_release_many", release_many)
+    real_lease = KVCacheClient.lease_blocks
+    leases: list[Any] = []
+
+    def lease_blocks(self: KVCacheClient, request: Any, **kwargs: Any) -> Any:
+        leases.append((list(request.release_lease_ids), real_lease(self, request, **kwargs)))
+        return leases[-1][1]
+
+    monkeypatch.setattr(KVCacheClient, "lease_blocks", lease_blocks)
     rows = torch.zeros((3, CHUNK_BYTES), dtype=torch.uint8)
-    # The load returns, its bytes good by its slot, while its ReleaseLease is still held back.
+    # The load returns, its bytes good by its slot, its lease not ended yet: a release pending.
+    monkeypatch.setattr(tier_client, "RELEASE_GRACE_S", 60.0)
     assert b.load(0, hashes, rows, [2, 1, 0]).loaded == [True, True, True]
     assert [bytes(rows[i].numpy()) for i in (2, 1, 0)] == [chunk_bytes_of(k) for k in KEYS[:3]]
-    assert releases == [] and server.running.engine.tier.num_leases == 1
+    assert server.running.engine.tier.num_leases == 1
+    # The next load carries it: ended on the server first, no call of its own.
+    assert b.load(0, hashes[:1], rows, [0]).loaded == [True]
+    first = leases[0][1].lease_id
+    assert [ids for ids, _answer in leases] == [[], [first]] and releases == []
+    assert server.running.engine.tier.num_leases == 1  # the second load's lease, pending in turn
+    # Not taken by a load within RELEASE_GRACE_S: the releaser thread sends what is pending.
+    monkeypatch.setattr(tier_client, "RELEASE_GRACE_S", 0.0)
+    with b._releases:
+        b._releases.notify_all()
+    assert entered.wait(30)
+    assert releases == [("kvservice_tier_releaser", [leases[1][1].lease_id])]
     gate.set()
     b.flush()
-    assert releases == ["kvservice_tier_background_0"] and server.running.engine.tier.num_leases == 0
+    assert server.running.engine.tier.num_leases == 0
 
 
 def test_a_store_reports_once_copied_under_its_reservation_and_commits_in_the_background(

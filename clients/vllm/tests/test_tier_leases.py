@@ -100,6 +100,22 @@ def gate_calls(monkeypatch: pytest.MonkeyPatch, name: str, gate: threading.Event
     return held
 
 
+def gate_releases(monkeypatch: pytest.MonkeyPatch, gate: threading.Event) -> list[int]:
+    """Hold the read-lease releases the tier sends on its own threads (the releaser's batches) at
+    ``gate``; returns every lease id released through ``TierClient._release_many``, any thread."""
+    real = TierClient._release_many
+    released: list[int] = []
+
+    def call(self: TierClient, lease_ids: list[int]) -> None:
+        if lease_ids and threading.current_thread().name.startswith("kvservice_tier_"):
+            assert gate.wait(WAIT_S), "a release was never let go"
+        released.extend(lease_ids)
+        real(self, lease_ids)
+
+    monkeypatch.setattr(TierClient, "_release_many", call)
+    return released
+
+
 # -- restarts ----------------------------------------------------------------------------------
 
 
@@ -223,7 +239,7 @@ def test_background_commits_and_releases_queued_across_a_restart_or_stop_are_cou
     a.flush()
     gate = threading.Event()
     commits = gate_calls(monkeypatch, "commit_blocks", gate)
-    releases = gate_calls(monkeypatch, "release_lease", gate)
+    releases = gate_releases(monkeypatch, gate)
     # Two commits and a release queued behind the gate, all reported done.
     assert a.store(0, [hash_of("k1")], [], rows_of("k1"), [0]).stored == [True]
     assert a.store(0, [hash_of("k2")], [], rows_of("k2"), [0]).stored == [True]
@@ -407,14 +423,16 @@ def test_slots_run_out_at_tier_max_leases_then_are_reused_and_each_lease_checks_
         b = connect_client(running.target)
         assert a.store(0, [hash_of("x"), hash_of("y")], [], rows_of("x", "y"), [0, 1]).written == [True, True]
         a.flush()
-        gate = threading.Event()
-        gate_calls(monkeypatch, "release_lease", gate)
+        held: list[int] = []
+        monkeypatch.setattr(b, "_release_soon", held.append)  # B's releases held back (B's own list)
         real_lease = KVCacheClient.lease_blocks
         answers: list[Any] = []
 
-        def recording(self: KVCacheClient, *args: object, **kwargs: object) -> Any:
-            answers.append(real_lease(self, *args, **kwargs))
-            return answers[-1]
+        def recording(self: KVCacheClient, request: Any, *args: object, **kwargs: object) -> Any:
+            answer = real_lease(self, request, *args, **kwargs)
+            if request.block_hashes:  # not a batch of releases alone
+                answers.append(answer)
+            return answer
 
         monkeypatch.setattr(KVCacheClient, "lease_blocks", recording)
         rows = torch.zeros((3, CHUNK_BYTES), dtype=torch.uint8)
@@ -424,8 +442,7 @@ def test_slots_run_out_at_tier_max_leases_then_are_reused_and_each_lease_checks_
         assert a.load(0, [hash_of("x")], rows, [2]).loaded == [False]
         assert [answer.lease_slot for answer in answers] == [1, 2]
         assert [row_bytes(rows, i) for i in (0, 1)] == [data_of("x"), data_of("y")]
-        gate.set()
-        b.flush()
+        b._release_many(held)  # in order: slot 1, then slot 2
         # Both slots free again (slot 2 freed last, taken first); the new lease's id is new.
         assert a.load(0, [hash_of("y")], rows, [2]).loaded == [True]
         a.flush()
@@ -488,7 +505,7 @@ def test_close_sends_the_commits_and_releases_still_queued(
     a.flush()
     gate = threading.Event()
     commits = gate_calls(monkeypatch, "commit_blocks", gate)
-    releases = gate_calls(monkeypatch, "release_lease", gate)
+    releases = gate_releases(monkeypatch, gate)
     names = [f"k{i}" for i in range(1, 4)]
     assert a.store(0, [hash_of(n) for n in names], [], rows_of(*names), [0, 1, 2]).stored == [True] * 3
     rows = torch.zeros((1, CHUNK_BYTES), dtype=torch.uint8)

@@ -3720,6 +3720,7 @@ class LeaseBlocksRequest(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _builtins.int
     group_idx: _builtins.int
     """The KV cache group of every key."""
     ttl_s: _builtins.float
@@ -3728,16 +3729,27 @@ class LeaseBlocksRequest(_message.Message):
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The block hashes (full digests), at most max_keys_per_call."""
 
+    @_builtins.property
+    def release_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Leases the caller is done with (at most tier_max_leases), ended first, each as ReleaseLease
+        ends it (their `valid` is not answered: a copier that checked its copy by the lease's slot
+        does not need it). A tier sends its releases with its next lease instead of a call each; a
+        lease of no key carrying only these releases them. Ended even when the new lease is refused
+        for room (RESOURCE_EXHAUSTED: they are the caller's, done with); a bad field refuses the
+        whole call first, ending nothing.
+        """
+
     def __init__(
         self,
         *,
         group_idx: _builtins.int = ...,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         ttl_s: _builtins.float = ...,
+        release_lease_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "group_idx", b"group_idx", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "group_idx", b"group_idx", "release_lease_ids", b"release_lease_ids", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

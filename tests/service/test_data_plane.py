@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from kvservice_client.data import (
     awrite_blocks,
     block_ref,
     read_blocks,
+    read_blocks_into,
     write_block_chunks,
     write_blocks,
 )
@@ -423,6 +425,34 @@ async def test_with_missing_ok_a_hash_that_cannot_be_read_is_a_missing_block_and
         "blocks[0].block_id: block 2 is not written yet (nobody wrote it since it was allocated): its memory holds "
         "no bytes of its own",
     )
+
+
+async def test_read_blocks_into_copies_each_chunk_once_into_the_caller_s_buffers_checked(start_kv_server, connect):
+    """Chunks of 4,096 bytes (several per block), each copied into its block's buffer as it
+    arrives; a hash that cannot be read leaves its buffer alone and answers False."""
+    running = await start_kv_server(**CPU, data_chunk_bytes=4096)
+    client = await connect(running)
+    w = await admit(client, "a", PROMPT)
+    await awrite_blocks(client, "a", [(0, b, pattern(b)) for b in (1, 2, 3)], allocation=w)
+    digests = BlockHasher(4).hash_prompt(PROMPT)
+    absent = BlockHasher(4).hash_prompt([5, 6, 7, 8])[0]
+
+    def blocking() -> tuple[list[bool], list[bytes], str, str]:
+        buffers = [bytearray(BLOCK_BYTES) for _ in range(4)]
+        with KVCacheClient(running.address, timeout=10.0) as sync_client:
+            refs = [(0, digests[2]), (0, absent), (0, 1), (0, digests[1])]
+            arrived = read_blocks_into(sync_client, refs, buffers, missing_ok=True)
+            with pytest.raises(ValueError) as few:
+                read_blocks_into(sync_client, refs, buffers[:3])
+            with pytest.raises(ValueError) as short:
+                read_blocks_into(sync_client, [(0, 1)], [bytearray(BLOCK_BYTES - 1)])
+        return arrived, [bytes(b) for b in buffers], str(few.value), str(short.value)
+
+    arrived, buffers, few, short = await asyncio.to_thread(blocking)
+    assert arrived == [True, False, True, True]
+    assert buffers == [pattern(3), bytes(BLOCK_BYTES), pattern(1), pattern(2)]
+    assert few == "buffers: 3 for 4 refs"
+    assert short == f"block 0: more than its buffer's {BLOCK_BYTES - 1} bytes"
 
 
 @pytest.mark.parametrize(
@@ -852,3 +882,46 @@ async def test_an_in_memory_mark_with_a_wrong_checksum_marks_nothing(start_kv_se
     assert (await _raw_write(client, [chunk])).num_blocks_written == 1
     [block] = await aread_blocks(client, [block_ref(0, block_id=1)])
     assert block.data == bytes(BLOCK_BYTES)
+
+
+@pytest.mark.parametrize(
+    "chunks, error",
+    [
+        # The checksum of other bytes: the one chunk was copied, then refused.
+        ([pb.ReadBlocksChunk(block_index=0, data=b"abcd", checksum=1)], "DATA_LOSS: block 0: checksum mismatch"),
+        # A chunk at the wrong offset.
+        (
+            [pb.ReadBlocksChunk(block_index=0, offset_bytes=2, data=b"ab")],
+            "DATA_LOSS: block 0: chunk at offset 2, expected 0",
+        ),
+    ],
+)
+async def test_read_blocks_into_refuses_bytes_it_cannot_check(chunks, error):
+    """A scripted server sending a wrong checksum or chunks out of order: DATA_LOSS, the block not
+    reported read."""
+
+    async def read(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+        for chunk in chunks:
+            yield chunk.SerializeToString()
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "kvservice.v1.KVCacheService", {"ReadBlocks": grpc.unary_stream_rpc_method_handler(read)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+
+        def blocking() -> str:
+            with KVCacheClient(f"127.0.0.1:{port}", timeout=10.0) as sync_client:
+                with pytest.raises(KVServiceError) as err:
+                    read_blocks_into(sync_client, [(0, 1)], [bytearray(4)])
+                return str(err.value)
+
+        assert await asyncio.to_thread(blocking) == error
+    finally:
+        await server.stop(0)

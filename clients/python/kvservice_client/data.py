@@ -36,6 +36,7 @@ from collections.abc import (
     Generator,
     Iterable,
     Iterator,
+    Sequence,
 )
 from contextlib import aclosing, closing
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ __all__ = [
     "iter_read_blocks",
     "mark_blocks_written",
     "read_blocks",
+    "read_blocks_into",
     "Timeout",
     "write_block_chunks",
     "write_blocks",
@@ -627,6 +629,72 @@ def iter_read_blocks(
         for chunk in chunks:
             if (block := assembler.feed(chunk)) is not None:
                 yield block
+
+
+def read_blocks_into(
+    client: DataPlaneClient,
+    refs: Sequence[BlockRefLike],
+    buffers: Sequence[Any],
+    *,
+    missing_ok: bool = False,
+    timeout: Timeout = None,
+    metadata: Metadata = None,
+) -> list[bool]:
+    """Read blocks (ReadBlocks) straight into the caller's buffers: each chunk copied once, from
+    the received message into ``buffers[i]``, with no block assembled in between (what
+    :func:`iter_read_blocks` does), and its checksum checked as it arrives.
+
+    Args:
+        client: the service.
+        refs: the blocks, as :func:`iter_read_blocks` takes them.
+        buffers: per ref, a writable buffer of exactly the block's bytes (a numpy row, a
+            ``bytearray``, a ``memoryview``).
+        missing_ok: as :func:`iter_read_blocks`'s.
+
+    Returns:
+        Per ref whether its buffer now holds the block's bytes, checked (False: ``missing`` or
+        ``evicted``; that buffer may then hold part of the block and must not be used).
+
+    Raises:
+        TypeError: a ref of another shape (before any call).
+        ValueError: ``len(buffers) != len(refs)`` (before any call), or a block longer or shorter
+            than its buffer.
+        KVServiceError: as :func:`iter_read_blocks`'s; DATA_LOSS for a checksum that does not match
+            or chunks out of order.
+    """
+    if len(buffers) != len(refs):
+        raise ValueError(f"buffers: {len(buffers)} for {len(refs)} refs")
+    arrived = [False] * len(refs)
+    hasher = xxhash.xxh3_64()
+    index, offset, target = -1, 0, memoryview(b"")
+    with closing(_iterate_stream(_read_blocks_call(client, refs, missing_ok, timeout, metadata))) as chunks:
+        for chunk in chunks:
+            if chunk.block_index != index:
+                index, offset = chunk.block_index, 0
+                hasher.reset()
+                target = memoryview(buffers[index]).cast("B")
+            if chunk.evicted or chunk.missing:
+                continue
+            end = offset + len(chunk.data)
+            if chunk.offset_bytes != offset or end > len(target):
+                raise (
+                    KVServiceError(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"block {index}: chunk at offset {chunk.offset_bytes}, expected {offset}",
+                    )
+                    if chunk.offset_bytes != offset
+                    else ValueError(f"block {index}: more than its buffer's {len(target)} bytes")
+                )
+            target[offset:end] = chunk.data  # the one copy
+            hasher.update(chunk.data)
+            offset = end
+            if chunk.checksum is not None:
+                if offset != len(target):
+                    raise ValueError(f"block {index}: {offset} bytes, its buffer {len(target)}")
+                if hasher.intdigest() != chunk.checksum:
+                    raise KVServiceError(grpc.StatusCode.DATA_LOSS, f"block {index}: checksum mismatch")
+                arrived[index] = True
+    return arrived
 
 
 def read_blocks(

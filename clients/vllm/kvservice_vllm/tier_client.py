@@ -59,6 +59,7 @@ import torch
 
 from kvservice_client import KVCacheClient, KVServiceError, StatusCode
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
+from kvservice_client.data import read_blocks_into
 from kvservice_client.tls import TLSConfig
 from kvservice_client.torch_view import KVCacheView, KVCacheViewClosedError, attach
 
@@ -562,23 +563,21 @@ class TierClient:
     def _load_grpc(
         self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
     ) -> list[bool]:
-        loaded = [False] * len(chunk_ids)
+        target = rows.numpy()
         try:
-            # missing_ok: a key evicted since its lookup is one missing block, the others still load.
-            refs = [(group_idx, h) for h in block_hashes]
-            for block in self.client.iter_read_blocks(refs, missing_ok=True):
-                data = block.data
-                if block.evicted or block.missing or data is None:
-                    continue
-                if len(data) != self.chunk_bytes:
-                    raise ValueError(f"block {block.block_id}: {len(data)} bytes, not {self.chunk_bytes}")
-                rows[chunk_ids[block.block_index]].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-                loaded[block.block_index] = True
+            # Straight into the rows (one copy each, checksummed); missing_ok: a key evicted since
+            # its lookup is one missing block, the others still load.
+            return read_blocks_into(
+                self.client,
+                [(group_idx, h) for h in block_hashes],
+                [target[c] for c in chunk_ids],
+                missing_ok=True,
+            )
         except KVServiceError as exc:
             # A server from before missing_ok fails the whole call on a key it does not hold.
             if exc.code not in (StatusCode.NOT_FOUND, StatusCode.FAILED_PRECONDITION):
                 raise
-        return loaded
+        return [False] * len(chunk_ids)
 
     def _in_background(self, call: Callable[[int], object], lease_id: int) -> None:
         """``call(lease_id)`` on the background thread, in submission order (its answer is not

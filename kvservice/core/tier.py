@@ -206,6 +206,9 @@ class TierStore:
         """Called with the block ids a put reservation took (their bytes not written yet)."""
         self.on_blocks_stored: Callable[[list[int]], None] | None = None
         """Called with the block ids a commit cached (their bytes complete: the putter wrote them)."""
+        self.on_deadline: Callable[[], None] | None = None
+        """Called when a lease or a lapsed hold with a deadline is added (the server's reaper wakes
+        to sleep until the earliest one: :meth:`next_deadline`)."""
         self.lease_board: LeaseBoard | None = None
         """Where leases are published (None: nowhere; leases then have no slot)."""
         # Board slots: those freed (the last freed is taken first), then 1 + the highest ever taken
@@ -257,7 +260,9 @@ class TierStore:
     def _new_lease_id(self) -> int:
         while True:
             lease_id = secrets.randbits(63) or 1
-            if lease_id not in self._leases:
+            if (
+                lease_id not in self._leases and lease_id not in self._lapsed
+            ):  # a lapsed lease's late commit must not end it
                 return lease_id
 
     # -- calls --------------------------------------------------------------------------------
@@ -572,6 +577,8 @@ class TierStore:
                 free_at = deadline + lease.ttl
                 self._lapsed[lease_id] = (free_at, lease.blocks)
                 heapq.heappush(self._lapsed_heap, (free_at, lease_id))
+                if self.on_deadline is not None:
+                    self.on_deadline()
             else:
                 self.pool.free_blocks(lease.blocks)
             ended += 1
@@ -633,6 +640,8 @@ class TierStore:
         """Make a lease live (and publish it on the board, when there is one)."""
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+        if self.on_deadline is not None:
+            self.on_deadline()
         if self.lease_board is not None:
             if self._freed_slots:
                 lease.slot = self._freed_slots.pop()

@@ -12,7 +12,8 @@ owner's last ManagerStep): its requests and the blocks it popped are freed, as `
 
 The reaper sleeps until the least recently called request's deadline or the claim's, whichever is
 first (nothing can become idle sooner: a call only moves its time later), so it wakes only when
-there may be work.
+there may be work; a tier lease (or a lapsed put lease's hold) added meanwhile wakes it to sleep
+until that one's deadline instead, if it comes first (``TierStore.on_deadline``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class RequestReaper:
         self.num_reaped_requests = 0
         self.reaped_request_ids: deque[str] = deque(maxlen=1024)
         self._reaped = asyncio.Event()
+        self._wake = asyncio.Event()  # a tier deadline was added: sleep again until the earliest
+        if engine.tier is not None:
+            engine.tier.on_deadline = self._wake.set
         self._task: asyncio.Task | None = None
 
     def reap(self) -> list[str]:
@@ -107,7 +111,12 @@ class RequestReaper:
             if lease_deadline is not None and (deadline is None or lease_deadline < deadline):
                 deadline = lease_deadline  # a tier lease lapses first: end it then
             delay = self.idle_timeout_s if deadline is None else deadline - engine.clock()
-            await asyncio.sleep(max(delay, 0.0))  # sleep(0) still yields to the calls
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(delay, 0.0))  # 0 still yields to the calls
+                continue  # a tier deadline added meanwhile: maybe an earlier one
+            except asyncio.TimeoutError:
+                pass
             try:
                 self.reap()
             except Exception:  # a bug here must not stop reaping; it is logged

@@ -37,6 +37,7 @@ Units: token counts in tokens, block ids as pool indices, timeouts in seconds.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import (
     AsyncGenerator,
     Callable,
@@ -209,9 +210,10 @@ def _open_channel(
         ValueError: a target that is a bare path (a Unix socket is ``unix:PATH``); and as
             :func:`~kvservice_client.tls.resolve_channel_security`.
     """
-    if isinstance(target, str) and target.startswith("/"):
+    if isinstance(target, str) and target.startswith(("/", "./", "../", "~")):
         # gRPC would look it up as a host name ("Domain name not found"), never as a socket.
-        raise ValueError(f"target {target!r} is a path: a Unix socket's target is 'unix:{target}'")
+        path = os.path.expanduser(target)  # gRPC expands no "~"
+        raise ValueError(f"target {target!r} is a path: a Unix socket's target is 'unix:{path}'")
     creds, tls_options = resolve_channel_security(tls, root_certificates, private_key, certificate_chain, credentials)
     if not isinstance(target, str):
         if options is not None:

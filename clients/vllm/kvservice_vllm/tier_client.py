@@ -215,6 +215,7 @@ class TierClient:
         self._releases = threading.Condition()
         self._releaser: threading.Thread | None = None
         self._sending_releases = threading.Lock()  # held while the releaser sends: flush() waits for it
+        self._num_carrying = 0  # LeaseBlocks calls in flight carrying releases: close() waits for them
         self._blocks_of: dict[tuple[int, int], _GroupBlocks] = {}  # (id(view), group_idx) -> its blocks
         self.num_commits_lost = 0
         """Commits sent in the background that did not commit (their keys were reported stored)."""
@@ -507,7 +508,7 @@ class TierClient:
         self, group_idx: int, block_hashes: Sequence[bytes], rows: torch.Tensor, chunk_ids: Sequence[int]
     ) -> list[bool]:
         view = self._current_view()  # taken before the lease, and only it copied from (as a store's)
-        releases = self._take_pending_releases(self.max_leases)  # this client's leases done with: ended first
+        releases = self._take_pending_releases(self.max_leases, carry=True)  # done with: ended first
         try:
             answer = self._with_room(
                 self.client.lease_blocks,
@@ -521,6 +522,8 @@ class TierClient:
         except BaseException:
             self._requeue_releases(releases)  # maybe not ended: the releaser sends them (again)
             raise
+        finally:
+            self._carried(releases)
         block_ids = list(answer.block_ids)
         if not answer.lease_id:
             return [False] * len(chunk_ids)
@@ -555,7 +558,8 @@ class TierClient:
         try:
             return call(request)
         except KVServiceError as exc:
-            if exc.code != StatusCode.RESOURCE_EXHAUSTED or self._background is None:
+            # Anything of this client's still queued or being sent (a commit, a load's release)?
+            if exc.code != StatusCode.RESOURCE_EXHAUSTED or (self._background is None and self._releaser is None):
                 raise
         self.flush()
         return call(request)
@@ -607,12 +611,22 @@ class TierClient:
                 return
         self._release_many([lease_id])
 
-    def _take_pending_releases(self, limit: int | None = None) -> list[int]:
-        """The pending releases (at most ``limit``, the oldest), no longer pending."""
+    def _take_pending_releases(self, limit: int | None = None, *, carry: bool = False) -> list[int]:
+        """The pending releases (at most ``limit``, the oldest), no longer pending; ``carry``: a
+        LeaseBlocks carries them (:meth:`close` waits for it: :meth:`_carried`)."""
         with self._releases:
             taken = self._pending_releases[:limit]
             del self._pending_releases[: len(taken)]
+            if carry and taken:
+                self._num_carrying += 1
             return taken
+
+    def _carried(self, lease_ids: list[int]) -> None:
+        """A LeaseBlocks that carried ``lease_ids`` (taken with ``carry``) has answered or failed."""
+        if lease_ids:
+            with self._releases:
+                self._num_carrying -= 1
+                self._releases.notify_all()
 
     def _requeue_releases(self, lease_ids: list[int]) -> None:
         if lease_ids:
@@ -696,6 +710,9 @@ class TierClient:
             self._releases.notify_all()
         if releaser is not None:
             releaser.join()  # it sends what is pending, then ends
+        with self._releases:  # loads whose LeaseBlocks carry releases: answered, or failed and requeued
+            while self._num_carrying:
+                self._releases.wait()
         self._release_many(self._take_pending_releases())
         if background is not None:
             background.shutdown(wait=True)  # flush() meanwhile waits for it too

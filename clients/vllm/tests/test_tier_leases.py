@@ -16,7 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tier_helpers import CHUNK_BYTES, Instance, chunk_bytes_of, chunk_key, tier_server
+from tier_helpers import (
+    CHUNK_BYTES,
+    WAIT_S,
+    Instance,
+    chunk_bytes_of,
+    data_of,
+    hash_of,
+    key_of,
+    named_rows,
+    row_bytes,
+    tier_server,
+)
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
@@ -28,35 +39,6 @@ from kvservice_vllm.tier_client import TierClient
 
 pytestmark = pytest.mark.timeout(120)
 
-WAIT_S = 30  # a bound on every wait on an event or a thread (never reached when things work)
-
-
-def key_of(name: str) -> bytes:
-    """The offload key ``name`` (group 0) names."""
-    return chunk_key(name)
-
-
-def hash_of(name: str) -> bytes:
-    """The 32-byte block hash of key ``name`` (the key without its 4-byte group index)."""
-    return key_of(name)[:-4]
-
-
-def data_of(name: str) -> bytes:
-    """The bytes of key ``name``'s chunk (a function of the key)."""
-    return chunk_bytes_of(key_of(name))
-
-
-def rows_of(*names: str) -> torch.Tensor:
-    """Rows holding the chunks of ``names``, in order."""
-    rows = torch.zeros((max(1, len(names)), CHUNK_BYTES), dtype=torch.uint8)
-    for i, name in enumerate(names):
-        rows[i].copy_(torch.frombuffer(bytearray(data_of(name)), dtype=torch.uint8))
-    return rows
-
-
-def row_bytes(rows: torch.Tensor, i: int) -> bytes:
-    return bytes(rows[i].numpy())
-
 
 @pytest.fixture
 def server() -> Iterator[EmbeddedTierServer]:
@@ -65,22 +47,6 @@ def server() -> Iterator[EmbeddedTierServer]:
         yield running
     finally:
         running.close()
-
-
-@pytest.fixture
-def connect_client() -> Iterator[Callable[..., TierClient]]:
-    """Factory of connected shared-memory TierClients, each closed at the end."""
-    clients: list[TierClient] = []
-
-    def make(target: str, **options: Any) -> TierClient:
-        client = TierClient(target, chunk_bytes=CHUNK_BYTES, transport="shm", **options)
-        client.connect()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.close()
 
 
 def gate_calls(monkeypatch: pytest.MonkeyPatch, name: str, gate: threading.Event) -> list[str]:
@@ -136,13 +102,13 @@ def test_a_store_whose_server_restarts_after_its_reservation_never_writes_the_ne
         if who == "a":
             # The server restarts under A's call, and B stores its key on the new server.
             server.restart()
-            assert b.store(0, [hash_of("b")], [], rows_of("b"), [0]).written == [True]
+            assert b.store(0, [hash_of("b")], [], named_rows("b"), [0]).written == [True]
             b.flush()
             assert b.num_commits_lost == 0
         return answer
 
     monkeypatch.setattr(KVCacheClient, "reserve_blocks", reserve_then_restart)
-    result = a.store(0, [hash_of("a")], [], rows_of("a"), [0])
+    result = a.store(0, [hash_of("a")], [], named_rows("a"), [0])
     assert result.stored == [False]  # A's reservation died with the old server
     assert block_ids == {"a": [1], "b": [1]}  # the same block id in both servers
     rows = torch.zeros((1, CHUNK_BYTES), dtype=torch.uint8)
@@ -157,7 +123,7 @@ def test_a_load_whose_server_restarts_after_its_lease_never_reports_the_new_serv
     # there finds another lease in its slot: loaded False, never the wrong bytes.
     a = connect_client(server.target)
     b = connect_client(server.target)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
     a.flush()
     real_lease = KVCacheClient.lease_blocks
     gate = threading.Event()
@@ -170,7 +136,7 @@ def test_a_load_whose_server_restarts_after_its_lease_never_reports_the_new_serv
         server.restart()
         # On the new server A reserves the same block id for another key under a put lease in the
         # same slot (its commit held back): the block holds other bytes, the slot another id.
-        assert a.store(0, [hash_of("other")], [], rows_of("other"), [0]).written == [True]
+        assert a.store(0, [hash_of("other")], [], named_rows("other"), [0]).written == [True]
         return answer
 
     monkeypatch.setattr(KVCacheClient, "lease_blocks", lease_then_restart)
@@ -193,7 +159,7 @@ def test_a_load_whose_view_another_thread_closed_fails_its_keys(
     # A view another thread closed (re-attaching after a restart) is closed for every user of it:
     # the load fails its keys (KVCacheViewClosedError), it does not raise.
     a = connect_client(server.target)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
     a.flush()
     in_check = threading.Event()
     go = threading.Event()
@@ -219,7 +185,7 @@ def test_a_load_whose_view_another_thread_closed_fails_its_keys(
     loader.start()
     assert in_check.wait(WAIT_S)  # the load has its lease and its view, before its copy
     server.restart()
-    assert a.store(0, [hash_of("n")], [], rows_of("n"), [0]).written == [True]  # re-attaches
+    assert a.store(0, [hash_of("n")], [], named_rows("n"), [0]).written == [True]  # re-attaches
     go.set()
     loader.join(WAIT_S)
     assert not loader.is_alive()
@@ -235,14 +201,14 @@ def test_background_commits_and_releases_queued_across_a_restart_or_stop_are_cou
 ) -> None:
     a = connect_client(server.target)
     b = connect_client(server.target)
-    assert a.store(0, [hash_of("k0")], [], rows_of("k0"), [0]).written == [True]
+    assert a.store(0, [hash_of("k0")], [], named_rows("k0"), [0]).written == [True]
     a.flush()
     gate = threading.Event()
     commits = gate_calls(monkeypatch, "commit_blocks", gate)
     releases = gate_releases(monkeypatch, gate)
     # Two commits and a release queued behind the gate, all reported done.
-    assert a.store(0, [hash_of("k1")], [], rows_of("k1"), [0]).stored == [True]
-    assert a.store(0, [hash_of("k2")], [], rows_of("k2"), [0]).stored == [True]
+    assert a.store(0, [hash_of("k1")], [], named_rows("k1"), [0]).stored == [True]
+    assert a.store(0, [hash_of("k2")], [], named_rows("k2"), [0]).stored == [True]
     rows = torch.zeros((1, CHUNK_BYTES), dtype=torch.uint8)
     assert b.load(0, [hash_of("k0")], rows, [0]).loaded == [True]
     assert row_bytes(rows, 0) == data_of("k0")
@@ -260,7 +226,7 @@ def test_background_commits_and_releases_queued_across_a_restart_or_stop_are_cou
         return  # (a stopped server's channels back off before reconnecting: nothing more to ask)
     # The keys reported stored are misses on the new server; the next calls re-attach and work.
     assert b.lookup([(0, hash_of(n)) for n in ("k0", "k1", "k2")]) == [False, False, False]
-    assert a.store(0, [hash_of("k3")], [], rows_of("k3"), [0]).written == [True]
+    assert a.store(0, [hash_of("k3")], [], named_rows("k3"), [0]).written == [True]
     a.flush()
     assert b.load(0, [hash_of("k3")], rows, [0]).loaded == [True]
     assert row_bytes(rows, 0) == data_of("k3")
@@ -296,13 +262,13 @@ def test_a_store_copy_outliving_its_put_lease_never_lands_in_another_putter_s_bl
         if who == "a":
             # A's copy is slow: its lease's 2 s pass; B reserves (ending A's lease), copies, commits.
             now[0] += 2.0
-            assert b.store(0, [hash_of("b")], [], rows_of("b"), [0]).written == [True]
+            assert b.store(0, [hash_of("b")], [], named_rows("b"), [0]).written == [True]
             b.flush()
             assert b.num_commits_lost == 0
         return answer
 
     monkeypatch.setattr(KVCacheClient, "reserve_blocks", reserve_then_expire)
-    assert a.store(0, [hash_of("a")], [], rows_of("a"), [0]).stored == [False]
+    assert a.store(0, [hash_of("a")], [], named_rows("a"), [0]).stored == [False]
     assert block_ids["a"] == [1]  # (today B gets the same block: freed to the head of the free queue)
     assert server.running.engine.tier.num_expired == 1
     rows = torch.zeros((1, CHUNK_BYTES), dtype=torch.uint8)
@@ -316,7 +282,7 @@ def test_a_load_whose_read_lease_expires_and_whose_blocks_are_reused_under_the_c
     now = fake_clock(server)
     a = connect_client(server.target)
     b = connect_client(server.target, lease_ttl_s=2.0)
-    assert a.store(0, [hash_of("k0"), hash_of("k1")], [], rows_of("k0", "k1"), [0, 1]).written == [True, True]
+    assert a.store(0, [hash_of("k0"), hash_of("k1")], [], named_rows("k0", "k1"), [0, 1]).written == [True, True]
     a.flush()
     real_copy = tier_client._copy_from_block
     fillers = [f"filler/{i}" for i in range(16)]
@@ -326,7 +292,7 @@ def test_a_load_whose_read_lease_expires_and_whose_blocks_are_reused_under_the_c
         if not raced:
             # B's lease expires under its copy; A's 16 puts then reuse every block of the pool.
             now[0] += 2.0
-            result = a.store(0, [hash_of(n) for n in fillers], [], rows_of(*fillers), list(range(16)))
+            result = a.store(0, [hash_of(n) for n in fillers], [], named_rows(*fillers), list(range(16)))
             raced.append(sum(result.written))
             a.flush()
         real_copy(*args)
@@ -351,7 +317,7 @@ def test_a_lease_past_its_deadline_not_yet_ended_still_vouches_for_its_copy(
     now = fake_clock(server)
     a = connect_client(server.target)
     b = connect_client(server.target, lease_ttl_s=2.0)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
     a.flush()
     real_copy = tier_client._copy_from_block
 
@@ -380,7 +346,7 @@ def test_a_client_s_own_queued_release_at_tier_max_leases_is_flushed_and_its_nex
     try:
         a = connect_client(running.target)
         b = connect_client(running.target)
-        assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+        assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
         a.flush()
         # B's background thread is behind: its ReleaseLease waits until B flushes (what a fix may
         # do) or B's next lease has been refused (then too late for the bug's load).
@@ -421,7 +387,7 @@ def test_slots_run_out_at_tier_max_leases_then_are_reused_and_each_lease_checks_
     try:
         a = connect_client(running.target)
         b = connect_client(running.target)
-        assert a.store(0, [hash_of("x"), hash_of("y")], [], rows_of("x", "y"), [0, 1]).written == [True, True]
+        assert a.store(0, [hash_of("x"), hash_of("y")], [], named_rows("x", "y"), [0, 1]).written == [True, True]
         a.flush()
         held: list[int] = []
         monkeypatch.setattr(b, "_release_soon", held.append)  # B's releases held back (B's own list)
@@ -477,7 +443,7 @@ def test_a_lease_slot_outside_the_table_is_never_trusted_and_the_lease_still_end
     commits = gate_calls(monkeypatch, "commit_blocks", threading.Event())  # none may go to the background
     # The store's slot does not vouch for its reservation: nothing committed (not stored), the
     # reservation released.
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).stored == [False]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).stored == [False]
     a.flush()
     assert commits == [] and a.lookup([(0, hash_of("k"))]) == [False]
     assert server.running.engine.tier.num_leases == 0
@@ -485,7 +451,7 @@ def test_a_lease_slot_outside_the_table_is_never_trusted_and_the_lease_still_end
     # key is stored over gRPC: a PutBlocks's answer carries no slot.)
     b = TierClient(server.target, chunk_bytes=CHUNK_BYTES, transport="grpc")
     b.connect()
-    assert b.store(0, [hash_of("k")], [], rows_of("k"), [0]).stored == [True]
+    assert b.store(0, [hash_of("k")], [], named_rows("k"), [0]).stored == [True]
     b.close()
     rows = torch.zeros((1, CHUNK_BYTES), dtype=torch.uint8)
     assert a.load(0, [hash_of("k")], rows, [0]).loaded == [False]
@@ -501,13 +467,13 @@ def test_close_sends_the_commits_and_releases_still_queued(
 ) -> None:
     a = TierClient(server.target, chunk_bytes=CHUNK_BYTES, transport="shm")
     a.connect()
-    assert a.store(0, [hash_of("k0")], [], rows_of("k0"), [0]).written == [True]
+    assert a.store(0, [hash_of("k0")], [], named_rows("k0"), [0]).written == [True]
     a.flush()
     gate = threading.Event()
     commits = gate_calls(monkeypatch, "commit_blocks", gate)
     releases = gate_releases(monkeypatch, gate)
     names = [f"k{i}" for i in range(1, 4)]
-    assert a.store(0, [hash_of(n) for n in names], [], rows_of(*names), [0, 1, 2]).stored == [True] * 3
+    assert a.store(0, [hash_of(n) for n in names], [], named_rows(*names), [0, 1, 2]).stored == [True] * 3
     rows = torch.zeros((1, CHUNK_BYTES), dtype=torch.uint8)
     assert a.load(0, [hash_of("k0")], rows, [0]).loaded == [True]
     assert row_bytes(rows, 0) == data_of("k0")
@@ -542,7 +508,7 @@ def test_a_store_racing_close_has_its_commit_sent_or_counted_lost(
 
     monkeypatch.setattr(KVCacheView, "lease_live", live_then_wait_for_close)
     results: list[Any] = []
-    storer = threading.Thread(target=lambda: results.append(a.store(0, [hash_of("k")], [], rows_of("k"), [0])))
+    storer = threading.Thread(target=lambda: results.append(a.store(0, [hash_of("k")], [], named_rows("k"), [0])))
     storer.start()
     assert checked.wait(WAIT_S)
     a.close()
@@ -580,7 +546,7 @@ def test_flush_during_close_waits_for_the_queued_commits(
         return answer
 
     monkeypatch.setattr(KVCacheClient, "commit_blocks", commit_once_flush_is_called)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).stored == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).stored == [True]
     background = a._background
     assert background is not None
     closing = threading.Event()

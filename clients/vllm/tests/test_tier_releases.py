@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_tier_leases import data_of, hash_of, row_bytes, rows_of
-from tier_helpers import CHUNK_BYTES, tier_server
+from tier_helpers import CHUNK_BYTES, WAIT_S, data_of, hash_of, named_rows, row_bytes, tier_server
 
 import kvservice_vllm.tier_client as tier_client
 from kvservice_client import KVCacheClient
@@ -22,24 +21,6 @@ from kvservice_vllm.embedded import EmbeddedTierServer
 from kvservice_vllm.tier_client import TierClient
 
 pytestmark = pytest.mark.timeout(120)
-
-WAIT_S = 30  # a bound on every wait on an event or a thread (never reached when things work)
-
-
-@pytest.fixture
-def connect_client() -> Iterator[Callable[..., TierClient]]:
-    """Factory of connected shared-memory TierClients, each closed at the end."""
-    clients: list[TierClient] = []
-
-    def make(target: str, **options: Any) -> TierClient:
-        client = TierClient(target, chunk_bytes=CHUNK_BYTES, transport="shm", **options)
-        client.connect()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.close()
 
 
 @pytest.fixture
@@ -65,13 +46,13 @@ def test_a_store_after_a_load_at_tier_max_leases_flushes_the_load_s_pending_rele
     hold_releases(monkeypatch)
     a = connect_client(one_lease_server.target)
     b = connect_client(one_lease_server.target)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
     a.flush()
     rows = torch.zeros((1, CHUNK_BYTES), dtype=torch.uint8)
     assert b.load(0, [hash_of("k")], rows, [0]).loaded == [True]
     assert row_bytes(rows, 0) == data_of("k")
     assert (len(b._pending_releases), b._background) == (1, None)
-    result = b.store(0, [hash_of("x")], [], rows_of("x"), [0])
+    result = b.store(0, [hash_of("x")], [], named_rows("x"), [0])
     b.flush()
     assert result.written == [True], "B's store was refused for a lease room its own finished load held"
 
@@ -83,7 +64,7 @@ def test_a_load_racing_the_releaser_s_send_at_tier_max_leases_waits_for_it_and_g
     # waits for that send (flush) and asks once more.
     a = connect_client(one_lease_server.target)
     b = connect_client(one_lease_server.target)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
     a.flush()
     sending = threading.Event()
     go = threading.Event()
@@ -121,8 +102,8 @@ def test_a_release_carried_by_a_load_racing_close_is_sent_before_the_channel_clo
     hold_releases(monkeypatch)
     a = connect_client(one_lease_server.target)
     b = connect_client(one_lease_server.target)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
-    a.store(0, [hash_of("j")], [], rows_of("j"), [0])
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
+    a.store(0, [hash_of("j")], [], named_rows("j"), [0])
     a.flush()
     rows = torch.zeros((2, CHUNK_BYTES), dtype=torch.uint8)
     assert b.load(0, [hash_of("k")], rows, [0]).loaded == [True]
@@ -161,7 +142,7 @@ def test_releases_of_loads_on_several_threads_each_go_exactly_once(
     try:
         a = connect_client(running.target)
         names = [f"k{i}" for i in range(4)]
-        assert a.store(0, [hash_of(n) for n in names], [], rows_of(*names), [0, 1, 2, 3]).written == [True] * 4
+        assert a.store(0, [hash_of(n) for n in names], [], named_rows(*names), [0, 1, 2, 3]).written == [True] * 4
         a.flush()
         b = connect_client(running.target)
         leased: list[int] = []
@@ -216,7 +197,7 @@ def test_a_lease_blocks_carrying_releases_that_fails_unavailable_leaves_them_que
     # the server is back (a new one: those leases unknown there, skipped) loads go through.
     hold_releases(monkeypatch)
     a = connect_client(one_lease_server.target)
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
     a.flush()
     rows = torch.zeros((2, CHUNK_BYTES), dtype=torch.uint8)
     assert a.load(0, [hash_of("k")], rows, [0]).loaded == [True]
@@ -225,7 +206,7 @@ def test_a_lease_blocks_carrying_releases_that_fails_unavailable_leaves_them_que
     assert a.load(0, [hash_of("k")], rows, [1]).loaded == [False]
     assert a._pending_releases == [first]
     one_lease_server.start()
-    assert a.store(0, [hash_of("k")], [], rows_of("k"), [0]).written == [True]
+    assert a.store(0, [hash_of("k")], [], named_rows("k"), [0]).written == [True]
     a.flush()
     assert a._pending_releases == []
     assert a.load(0, [hash_of("k")], rows, [1]).loaded == [True]

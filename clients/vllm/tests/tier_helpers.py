@@ -176,3 +176,34 @@ def offloading_config(
             is_parallelism_agnostic=False,
         ),
     )
+
+
+WAIT_S = 30
+"""A bound on every wait of a test on an event or a thread, seconds (never reached when things work)."""
+
+
+def key_of(name: str) -> bytes:
+    """The offload key ``name`` (group 0) names."""
+    return chunk_key(name)
+
+
+def hash_of(name: str) -> bytes:
+    """The 32-byte block hash of key ``name`` (the key without its 4-byte group index)."""
+    return key_of(name)[:-4]
+
+
+def data_of(name: str) -> bytes:
+    """The bytes of key ``name``'s chunk (a function of the key)."""
+    return chunk_bytes_of(key_of(name))
+
+
+def named_rows(*names: str) -> torch.Tensor:
+    """Rows holding the chunks of ``names``, in order."""
+    rows = torch.zeros((max(1, len(names)), CHUNK_BYTES), dtype=torch.uint8)
+    for i, name in enumerate(names):
+        rows[i].copy_(torch.frombuffer(bytearray(data_of(name)), dtype=torch.uint8))
+    return rows
+
+
+def row_bytes(rows: torch.Tensor, i: int) -> bytes:
+    return bytes(rows[i].numpy())

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["RequestReaper"]
 
 
+class _Woken(Exception):
+    """The reaper's sleep ended early: a tier deadline was added."""
+
+
 class RequestReaper:
     """Frees requests idle for ``idle_timeout_s`` seconds, on the server's event loop.
 
@@ -57,9 +61,10 @@ class RequestReaper:
         self.num_reaped_requests = 0
         self.reaped_request_ids: deque[str] = deque(maxlen=1024)
         self._reaped = asyncio.Event()
-        self._wake = asyncio.Event()  # a tier deadline was added: sleep again until the earliest
+        # The sleep in progress (a future the timer or a new tier deadline completes; no task).
+        self._sleep: asyncio.Future[None] | None = None
         if engine.tier is not None:
-            engine.tier.on_deadline = self._wake.set
+            engine.tier.on_deadline = self._wake
         self._task: asyncio.Task | None = None
 
     def reap(self) -> list[str]:
@@ -111,17 +116,36 @@ class RequestReaper:
             if lease_deadline is not None and (deadline is None or lease_deadline < deadline):
                 deadline = lease_deadline  # a tier lease lapses first: end it then
             delay = self.idle_timeout_s if deadline is None else deadline - engine.clock()
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), max(delay, 0.0))  # 0 still yields to the calls
+            if await self._sleep_for(max(delay, 0.0)):  # 0 still yields to the calls
                 continue  # a tier deadline added meanwhile: maybe an earlier one
-            except asyncio.TimeoutError:
-                pass
             try:
                 self.reap()
             except Exception:  # a bug here must not stop reaping; it is logged
                 logger.exception("request reaper pass failed")
                 await asyncio.sleep(self.idle_timeout_s)
+
+    async def _sleep_for(self, delay: float) -> bool:
+        """Sleep ``delay`` seconds, or less when :meth:`_wake` is called meanwhile: whether it was."""
+        loop = asyncio.get_running_loop()
+        sleep: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(delay, lambda: sleep.done() or sleep.set_result(None))
+        self._sleep = sleep
+        woken = False
+        try:
+            await sleep
+        except _Woken:
+            woken = True
+        finally:
+            timer.cancel()
+            self._sleep = None
+        return woken
+
+    def _wake(self) -> None:
+        """A tier lease or lapsed hold was added (``TierStore.on_deadline``): end the sleep in
+        progress, so the next one is until the earliest deadline."""
+        sleep = self._sleep
+        if sleep is not None and not sleep.done():
+            sleep.set_exception(_Woken())
 
     def start(self) -> asyncio.Task:
         """Start :meth:`run` as a task on the running loop."""

@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import types
 from typing import Any
 
 import grpc
 import pytest
 
-import kvservice.server.reaper as reaper_module
 from kvservice.core.block_pool import BlockPool
 from kvservice.core.tier import TierStore
 from kvservice.server.reaper import RequestReaper
@@ -248,19 +246,15 @@ async def test_a_lease_taken_while_the_reaper_sleeps_wakes_it_to_sleep_until_its
     await running.reaper.stop()
     waits: list[float] = []
     waited = [asyncio.Event(), asyncio.Event()]
-    real_wait_for = asyncio.wait_for
+    real_sleep_for = RequestReaper._sleep_for
 
-    async def wait_for(awaitable: Any, timeout: float) -> Any:
-        waits.append(timeout)
+    async def sleep_for(self: RequestReaper, delay: float) -> bool:
+        waits.append(delay)
         if len(waits) <= len(waited):
             waited[len(waits) - 1].set()
-        return await real_wait_for(awaitable, timeout)
+        return await real_sleep_for(self, delay)
 
-    class AsyncioWithRecordedWaits(types.SimpleNamespace):
-        def __getattr__(self, name: str) -> Any:
-            return getattr(asyncio, name)
-
-    monkeypatch.setattr(reaper_module, "asyncio", AsyncioWithRecordedWaits(wait_for=wait_for))
+    monkeypatch.setattr(RequestReaper, "_sleep_for", sleep_for)
     reaper = RequestReaper(running.engine, running.servicer.publish, 600.0)
     running.reaper = reaper
     try:

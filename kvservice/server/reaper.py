@@ -128,7 +128,12 @@ class RequestReaper:
         """Sleep ``delay`` seconds, or less when :meth:`_wake` is called meanwhile: whether it was."""
         loop = asyncio.get_running_loop()
         sleep: asyncio.Future[None] = loop.create_future()
-        timer = loop.call_later(delay, lambda: sleep.done() or sleep.set_result(None))
+
+        def wake_up() -> None:
+            if not sleep.done():
+                sleep.set_result(None)
+
+        timer = loop.call_later(delay, wake_up)
         self._sleep = sleep
         woken = False
         try:

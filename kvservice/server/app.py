@@ -529,6 +529,31 @@ def _start_metrics(
         core.notes.append(f"metrics on non-loopback {settings.host}: plain HTTP, no auth (usage and counters only)")
 
 
+def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments under ``config``: message bounds, HTTP/2 keepalive, and
+    a fixed receive window per stream (``limits.stream_window_bytes``; BDP probing off)."""
+    max_message_bytes = config.limits.max_message_bytes
+    keepalive = config.bind
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        # HTTP/2 keepalive: find connections that died without a word, accept clients' pings.
+        ("grpc.keepalive_time_ms", int(keepalive.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive.keepalive_timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(keepalive.keepalive_timeout_s * 1000)),  # what grpcio 1.85 applies
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive.keepalive_min_client_interval_s * 1000)),
+        # No BDP probing: it grows a stream's receive window to many MiB, so 16 WriteBlocks streams
+        # of 64 MiB left about 400 MiB queued in gRPC (issue 24). Without it the window is fixed at
+        # lookahead_bytes: two data chunks rather than HTTP/2's 64 KiB, so a client sends the next
+        # chunk while the server copies one (at 64 KiB a 1 MiB chunk took 16 window round trips).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", config.limits.window_bytes),
+    ]
+
+
 async def _bind(
     core: _Core,
     interceptors: list[grpc.aio.ServerInterceptor],
@@ -543,24 +568,7 @@ async def _bind(
     Raises:
         RuntimeError: the address cannot be bound (what started before is closed first).
     """
-    max_message_bytes = core.config.limits.max_message_bytes
-    keepalive = core.config.bind
-    options = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-        # HTTP/2 keepalive: find connections that died without a word, accept clients' pings.
-        ("grpc.keepalive_time_ms", int(keepalive.keepalive_time_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(keepalive.keepalive_timeout_s * 1000)),
-        ("grpc.http2.ping_timeout_ms", int(keepalive.keepalive_timeout_s * 1000)),  # what grpcio 1.85 applies
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive.keepalive_min_client_interval_s * 1000)),
-        # No BDP probing: it grows a stream's receive window to many MiB, so 16 WriteBlocks streams
-        # of 64 MiB left about 400 MiB queued in gRPC (and WriteBlocks ran slower); without it a
-        # stream's window stays at HTTP/2's 64 KiB beside the message being received (issue 24).
-        ("grpc.http2.bdp_probe", 0),
-    ]
+    options = grpc_server_options(core.config)
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((core.servicer.generic_handler(),))
     health = health_aio.HealthServicer()

@@ -422,7 +422,17 @@ class LimitsSettings(_Section):
             RESOURCE_EXHAUSTED naming max_data_streams. Each holds at most about two chunks (a read:
             one being copied, one being written; a write: one block being assembled and one chunk)
             in server memory, so the data plane holds at most about ``2 * max_data_streams *
-            chunk_bytes`` (128 MiB at the defaults) beyond gRPC's per-stream 64 KiB windows.
+            chunk_bytes`` (128 MiB at the defaults) beyond what gRPC queues in each stream's
+            receive window (``stream_window_bytes``).
+        stream_window_bytes: HTTP/2 receive window of each stream the server reads (a
+            WriteBlocks or PutBlocks client stream): bytes a client may send ahead of what the
+            server has taken (gRPC's ``grpc.http2.lookahead_bytes``; BDP probing, which would grow
+            it to many MiB, is off). None: two data chunks (:attr:`window_bytes`; 2 MiB at the
+            defaults), so a client sends the next chunk while the server copies one; HTTP/2's
+            own 64 KiB made a 1 MiB chunk 16 window round trips (BENCHMARKS.md, "The stream
+            window"). gRPC queues at most this much per stream, whatever the client sends (the
+            issue-24 load of 16 + 16 streams of 64 MiB: +74-79 MiB of server memory at 2 MiB,
+            +28-29 MiB at 64 KiB).
         data_worker_priority: CPU priority of the data plane's copy threads (checksums, copies,
             serialization): ``idle`` (Linux ``SCHED_IDLE``: they run on CPU time no other thread
             wants, so a scheduler's calls beside heavy data traffic wait least; the streams get
@@ -465,6 +475,13 @@ class LimitsSettings(_Section):
     max_data_streams: int = setting(
         64, "WriteBlocks and ReadBlocks streams open at once (one more: RESOURCE_EXHAUSTED).", check=at_least(1)
     )
+    stream_window_bytes: int | None = setting(
+        None,
+        "HTTP/2 receive window of each client stream the server reads, e.g. 2MiB (bytes sent ahead of the server).",
+        parse="bytes",
+        check=in_range(65536, (1 << 31) - 1),
+        default_text="two data chunks",
+    )
     data_worker_priority: str = setting(
         "idle",
         "CPU priority of the data plane's copy threads: idle (SCHED_IDLE: scheduler calls first) or nice (+10).",
@@ -478,6 +495,13 @@ class LimitsSettings(_Section):
         if self.data_chunk_bytes is not None:
             return self.data_chunk_bytes
         return min(1 << 20, self.max_message_bytes // 2)
+
+    @property
+    def window_bytes(self) -> int:
+        """The stream receive window in force, bytes: ``stream_window_bytes``, or two data chunks."""
+        if self.stream_window_bytes is not None:
+            return self.stream_window_bytes
+        return min(2 * self.chunk_bytes, (1 << 31) - 1)
 
     def _check(self) -> None:
         if self.data_chunk_bytes is not None and not 4096 <= self.data_chunk_bytes <= self.max_message_bytes - 65536:

@@ -224,3 +224,48 @@ async def test_the_copy_threads_take_the_servers_data_worker_priority(start_kv_s
 def test_data_worker_priority_is_checked():
     with pytest.raises(ValueError, match="data_worker_priority must be one of idle, nice; got 'low'"):
         ServerConfig(data_worker_priority="low")
+
+
+async def initial_window_size(port: int) -> int:
+    """The SETTINGS_INITIAL_WINDOW_SIZE (RFC 9113 6.5.2, id 0x4) a server at ``127.0.0.1:port``
+    announces in its first SETTINGS frame: what a client stream may send ahead of the server."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        # The client preface, then an empty SETTINGS frame (length 0, type 4, flags 0, stream 0).
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        await writer.drain()
+        while True:
+            header = await reader.readexactly(9)
+            length, frame_type, flags = int.from_bytes(header[:3], "big"), header[3], header[4]
+            payload = await reader.readexactly(length)
+            if frame_type == 4 and not flags & 1:  # SETTINGS, not its ACK
+                settings = {
+                    int.from_bytes(payload[i : i + 2], "big"): int.from_bytes(payload[i + 2 : i + 6], "big")
+                    for i in range(0, length, 6)
+                }
+                return settings.get(0x4, 65535)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "window"),
+    [
+        ({}, 2 << 20),  # two data chunks of the default 1 MiB
+        ({"data_chunk_bytes": 65536}, 131072),  # two chunks of the chunk size set
+        ({"stream_window_bytes": 4 << 20}, 4 << 20),  # as set
+    ],
+)
+async def test_the_server_announces_a_stream_window_of_two_chunks_or_the_one_set(start_kv_server, overrides, window):
+    """``stream_window_bytes`` reaches the wire: a WriteBlocks or PutBlocks client sends the next
+    chunk while the server copies one (HTTP/2's own 64 KiB made a 1 MiB chunk 16 round trips), and
+    no more (BDP probing stays off: gRPC's queue is bounded by it)."""
+    running = await start_kv_server(**CPU, **overrides)
+    assert running.config.limits.window_bytes == window
+    assert await initial_window_size(running.port) == window
+
+
+@pytest.mark.parametrize("value", [65535, 1 << 31])
+def test_stream_window_bytes_is_checked(value):
+    with pytest.raises(ValueError, match="stream_window_bytes must be in 65536..2147483647"):
+        ServerConfig(stream_window_bytes=value)

@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         default="tcp",
         help="how the tier reaches the server: its TCP port, or a Unix socket (--uds; same host) [tcp]",
     )
+    parser.add_argument(
+        "--server-flag",
+        action="append",
+        default=[],
+        help="passed to kvservice serve, e.g. --server-flag=--stream-window-bytes=64KiB (repeat)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     n, size = args.num_chunks, args.chunk_bytes
@@ -99,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     flags = ("--device", "cpu", "--kv-cache-layout", f"opaque:{size}", "--block-size", "16")
     uds = os.path.join(tempfile.mkdtemp(prefix="kvservice-tier-bench-"), "kv.sock") if args.socket == "unix" else None
     with serve(
-        *flags, "--num-blocks", str(n + 1), "--data-chunk-bytes", str(1 << 20), *(("--uds", uds) if uds else ())
+        *flags,
+        "--num-blocks",
+        str(n + 1),
+        "--data-chunk-bytes",
+        str(1 << 20),
+        *(("--uds", uds) if uds else ()),
+        *args.server_flag,
     ) as address:
         address = f"unix:{uds}" if uds else address
         shm = TierClient(address, chunk_bytes=size, transport="shm", timeout_s=600)

@@ -476,6 +476,7 @@ def _add_data_plane(core: _Core, auth: AuthSetup, closers: list[Callable[[], Awa
         max_streams=core.config.limits.max_data_streams,
         stalled_timeout_s=core.config.events.stalled_write_timeout_s,
         worker_priority=core.config.limits.data_worker_priority,
+        window_bytes=core.config.limits.window_bytes,
     )
     closers.append(core.servicer.data_plane.close)
 

@@ -554,6 +554,9 @@ class DataPlane:
             chunk not sent) before it is cut, seconds (the ``stalled_write_timeout_s`` setting).
         worker_priority: the copy threads' CPU priority, ``idle`` or ``nice``
             (:func:`_lower_priority`; the ``data_worker_priority`` setting).
+        window_bytes: the HTTP/2 receive window of each stream the server reads, in bytes (the
+            ``stream_window_bytes`` setting, as in force): what a client may have in flight when
+            its write stream is refused (the servicer drains that much before the status).
 
     Attributes:
         num_blocks_written, num_bytes_written, num_blocks_read, num_bytes_read: totals since start.
@@ -578,6 +581,7 @@ class DataPlane:
         max_streams: int = 64,
         stalled_timeout_s: float = 30.0,
         worker_priority: str = "idle",
+        window_bytes: int = 2 << 20,
     ) -> None:
         if worker_priority not in DATA_WORKER_PRIORITIES:
             raise ValueError(
@@ -589,6 +593,7 @@ class DataPlane:
         self.epoch = epoch
         self.shm = shm
         self.chunk_bytes = chunk_bytes
+        self.window_bytes = window_bytes
         self.attach_requires_local = attach_requires_local
         self.has_memory = tensors.device_type != "meta"
         self._pool = engine.manager.block_pool

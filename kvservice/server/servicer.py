@@ -1102,8 +1102,15 @@ class KVCacheServicer:
     # -- data plane (kvservice.server.data_plane) ---------------------------------------------
 
     async def _data_plane_call(
-        self, context: grpc.aio.ServicerContext, call: Callable[[DataPlane], Awaitable[_Result]]
+        self,
+        context: grpc.aio.ServicerContext,
+        call: Callable[[DataPlane], Awaitable[_Result]],
+        raw_messages: AsyncIterator[bytes] | None = None,
     ) -> _Result:
+        """``call(data_plane)``, its refusals as their status. With ``raw_messages`` (a client
+        stream's), a refused call first reads and drops what the client may still have in flight
+        (:meth:`_drain_stream`, at most a stream window and a chunk, + 64 KiB), so the client
+        gets the status and not gRPC's INTERNAL; a stream cut for stalling is not drained."""
         from kvservice.server.data_plane import NO_MEMORY, DataPlaneError, DataStreamStalled
 
         if self.data_plane is None:
@@ -1115,12 +1122,12 @@ class KVCacheServicer:
                 await asyncio.wait_for(context.abort(exc.code, str(exc)), self.data_plane.stalled_timeout_s)
             except asyncio.TimeoutError:
                 raise asyncio.CancelledError from None
-        except DataPlaneError as exc:
-            await context.abort(exc.code, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as exc:  # the one table (INTERNAL, logged, for anything unexpected)
-            code, message = status_for(exc)
+        except Exception as exc:  # DataPlaneError's own status, else the one table (INTERNAL, logged)
+            code, message = (exc.code, str(exc)) if isinstance(exc, DataPlaneError) else status_for(exc)
+            if raw_messages is not None:
+                await self._drain_stream(raw_messages, self.data_plane.window_bytes + self.data_plane.chunk_bytes)
             await context.abort(code, message)
 
     async def AttachKVCache(
@@ -1137,7 +1144,7 @@ class KVCacheServicer:
         """Write whole blocks' contents (client streaming; the chunks arrive as bytes, parsed by
         :func:`_parsed_stream`: one that does not parse is INVALID_ARGUMENT)."""
         chunks = _parsed_stream(request_iterator, pb.WriteBlocksChunk, "chunks")
-        return await self._data_plane_call(context, lambda dp: dp.write_blocks(chunks))
+        return await self._data_plane_call(context, lambda dp: dp.write_blocks(chunks), request_iterator)
 
     @_sends_serialized
     async def ReadBlocks(self, request: pb.ReadBlocksRequest, context: grpc.aio.ServicerContext) -> None:
@@ -1413,7 +1420,7 @@ class KVCacheServicer:
             if lease_id and self.engine.tier is not None:  # nothing of the call stored, before any await
                 self.engine.tier.release(lease_id, now=self.engine.clock())
                 lease_id = 0
-            await self._drain_put_stream(raw_messages, num_announced_bytes)
+            await self._drain_stream(raw_messages, num_announced_bytes)
             await context.abort(code, message)
         finally:
             if lease_id and self.engine.tier is not None:  # cancelled mid-stream: nothing stored
@@ -1426,16 +1433,17 @@ class KVCacheServicer:
             return 0
         return max(dp.tensors.bytes_per_block(g) for g in range(self.engine.manager.num_groups))
 
-    async def _drain_put_stream(self, raw_messages: AsyncIterator[bytes], num_announced_bytes: int) -> None:
-        """Read and drop what a refused PutBlocks's client still sends, up to the bytes its header
-        announced (its keys' blocks, + 64 KiB), each message within ``stalled_write_timeout_s``.
+    async def _drain_stream(self, raw_messages: AsyncIterator[bytes], num_bytes: int) -> None:
+        """Read and drop what a refused client stream's client still sends, up to ``num_bytes``
+        (a PutBlocks: the bytes its header announced; a WriteBlocks: a stream window and a chunk)
+        + 64 KiB, each message within ``stalled_write_timeout_s``.
 
         grpc.aio's client (grpcio 1.85; grpc/grpc#36066) reports a write that fails because the
         server ended the call first as ``INTERNAL: Internal error from Core``, in place of the
         status the server sent: so the status goes out once the client has half-closed (what it
-        sent is dropped: the refused call stores nothing). A client sending more than its header
-        announced, or stalling, gets the status without the drain (and may see that INTERNAL)."""
-        budget = num_announced_bytes + 65536
+        sent is dropped: the refused call wrote nothing more). A client sending more than that, or
+        stalling, gets the status without the drain (and may see that INTERNAL)."""
+        budget = num_bytes + 65536
         timeout_s = self.data_plane.stalled_timeout_s if self.data_plane is not None else 30.0
         messages = aiter(raw_messages)
         try:

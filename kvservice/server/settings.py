@@ -427,8 +427,8 @@ class LimitsSettings(_Section):
         stream_window_bytes: HTTP/2 receive window of each stream the server reads (a
             WriteBlocks or PutBlocks client stream): bytes a client may send ahead of what the
             server has taken (gRPC's ``grpc.http2.lookahead_bytes``; BDP probing, which would grow
-            it to many MiB, is off). None: two data chunks (:attr:`window_bytes`; 2 MiB at the
-            defaults), so a client sends the next chunk while the server copies one; HTTP/2's
+            it to many MiB, is off). None: two data chunks, at least 64 KiB (:attr:`window_bytes`;
+            2 MiB at the defaults), so a client sends the next chunk while the server copies one; HTTP/2's
             own 64 KiB made a 1 MiB chunk 16 window round trips (BENCHMARKS.md, "The stream
             window"). gRPC queues at most this much per stream, whatever the client sends (the
             issue-24 load of 16 + 16 streams of 64 MiB: +74-79 MiB of server memory at 2 MiB,
@@ -498,10 +498,11 @@ class LimitsSettings(_Section):
 
     @property
     def window_bytes(self) -> int:
-        """The stream receive window in force, bytes: ``stream_window_bytes``, or two data chunks."""
+        """The stream receive window in force, bytes: ``stream_window_bytes``, or two data chunks
+        and at least HTTP/2's own 64 KiB."""
         if self.stream_window_bytes is not None:
             return self.stream_window_bytes
-        return min(2 * self.chunk_bytes, (1 << 31) - 1)
+        return min(max(2 * self.chunk_bytes, 65536), (1 << 31) - 1)
 
     def _check(self) -> None:
         if self.data_chunk_bytes is not None and not 4096 <= self.data_chunk_bytes <= self.max_message_bytes - 65536:

@@ -14,6 +14,7 @@ import threading
 
 import grpc
 import pytest
+import torch
 
 from kvservice.server.app import ServerConfig
 from kvservice.server.data_plane import WORKER_NICE, _lower_priority, block_checksum
@@ -253,6 +254,7 @@ async def initial_window_size(port: int) -> int:
     [
         ({}, 2 << 20),  # two data chunks of the default 1 MiB
         ({"data_chunk_bytes": 65536}, 131072),  # two chunks of the chunk size set
+        ({"data_chunk_bytes": 16384}, 65536),  # and never below HTTP/2's own 64 KiB
         ({"stream_window_bytes": 4 << 20}, 4 << 20),  # as set
     ],
 )
@@ -269,3 +271,35 @@ async def test_the_server_announces_a_stream_window_of_two_chunks_or_the_one_set
 def test_stream_window_bytes_is_checked(value):
     with pytest.raises(ValueError, match="stream_window_bytes must be in 65536..2147483647"):
         ServerConfig(stream_window_bytes=value)
+
+
+@pytest.mark.parametrize("chunk_bytes", [16384, 1 << 20])
+async def test_a_refused_write_whose_client_is_still_sending_gets_its_status_not_internal(
+    start_kv_server, connect, chunk_bytes
+):
+    """A WriteBlocks refused at its first chunk while the client still sends a stream window and a
+    chunk more (what it may have in flight, and waits on the window to send) answers the refusal, INVALID_ARGUMENT naming the field,
+    every time: the server reads and drops what is in flight before the status (grpc.aio's client
+    otherwise reports its failed write as ``INTERNAL: Internal error from Core``, grpc/grpc#36066:
+    with 16 KiB chunks and a window of two, a 3-block write refused at its first chunk got it),
+    and nothing is written."""
+    running = await start_kv_server(**CPU, data_chunk_bytes=chunk_bytes)
+    client = await connect(running)
+    block_ids = await admit(client, "w", PROMPT)
+    dp = running.servicer.data_plane
+    before = [bytes(running.tensors.block_view(0, b)[0].flatten().view(torch.uint8).numpy()) for b in block_ids]
+    piece = min(chunk_bytes, BLOCK_BYTES)
+    bad = pb.WriteBlocksChunk(request_id="w", block_id=999, data=bytes(piece))
+    in_flight = [
+        pb.WriteBlocksChunk(request_id="w", block_id=block_ids[0], offset_bytes=0, data=bytes([7]) * piece)
+        for _ in range((dp.window_bytes + dp.chunk_bytes) // piece)  # more than the window: the client waits on it
+    ]
+    for _ in range(10):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.stub.WriteBlocks(iter([bad, *in_flight]), timeout=10.0)
+        assert (err.value.code(), err.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chunks[0].block_id: 999 is out of range [1, 16) (0 is the null block)",
+        )
+    after = [bytes(running.tensors.block_view(0, b)[0].flatten().view(torch.uint8).numpy()) for b in block_ids]
+    assert (after, dp.num_blocks_written, dp.num_open_streams) == (before, 0, 0)

@@ -81,6 +81,14 @@ SERVICE_NAME = KV_CACHE_SERVICE.name
 """``kvservice.v1.KVCacheService``."""
 
 DEFAULT_CLAIM_TTL_S = 30.0
+
+# A refused client stream's drain (KVCacheServicer._drain_stream): what it reads and drops before
+# the status goes out. Bytes in flight arrive within milliseconds; a client that goes quiet for
+# DRAIN_IDLE_S, or is still sending after DRAIN_MAX_S, gets the status then.
+DRAIN_WRITE_BYTES = 64 << 20  # a refused WriteBlocks: at most this much (or a window and a chunk, if more)
+DRAIN_IDLE_S = 0.25
+DRAIN_MAX_S = 2.0
+_GRPC_MESSAGE_PREFIX_BYTES = 5  # each message counts at least its length-prefixed frame: empties too
 """Seconds a scheduler's claim on the pool lasts after its last ManagerStep, unless it asks otherwise."""
 
 _DEADLINE_PASSED = "deadline: it had passed when the call was about to run; nothing was changed"
@@ -1108,8 +1116,8 @@ class KVCacheServicer:
         raw_messages: AsyncIterator[bytes] | None = None,
     ) -> _Result:
         """``call(data_plane)``, its refusals as their status. With ``raw_messages`` (a client
-        stream's), a refused call first reads and drops what the client may still have in flight
-        (:meth:`_drain_stream`, at most a stream window and a chunk, + 64 KiB), so the client
+        stream's), a refused call first reads and drops what the client still sends
+        (:meth:`_drain_stream`: up to :data:`DRAIN_WRITE_BYTES`, bounded in time), so the client
         gets the status and not gRPC's INTERNAL; a stream cut for stalling is not drained."""
         from kvservice.server.data_plane import NO_MEMORY, DataPlaneError, DataStreamStalled
 
@@ -1122,13 +1130,18 @@ class KVCacheServicer:
                 await asyncio.wait_for(context.abort(exc.code, str(exc)), self.data_plane.stalled_timeout_s)
             except asyncio.TimeoutError:
                 raise asyncio.CancelledError from None
+            raise  # pragma: no cover (abort raises)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # DataPlaneError's own status, else the one table (INTERNAL, logged)
             code, message = (exc.code, str(exc)) if isinstance(exc, DataPlaneError) else status_for(exc)
-            if raw_messages is not None:
-                await self._drain_stream(raw_messages, self.data_plane.window_bytes + self.data_plane.chunk_bytes)
-            await context.abort(code, message)
+        # Drained outside the except block: the refusal's traceback (and the block being assembled
+        # in its frames) is let go first.
+        if raw_messages is not None:
+            dp = self.data_plane
+            await self._drain_stream(raw_messages, max(DRAIN_WRITE_BYTES, dp.window_bytes + dp.chunk_bytes))
+        await context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
     async def AttachKVCache(
         self, request: pb.AttachKVCacheRequest, context: grpc.aio.ServicerContext
@@ -1434,22 +1447,27 @@ class KVCacheServicer:
         return max(dp.tensors.bytes_per_block(g) for g in range(self.engine.manager.num_groups))
 
     async def _drain_stream(self, raw_messages: AsyncIterator[bytes], num_bytes: int) -> None:
-        """Read and drop what a refused client stream's client still sends, up to ``num_bytes``
-        (a PutBlocks: the bytes its header announced; a WriteBlocks: a stream window and a chunk)
-        + 64 KiB, each message within ``stalled_write_timeout_s``.
+        """Read and drop what a refused client stream's client still sends: until it half-closes,
+        or up to ``num_bytes`` (a PutBlocks: the bytes its header announced; a WriteBlocks:
+        :data:`DRAIN_WRITE_BYTES`) + 64 KiB, each message counted at least as its 5-byte frame
+        prefix, or until the client is quiet for :data:`DRAIN_IDLE_S` (or
+        ``stalled_write_timeout_s``, if less), or :data:`DRAIN_MAX_S` have passed.
 
         grpc.aio's client (grpcio 1.85; grpc/grpc#36066) reports a write that fails because the
         server ended the call first as ``INTERNAL: Internal error from Core``, in place of the
         status the server sent: so the status goes out once the client has half-closed (what it
-        sent is dropped: the refused call wrote nothing more). A client sending more than that, or
-        stalling, gets the status without the drain (and may see that INTERNAL)."""
+        sent is dropped: the refused call writes nothing more). A client still sending past those
+        bounds gets the status then (and may see that INTERNAL)."""
         budget = num_bytes + 65536
-        timeout_s = self.data_plane.stalled_timeout_s if self.data_plane is not None else 30.0
+        stalled_s = self.data_plane.stalled_timeout_s if self.data_plane is not None else 30.0
+        idle_s = min(DRAIN_IDLE_S, stalled_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAIN_MAX_S
         messages = aiter(raw_messages)
         try:
-            while budget > 0:
-                data = await asyncio.wait_for(anext(messages), timeout_s)
-                budget -= len(data)
+            while budget > 0 and (left := deadline - loop.time()) > 0:
+                data = await asyncio.wait_for(anext(messages), min(idle_s, left))
+                budget -= len(data) + _GRPC_MESSAGE_PREFIX_BYTES
         except (StopAsyncIteration, asyncio.TimeoutError):
             pass
         except grpc.aio.AioRpcError:  # pragma: no cover (the call ended under us: nothing to drain)

@@ -19,7 +19,7 @@ import torch
 from kvservice.server.app import ServerConfig
 from kvservice.server.data_plane import WORKER_NICE, _lower_priority, block_checksum
 from kvservice_client._proto.kvservice.v1 import kv_cache_service_pb2 as pb
-from kvservice_client.client import AsyncKVCacheClient
+from kvservice_client.client import AsyncKVCacheClient, KVServiceError
 
 BLOCK_BYTES = 24 * 2 * 4 * 2 * 64 * 2
 CPU = {"device": "cpu"}
@@ -303,3 +303,69 @@ async def test_a_refused_write_whose_client_is_still_sending_gets_its_status_not
         )
     after = [bytes(running.tensors.block_view(0, b)[0].flatten().view(torch.uint8).numpy()) for b in block_ids]
     assert (after, dp.num_blocks_written, dp.num_open_streams) == (before, 0, 0)
+
+
+async def test_a_write_refused_at_max_data_streams_gets_resource_exhausted_while_it_still_sends_8_mib(
+    start_kv_server, connect
+):
+    """The status a client backs off on: an 8 MiB write (4 blocks of llama-3-8b's 2 MiB) refused at
+    ``max_data_streams`` is RESOURCE_EXHAUSTED 10 times out of 10 through the async client, not the
+    INTERNAL grpc.aio reports when its write loses the race with the status (8 of 10 before the
+    refused stream drained up to DRAIN_WRITE_BYTES)."""
+    running = await start_kv_server(
+        device="cpu", preset="llama-3-8b", block_size=16, num_blocks=8, max_model_len=128, max_data_streams=1
+    )
+    client = await connect(running)
+    ids = await admit(client, "w", list(range(1, 97)))
+    dp = running.servicer.data_plane
+    size = running.tensors.bytes_per_block(0)
+    release = asyncio.Event()
+
+    async def holder():
+        yield pb.WriteBlocksChunk(request_id="w", block_id=ids[0], data=b"\1" * 4096)
+        await release.wait()
+
+    hold = client.stub.WriteBlocks(holder())  # the one stream allowed, open
+    await until(lambda: dp.num_open_streams == 1)
+    for _ in range(10):
+        with pytest.raises(KVServiceError) as err:
+            await client.write_blocks("w", [(0, b, bytes(size)) for b in ids[1:5]])
+        assert (err.value.code, err.value.message.split(";")[0]) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "max_data_streams: 1 data streams (WriteBlocks, ReadBlocks) are open already",
+        )
+    hold.cancel()
+    assert dp.num_blocks_written == 0
+
+
+@pytest.mark.parametrize("after", ["empty messages", "nothing"])
+async def test_a_refused_writes_status_comes_while_its_client_still_sends_empties_or_waits(
+    start_kv_server, connect, after
+):
+    """The drain is bounded in time, not only in bytes: a client that keeps sending empty messages
+    after its refusal (no bytes to count), or sends nothing and never half-closes, still gets its
+    INVALID_ARGUMENT (DRAIN_MAX_S, DRAIN_IDLE_S), long before ``stalled_write_timeout_s`` (60 s
+    here); the wait for it is bounded at 20 s."""
+    running = await start_kv_server(**CPU, stalled_write_timeout_s=60.0)
+    client = await connect(running)
+    await admit(client, "w", PROMPT)
+    stop = asyncio.Event()
+
+    async def messages():
+        yield pb.WriteBlocksChunk(request_id="w", block_id=999, data=b"x")
+        while not stop.is_set():
+            if after == "empty messages":
+                yield pb.WriteBlocksChunk()
+                await asyncio.sleep(0.01)  # a client's pace, not a wait for the server
+            else:
+                await stop.wait()
+
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.stub.WriteBlocks(messages(), timeout=20.0)
+    finally:
+        stop.set()
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "chunks[0].block_id: 999 is out of range [1, 16) (0 is the null block)",
+    )

@@ -751,6 +751,7 @@ class _ClientBase(_KVCacheServiceRPCs, TierRPCs, DataPlaneRPCs, rpcs.KVCacheServ
             )
             for rpc in self._service
         }
+        self._client_streaming = frozenset(rpc.name for rpc in self._service if rpc.request_streaming)
 
     @property
     def channel(self) -> _ChannelT:
@@ -799,6 +800,12 @@ class KVCacheClient(  # type: ignore[misc]  # a hand-written method replaces the
         if streaming:
             return _iterate_stream(multicallable(request, **options))
         try:
+            if method in self._client_streaming:  # PutBlocks, WriteBlocks
+                # grpcio's blocking stream-unary call (1.85) returns only once its request
+                # thread's pending send completes: against a server that stopped reading, long
+                # after the deadline (a 2 s deadline came back at 20 s, when a SIGSTOPped server
+                # resumed). Its future ends at the deadline.
+                return multicallable.future(request, **options).result()
             return multicallable(request, **options)
         except grpc.RpcError as err:
             raise KVServiceError.from_rpc_error(err) from err

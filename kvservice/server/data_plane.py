@@ -1202,7 +1202,8 @@ class DataPlane:
         request sets ``missing_ok`` (answered ``missing``).
 
         Raises:
-            DataPlaneError: INVALID_ARGUMENT (a field out of range), NOT_FOUND (a hash not cached),
+            DataPlaneError: INVALID_ARGUMENT (a field out of range, a hash not of the server's
+                digest length, even under ``missing_ok``), NOT_FOUND (a hash not cached),
                 FAILED_PRECONDITION (a block read by hash that its computing request may still write,
                 or that a WriteBlocks copy is writing now); the last two not under ``missing_ok``.
         """
@@ -1229,6 +1230,13 @@ class DataPlane:
                     )
                 resolved.append((ref.group_idx, ref.block_id, None, None))
             elif which == "block_hash":
+                digest_bytes = self.engine.tier.digest_bytes if self.engine.tier is not None else None
+                if digest_bytes is not None and len(ref.block_hash) != digest_bytes:  # as the tier's calls
+                    raise DataPlaneError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}.block_hash: {len(ref.block_hash)} bytes; a block hash is the server's "
+                        f"{digest_bytes}-byte digest",
+                    )
                 copies = self._pool.get_cached_blocks(ref.block_hash, ref.group_idx)
                 block = next((b for b in copies if self.byte_state[b.block_id] == BLOCK_WRITTEN), None)
                 if block is None or not self.readable_by_hash(block.block_id):

@@ -383,6 +383,22 @@ async def test_read_by_hash_of_an_uncached_block_is_not_found_naming_the_hash(st
     )
 
 
+@pytest.mark.parametrize("missing_ok", [False, True], ids=["strict", "missing_ok"])
+async def test_read_by_a_hash_of_another_length_is_invalid_argument_naming_the_digest(
+    start_kv_server, connect, missing_ok
+):
+    """A hash of another length than the server's digest can never be cached: as the tier's calls
+    (docs/tier.md, "Keys"), it is named, not answered as a miss, so a reader hashing by another
+    rule is told at once (a helper's trial got NOT_FOUND for a 5-byte hash)."""
+    client = await connect(await start_kv_server(**CPU))
+    digest = BlockHasher(4).hash_prompt([5, 6, 7, 8])[0]
+    refs = [block_ref(0, block_hash=b"abcde"), block_ref(0, block_hash=digest)]
+    assert await code_and_message(aread_blocks(client, refs, missing_ok=missing_ok)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "blocks[0].block_hash: 5 bytes; a block hash is the server's 32-byte digest",
+    )
+
+
 async def test_read_by_hash_of_a_block_still_being_computed_is_refused_until_written(start_kv_server, connect):
     client = await connect(await start_kv_server(**CPU))
     w = await admit(client, "w", PROMPT)

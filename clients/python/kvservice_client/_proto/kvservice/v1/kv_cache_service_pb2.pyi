@@ -3245,7 +3245,8 @@ class BlockRef(_message.Message):
     FAILED_PRECONDITION naming the block ("not written yet"), never a previous tenant's bytes.
     """
     block_hash: _builtins.bytes
-    """By block hash (the full digest, as kvservice_client.hashing computes it): the cached block
+    """By block hash (the full digest, as kvservice_client.hashing computes it; another length is
+    INVALID_ARGUMENT naming it, missing_ok or not): the cached block
     carrying it in this group; NOT_FOUND naming the hash when none does; FAILED_PRECONDITION
     naming the hash when its bytes were not written since the hash was assigned (a hit before
     its computer wrote it: retry later; or a block freed before it was written: its hash stays

@@ -348,7 +348,9 @@ class TierStore:
             is WRITE: nothing is held).
 
         Raises:
-            InvalidArgumentError: (INVALID_ARGUMENT) a bad field, named with its bound.
+            InvalidArgumentError: (INVALID_ARGUMENT) a bad field, named with its bound; more keys
+                to write (with the keys present, pinned while it allocates) than the whole pool has
+                blocks (``num_blocks - 1``), which no wait cures.
             CapacityExceededError: (RESOURCE_EXHAUSTED) ``tier_max_leases`` leases are live.
         """
         self.expire(now)
@@ -397,9 +399,16 @@ class TierStore:
             else:
                 status.append(PutStatus.WRITE)
         num_write = status.count(PutStatus.WRITE)
+        pool = self.pool
+        capacity = pool.num_blocks - 1  # block 0 is the null block
+        if num_write + len(present) > capacity:  # the present keys stay pinned while it allocates
+            # Never answerable: not `reserved = false`, which says "retry later".
+            keys = f"{num_write} keys to write" + (f" and {len(present)} present" if present else "")
+            raise InvalidArgumentError(
+                "block_hashes", f"{keys}, more than the pool's {capacity} blocks; split the call"
+            )
         if num_write:
             self._check_room_for_lease()
-        pool = self.pool
         num_present_free = sum(1 for b in present if b.ref_cnt == 0)
         if num_write > pool.get_num_free_blocks() - num_present_free:
             return ReserveResult(False, 0, [], [], 0.0)

@@ -279,3 +279,38 @@ async def test_a_put_refused_at_its_first_chunk_answers_its_status_while_the_cli
     )
     assert (await observed_state(running, client), tier_state(running)) == before
     assert await taken(client) == []
+
+
+# -- more keys than the pool has blocks ---------------------------------------------------------
+
+
+async def test_more_keys_to_write_than_the_pool_has_blocks_is_invalid_argument_not_a_retry(start_kv_server, connect):
+    """``reserved = false`` says "the pool is busy: retry"; a call whose keys to write outnumber
+    the whole pool (5 blocks here) could never be answered otherwise, so it is named instead (a
+    helper's trial put 300 keys into 255 blocks and got ``reserved = false`` for ever)."""
+    running = await start_kv_server(**CPU)  # block ids 1..5
+    client = await connect(running)
+    put = await client.put_blocks(0, [(h(1), pattern(1))])
+    assert (put.reserved, list(put.block_ids)) == (True, [1])
+    await client.take_events("t")
+    before = (await observed_state(running, client), tier_state(running))
+    message = "block_hashes: 6 keys to write, more than the pool's 5 blocks; split the call"
+    for call in (
+        lambda: client.reserve_blocks(0, [h(i) for i in range(2, 8)]),
+        lambda: client.put_blocks(0, [(h(i), pattern(i)) for i in range(2, 8)]),
+    ):
+        with pytest.raises(KVServiceError) as err:
+            await call()
+        assert (err.value.code, err.value.message) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert (await observed_state(running, client), tier_state(running)) == before
+    assert await taken(client) == []
+    # The present keys count: they stay pinned while the call allocates.
+    with pytest.raises(KVServiceError) as err:
+        await client.reserve_blocks(0, [h(i) for i in range(1, 7)])
+    assert (
+        err.value.message
+        == "block_hashes: 5 keys to write and 1 present, more than the pool's 5 blocks; split the call"
+    )
+    assert (await observed_state(running, client), tier_state(running)) == before
+    fits = await client.reserve_blocks(0, [h(i) for i in range(1, 6)])  # four to write and one present
+    assert (fits.reserved, list(fits.status), list(fits.block_ids)) == (True, [PRESENT] + [WRITE] * 4, [0, 2, 3, 4, 5])

@@ -161,14 +161,31 @@ def test_a_leased_block_is_never_reused_while_leased():
 
 
 def test_a_refused_put_counts_present_free_blocks_as_taken():
-    """Two free blocks, both carrying keys the put names PRESENT: the new key has no room (the
-    allocation would evict a key answered present); refused, nothing changed."""
+    """Two free blocks, both carrying keys the put names PRESENT, the third leased: the new key has
+    no room (the allocation would evict a key answered present); refused, nothing changed."""
+    tier = store(num_blocks=4)
+    put(tier, [1, 2, 3])
+    tier.lease(0, [h(3)], now=0.0)
+    tier.pool.take_events()
+    refused = tier.reserve(0, [h(1), h(2), h(4)], now=0.0)
+    assert refused.reserved is False
+    assert free_ids(tier) == [1, 2] and tier.pool.take_events() == []
+
+
+def test_a_put_the_whole_pool_could_never_hold_is_invalid_argument_not_refused():
+    """Keys to write and present (pinned while the call allocates) beyond the pool's blocks: no
+    wait would make room, so the call is named, not answered ``reserved = false``."""
     tier = store(num_blocks=3)
     put(tier, [1, 2])
     tier.pool.take_events()
-    refused = tier.reserve(0, [h(1), h(2), h(3)], now=0.0)
-    assert refused.reserved is False
-    assert free_ids(tier) == [1, 2] and tier.pool.take_events() == []
+    with pytest.raises(InvalidArgumentError) as err:
+        tier.reserve(0, [h(1), h(2), h(3)], now=0.0)
+    assert (
+        str(err.value) == "block_hashes: 1 keys to write and 2 present, more than the pool's 2 blocks; split the call"
+    )
+    with pytest.raises(InvalidArgumentError, match=r"^block_hashes: 3 keys to write, more than the pool's 2 blocks"):
+        tier.reserve(0, [h(3), h(4), h(5)], now=0.0)
+    assert free_ids(tier) == [1, 2] and tier.pool.take_events() == [] and tier._leases == {}
 
 
 def test_lease_expiry_unpins_and_the_late_release_is_invalid():

@@ -1425,6 +1425,7 @@ class KVCacheServicer:
                 block_ids=block_ids,
                 num_blocks_written=num_written,
                 num_bytes_written=num_bytes if committed else 0,
+                lease_expired=bool(reserved.lease_id) and not committed,  # 0: nothing was reserved
             )
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise

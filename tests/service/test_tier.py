@@ -106,8 +106,16 @@ async def test_put_blocks_over_grpc_then_read_by_hash_and_eviction_with_blockrem
     client = await connect(running)
     await client.take_events("t")
     response = await client.put_blocks(0, [(h(i), pattern(i)) for i in range(1, 6)], chunk_bytes=10_000)
-    assert (response.reserved, list(response.block_ids), response.num_blocks_written) == (True, [1, 2, 3, 4, 5], 5)
+    assert (response.reserved, list(response.block_ids), response.num_blocks_written, response.lease_expired) == (
+        True,
+        [1, 2, 3, 4, 5],
+        5,
+        False,
+    )
     assert await taken(client) == [stored([1]), stored([2]), stored([3]), stored([4]), stored([5])]
+    # All present: nothing reserved, so no lease to expire.
+    again = await client.put_blocks(0, [(h(2), pattern(2))])
+    assert (list(again.status), again.num_blocks_written, again.lease_expired) == ([PRESENT], 0, False)
     blocks = await client.read_blocks([(0, h(3)), (0, h(5))])
     assert [b.data for b in blocks] == [pattern(3), pattern(5)]
     # The pool is full: the next put evicts the least recently used unpinned block (h1's).

@@ -138,7 +138,12 @@ async def test_a_put_blocks_whose_lease_expired_mid_stream_frees_its_block_at_on
     now[0] += 2.0
     assert tier.expire(now[0]) == 1 and tier.num_leased_blocks == 2
     response = await held.send_rest()
-    assert (response.reserved, list(response.status), response.num_blocks_written) == (True, [0, 0], 0)
+    assert (response.reserved, list(response.status), response.num_blocks_written, response.lease_expired) == (
+        True,
+        [0, 0],
+        0,
+        True,
+    )
     assert (tier.num_leases, tier.num_leased_blocks, tier.next_deadline()) == (0, 0, None)
     assert free_ids(running) == [1, 2, 3, 4, 5]
     assert list((await client.lookup_blocks(0, [h(1), h(2)])).present) == [False, False]

@@ -245,7 +245,8 @@ def _put_blocks(
 
     Returns:
         ``reserved`` (False: the pool is too full of pinned blocks; nothing changed), per key
-        ``status`` and ``block_ids``, ``num_blocks_written``, ``num_bytes_written``.
+        ``status`` and ``block_ids``, ``num_blocks_written``, ``num_bytes_written``,
+        ``lease_expired`` (the put lease's ``ttl_s`` passed while the bytes streamed: nothing stored).
 
     Raises:
         ValueError, TypeError: a bad key or block (named), before any byte is sent.

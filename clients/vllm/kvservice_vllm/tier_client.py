@@ -466,6 +466,12 @@ class TierClient:
         n = len(chunk_ids)
         if not answer.reserved:
             return [False] * n, [False] * n
+        if answer.lease_expired:
+            logger.warning(
+                "kvservice tier: a PutBlocks of %d blocks outlived its put lease (lease_ttl_s %s): nothing stored",
+                n,
+                self.lease_ttl_s,
+            )
         statuses = list(answer.status)
         stored = [
             s in (pb.BLOCK_PUT_STATUS_WRITE, pb.BLOCK_PUT_STATUS_PRESENT, pb.BLOCK_PUT_STATUS_IN_FLIGHT)

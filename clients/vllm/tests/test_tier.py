@@ -660,3 +660,41 @@ def test_rows_of_is_vllm_s_primary_memory() -> None:
     rows = tier_client.rows_of(memoryview(buffer.numpy()))
     rows[2, 3] = 200
     assert rows.shape == (4, 16) and buffer[2, 3].item() == -56
+
+
+def test_a_grpc_store_whose_put_lease_expires_mid_stream_reports_not_stored_and_says_why(
+    server: EmbeddedTierServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PutBlocks answers ``lease_expired`` when its put lease ran out while the bytes streamed
+    (a helper's trial saw only UNSPECIFIED statuses, which read as "bytes not sent"): the store
+    reports the keys not stored and logs why."""
+    import kvservice_client.tier as client_tier
+
+    engine = server.running.engine
+    now = [engine.clock()]
+    engine.clock = lambda: now[0]
+    real_stream = client_tier._put_serialized
+
+    def stream_past_the_lease(*args: Any) -> Iterator[bytes]:
+        messages = real_stream(*args)
+        yield next(messages)  # the header: the server reserves under a put lease
+        pause = threading.Event()  # never set: a bounded wait between two looks
+        for _ in range(2000):  # the server's reservation, seen from here (it runs on its own thread)
+            if engine.tier.num_leases:
+                break
+            pause.wait(0.005)
+        assert engine.tier.num_leases == 1
+        now[0] += 3600.0  # past any ttl: the lease lapses before the first block is written
+        yield from messages
+
+    monkeypatch.setattr(client_tier, "_put_serialized", stream_past_the_lease)
+    a = tier_client.TierClient(server.target, chunk_bytes=CHUNK_BYTES, transport="grpc")
+    a.connect()
+    try:
+        hashes = [key[:-4] for key in KEYS[:2]]
+        result = a.store(0, hashes, [], _rows_of(KEYS[:2]), [0, 1])
+        assert (result.stored, result.written, result.num_bytes) == ([False, False], [False, False], 0)
+        assert "a PutBlocks of 2 blocks outlived its put lease (lease_ttl_s 0.0): nothing stored" in caplog.text
+        assert a.lookup([(0, h) for h in hashes]) == [False, False]
+    finally:
+        a.close()

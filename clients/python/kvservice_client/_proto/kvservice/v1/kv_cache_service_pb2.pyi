@@ -3677,6 +3677,7 @@ class PutBlocksResponse(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_WRITTEN_FIELD_NUMBER: _builtins.int
     NUM_BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRED_FIELD_NUMBER: _builtins.int
     reserved: _builtins.bool
     """False when the pool had too few free blocks for the header's keys: nothing changed, no byte
     was written.
@@ -3685,10 +3686,15 @@ class PutBlocksResponse(_message.Message):
     """Blocks written and committed."""
     num_bytes_written: _builtins.int
     """Bytes written."""
+    lease_expired: _builtins.bool
+    """True when the put lease expired (its ttl_s passed) while the stream was read: nothing of the
+    call was stored, the keys it reserved are UNSPECIFIED. Put again, with a longer ttl_s for a
+    stream this slow.
+    """
     @_builtins.property
     def status(self) -> _containers.RepeatedScalarFieldContainer[Global___BlockPutStatus.ValueType]:
         """Per key, in order: WRITE (its bytes written and stored now), PRESENT, IN_FLIGHT, or
-        UNSPECIFIED (its bytes were not sent: not stored).
+        UNSPECIFIED (its bytes were not sent, or lease_expired: not stored).
         """
 
     @_builtins.property
@@ -3703,10 +3709,11 @@ class PutBlocksResponse(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_blocks_written: _builtins.int = ...,
         num_bytes_written: _builtins.int = ...,
+        lease_expired: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_blocks_written", b"num_blocks_written", "num_bytes_written", b"num_bytes_written", "reserved", b"reserved", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_expired", b"lease_expired", "num_blocks_written", b"num_blocks_written", "num_bytes_written", b"num_bytes_written", "reserved", b"reserved", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

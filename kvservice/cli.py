@@ -333,7 +333,13 @@ def watch(
     help="A Hugging Face config.json (or its folder): the embedded server's KV layout, as serve --model-config [--preset].",
 )
 @click.option("--block-size", type=int, help="Embedded server's block size in tokens [16].")
-@click.option("--num-blocks", type=int, default=32768, show_default=True, help="Embedded server's pool, in blocks.")
+@click.option(
+    "--num-blocks",
+    type=int,
+    default=32768,
+    show_default=True,
+    help="Embedded server's pool, in blocks (--scheduler vllm-tier: 262,144 chunks unless given).",
+)
 @click.option(
     "--kv-cache-memory",
     help="Size the embedded server's pool from a KV cache budget instead, e.g. 64GiB (vLLM's sizing).",

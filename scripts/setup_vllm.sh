@@ -17,6 +17,9 @@ fi
 "$V/bin/python" -m pip install -q --upgrade pip
 "$V/bin/python" -m pip install -q "${KVSERVICE_TORCH_SPEC:-torch==2.13.0}"
 "$V/bin/python" -m pip install -q --no-deps "vllm==0.33.0"
+echo "setup_vllm: pip's resolver may print ERROR lines below about vLLM's own pins (e.g. 'vllm 0.33.0 requires" \
+  "torch==2.14.0'): expected. vLLM goes in without its dependency tree; its scheduler, offload tiers and" \
+  "tests run on what is installed here (the model runners, which need the rest, are not used)."
 "$V/bin/python" -m pip install -q -r clients/vllm/requirements-vllm.txt
 "$V/bin/python" -m pip install -q -e ./clients/python -e .
 # Its one dependency (kvservice-client) is installed above; vLLM is not a dependency of it (its

@@ -376,7 +376,10 @@ class CacheSettings(_Section):
         default_text="the preset",
     )
     kv_cache_layout: str | None = setting(
-        None, "A TOML KV layout file (per layer or run of layers) instead of the preset.", default_text="off"
+        None,
+        "A TOML KV layout file (per layer or run of layers) instead of the preset, or opaque:BYTES[xGROUPS]: "
+        "blocks of exactly BYTES (a vLLM offload chunk, for the shared tier: docs/tier.md).",
+        default_text="off",
     )
 
     def _check(self) -> None:

@@ -81,6 +81,7 @@ SERVICE_NAME = KV_CACHE_SERVICE.name
 """``kvservice.v1.KVCacheService``."""
 
 DEFAULT_CLAIM_TTL_S = 30.0
+"""Seconds a scheduler's claim on the pool lasts after its last ManagerStep, unless it asks otherwise."""
 
 # A refused client stream's drain (KVCacheServicer._drain_stream): what it reads and drops before
 # the status goes out. Bytes in flight arrive within milliseconds; a client that goes quiet for
@@ -89,7 +90,6 @@ DRAIN_WRITE_BYTES = 64 << 20  # a refused WriteBlocks: at most this much (or a w
 DRAIN_IDLE_S = 0.25
 DRAIN_MAX_S = 2.0
 _GRPC_MESSAGE_PREFIX_BYTES = 5  # each message counts at least its length-prefixed frame: empties too
-"""Seconds a scheduler's claim on the pool lasts after its last ManagerStep, unless it asks otherwise."""
 
 _DEADLINE_PASSED = "deadline: it had passed when the call was about to run; nothing was changed"
 

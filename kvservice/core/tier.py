@@ -226,16 +226,26 @@ class TierStore:
         if not 0 <= group_idx < self.num_groups:
             raise InvalidArgumentError(name, f"{group_idx} is out of range [0, {self.num_groups})")
 
+    def check_block_hash(self, name: str, block_hash: bytes, *, empty_ok: bool = False) -> None:
+        """The one rule for a block hash named by a caller (the tier's calls, a ReadBlocks by hash):
+        exactly the server's digest, :attr:`digest_bytes` long (or empty, where ``empty_ok``).
+
+        Raises:
+            InvalidArgumentError: (INVALID_ARGUMENT) another length, naming ``name``.
+        """
+        if len(block_hash) != self.digest_bytes and not (empty_ok and not block_hash):
+            raise InvalidArgumentError(
+                name,
+                f"{len(block_hash)} bytes; a block hash is the server's {self.digest_bytes}-byte digest"
+                + (" (or empty)" if empty_ok else ""),
+            )
+
     def _check_hashes(self, name: str, block_hashes: Sequence[bytes], *, distinct: bool) -> None:
         n = len(block_hashes)
         if n > self.limits.max_keys_per_call:
             raise InvalidArgumentError(name, f"{n} keys, above tier_max_keys_per_call {self.limits.max_keys_per_call}")
-        width = self.digest_bytes
         for i, block_hash in enumerate(block_hashes):
-            if len(block_hash) != width:
-                raise InvalidArgumentError(
-                    f"{name}[{i}]", f"{len(block_hash)} bytes; a block hash is the server's {width}-byte digest"
-                )
+            self.check_block_hash(f"{name}[{i}]", block_hash)
         if distinct and len(set(block_hashes)) != n:
             seen: set[bytes] = set()
             for i, block_hash in enumerate(block_hashes):
@@ -363,13 +373,9 @@ class TierStore:
                 raise InvalidArgumentError(
                     "parent_block_hashes", f"{len(parent_block_hashes)} parents for {n} keys; give one per key or none"
                 )
+            for i, parent in enumerate(parent_block_hashes):
+                self.check_block_hash(f"parent_block_hashes[{i}]", parent or b"", empty_ok=True)
             parents = [p or None for p in parent_block_hashes]
-            for i, parent in enumerate(parents):
-                if parent is not None and len(parent) != self.digest_bytes:
-                    raise InvalidArgumentError(
-                        f"parent_block_hashes[{i}]",
-                        f"{len(parent)} bytes; a block hash is the server's {self.digest_bytes}-byte digest (or empty)",
-                    )
         else:
             parents = [None] * n
         block_size = self.block_sizes[group_idx]

@@ -1202,8 +1202,9 @@ class DataPlane:
         request sets ``missing_ok`` (answered ``missing``).
 
         Raises:
-            DataPlaneError: INVALID_ARGUMENT (a field out of range, a hash not of the server's
-                digest length, even under ``missing_ok``), NOT_FOUND (a hash not cached),
+            InvalidArgumentError: (INVALID_ARGUMENT) a hash not of the server's digest length
+                (:meth:`TierStore.check_block_hash`), even under ``missing_ok``.
+            DataPlaneError: INVALID_ARGUMENT (a field out of range), NOT_FOUND (a hash not cached),
                 FAILED_PRECONDITION (a block read by hash that its computing request may still write,
                 or that a WriteBlocks copy is writing now); the last two not under ``missing_ok``.
         """
@@ -1212,6 +1213,7 @@ class DataPlane:
                 grpc.StatusCode.INVALID_ARGUMENT, f"blocks: {len(request.blocks)} blocks, above {MAX_READ_BLOCKS}"
             )
         resolved: list[tuple[int, int, bytes | None, Any]] = []
+        tier = self.engine.tier  # its hash rule: a hash of another length is named (InvalidArgumentError)
         for i, ref in enumerate(request.blocks[start:stop], start):
             where = f"blocks[{i}]"
             self._check_group(f"{where}.group_idx", ref.group_idx)
@@ -1230,13 +1232,8 @@ class DataPlane:
                     )
                 resolved.append((ref.group_idx, ref.block_id, None, None))
             elif which == "block_hash":
-                digest_bytes = self.engine.tier.digest_bytes if self.engine.tier is not None else None
-                if digest_bytes is not None and len(ref.block_hash) != digest_bytes:  # as the tier's calls
-                    raise DataPlaneError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{where}.block_hash: {len(ref.block_hash)} bytes; a block hash is the server's "
-                        f"{digest_bytes}-byte digest",
-                    )
+                if tier is not None:
+                    tier.check_block_hash(f"{where}.block_hash", ref.block_hash)
                 copies = self._pool.get_cached_blocks(ref.block_hash, ref.group_idx)
                 block = next((b for b in copies if self.byte_state[b.block_id] == BLOCK_WRITTEN), None)
                 if block is None or not self.readable_by_hash(block.block_id):
